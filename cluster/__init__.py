@@ -1,0 +1,1 @@
+"""Command line, local cluster bootstrap, index building, evaluation and benchmarks."""

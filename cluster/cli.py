@@ -1,0 +1,155 @@
+"""The ``ralmspec`` command line.
+
+    ralmspec index    --retriever edr|adr|sr|all     build indexes (progress bars, manifest)
+    ralmspec generate --retriever edr "question"     answer one question, print statistics
+    ralmspec bench    ...                            side-by-side RaLMSeq vs RaLMSpec benchmark
+    ralmspec assets   corpus|questions|train|fixtures  rebuild the shipped demo assets
+
+Every command reads the same :class:`ralm.config.RalmConfig` (``--config FILE.yaml``),
+with the most common fields overridable by flags.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from ralm.config import RalmConfig, SpecConfig
+
+
+def _base_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="YAML file with a RalmConfig (see ralm/config.py)")
+    p.add_argument("--corpus", type=Path, help="corpus JSONL(.gz) in pyserini JsonCollection format")
+    p.add_argument("--work-dir", type=Path, help="where indexes and outputs go (default ~/.cache/ralmspec)")
+    p.add_argument("--model", help="generator: local path or Hugging Face name")
+    p.add_argument("--encoder", help="dense encoder: local:all-MiniLM-L6-v2, a path or a HF name")
+    p.add_argument("--pad-to", type=int, help="pad the EDR flat index to N rows (cost emulation; results unchanged)")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def load_config(args: argparse.Namespace) -> RalmConfig:
+    cfg = RalmConfig.from_yaml(args.config) if getattr(args, "config", None) else RalmConfig()
+    data = cfg.model_dump()
+    if getattr(args, "corpus", None):
+        data["corpus"] = args.corpus
+    if getattr(args, "work_dir", None):
+        data["work_dir"] = args.work_dir
+    if getattr(args, "model", None):
+        data["generator"]["model"] = args.model
+    if getattr(args, "encoder", None):
+        data["retriever"]["encoder"] = args.encoder
+    if getattr(args, "pad_to", None) is not None:
+        data["retriever"]["pad_to"] = args.pad_to
+    if getattr(args, "max_new_tokens", None):
+        data["request"]["max_new_tokens"] = args.max_new_tokens
+    return RalmConfig.model_validate(data)
+
+
+def cmd_index(args) -> int:
+    from ralm.corpus import Corpus
+    from ralm.pipeline import RETRIEVER_KINDS, check_kind
+    from ralm.retrieval.index_build import build_index
+
+    cfg = load_config(args)
+    kinds = RETRIEVER_KINDS if args.retriever == "all" else (check_kind(args.retriever),)
+    corpus = Corpus.load(cfg.corpus)
+    for kind in kinds:
+        out = cfg.index_dir(kind)
+        rcfg = cfg.retriever.model_copy(update={"kind": kind})
+        print(f"building {kind} index over {len(corpus)} passages -> {out}", file=sys.stderr)
+        build_index(kind, corpus, out, rcfg, progress=True)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from ralm.pipeline import Pipeline, check_kind
+
+    cfg = load_config(args)
+    kind = check_kind(args.retriever)
+    pipe = Pipeline.from_config(cfg, kinds=(kind,))
+    spec = SpecConfig.named(args.spec) if args.method == "spec" else None
+    res = pipe.answer(args.question, kind=kind, method=args.method, spec=spec)
+    if args.json:
+        print(json.dumps(res.as_dict(), indent=2))
+        return 0
+    print(res.text.strip())
+    s = res.stats
+    print("\n--- statistics ---")
+    print(f"method={s.method} retriever={s.retriever} tokens={len(res.tokens)} finish={res.finish_reason}")
+    print(f"steps={s.steps} kb_calls={s.kb_calls} kb_queries={s.kb_queries} rollbacks={s.rollbacks} "
+          f"regenerated_tokens={s.regenerated_tokens} strides={s.strides} gamma={s.gamma}")
+    print(f"time total={s.total_time_s*1000:.1f} ms generation={s.gen_time_s*1000:.1f} ms "
+          f"retrieval={s.retrieval_time_s*1000:.1f} ms")
+    titles = [pipe.corpus.titles[d] if d is not None else "-" for d in s.doc_ids]
+    print("documents: " + ", ".join(dict.fromkeys(titles)))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from cluster.bench import bench_main
+    return bench_main(args)
+
+
+def cmd_assets(args) -> int:
+    import importlib
+    mod = {"corpus": "build_corpus", "questions": "build_questions", "train": "train_generator",
+           "fixtures": "make_fixtures"}[args.what]
+    return importlib.import_module(f"cluster.assets.{mod}").main(args.rest) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ralmspec", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    pi = sub.add_parser("index", help="build retrieval indexes")
+    _base_parser(pi)
+    pi.add_argument("--retriever", default="all", help="edr, adr, sr or all")
+    pi.set_defaults(func=cmd_index)
+
+    pg = sub.add_parser("generate", help="answer one question and print its statistics")
+    _base_parser(pg)
+    pg.add_argument("question")
+    pg.add_argument("--retriever", default="edr", help="edr, adr or sr")
+    pg.add_argument("--method", choices=["seq", "spec"], default="spec")
+    pg.add_argument("--spec", default="PSA", help="RaLMSpec options: base or any of P, S, A (e.g. PSA)")
+    pg.add_argument("--max-new-tokens", type=int)
+    pg.add_argument("--json", action="store_true", help="print the result as JSON")
+    pg.set_defaults(func=cmd_generate)
+
+    pb = sub.add_parser("bench", help="benchmark RaLMSeq against RaLMSpec configurations")
+    _base_parser(pb)
+    from cluster.bench import add_bench_args
+    add_bench_args(pb)
+    pb.set_defaults(func=cmd_bench)
+
+    pa = sub.add_parser("assets", help="rebuild shipped demo assets")
+    pa.add_argument("what", choices=["corpus", "questions", "train", "fixtures"])
+    pa.add_argument("rest", nargs=argparse.REMAINDER)
+    pa.set_defaults(func=cmd_assets)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    from ralm.errors import ConfigError, RalmInputError
+    from ralm.corpus import CorpusError
+    try:
+        return int(args.func(args) or 0)
+    except (RalmInputError, ConfigError, CorpusError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:      # index mismatch/corruption errors derive from ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Typed configuration, shared by the Python API, the CLI and ``serve_config.yaml``.
+
+Every field has a description; defaults come from :mod:`ralm.constants`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ralm import constants as C
+
+RetrieverKind = Literal["edr", "adr", "sr"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class RetrieverConfig(_Strict):
+    kind: RetrieverKind = Field("edr", description="edr: exact dense (FAISS flat IP); adr: approximate dense (FAISS HNSW); sr: sparse BM25 (pyserini Lucene).")
+    index_dir: Optional[Path] = Field(None, description="Directory of a built index (with manifest.json). None: <work_dir>/indexes/<kind>.")
+    encoder: str = Field("local:all-MiniLM-L6-v2", description="Dense query/passage encoder: 'local:all-MiniLM-L6-v2' (the offline pip package, sha256-checked), a local path, or any Hugging Face model name.")
+    hnsw_m: int = Field(C.HNSW_M, ge=4, le=256, description="HNSW graph degree M (adr).")
+    hnsw_ef_construction: int = Field(C.HNSW_EF_CONSTRUCTION, ge=8, description="HNSW efConstruction (adr).")
+    hnsw_ef_search: int = Field(C.HNSW_EF_SEARCH, ge=8, description="HNSW efSearch (adr).")
+    bm25_k1: float = Field(C.BM25_K1, gt=0, description="BM25 k1 (sr).")
+    bm25_b: float = Field(C.BM25_B, ge=0, le=1, description="BM25 b (sr).")
+    pad_to: int = Field(0, ge=0, description="edr only: pad the flat index with random vectors up to this many rows to emulate Wikipedia-scale search cost (results unchanged; reported wherever used).")
+    rerank_margin: int = Field(C.RERANK_MARGIN, ge=1, description="Extra candidates fetched before exact float64 re-scoring.")
+
+
+class GeneratorConfig(_Strict):
+    model: str = Field(str(C.DEMO_MODEL_DIR), description="Hugging Face causal LM: a local path or a hub name.")
+    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:0, or 'auto' (spread layers over visible GPUs).")
+    dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="Weights/activation dtype.")
+    max_doc_tokens: int = Field(C.MAX_DOC_TOKENS, ge=1, description="Retrieved document truncated to this many tokens.")
+    max_prompt_tokens: int = Field(C.MAX_PROMPT_TOKENS, ge=1, description="Longest accepted question, in tokens; longer input is rejected.")
+    max_new_tokens: int = Field(C.MAX_NEW_TOKENS, ge=1, description="Upper bound on generated tokens per request.")
+    doc_kv_cache_bytes: int = Field(C.DOC_KV_CACHE_BYTES, ge=0, description="Byte budget of the per-engine doc-KV LRU (0 disables it).")
+    torch_threads: int = Field(C.TORCH_THREADS, ge=1, description="torch intra-op threads; fixed so numerics are the same in every process.")
+
+
+class SpecConfig(_Strict):
+    prefetch: bool = Field(False, description="P: insert the KB's top-p documents into the cache at start and at every verification.")
+    prefetch_size: int = Field(C.PREFETCH_SIZE, ge=1, description="p, documents inserted per query when prefetching.")
+    adaptive_stride: bool = Field(False, description="S: choose the speculation stride with OS3.")
+    async_verify: bool = Field(False, description="A: run the next speculative step while a verification is in flight.")
+    stride: int = Field(C.DEFAULT_SPEC_STRIDE, ge=1, le=256, description="Fixed speculation stride s when adaptive_stride is off.")
+    os3_window: int = Field(C.OS3_WINDOW, ge=1, description="w: verifications used to estimate gamma.")
+    gamma_max: float = Field(C.OS3_GAMMA_MAX, gt=0, lt=1, description="Cap on the gamma estimate.")
+    max_stride: int = Field(C.OS3_MAX_STRIDE, ge=1, description="Upper bound on the OS3 stride.")
+
+    @classmethod
+    def named(cls, name: str, **overrides) -> "SpecConfig":
+        """A configuration by its paper name: base, P, S, A, PS, PA, SA, PSA."""
+        name = name.upper()
+        if name == "BASE":
+            name = ""
+        if set(name) - set("PSA"):
+            raise ValueError(f"unknown RaLMSpec configuration {name!r}: use base or a combination of P, S, A")
+        return cls(prefetch="P" in name, adaptive_stride="S" in name, async_verify="A" in name, **overrides)
+
+
+class RequestConfig(_Strict):
+    max_new_tokens: int = Field(C.MAX_NEW_TOKENS, ge=1, description="Tokens to generate at most.")
+    generation_stride: int = Field(C.GENERATION_STRIDE, ge=1, description="k: tokens generated per retrieval.")
+    query_window: int = Field(C.QUERY_WINDOW_TOKENS, ge=1, description="Query = decoded last N tokens of question + generated text.")
+
+
+class RalmConfig(_Strict):
+    corpus: Path = Field(C.DEMO_CORPUS, description="Corpus in pyserini JsonCollection JSONL (optionally .gz).")
+    work_dir: Path = Field(C.DEFAULT_WORK_DIR, description="Where indexes and outputs are written.")
+    retriever: RetrieverConfig = Field(default_factory=RetrieverConfig, description="Knowledge-base retriever.")
+    generator: GeneratorConfig = Field(default_factory=GeneratorConfig, description="Language model engine.")
+    spec: SpecConfig = Field(default_factory=SpecConfig, description="Speculative retrieval options.")
+    request: RequestConfig = Field(default_factory=RequestConfig, description="Per-request defaults.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RalmConfig":
+        if self.request.max_new_tokens > self.generator.max_new_tokens:
+            raise ValueError("request.max_new_tokens exceeds generator.max_new_tokens")
+        return self
+
+    def index_dir(self, kind: str | None = None) -> Path:
+        kind = kind or self.retriever.kind
+        if self.retriever.index_dir is not None and kind == self.retriever.kind:
+            return Path(self.retriever.index_dir)
+        return Path(self.work_dir) / "indexes" / kind
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "RalmConfig":
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh) or {}
+        return cls.model_validate(data)

@@ -1,0 +1,42 @@
+"""The generator side of a RaLM loop, as the loops see it.
+
+The loops only need: tokenise a question, decode tokens, and run a step on a document
+id. :class:`LocalGenerator` does that in-process with an :class:`~ralm.engine.LMEngine`
+and a corpus; the serving layer provides the same methods over Ray.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from ralm.corpus import Corpus
+from ralm.engine import LMEngine, StepOutput
+
+
+class Generator(Protocol):
+    eos_token_id: int | None
+
+    def encode_question(self, question: str) -> list[int]: ...
+
+    def decode(self, tokens: Sequence[int]) -> str: ...
+
+    def step(self, doc_id: int | None, context: Sequence[int], k: int) -> StepOutput: ...
+
+
+class LocalGenerator:
+    """An engine plus the corpus that maps doc ids to text."""
+
+    def __init__(self, engine: LMEngine, corpus: Corpus):
+        self.engine = engine
+        self.corpus = corpus
+        self.eos_token_id = engine.eos_token_id
+
+    def encode_question(self, question: str) -> list[int]:
+        return self.engine.encode_question(question)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.engine.decode(tokens)
+
+    def step(self, doc_id: int | None, context: Sequence[int], k: int) -> StepOutput:
+        """``f`` on corpus passage ``doc_id`` (None: no document)."""
+        text = self.corpus.text(doc_id) if doc_id is not None else None
+        return self.engine.step(text, context, k)

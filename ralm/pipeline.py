@@ -1,0 +1,79 @@
+"""Build a whole in-process RaLM from a :class:`~ralm.config.RalmConfig`.
+
+This is what the CLI, the benchmark and the tests' factories use; the serving layer
+builds the same parts inside Ray actors and deployments.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from ralm.config import RalmConfig, RequestConfig, RetrieverConfig, SpecConfig
+from ralm.corpus import Corpus
+from ralm.engine import LMEngine
+from ralm.errors import ConfigError
+from ralm.generator import LocalGenerator
+from ralm.results import RalmResult
+from ralm.retrieval.base import Retriever
+from ralm.seq import run_seq
+from ralm.spec import run_spec
+
+log = logging.getLogger(__name__)
+
+RETRIEVER_KINDS = ("edr", "adr", "sr")
+
+
+def check_kind(kind: str) -> str:
+    if kind not in RETRIEVER_KINDS:
+        raise ConfigError(f"unknown retriever {kind!r}: choose one of {', '.join(RETRIEVER_KINDS)}")
+    return kind
+
+
+@dataclass
+class Pipeline:
+    cfg: RalmConfig
+    corpus: Corpus
+    engine: LMEngine
+    retrievers: dict[str, Retriever] = field(default_factory=dict)
+
+    @property
+    def generator(self) -> LocalGenerator:
+        return LocalGenerator(self.engine, self.corpus)
+
+    @classmethod
+    def from_config(cls, cfg: RalmConfig, kinds: tuple[str, ...] | None = None,
+                    build_missing: bool = True, engine: LMEngine | None = None,
+                    corpus: Corpus | None = None, progress: bool = True) -> "Pipeline":
+        """Load the corpus, the engine and the retrievers (building missing indexes)."""
+        from ralm.retrieval.factory import ensure_index, load_retriever
+
+        kinds = tuple(check_kind(k) for k in (kinds or (cfg.retriever.kind,)))
+        corpus = corpus or Corpus.load(cfg.corpus)
+        engine = engine or LMEngine.from_config(cfg.generator)
+        retrievers = {}
+        for kind in kinds:
+            rcfg = cfg.retriever.model_copy(update={"kind": kind})
+            if kind != "edr":
+                rcfg = rcfg.model_copy(update={"pad_to": 0})
+            index_dir = cfg.index_dir(kind)
+            if build_missing:
+                ensure_index(rcfg, corpus, index_dir, progress=progress)
+            retrievers[kind] = load_retriever(rcfg, corpus, index_dir)
+        return cls(cfg, corpus, engine, retrievers)
+
+    def retriever(self, kind: str) -> Retriever:
+        check_kind(kind)
+        if kind not in self.retrievers:
+            raise ConfigError(f"retriever {kind!r} is not loaded in this pipeline (loaded: {', '.join(self.retrievers)})")
+        return self.retrievers[kind]
+
+    def answer(self, question: str, kind: str | None = None, method: str = "spec",
+               spec: SpecConfig | None = None, req: RequestConfig | None = None) -> RalmResult:
+        """Answer one question with RaLMSeq (``method='seq'``) or RaLMSpec (``'spec'``)."""
+        kb = self.retriever(kind or self.cfg.retriever.kind)
+        req = req or self.cfg.request
+        if method == "seq":
+            return run_seq(question, self.generator, kb, req)
+        if method == "spec":
+            return run_spec(question, self.generator, kb, req, spec or self.cfg.spec)
+        raise ConfigError(f"unknown method {method!r}: use 'seq' or 'spec'")

@@ -1,0 +1,4 @@
+"""Retrievers behind one protocol: EDR (flat), ADR (HNSW), SR (BM25 via pyserini)."""
+from ralm.retrieval.base import Hit, Retriever, ExactScorer, rank_hits
+
+__all__ = ["Hit", "Retriever", "ExactScorer", "rank_hits"]

@@ -1,0 +1,50 @@
+"""RaLMSeq: the plain iterative RaLM loop, the baseline and the definition of the right answer.
+
+``X = question``; until EOS or ``max_new_tokens``: ``d = KB.top1(query(X)); X += f(d, X, k)``.
+"""
+from __future__ import annotations
+
+import time
+
+from ralm.config import RequestConfig
+from ralm.generator import Generator
+from ralm.results import RalmResult, RequestStats
+from ralm.retrieval.base import Retriever
+
+
+def query_text(gen: Generator, tokens: list[int], window: int) -> str:
+    """The retrieval query: the last ``window`` tokens of question + generated text, decoded."""
+    return gen.decode(tokens[-window:])
+
+
+def finish(gen: Generator, question_len: int, tokens: list[int], eos: bool, stats: RequestStats,
+           t_start: float) -> RalmResult:
+    stats.total_time_s = time.perf_counter() - t_start
+    stats.retrieval_time_s = max(0.0, stats.total_time_s - stats.gen_time_s)
+    out = tokens[question_len:]
+    return RalmResult(gen.decode(out), out, stats, "stop" if eos else "length")
+
+
+def run_seq(question: str, gen: Generator, kb: Retriever, req: RequestConfig | None = None) -> RalmResult:
+    """Answer ``question`` with RaLMSeq: one KB retrieval before every ``k`` tokens."""
+    req = req or RequestConfig()
+    t_start = time.perf_counter()
+    X = gen.encode_question(question)
+    n_q = len(X)
+    stats = RequestStats(method="seq", retriever=getattr(kb, "name", ""))
+    eos = False
+    while not eos and len(X) - n_q < req.max_new_tokens:
+        hits = kb.search(query_text(gen, X, req.query_window), 1)
+        stats.kb_calls += 1
+        stats.kb_queries += 1
+        doc_id = hits[0][0] if hits else None     # no hit (e.g. a BM25 query of stopwords): no document
+        k = min(req.generation_stride, req.max_new_tokens - (len(X) - n_q))
+        t0 = time.perf_counter()
+        out = gen.step(doc_id, X, k)
+        stats.gen_time_s += time.perf_counter() - t0
+        stats.doc_kv_hits += int(out.doc_kv_hit)
+        stats.steps += 1
+        stats.doc_ids.append(doc_id)
+        X = X + out.tokens
+        eos = out.eos
+    return finish(gen, n_q, X, eos, stats, t_start)

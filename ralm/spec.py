@@ -1,0 +1,176 @@
+"""RaLMSpec: speculative retrieval with batched verification (RaLMSpec paper, Algorithm 1).
+
+Each step retrieves from a small per-request cache instead of the KB; every ``s`` steps
+one batched KB call verifies them, and the first wrong step and everything after it is
+rolled back and regenerated with the KB's document. Options, independent of each other:
+
+- P (prefetch): insert the KB's top-p documents into the cache, not only the top-1;
+- S (OS3): choose ``s`` adaptively (:mod:`ralm.os3`);
+- A (async): while a verification is in flight (a real thread: FAISS, Lucene and torch
+  release the GIL), run the next speculative step. If the window verifies, that step
+  becomes the first step of the next window; otherwise it is discarded.
+
+Exactness: every committed step's document is the KB's top-1 for its query, and every
+step is ``f(doc, X, k)`` over the same ``X`` RaLMSeq would have, so the tokens are equal.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Sequence
+
+from cache.speculative import SpeculativeCache
+from ralm.config import RequestConfig, SpecConfig
+from ralm.generator import Generator
+from ralm.os3 import StrideScheduler
+from ralm.results import RalmResult, RequestStats
+from ralm.retrieval.base import Hit, Retriever
+from ralm.seq import finish, query_text
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _default_pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ralm-verify")
+    return _POOL
+
+
+@dataclass
+class _Step:
+    query: str
+    doc_id: int | None       # speculated document
+    mark: int                # len(X) before the step
+    eos: bool
+
+
+def _timed_batch_search(kb: Retriever, queries: Sequence[str], k: int) -> tuple[list[list[Hit]], float]:
+    t0 = time.perf_counter()
+    res = kb.batch_search(list(queries), k)
+    return res, time.perf_counter() - t0
+
+
+class _SpecRun:
+    """State of one RaLMSpec request (kept in an object so the loop reads like Algorithm 1)."""
+
+    def __init__(self, question: str, gen: Generator, kb: Retriever, req: RequestConfig,
+                 spec: SpecConfig, cache: SpeculativeCache | None):
+        self.gen, self.kb, self.req, self.spec = gen, kb, req, spec
+        self.t_start = time.perf_counter()
+        self.X: list[int] = gen.encode_question(question)
+        self.n_q = len(self.X)
+        self.eos = False
+        self.committed: list[_Step] = []     # verified or not-yet-verified steps, in order
+        self.cache = cache if cache is not None else SpeculativeCache(kb.scorer)
+        self.p = spec.prefetch_size if spec.prefetch else 1
+        self.sched = StrideScheduler(spec)
+        name = "".join(c for c, on in (("P", spec.prefetch), ("S", spec.adaptive_stride),
+                                         ("A", spec.async_verify)) if on) or "base"
+        self.stats = RequestStats(method=f"spec[{name}]", retriever=getattr(kb, "name", ""))
+
+    # ---- helpers
+    @property
+    def finished(self) -> bool:
+        return self.eos or len(self.X) - self.n_q >= self.req.max_new_tokens
+
+    def _generate(self, doc_id: int | None) -> tuple[int, bool]:
+        """Run f(doc, X, k) and append its tokens; returns (mark, eos)."""
+        mark = len(self.X)
+        k = min(self.req.generation_stride, self.req.max_new_tokens - (mark - self.n_q))
+        t0 = time.perf_counter()
+        out = self.gen.step(doc_id, self.X, k)
+        self.stats.gen_time_s += time.perf_counter() - t0
+        self.stats.doc_kv_hits += int(out.doc_kv_hit)
+        self.X = self.X + out.tokens
+        self.eos = out.eos
+        return mark, out.eos
+
+    def _add_to_cache(self, hits_per_query: Sequence[Sequence[Hit]]) -> None:
+        self.cache.add([d for hits in hits_per_query for d, _ in hits])
+
+    def speculative_step(self) -> _Step:
+        t0 = time.perf_counter()
+        q = query_text(self.gen, self.X, self.req.query_window)
+        rep = self.kb.scorer.encode([q])[0]
+        top = self.cache.top1(rep)
+        self.stats.cache_lookups += 1
+        doc_id = top[0] if top else None
+        mark, eos = self._generate(doc_id)
+        self.stats.spec_steps += 1
+        self.sched.record_step(time.perf_counter() - t0)
+        return _Step(q, doc_id, mark, eos)
+
+    def rollback_to(self, step: _Step) -> None:
+        self.stats.regenerated_tokens += len(self.X) - step.mark
+        self.X = self.X[: step.mark]
+        self.eos = False
+
+    # ---- the loop
+    def run(self, executor: Executor) -> RalmResult:
+        st = self.stats
+        # Warm the cache with the KB's answer for the first query.
+        first = self.kb.search(query_text(self.gen, self.X, self.req.query_window), self.p)
+        st.kb_calls += 1
+        st.kb_queries += 1
+        self._add_to_cache([first])
+        pending: _Step | None = None          # an async step waiting to open the next window
+        while not self.finished or pending is not None:
+            s = self.sched.next_stride()
+            window: list[_Step] = [pending] if pending is not None else []
+            pending = None
+            while len(window) < s and not self.finished:
+                window.append(self.speculative_step())
+            queries = [w.query for w in window]
+            extra: _Step | None = None
+            if self.spec.async_verify and not self.finished:
+                fut = executor.submit(_timed_batch_search, self.kb, queries, self.p)
+                extra = self.speculative_step()          # overlaps with the verification
+                truth, b = fut.result()
+            else:
+                truth, b = _timed_batch_search(self.kb, queries, self.p)
+            st.kb_calls += 1
+            st.kb_queries += len(queries)
+            st.verifications += 1
+            st.strides.append(len(window))
+            self._add_to_cache(truth)
+            mismatch = next((i for i, (w, t) in enumerate(zip(window, truth))
+                             if w.doc_id != (t[0][0] if t else None)), None)
+            if mismatch is None:
+                matched = len(window)
+                st.matched_steps += matched
+                st.steps += matched
+                st.doc_ids.extend(w.doc_id for w in window)
+                if extra is not None:
+                    pending = extra
+                    st.async_steps_kept += 1
+            else:
+                matched = mismatch
+                st.matched_steps += matched
+                st.steps += matched
+                st.doc_ids.extend(w.doc_id for w in window[:matched])
+                st.rollbacks += 1
+                if extra is not None:
+                    st.async_steps_discarded += 1
+                bad = window[mismatch]
+                self.rollback_to(bad)
+                right = truth[mismatch][0][0] if truth[mismatch] else None
+                self._generate(right)                   # correction step with the KB's document
+                st.steps += 1
+                st.doc_ids.append(right)
+            self.sched.record_verification(len(window), matched, b)
+        st.gamma = self.sched.gamma
+        return finish(self.gen, self.n_q, self.X, self.eos, st, self.t_start)
+
+
+def run_spec(question: str, gen: Generator, kb: Retriever, req: RequestConfig | None = None,
+             spec: SpecConfig | None = None, cache: SpeculativeCache | None = None,
+             executor: Executor | None = None) -> RalmResult:
+    """Answer ``question`` with RaLMSpec; the tokens equal :func:`ralm.seq.run_seq`'s."""
+    req, spec = req or RequestConfig(), spec or SpecConfig()
+    run = _SpecRun(question, gen, kb, req, spec, cache)
+    try:
+        return run.run(executor or _default_pool())
+    finally:
+        run.cache.clear()

@@ -1,0 +1,115 @@
+"""The deterministic step f(doc, context, k) on tiny GPT-2, OPT and Llama models."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ralm.errors import RalmInputError
+from tests.factories import tiny_engine
+
+DOCS = [
+    "json.dumps\nSerialize obj to a JSON formatted str using this conversion table.",
+    "shutil.copytree\nRecursively copy an entire directory tree rooted at src.",
+    "sorted\nReturn a new list containing all items from the iterable in ascending order.",
+]
+
+
+@pytest.fixture(scope="module", params=["gpt2", "opt", "llama"])
+def engine(request):
+    return tiny_engine(request.param)
+
+
+def test_step_returns_k_tokens(engine):
+    ctx = engine.encode_question("what does json do?")
+    out = engine.step(DOCS[0], ctx, 5)
+    assert len(out.tokens) == 5 or out.eos
+    assert all(isinstance(t, int) for t in out.tokens)
+
+
+def test_identical_with_and_without_doc_kv_cache_and_after_other_calls(engine):
+    ctx = engine.encode_question("how do I copy a tree of files?")
+    engine.doc_kv.clear()
+    cold = engine.step(DOCS[1], ctx, 8)
+    assert not cold.doc_kv_hit
+    # arbitrary other calls in between, which also fill and touch the cache
+    for d in DOCS:
+        engine.step(d, ctx + cold.tokens[:3], 3)
+    warm = engine.step(DOCS[1], ctx, 8)
+    assert warm.doc_kv_hit
+    # a second engine with the cache disabled (same weights)
+    nocache = type(engine)(engine.model, engine.tokenizer,
+                           engine.cfg.model_copy(update={"doc_kv_cache_bytes": 0}))
+    fresh = nocache.step(DOCS[1], ctx, 8)
+    assert cold.tokens == warm.tokens == fresh.tokens
+    assert not fresh.doc_kv_hit
+
+
+def test_step_equals_plain_greedy_reference(engine):
+    """f must agree with a straightforward reference computed without any caching:
+    doc KV from the doc alone, then the context, then greedy decode."""
+    ctx = engine.encode_question("what does sorted return?")
+    doc = list(engine.doc_tokens(DOCS[2]))
+    out = engine.step(DOCS[2], ctx, 6)
+    with torch.inference_mode():
+        m = engine.model
+        past = m(input_ids=torch.tensor([doc]), use_cache=True).past_key_values
+        o = m(input_ids=torch.tensor([ctx]), past_key_values=past, use_cache=True)
+        ref = []
+        for _ in range(6):
+            t = int(torch.argmax(o.logits[0, -1]))
+            if t == engine.eos_token_id:
+                break
+            ref.append(t)
+            o = m(input_ids=torch.tensor([[t]]), past_key_values=o.past_key_values, use_cache=True)
+    assert out.tokens == ref
+
+
+def test_eos_ends_the_step():
+    engine = tiny_engine("gpt2", seed=3)
+    ctx = engine.encode_question("what does json do?")
+    free = engine.step(DOCS[0], ctx, 6)
+    assert len(free.tokens) == 6
+    # declare the 3rd generated token to be EOS: the step must stop right before it
+    engine.eos_token_id = free.tokens[2]
+    first = free.tokens.index(free.tokens[2])
+    stopped = engine.step(DOCS[0], ctx, 6)
+    assert stopped.eos and stopped.tokens == free.tokens[:first]
+
+
+def test_doc_truncated_to_max_doc_tokens():
+    engine = tiny_engine("gpt2", max_doc_tokens=7)
+    long_doc = " ".join(["recursively copy an entire directory tree"] * 20)
+    assert len(engine.doc_tokens(long_doc)) == 7
+
+
+@pytest.mark.parametrize("bad,msg", [("", "empty"), ("   ", "empty"), (42, "must be a string")])
+def test_bad_questions(bad, msg):
+    engine = tiny_engine("gpt2")
+    with pytest.raises(RalmInputError, match=msg):
+        engine.encode_question(bad)
+
+
+def test_over_long_question_rejected():
+    engine = tiny_engine("gpt2", max_prompt_tokens=16)
+    with pytest.raises(RalmInputError, match="limit is 16 tokens"):
+        engine.encode_question("copy the tree " * 40)
+
+
+def test_context_beyond_model_positions_rejected():
+    engine = tiny_engine("gpt2")
+    with pytest.raises(RalmInputError, match="exceed"):
+        engine.step(DOCS[0], [5] * 1020, 8)
+
+
+def test_doc_kv_cache_is_bounded_in_bytes():
+    engine = tiny_engine("gpt2")
+    ctx = engine.encode_question("what does json do?")
+    engine.step(DOCS[0], ctx, 1)
+    one = engine.doc_kv.stats.bytes_used
+    assert one > 0
+    small = type(engine)(engine.model, engine.tokenizer,
+                         engine.cfg.model_copy(update={"doc_kv_cache_bytes": int(one * 1.5)}))
+    for d in DOCS:
+        small.step(d, ctx, 1)
+    assert small.doc_kv.stats.bytes_used <= int(one * 1.5)
+    assert small.doc_kv.stats.evictions >= 1

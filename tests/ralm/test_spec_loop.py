@@ -1,0 +1,132 @@
+"""RaLMSpec loop logic with scripted parts: rollback positions, EOS, limits, async.
+
+The scripted generator/KB (tests/factories.py) make the KB's document a function of
+the step index, so each test places the first mismatch exactly where it wants.
+"""
+from __future__ import annotations
+
+import pytest
+
+from ralm.config import RequestConfig, SpecConfig
+from ralm.seq import run_seq
+from ralm.spec import run_spec
+from tests.factories import ScriptedGenerator, ScriptedKB
+
+Q = "what is the answer to this"   # 6 tokens
+K = 4
+
+
+def pipeline(schedule, eos_at=None, max_new=48, **kb_kw):
+    gen = ScriptedGenerator(eos_at=eos_at)
+    gen.encode_question(Q)
+    kb = ScriptedKB(schedule=schedule, n_q=6, k=K, **kb_kw)
+    return gen, kb, RequestConfig(max_new_tokens=max_new, generation_stride=K)
+
+
+def both(schedule, spec, **kw):
+    gen, kb, req = pipeline(schedule, **kw)
+    base = run_seq(Q, gen, kb, req)
+    gen2, kb2, req2 = pipeline(schedule, **kw)
+    out = run_spec(Q, gen2, kb2, req2, spec)
+    return base, out, gen2, kb2
+
+
+def test_baseline_follows_schedule():
+    base, _, _, _ = both({2: 7}, SpecConfig())
+    assert base.stats.doc_ids[:4] == [0, 0, 7, 0]
+    assert base.stats.kb_calls == 12 and len(base.tokens) == 48
+
+
+@pytest.mark.parametrize("pos", [0, 1, 2], ids=["first", "middle", "last"])
+def test_mismatch_position_in_window(pos):
+    # window of s=3 starting at step 3 (steps 0..2 form the first window). The cache only
+    # holds doc 0, so a new doc at step 3+pos is a guaranteed mismatch at that position.
+    spec = SpecConfig(stride=3)
+    base, out, gen, kb = both({3 + pos: 9}, spec)
+    assert out.tokens == base.tokens
+    assert out.stats.doc_ids == base.stats.doc_ids
+    assert out.stats.rollbacks == 1
+    # tokens after the mismatch position inside the window were regenerated
+    assert out.stats.regenerated_tokens == (3 - pos) * K
+    # the correction step used the KB's document 9
+    assert (9, 6 + (3 + pos) * K, K) in gen.calls
+
+
+def test_no_mismatch_means_one_kb_call_per_window():
+    spec = SpecConfig(stride=4)
+    base, out, _, kb = both({}, spec)
+    assert out.tokens == base.tokens
+    assert out.stats.rollbacks == 0
+    # 12 steps in windows of 4 -> 3 verifications + the initial retrieval
+    assert kb.calls == [1, 4, 4, 4]
+
+
+def test_eos_inside_window():
+    spec = SpecConfig(stride=8)
+    base, out, _, _ = both({2: 3}, spec, eos_at=13)
+    assert base.finish_reason == "stop" and len(base.tokens) == 13
+    assert out.tokens == base.tokens and out.finish_reason == "stop"
+
+
+def test_eos_speculated_then_rolled_back():
+    # With the wrong doc, nothing special happens; EOS is at a fixed position, but a
+    # mismatch before it must discard the EOS step and regenerate up to it.
+    spec = SpecConfig(stride=8)
+    base, out, _, _ = both({1: 4}, spec, eos_at=10)
+    assert out.tokens == base.tokens and out.stats.rollbacks == 1
+
+
+def test_max_new_tokens_inside_window():
+    spec = SpecConfig(stride=8)
+    base, out, _, _ = both({5: 2}, spec, max_new=22)     # 22 = 5 full steps + 2 tokens
+    assert len(base.tokens) == 22
+    assert out.tokens == base.tokens
+
+
+def test_async_step_discarded_after_failed_verification():
+    spec = SpecConfig(stride=2, async_verify=True)
+    base, out, gen, _ = both({2: 5}, spec)
+    assert out.tokens == base.tokens
+    assert out.stats.async_steps_discarded >= 1
+    assert out.stats.rollbacks == 1
+
+
+def test_async_step_kept_after_successful_verification():
+    spec = SpecConfig(stride=2, async_verify=True)
+    base, out, _, kb = both({}, spec)
+    assert out.tokens == base.tokens
+    assert out.stats.async_steps_kept >= 1
+    assert out.stats.rollbacks == 0
+
+
+def test_async_verification_really_overlaps():
+    # The verification runs in another thread while the next speculative step runs:
+    # their wall-clock intervals intersect (behaviour, not a speed threshold).
+    spec = SpecConfig(stride=2, async_verify=True)
+    gen, kb, req = pipeline({}, search_sleep=0.05)
+    gen.step_sleep = 0.05
+    out = run_spec(Q, gen, kb, req, spec)
+    verify_iv = kb.intervals[1:]           # skip the initial (synchronous) retrieval
+    overlaps = sum(any(a0 < v1 and v0 < a1 for a0, a1 in gen.intervals) for v0, v1 in verify_iv)
+    assert overlaps == len(verify_iv) > 0
+    assert out.stats.async_steps_kept > 0
+
+
+@pytest.mark.parametrize("name", ["base", "P", "S", "A", "PS", "PA", "SA", "PSA"])
+@pytest.mark.parametrize("stride", [1, 3, 8])
+def test_all_configurations_scripted(name, stride):
+    schedule = {1: 3, 2: 3, 5: 8, 6: 1, 7: 8, 9: 2}
+    spec = SpecConfig.named(name, stride=stride)
+    base, out, _, _ = both(schedule, spec)
+    assert out.tokens == base.tokens
+    assert out.stats.doc_ids == base.stats.doc_ids
+
+
+def test_prefetch_reduces_rollbacks_when_doc_seen_before():
+    # doc 3 is the KB's choice for step 1 and again for step 6; with prefetch the KB's
+    # top-20 for every query contains all low ids, so re-visits are cache hits.
+    schedule = {1: 3, 6: 3}
+    plain = both(schedule, SpecConfig(stride=2))[1]
+    pre = both(schedule, SpecConfig(stride=2, prefetch=True, prefetch_size=20))[1]
+    assert pre.tokens == plain.tokens
+    assert pre.stats.rollbacks < plain.stats.rollbacks
