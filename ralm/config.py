@@ -52,6 +52,7 @@ class SpecConfig(_Strict):
     os3_window: int = Field(C.OS3_WINDOW, ge=1, description="w: verifications used to estimate gamma.")
     gamma_max: float = Field(C.OS3_GAMMA_MAX, gt=0, lt=1, description="Cap on the gamma estimate.")
     max_stride: int = Field(C.OS3_MAX_STRIDE, ge=1, description="Upper bound on the OS3 stride.")
+    allow_direct: bool = Field(True, description="With S: let OS3 choose s = 0 (retrieve from the KB directly, as RaLMSeq does) when its model says speculation cannot pay off, e.g. when retrieval is much cheaper than a rollback. The cache still predicts each step ('shadow speculation') so gamma stays current.")
 
     @classmethod
     def named(cls, name: str, **overrides) -> "SpecConfig":

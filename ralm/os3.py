@@ -14,6 +14,17 @@ s=1: 1/50 = 0.0200, s=2: 1.6/60 = 0.0267, s=3: 1.96/70 = 0.0280, s=4: 2.18/80 = 
 
 gamma is estimated over the last ``w`` verifications as sum(M) / (sum(M) + sum(1[M < s]))
 (M = matched steps of a window of size s), capped at ``gamma_max``.
+
+**Extension: s = 0 (direct retrieval).** The paper's objective leaves out the cost of the
+correction step after a mismatch (one more generation step, ``g``). When retrieval is
+much cheaper than generation (small HNSW or BM25 indexes) every stride >= 1 is slower
+than plain RaLMSeq, because rollbacks cost more generation than speculation saves in
+retrieval. With ``allow_direct`` the scheduler compares the best stride's rate, now
+counting the correction, ``E(s) / (L(s) + (1-g^s) g)``, with the rate of a direct step,
+``1 / (g + b_direct)``, and returns 0 when direct is faster. A direct step is exactly a
+RaLMSeq step, so outputs do not change; the loop still asks the cache for its guess and
+records whether it was right, so gamma stays current and speculation resumes when it
+pays.
 """
 from __future__ import annotations
 
@@ -30,14 +41,21 @@ def expected_verified(gamma: float, s: int) -> float:
     return (1.0 - gamma**s) / (1.0 - gamma)
 
 
-def objective(s: int, gamma: float, a: float, b: float, asynchronous: bool) -> float:
-    """Expected verified documents per second for stride ``s`` (a, b in seconds)."""
+def window_latency(s: int, gamma: float, a: float, b: float, asynchronous: bool,
+                   correction: float = 0.0) -> float:
+    """Expected wall time of a window of ``s`` (plus ``correction`` on a mismatch)."""
     gs = gamma**s
     if asynchronous:
-        latency = gs * ((s - 1) * a + max(a, b)) + (1 - gs) * (s * a + b)
+        lat = gs * ((s - 1) * a + max(a, b)) + (1 - gs) * (s * a + b)
     else:
-        latency = s * a + b
-    return expected_verified(gamma, s) / max(latency, 1e-12)
+        lat = s * a + b
+    return lat + (1 - gs) * correction
+
+
+def objective(s: int, gamma: float, a: float, b: float, asynchronous: bool,
+              correction: float = 0.0) -> float:
+    """Expected verified documents per second for stride ``s`` (a, b in seconds)."""
+    return expected_verified(gamma, s) / max(window_latency(s, gamma, a, b, asynchronous, correction), 1e-12)
 
 
 class StrideScheduler:
@@ -46,16 +64,29 @@ class StrideScheduler:
     def __init__(self, cfg: SpecConfig, history: int = 16):
         self.cfg = cfg
         self._windows: deque[tuple[int, int]] = deque(maxlen=cfg.os3_window)   # (s, matched)
-        self._step_lat: deque[float] = deque(maxlen=history)                    # seconds
-        self._verify_lat: deque[tuple[int, float]] = deque(maxlen=history)     # (batch size, seconds)
+        self._step_lat: deque[float] = deque(maxlen=history)                    # speculative step, s
+        self._gen_lat: deque[float] = deque(maxlen=history)                     # generation only, s
+        self._verify_lat: deque[tuple[int, float]] = deque(maxlen=history)     # (batch size, s)
+        self._direct_lat: deque[float] = deque(maxlen=history)                  # direct retrieval, s
+        self.decisions: list[int] = []
 
     # ---- measurements
     def record_step(self, latency_s: float) -> None:
+        """A speculative step: query, cache lookup and generation."""
         self._step_lat.append(latency_s)
+
+    def record_generation(self, latency_s: float) -> None:
+        """The generation part of any step."""
+        self._gen_lat.append(latency_s)
 
     def record_verification(self, s: int, matched: int, latency_s: float) -> None:
         self._windows.append((s, matched))
         self._verify_lat.append((s, latency_s))
+
+    def record_direct(self, cache_was_right: bool, retrieval_s: float) -> None:
+        """A direct (s = 0) step: its KB latency and whether the cache's guess was right."""
+        self._windows.append((1, int(cache_was_right)))
+        self._direct_lat.append(retrieval_s)
 
     # ---- estimates
     @property
@@ -88,16 +119,34 @@ class StrideScheduler:
         return intercept + slope * s
 
     # ---- decision
-    def next_stride(self) -> int:
+    def best_stride(self, g: float, a: float) -> tuple[int, float]:
+        """argmax over s of the paper's objective, and that s's rate counting corrections."""
         cfg = self.cfg
-        if not cfg.adaptive_stride:
-            return cfg.stride
-        g, a = self.gamma, self.step_latency()
-        if g is None or a is None or not self._verify_lat:
-            return 1                     # start at s = 1 until there is something to estimate
         best_s, best = 1, -1.0
         for s in range(1, cfg.max_stride + 1):
             val = objective(s, g, a, self.verify_latency(s), cfg.async_verify)
             if val > best * (1 + 1e-9):
                 best_s, best = s, val
-        return best_s
+        gen = fmean(self._gen_lat) if self._gen_lat else a
+        return best_s, objective(best_s, g, a, self.verify_latency(best_s), cfg.async_verify, correction=gen)
+
+    def next_stride(self) -> int:
+        """The stride of the next window; 0 means one direct (RaLMSeq) step."""
+        cfg = self.cfg
+        if not cfg.adaptive_stride:
+            return cfg.stride
+        g, a = self.gamma, self.step_latency()
+        if g is None or a is None or not self._verify_lat:
+            s = 1                        # start at s = 1 until there is something to estimate
+        else:
+            s, rate = self.best_stride(g, a)
+            if cfg.allow_direct and self._gen_lat:
+                gen = fmean(self._gen_lat)
+                # a direct step costs generation + one KB retrieval (measured, or b(1) plus
+                # the speculative step's non-generation overhead)
+                b1 = fmean(self._direct_lat) if self._direct_lat else \
+                    self.verify_latency(1) + max(0.0, a - gen)
+                if 1.0 / max(gen + b1, 1e-12) > rate:
+                    s = 0
+        self.decisions.append(s)
+        return s

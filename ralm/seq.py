@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import time
+from typing import Callable, Optional
 
 from ralm.config import RequestConfig
 from ralm.generator import Generator
@@ -25,8 +26,13 @@ def finish(gen: Generator, question_len: int, tokens: list[int], eos: bool, stat
     return RalmResult(gen.decode(out), out, stats, "stop" if eos else "length")
 
 
-def run_seq(question: str, gen: Generator, kb: Retriever, req: RequestConfig | None = None) -> RalmResult:
-    """Answer ``question`` with RaLMSeq: one KB retrieval before every ``k`` tokens."""
+def run_seq(question: str, gen: Generator, kb: Retriever, req: RequestConfig | None = None,
+            on_commit: Optional[Callable[[list[int]], None]] = None) -> RalmResult:
+    """Answer ``question`` with RaLMSeq: one KB retrieval before every ``k`` tokens.
+
+    ``on_commit(tokens)``, if given, is called with each step's tokens as soon as they
+    are final (used to stream a response).
+    """
     req = req or RequestConfig()
     t_start = time.perf_counter()
     X = gen.encode_question(question)
@@ -47,4 +53,6 @@ def run_seq(question: str, gen: Generator, kb: Retriever, req: RequestConfig | N
         stats.doc_ids.append(doc_id)
         X = X + out.tokens
         eos = out.eos
+        if on_commit is not None and out.tokens:
+            on_commit(list(out.tokens))
     return finish(gen, n_q, X, eos, stats, t_start)

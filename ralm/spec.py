@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 from cache.speculative import SpeculativeCache
 from ralm.config import RequestConfig, SpecConfig
@@ -56,11 +56,14 @@ class _SpecRun:
     """State of one RaLMSpec request (kept in an object so the loop reads like Algorithm 1)."""
 
     def __init__(self, question: str, gen: Generator, kb: Retriever, req: RequestConfig,
-                 spec: SpecConfig, cache: SpeculativeCache | None):
+                 spec: SpecConfig, cache: SpeculativeCache | None,
+                 on_commit: Optional[Callable[[list[int]], None]] = None):
         self.gen, self.kb, self.req, self.spec = gen, kb, req, spec
+        self.on_commit = on_commit
         self.t_start = time.perf_counter()
         self.X: list[int] = gen.encode_question(question)
         self.n_q = len(self.X)
+        self.emitted = self.n_q              # X[:emitted] was passed to on_commit
         self.eos = False
         self.committed: list[_Step] = []     # verified or not-yet-verified steps, in order
         self.cache = cache if cache is not None else SpeculativeCache(kb.scorer)
@@ -81,7 +84,9 @@ class _SpecRun:
         k = min(self.req.generation_stride, self.req.max_new_tokens - (mark - self.n_q))
         t0 = time.perf_counter()
         out = self.gen.step(doc_id, self.X, k)
-        self.stats.gen_time_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats.gen_time_s += dt
+        self.sched.record_generation(dt)
         self.stats.doc_kv_hits += int(out.doc_kv_hit)
         self.X = self.X + out.tokens
         self.eos = out.eos
@@ -102,6 +107,34 @@ class _SpecRun:
         self.sched.record_step(time.perf_counter() - t0)
         return _Step(q, doc_id, mark, eos)
 
+    def emit_verified(self, pending: "_Step | None") -> None:
+        """Pass newly verified tokens to ``on_commit`` (all of X except a pending async step)."""
+        if self.on_commit is None:
+            return
+        upto = pending.mark if pending is not None else len(self.X)
+        if upto > self.emitted:
+            chunk = self.X[self.emitted:upto]
+            self.emitted = upto
+            self.on_commit(list(chunk))
+
+    def direct_step(self) -> None:
+        """s = 0: a plain RaLMSeq step (KB top-1, then f), with the cache's guess recorded."""
+        st = self.stats
+        q = query_text(self.gen, self.X, self.req.query_window)
+        t0 = time.perf_counter()
+        guess = self.cache.top1(self.kb.scorer.encode([q])[0])
+        hits = self.kb.search(q, self.p)
+        b = time.perf_counter() - t0
+        st.kb_calls += 1
+        st.kb_queries += 1
+        st.direct_steps += 1
+        self._add_to_cache([hits])
+        doc_id = hits[0][0] if hits else None
+        self.sched.record_direct((guess[0] if guess else None) == doc_id, b)
+        self._generate(doc_id)
+        st.steps += 1
+        st.doc_ids.append(doc_id)
+
     def rollback_to(self, step: _Step) -> None:
         self.stats.regenerated_tokens += len(self.X) - step.mark
         self.X = self.X[: step.mark]
@@ -118,6 +151,9 @@ class _SpecRun:
         pending: _Step | None = None          # an async step waiting to open the next window
         while not self.finished or pending is not None:
             s = self.sched.next_stride()
+            if s == 0 and pending is None:
+                self.direct_step()
+                continue
             window: list[_Step] = [pending] if pending is not None else []
             pending = None
             while len(window) < s and not self.finished:
@@ -160,16 +196,22 @@ class _SpecRun:
                 st.steps += 1
                 st.doc_ids.append(right)
             self.sched.record_verification(len(window), matched, b)
+            self.emit_verified(pending)
         st.gamma = self.sched.gamma
         return finish(self.gen, self.n_q, self.X, self.eos, st, self.t_start)
 
 
 def run_spec(question: str, gen: Generator, kb: Retriever, req: RequestConfig | None = None,
              spec: SpecConfig | None = None, cache: SpeculativeCache | None = None,
-             executor: Executor | None = None) -> RalmResult:
-    """Answer ``question`` with RaLMSpec; the tokens equal :func:`ralm.seq.run_seq`'s."""
+             executor: Executor | None = None,
+             on_commit: Optional[Callable[[list[int]], None]] = None) -> RalmResult:
+    """Answer ``question`` with RaLMSpec; the tokens equal :func:`ralm.seq.run_seq`'s.
+
+    ``on_commit(tokens)``, if given, is called with tokens once they are verified (they
+    can no longer be rolled back), in order; used to stream a response.
+    """
     req, spec = req or RequestConfig(), spec or SpecConfig()
-    run = _SpecRun(question, gen, kb, req, spec, cache)
+    run = _SpecRun(question, gen, kb, req, spec, cache, on_commit)
     try:
         return run.run(executor or _default_pool())
     finally:

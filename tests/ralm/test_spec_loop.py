@@ -108,7 +108,8 @@ def test_async_verification_really_overlaps():
     out = run_spec(Q, gen, kb, req, spec)
     verify_iv = kb.intervals[1:]           # skip the initial (synchronous) retrieval
     overlaps = sum(any(a0 < v1 and v0 < a1 for a0, a1 in gen.intervals) for v0, v1 in verify_iv)
-    assert overlaps == len(verify_iv) > 0
+    # every verification but the last (when generation is over, nothing is left to overlap)
+    assert len(verify_iv) >= 4 and overlaps >= len(verify_iv) - 1
     assert out.stats.async_steps_kept > 0
 
 
@@ -130,3 +131,15 @@ def test_prefetch_reduces_rollbacks_when_doc_seen_before():
     pre = both(schedule, SpecConfig(stride=2, prefetch=True, prefetch_size=20))[1]
     assert pre.tokens == plain.tokens
     assert pre.stats.rollbacks < plain.stats.rollbacks
+
+
+def test_direct_steps_are_exact_and_counted():
+    # a cheap KB and a slow generator: OS3 falls back to direct (s = 0) steps
+    schedule = {1: 3, 2: 3, 5: 8, 6: 1, 7: 8, 9: 2}
+    gen, kb, req = pipeline(schedule)
+    base = run_seq(Q, gen, kb, req)
+    gen2, kb2, req2 = pipeline(schedule)
+    gen2.step_sleep = 0.01
+    out = run_spec(Q, gen2, kb2, req2, SpecConfig(adaptive_stride=True))
+    assert out.tokens == base.tokens and out.stats.doc_ids == base.stats.doc_ids
+    assert out.stats.direct_steps > 0

