@@ -3,6 +3,8 @@
     ralmspec index    --retriever edr|adr|sr|all     build indexes (progress bars, manifest)
     ralmspec generate --retriever edr "question"     answer one question, print statistics
     ralmspec bench    ...                            side-by-side RaLMSeq vs RaLMSpec benchmark
+    ralmspec eval     --questions FILE ...           resumable batch evaluation (local or `ray job submit`)
+    ralmspec k8s                                     regenerate KubeRay manifests from serve_config.yaml
     ralmspec assets   corpus|questions|train|fixtures  rebuild the shipped demo assets
 
 Every command reads the same :class:`ralm.config.RalmConfig` (``--config FILE.yaml``),
@@ -125,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.bench import add_bench_args
     add_bench_args(pb)
     pb.set_defaults(func=cmd_bench)
+
+    from cluster.eval_job import add_eval_args, eval_main
+    pe = sub.add_parser("eval", help="resumable batch evaluation, RaLMSeq vs RaLMSpec (also under `ray job submit`)")
+    _base_parser(pe)
+    add_eval_args(pe)
+    pe.set_defaults(func=eval_main)
+
+    from cluster.k8s_gen import add_k8s_args, k8s_main
+    pk = sub.add_parser("k8s", help="regenerate the KubeRay manifests in k8s/ from serve_config.yaml")
+    add_k8s_args(pk)
+    pk.set_defaults(func=k8s_main)
 
     pa = sub.add_parser("assets", help="rebuild shipped demo assets")
     pa.add_argument("what", choices=["corpus", "questions", "train", "fixtures"])

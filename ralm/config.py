@@ -69,6 +69,7 @@ class RequestConfig(_Strict):
     max_new_tokens: int = Field(C.MAX_NEW_TOKENS, ge=1, description="Tokens to generate at most.")
     generation_stride: int = Field(C.GENERATION_STRIDE, ge=1, description="k: tokens generated per retrieval.")
     query_window: int = Field(C.QUERY_WINDOW_TOKENS, ge=1, description="Query = decoded last N tokens of question + generated text.")
+    ignore_eos: bool = Field(False, description="Never stop at EOS: the EOS logit is masked, so every request generates max_new_tokens (fixed-length workloads for benchmarks, as in the RaLMSpec paper).")
 
 
 class RalmConfig(_Strict):

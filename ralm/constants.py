@@ -34,7 +34,7 @@ PAD_VECTOR_NORM = 1e-3        # norm of padding vectors: they cost a scan but (a
 
 # ---- engine ----
 DOC_KV_CACHE_BYTES = 256 * 2**20
-TORCH_THREADS = 2
+TORCH_THREADS = 1             # 1 avoids oversubscription (FAISS/Lucene/other requests share the cores)
 
 # ---- paths ----
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent

@@ -135,8 +135,11 @@ class LMEngine:
         return copy.deepcopy(kv), hit
 
     @torch.inference_mode()
-    def step(self, doc_text: str | None, context: Sequence[int], k: int) -> StepOutput:
-        """``f(doc, context, k)``: up to ``k`` greedy tokens after ``[doc][context]``."""
+    def step(self, doc_text: str | None, context: Sequence[int], k: int, ignore_eos: bool = False) -> StepOutput:
+        """``f(doc, context, k)``: up to ``k`` greedy tokens after ``[doc][context]``.
+
+        With ``ignore_eos`` the EOS logit is masked, so the step always yields ``k`` tokens.
+        """
         if k <= 0:
             return StepOutput([], False, 0.0, 0.0, False)
         if not context:
@@ -156,8 +159,13 @@ class LMEngine:
         eos = False
         logits = out.logits[0, -1]
         past = out.past_key_values
+        mask_eos = ignore_eos and self.eos_token_id is not None
         while True:
-            nxt = int(torch.argmax(logits.float()))   # first index of the max: lowest id on ties
+            scores = logits.float()
+            if mask_eos:
+                scores = scores.clone()
+                scores[self.eos_token_id] = float("-inf")
+            nxt = int(torch.argmax(scores))           # first index of the max: lowest id on ties
             if self.eos_token_id is not None and nxt == self.eos_token_id:
                 eos = True
                 break

@@ -19,7 +19,7 @@ class Generator(Protocol):
 
     def decode(self, tokens: Sequence[int]) -> str: ...
 
-    def step(self, doc_id: int | None, context: Sequence[int], k: int) -> StepOutput: ...
+    def step(self, doc_id: int | None, context: Sequence[int], k: int, ignore_eos: bool = False) -> StepOutput: ...
 
 
 class LocalGenerator:
@@ -36,7 +36,7 @@ class LocalGenerator:
     def decode(self, tokens: Sequence[int]) -> str:
         return self.engine.decode(tokens)
 
-    def step(self, doc_id: int | None, context: Sequence[int], k: int) -> StepOutput:
+    def step(self, doc_id: int | None, context: Sequence[int], k: int, ignore_eos: bool = False) -> StepOutput:
         """``f`` on corpus passage ``doc_id`` (None: no document)."""
         text = self.corpus.text(doc_id) if doc_id is not None else None
-        return self.engine.step(text, context, k)
+        return self.engine.step(text, context, k, ignore_eos=ignore_eos)

@@ -46,7 +46,7 @@ def run_seq(question: str, gen: Generator, kb: Retriever, req: RequestConfig | N
         doc_id = hits[0][0] if hits else None     # no hit (e.g. a BM25 query of stopwords): no document
         k = min(req.generation_stride, req.max_new_tokens - (len(X) - n_q))
         t0 = time.perf_counter()
-        out = gen.step(doc_id, X, k)
+        out = gen.step(doc_id, X, k, ignore_eos=req.ignore_eos)
         stats.gen_time_s += time.perf_counter() - t0
         stats.doc_kv_hits += int(out.doc_kv_hit)
         stats.steps += 1

@@ -83,7 +83,7 @@ class _SpecRun:
         mark = len(self.X)
         k = min(self.req.generation_stride, self.req.max_new_tokens - (mark - self.n_q))
         t0 = time.perf_counter()
-        out = self.gen.step(doc_id, self.X, k)
+        out = self.gen.step(doc_id, self.X, k, ignore_eos=self.req.ignore_eos)
         dt = time.perf_counter() - t0
         self.stats.gen_time_s += dt
         self.sched.record_generation(dt)
@@ -153,6 +153,7 @@ class _SpecRun:
             s = self.sched.next_stride()
             if s == 0 and pending is None:
                 self.direct_step()
+                self.emit_verified(None)
                 continue
             window: list[_Step] = [pending] if pending is not None else []
             pending = None

@@ -31,13 +31,13 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from ralm import constants as C
 from ralm.retrieval.base import Hit, rank_hits
-from ralm.retrieval.lucene_env import ensure_lucene
+from ralm.retrieval.lucene_env import JVM_LOCK, ensure_lucene
 from ralm.retrieval.rerank import Candidates, exact_top_k
 
 log = logging.getLogger(__name__)
@@ -150,12 +150,23 @@ class BM25Scorer:
                  corpus_ids: Sequence[str] | None = None, key_cache_size: int = 200_000,
                  language: str = "en"):
         ensure_lucene()
-        from pyserini.analysis import Analyzer, get_lucene_analyzer
-        from pyserini.index.lucene import LuceneIndexReader
-
         self.index_dir = str(index_dir)
         self.k1 = float(k1)
         self.b = float(b)
+        self.corpus_ids = list(corpus_ids) if corpus_ids is not None else None
+        self._df: dict[str, int] = {}
+        self._keys: "OrderedDict[int, BM25DocKey]" = OrderedDict()
+        self._key_cache_size = key_cache_size
+        self._lock = threading.Lock()
+        with JVM_LOCK:
+            self._open(language)
+        self._score_fn = BM25ScoreFn(self.k1, self.b, self.avgdl)
+
+    def _open(self, language: str) -> None:
+        from jnius import autoclass
+        from pyserini.analysis import Analyzer, get_lucene_analyzer
+        from pyserini.index.lucene import LuceneIndexReader
+
         self.reader = LuceneIndexReader(self.index_dir)
         self.janalyzer = get_lucene_analyzer(language=language)
         self.analyzer = Analyzer(self.janalyzer)
@@ -164,24 +175,21 @@ class BM25Scorer:
         self.sum_total_term_freq = int(jr.getSumTotalTermFreq(FIELD))
         self.max_doc = int(jr.maxDoc())
         self.avgdl = self.sum_total_term_freq / self.doc_count if self.doc_count else 1.0
-        self._score_fn = BM25ScoreFn(self.k1, self.b, self.avgdl)
-        from jnius import autoclass
+        self._JTerm = autoclass("org.apache.lucene.index.Term")
         finfo = autoclass("org.apache.lucene.index.FieldInfos").getMergedFieldInfos(jr).fieldInfo(FIELD)
         if finfo is not None and not finfo.hasVectors():
             raise ValueError(f"Lucene index at {self.index_dir} has no stored document vectors for "
                              f"{FIELD!r}: rebuild it with storeDocvectors (ralmspec index --retriever sr)")
-        self.corpus_ids = list(corpus_ids) if corpus_ids is not None else None
-        self._df: dict[str, int] = {}
-        self._keys: "OrderedDict[int, BM25DocKey]" = OrderedDict()
-        self._key_cache_size = key_cache_size
-        self._lock = threading.Lock()
 
     # ---- statistics
     def df(self, term: str) -> int:
         """Document frequency of an analysed term (cached)."""
         d = self._df.get(term)
         if d is None:
-            d = int(self.reader.get_term_counts(term, analyzer=None)[0])
+            # straight from Lucene: pyserini's get_term_counts(analyzer=None) re-analyses the
+            # term with a non-stemming analyzer (e.g. 'i.' -> 'i'), which is not the indexed term
+            with JVM_LOCK:
+                d = int(self.reader.reader.docFreq(self._JTerm(FIELD, term)))
             self._df[term] = d
         return d
 
@@ -190,9 +198,14 @@ class BM25Scorer:
 
     # ---- ExactScorer protocol
     def analyze(self, text: str) -> list[str]:
-        return list(self.analyzer.analyze(text))
+        with JVM_LOCK:
+            return list(self.analyzer.analyze(text))
 
     def encode_one(self, text: str) -> BM25Query:
+        with JVM_LOCK:
+            return self._encode_locked(text)
+
+    def _encode_locked(self, text: str) -> BM25Query:
         counts: dict[str, int] = {}
         for t in self.analyze(text):
             counts[t] = counts.get(t, 0) + 1
@@ -211,9 +224,14 @@ class BM25Scorer:
     def _string_id(self, doc_id: int) -> str:
         if self.corpus_ids is not None:
             return self.corpus_ids[int(doc_id)]
-        return self.reader.convert_internal_docid_to_collection_docid(int(doc_id))
+        with JVM_LOCK:
+            return self.reader.convert_internal_docid_to_collection_docid(int(doc_id))
 
     def _fetch_key(self, doc_id: int) -> BM25DocKey:
+        with JVM_LOCK:
+            return self._fetch_key_locked(doc_id)
+
+    def _fetch_key_locked(self, doc_id: int) -> BM25DocKey:
         try:
             jmap = self.reader.object.getDocumentVector(self.reader.reader, self._string_id(doc_id))
         except Exception as e:          # jnius.JavaException
@@ -257,7 +275,8 @@ class BM25Scorer:
 
     def close(self) -> None:
         try:
-            self.reader.reader.close()
+            with JVM_LOCK:
+                self.reader.reader.close()
         except Exception:  # pragma: no cover
             pass
 
@@ -293,11 +312,12 @@ class SparseRetriever:
         if self.scorer.max_doc != self.n_docs:
             raise ValueError(f"Lucene index at {index_dir} has {self.scorer.max_doc} documents, "
                              f"the corpus {self.n_docs}")
-        IndexSearcher = autoclass("org.apache.lucene.search.IndexSearcher")
-        BM25Similarity = autoclass("org.apache.lucene.search.similarities.BM25Similarity")
-        self._jsearcher = IndexSearcher(self.scorer.reader.reader)
-        self._jsearcher.setSimilarity(BM25Similarity(float(k1), float(b)))
-        self._qgen = autoclass("io.anserini.search.query.BagOfWordsQueryGenerator")()
+        with JVM_LOCK:
+            IndexSearcher = autoclass("org.apache.lucene.search.IndexSearcher")
+            BM25Similarity = autoclass("org.apache.lucene.search.similarities.BM25Similarity")
+            self._jsearcher = IndexSearcher(self.scorer.reader.reader)
+            self._jsearcher.setSimilarity(BM25Similarity(float(k1), float(b)))
+            self._qgen = autoclass("io.anserini.search.query.BagOfWordsQueryGenerator")()
         self._internal_row = np.full(self.scorer.max_doc, -1, dtype=np.int64)
         self._searcher = None
         self.rerank_margin = int(rerank_margin)
@@ -313,8 +333,9 @@ class SparseRetriever:
         if self._searcher is None:
             from pyserini.search.lucene import LuceneSearcher
 
-            self._searcher = LuceneSearcher(self.index_dir)
-            self._searcher.set_bm25(self.scorer.k1, self.scorer.b)
+            with JVM_LOCK:
+                self._searcher = LuceneSearcher(self.index_dir)
+                self._searcher.set_bm25(self.scorer.k1, self.scorer.b)
         return self._searcher
 
     # ---- Lucene candidates
@@ -322,18 +343,20 @@ class SparseRetriever:
         rows = self._internal_row
         missing = [d for d in internal if rows[d] < 0]
         if missing:
-            stored = self._jsearcher.storedFields()
-            for d in missing:
-                rows[d] = self._row_of[stored.document(d).get("id")]
+            with JVM_LOCK:
+                stored = self._jsearcher.storedFields()
+                for d in missing:
+                    rows[d] = self._row_of[stored.document(d).get("id")]
         return rows[np.asarray(internal, dtype=np.int64)] if internal else np.zeros(0, dtype=np.int64)
 
     def lucene_search(self, query: str, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Lucene's own top-``k``: (doc ids, raw float32 scores as float64), Lucene's order."""
-        query_obj = self._qgen.buildQuery(FIELD, self.scorer.janalyzer, query)
-        top = self._jsearcher.search(query_obj, int(k))
-        docs = top.scoreDocs
-        internal = [int(sd.doc) for sd in docs]
-        scores = np.array([float(sd.score) for sd in docs], dtype=np.float64)
+        with JVM_LOCK:
+            query_obj = self._qgen.buildQuery(FIELD, self.scorer.janalyzer, query)
+            top = self._jsearcher.search(query_obj, int(k))
+            docs = top.scoreDocs
+            internal = [int(sd.doc) for sd in docs]
+            scores = np.array([float(sd.score) for sd in docs], dtype=np.float64)
         return self._rows(internal), scores
 
     def lucene_scores(self, query: str, k: int) -> list[Hit]:

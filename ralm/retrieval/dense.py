@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ralm import constants as C
-from ralm.retrieval.base import Hit
+from ralm.retrieval.base import Hit, rank_hits
 from ralm.retrieval.rerank import Candidates, exact_top_k
 
 log = logging.getLogger(__name__)
@@ -213,6 +213,11 @@ class DenseRetriever:
 
         hits, _ = exact_top_k(k, n_first, self.n_rows, candidates,
                               lambda ids: self.scorer.score_ids(q, ids), self.stats)
+        if len(hits) < min(k, self.n_docs):
+            # HNSW ran out of candidates (it returns fewer than asked for very large k):
+            # rank every document exactly instead
+            self.stats["exhaustive"] = self.stats.get("exhaustive", 0) + 1
+            hits = rank_hits(np.arange(self.n_docs), self.scorer.score(q, self.scorer.vectors), k)
         return hits
 
     def search_vectors(self, query_reps: Sequence[np.ndarray], k: int) -> list[list[Hit]]:

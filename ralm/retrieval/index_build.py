@@ -104,7 +104,10 @@ def _versions(kind: str) -> dict[str, str]:
     if kind == "sr":
         try:
             from jnius import autoclass
-            out["lucene"] = str(autoclass("org.apache.lucene.util.Version").LATEST.toString())
+
+            from ralm.retrieval.lucene_env import JVM_LOCK
+            with JVM_LOCK:
+                out["lucene"] = str(autoclass("org.apache.lucene.util.Version").LATEST.toString())
         except Exception:  # pragma: no cover
             pass
     return out
@@ -131,6 +134,19 @@ def _write_json_collection(corpus: Corpus, coll_dir: Path, progress: bool) -> No
             fh.write(json.dumps({"id": corpus.ids[i], "contents": corpus.text(i)}, ensure_ascii=False) + "\n")
 
 
+def _quiet_lucene_logs() -> None:
+    """Raise Anserini's log4j level to WARN (its indexer logs a page of INFO lines)."""
+    try:
+        from jnius import autoclass
+
+        Level = autoclass("org.apache.logging.log4j.Level")
+        conf = autoclass("org.apache.logging.log4j.core.config.Configurator")
+        conf.setRootLevel(Level.WARN)
+        conf.setAllLevels("io.anserini", Level.WARN)
+    except Exception:  # pragma: no cover - logging only
+        pass
+
+
 def _build_lucene(corpus: Corpus, index_dir: Path, threads: int, progress: bool) -> None:
     from ralm.retrieval.lucene_env import ensure_lucene
 
@@ -148,6 +164,8 @@ def _build_lucene(corpus: Corpus, index_dir: Path, threads: int, progress: bool)
         if progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(corpus), desc="indexing with Lucene", unit="doc")
+        if not progress:
+            _quiet_lucene_logs()
         autoclass("io.anserini.index.IndexCollection").main(args)
         if bar is not None:
             bar.update(len(corpus))
@@ -205,7 +223,10 @@ def build_index(kind: str, corpus: Corpus, out_dir: str | Path, cfg: RetrieverCo
         faiss.write_index(index, str(out_dir / "index.faiss"))
         manifest["encoder"] = {"name": enc.name, "fingerprint": enc.fingerprint, "dim": int(vectors.shape[1])}
     else:
-        _build_lucene(corpus, out_dir / LUCENE_SUBDIR, threads, progress)
+        from ralm.retrieval.lucene_env import JVM_LOCK
+
+        with JVM_LOCK:
+            _build_lucene(corpus, out_dir / LUCENE_SUBDIR, threads, progress)
         manifest["encoder"] = None
     files = _index_files(out_dir, kind)
     manifest["files"] = {str(p.relative_to(out_dir)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}

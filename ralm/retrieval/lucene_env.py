@@ -14,6 +14,7 @@ Java. It is idempotent and does three things:
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import re
@@ -24,6 +25,12 @@ log = logging.getLogger(__name__)
 
 _BAD_OPTION = "jdk.incubator.vector"
 _lock = threading.Lock()
+
+#: Serialises every call into the JVM. pyjnius binds a Java method to its receiver on a
+#: shared method object, so two Python threads calling Java at once can invoke a method
+#: on the wrong object (seen here: ``IncompatibleClassChangeError: HashMap$Node does not
+#: implement Set``). Hold it around any pyjnius use that may run off the main thread.
+JVM_LOCK = threading.RLock()
 _ready = False
 
 
@@ -74,10 +81,8 @@ def ensure_lucene() -> None:
             jnius_config._ralmspec_patched = True
         if not jnius_config.vm_running:
             jnius_config.options[:] = _strip(jnius_config.options)
-            # pyserini.pyclass configures the classpath (and the now-filtered options),
-            # then starts the JVM on its first autoclass.
-            import pyserini.pyclass  # noqa: F401
-        else:  # somebody started the JVM already; make sure it has Lucene on its path
-            import pyserini.pyclass  # noqa: F401
+        # pyserini.pyclass configures the classpath (and the now-filtered options), then
+        # starts the JVM on its first autoclass
+        importlib.import_module("pyserini.pyclass")
         _ready = True
         log.debug("pyserini JVM ready (JAVA_HOME=%s)", os.environ.get("JAVA_HOME"))

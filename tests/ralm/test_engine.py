@@ -74,6 +74,9 @@ def test_eos_ends_the_step():
     first = free.tokens.index(free.tokens[2])
     stopped = engine.step(DOCS[0], ctx, 6)
     assert stopped.eos and stopped.tokens == free.tokens[:first]
+    # ignore_eos masks it: k tokens, none of them EOS
+    forced = engine.step(DOCS[0], ctx, 6, ignore_eos=True)
+    assert not forced.eos and len(forced.tokens) == 6 and engine.eos_token_id not in forced.tokens
 
 
 def test_doc_truncated_to_max_doc_tokens():

@@ -16,7 +16,10 @@ from ralm.spec import run_spec
 KINDS = ["edr", "adr", "sr"]
 CONFIGS = [(n, s) for n in ["base", "P", "A", "PA"] for s in (1, 3, 8)] + \
           [(n, None) for n in ["S", "PS", "SA", "PSA"]]
-REQ = RequestConfig(max_new_tokens=40, generation_stride=4)
+# Fixed-length generation (EOS masked) so every request has 10 retrieval steps; the EOS
+# paths are covered by tests/ralm/test_spec_loop.py and test_eos_requests below.
+REQ = RequestConfig(max_new_tokens=40, generation_stride=4, ignore_eos=True)
+REQ_EOS = RequestConfig(max_new_tokens=40, generation_stride=4)
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +56,13 @@ def test_spec_equals_seq(kind, name, stride, retrievers, fixture_generator, ques
     if stride and stride > 1:
         # with a fixed stride > 1 speculation must actually save KB calls on this workload
         assert spec_calls < kb_calls
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_eos_requests(kind, retrievers, fixture_generator, questions):
+    """With EOS allowed (the model often stops early), outputs are still identical."""
+    spec = SpecConfig.named("PSA")
+    for q in questions[:8]:
+        base = run_seq(q, fixture_generator, retrievers[kind], REQ_EOS)
+        out = run_spec(q, fixture_generator, retrievers[kind], REQ_EOS, spec)
+        assert out.tokens == base.tokens and out.finish_reason == base.finish_reason

@@ -1,0 +1,606 @@
+"""``ralmspec eval``: resumable batch evaluation of RaLMSeq against RaLMSpec.
+
+    ralmspec eval --questions FILE [--retrievers edr,adr,sr] [--configs base,P,S,A,PSA]
+                  [--state-url redis://host:6379/0] [--job-id ID] [--out DIR] [-n N]
+
+For every question and retriever it answers with RaLMSeq and with each RaLMSpec
+configuration, and checks that every RaLMSpec output is token-for-token RaLMSeq's.
+
+**Items and resumption.** One *item* is one (question, retriever, config) request, where
+config ``seq`` is the RaLMSeq baseline. Each finished item is recorded in the state store
+(:mod:`cache.state`) under the job id, atomically and first-write-wins. A job that is
+killed and started again with the same job id skips every recorded item, so nothing
+finished is recomputed or lost; the final outputs are always produced *from the store*,
+so they are complete and identical whichever run computed which item.
+
+**State store.** ``--state-url`` (or ``$RALMSPEC_STATE_URL``): Redis on a cluster, so
+the driver pod may die and be replaced. Without either, a SQLite file in the output
+directory (``sqlite://OUT/state.sqlite``): durable across kills on one machine, no
+server needed. (The in-process memory store would lose everything with the process.)
+
+**Backends.** Items are answered by an :class:`EvalBackend`:
+
+* ``local`` - an in-process :class:`ralm.pipeline.Pipeline` (no Ray);
+* ``ray`` - a pool of Ray actors, each holding a Pipeline; used automatically when the
+  command runs as a Ray job (``ray job submit --working-dir . -- ralmspec eval ...``);
+* anything registered with :func:`register_backend`, e.g. the serving layer's coordinator
+  pool via :class:`RequestFnBackend` (``fn(request_dict) -> RalmResult.as_dict()``, the
+  signature of ``actors.coordinator.Coordinator.run``).
+
+**Outputs** (in ``--out``): ``results.jsonl`` (one line per item), ``summary.md`` (table
+per retriever and config: latency split G/R, speed-up, E, gamma, KB calls, rollbacks,
+identical outputs), ``summary.json``, ``latency.png`` and ``runs/<run id>.json`` (what
+this invocation computed and skipped). Exit status 1 if any output differs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONFIGS = "base,P,S,A,PSA"
+DEFAULT_RETRIEVERS = "edr,adr,sr"
+SEQ = "seq"
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"      # set by Ray for a job's entrypoint process
+
+
+# ====================================================================== items
+@dataclass(frozen=True)
+class EvalItem:
+    """One request of the job: a question, a retriever, and ``seq`` or a RaLMSpec config."""
+
+    qid: int
+    question: str
+    retriever: str
+    config: str
+
+    @property
+    def method(self) -> str:
+        return "seq" if self.config == SEQ else "spec"
+
+    @property
+    def key(self) -> str:
+        """Stable store key; includes a hash of the question so an edited file cannot alias."""
+        qh = hashlib.sha256(self.question.encode("utf-8")).hexdigest()[:12]
+        return f"{self.retriever}|{self.config}|q{self.qid:06d}-{qh}"
+
+    def spec(self):
+        from cluster.bench import parse_config
+        return None if self.config == SEQ else parse_config(self.config)
+
+    def request(self) -> dict:
+        """The request as the serving layer's coordinators take it."""
+        spec = self.spec()
+        out = {"question": self.question, "retriever": self.retriever, "method": self.method}
+        if spec is not None:
+            out["spec"] = spec.model_dump()
+        return out
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EvalItem":
+        return cls(int(d["qid"]), d["question"], d["retriever"], d["config"])
+
+
+def make_items(questions: Sequence[str], kinds: Sequence[str], configs: Sequence[str]) -> list[EvalItem]:
+    """Question-major order, baseline first: partial progress covers every config alike."""
+    return [EvalItem(qi, q, kind, c) for qi, q in enumerate(questions) for kind in kinds
+            for c in (SEQ, *configs)]
+
+
+# ====================================================================== backends
+class EvalBackend(Protocol):
+    """Answers items. ``run`` yields ``(item, RalmResult.as_dict())`` as items finish, in
+    any order; an item whose input is invalid yields ``{"error": message}`` instead."""
+
+    name: str
+
+    def describe(self) -> str: ...
+
+    def run(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, dict]]: ...
+
+    def close(self) -> None: ...
+
+
+def _answer(pipe, item: EvalItem) -> dict:
+    from ralm.errors import RalmInputError
+
+    pipe.engine.doc_kv.clear()          # every request starts cold, like the benchmark
+    try:
+        res = pipe.answer(item.question, kind=item.retriever, method=item.method, spec=item.spec())
+    except RalmInputError as e:         # deterministic: record it, don't retry forever
+        return {"error": str(e)}
+    return res.as_dict()
+
+
+def _warm(pipe, questions: Sequence[str], kinds: Sequence[str]) -> None:
+    """Untimed warm-up (FAISS, Lucene, torch lazy initialisation)."""
+    from ralm.errors import RalmInputError
+    for q in questions:
+        for kind in kinds:
+            try:
+                pipe.answer(q, kind=kind, method="seq")
+                pipe.answer(q, kind=kind, method="spec")
+            except RalmInputError:
+                pass
+
+
+class LocalBackend:
+    """In-process :class:`ralm.pipeline.Pipeline`, one item at a time."""
+
+    name = "local"
+
+    def __init__(self, cfg, kinds: Sequence[str], warmup: Sequence[str] = (), pipeline=None):
+        self.cfg, self.kinds, self.warmup = cfg, tuple(kinds), list(warmup)
+        self._pipe = pipeline
+
+    @property
+    def pipe(self):
+        if self._pipe is None:
+            from ralm.pipeline import Pipeline
+            self._pipe = Pipeline.from_config(self.cfg, kinds=self.kinds)
+            _warm(self._pipe, self.warmup, self.kinds)
+        return self._pipe
+
+    def describe(self) -> str:
+        return f"local (in-process pipeline, pid {os.getpid()})"
+
+    def run(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, dict]]:
+        for item in items:
+            yield item, _answer(self.pipe, item)
+
+    def close(self) -> None:
+        pass
+
+
+class _RayEvalWorker:
+    """Body of a Ray actor holding one pipeline."""
+
+    def __init__(self, cfg_json: str, kinds: list[str], warmup: list[str]):
+        from ralm.config import RalmConfig
+        from ralm.pipeline import Pipeline
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        self.pipe = Pipeline.from_config(RalmConfig.model_validate_json(cfg_json), kinds=tuple(kinds),
+                                         progress=False)
+        _warm(self.pipe, warmup, kinds)
+        self.where = f"{socket.gethostname()}:{os.getpid()}"
+
+    def ready(self) -> str:
+        return self.where
+
+    def answer(self, item: dict) -> dict:
+        out = _answer(self.pipe, EvalItem.from_dict(item))
+        out["worker"] = self.where
+        return out
+
+
+class RayBackend:
+    """A pool of Ray actors, each with its own pipeline; items go to whichever is free.
+
+    Inside a Ray job (``ray job submit``) it connects to the job's cluster; elsewhere it
+    connects to ``$RAY_ADDRESS`` or starts a local Ray instance.
+    """
+
+    name = "ray"
+
+    def __init__(self, cfg, kinds: Sequence[str], workers: int = 1, num_cpus: float = 1.0,
+                 num_gpus: float = 0.0, warmup: Sequence[str] = ()):
+        import ray
+
+        if not ray.is_initialized():
+            address = os.environ.get("RAY_ADDRESS") or None
+            if address:                   # a Ray job's driver, or an explicit cluster
+                ray.init(address=address)
+            else:                         # no cluster: start a local Ray instance
+                ray.init(include_dashboard=False)
+        # a worker that dies is restarted once and its item retried there
+        opts: dict[str, Any] = {"num_cpus": num_cpus, "max_restarts": 1, "max_task_retries": 1}
+        if num_gpus:
+            opts["num_gpus"] = num_gpus
+        actor_cls = ray.remote(**opts)(_RayEvalWorker)
+        cfg_json = cfg.model_dump_json()
+        self.actors = [actor_cls.remote(cfg_json, list(kinds), list(warmup)) for _ in range(max(1, workers))]
+        self.where = ray.get([a.ready.remote() for a in self.actors])
+        self._ray = ray
+
+    def describe(self) -> str:
+        return f"ray ({len(self.actors)} actors: {', '.join(self.where)})"
+
+    def run(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, dict]]:
+        ray = self._ray
+        todo = list(items)[::-1]
+        free = list(self.actors)
+        pending: dict[Any, tuple[EvalItem, Any]] = {}
+        while todo or pending:
+            while todo and free:
+                item, actor = todo.pop(), free.pop()
+                pending[actor.answer.remote(item.as_dict())] = (item, actor)
+            done, _ = ray.wait(list(pending), num_returns=1)
+            item, actor = pending.pop(done[0])
+            free.append(actor)
+            yield item, ray.get(done[0])
+
+    def close(self) -> None:
+        for a in self.actors:
+            self._ray.kill(a)
+
+
+class RequestFnBackend:
+    """Adapter for any ``fn(request: dict) -> RalmResult.as_dict()`` callable, e.g. the
+    serving layer's ``Coordinator.run`` through its pool, or an HTTP client of the native
+    API. Runs up to ``concurrency`` requests at once in threads."""
+
+    def __init__(self, fn: Callable[[dict], dict], name: str = "request-fn", concurrency: int = 1,
+                 describe: str = ""):
+        self.fn, self.name, self.concurrency = fn, name, max(1, concurrency)
+        self._describe = describe or name
+
+    def describe(self) -> str:
+        return self._describe
+
+    def run(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, dict]]:
+        from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+        todo = list(items)[::-1]
+        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="eval-req") as ex:
+            pending = {}
+            while todo or pending:
+                while todo and len(pending) < self.concurrency:
+                    item = todo.pop()
+                    pending[ex.submit(self.fn, item.request())] = item
+                done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+                for fut in done:
+                    yield pending.pop(fut), fut.result()
+
+    def close(self) -> None:
+        pass
+
+
+BackendFactory = Callable[[Any, Sequence[str], argparse.Namespace, Sequence[str]], EvalBackend]
+_BACKENDS: dict[str, BackendFactory] = {}
+
+
+def register_backend(name: str, factory: BackendFactory) -> None:
+    """Make ``--backend NAME`` available: ``factory(cfg, kinds, args, warmup_questions)``."""
+    _BACKENDS[name] = factory
+
+
+register_backend("local", lambda cfg, kinds, args, warm: LocalBackend(cfg, kinds, warm))
+register_backend("ray", lambda cfg, kinds, args, warm: RayBackend(
+    cfg, kinds, workers=args.workers, num_cpus=args.worker_cpus, num_gpus=args.worker_gpus, warmup=warm))
+
+
+def in_ray_job() -> bool:
+    return RAY_JOB_ENV in os.environ
+
+
+def choose_backend(name: str) -> str:
+    if name == "auto":
+        return "ray" if in_ray_job() else "local"
+    if name not in _BACKENDS:
+        from ralm.errors import ConfigError
+        raise ConfigError(f"unknown eval backend {name!r}: choose auto or one of {', '.join(sorted(_BACKENDS))}")
+    return name
+
+
+# ====================================================================== the job
+def fingerprint(cfg) -> dict:
+    """Everything that changes an item's result: a job may only resume with the same."""
+    return {
+        "corpus": str(cfg.corpus),
+        "generator": cfg.generator.model_dump(mode="json", exclude={"device", "torch_threads", "doc_kv_cache_bytes"}),
+        "retriever": cfg.retriever.model_dump(mode="json", exclude={"kind", "index_dir"}),
+        "request": cfg.request.model_dump(mode="json"),
+    }
+
+
+def default_job_id(fp: dict, questions_path: str) -> str:
+    blob = json.dumps({"fp": fp, "questions": questions_path}, sort_keys=True)
+    return "eval-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+class JobMismatch(ValueError):
+    pass
+
+
+def check_resume(stored: dict, meta: dict, job_id: str) -> None:
+    if stored.get("fingerprint") != meta["fingerprint"]:
+        diff = sorted(k for k in set(stored.get("fingerprint", {})) | set(meta["fingerprint"])
+                      if stored.get("fingerprint", {}).get(k) != meta["fingerprint"].get(k))
+        raise JobMismatch(
+            f"job {job_id!r} was started with a different setup ({', '.join(diff) or 'unknown'} "
+            f"differ); results would not be comparable. Use a new --job-id, or the original settings.")
+
+
+@dataclass
+class RunReport:
+    job_id: str
+    run_id: str
+    total: int
+    skipped: int
+    computed: int
+    computed_keys: list[str]
+    wall_s: float
+
+
+def run_items(store, job_id: str, run_id: str, items: Sequence[EvalItem], backend: EvalBackend,
+              progress: bool = True) -> RunReport:
+    """Answer every item not yet recorded under ``job_id`` and record it as it finishes."""
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    done = store.finished_items(job_id)
+    todo = [it for it in items if it.key not in done]
+    skipped = len(items) - len(todo)
+    computed: list[str] = []
+    bar = tqdm(total=len(items), initial=skipped, desc=f"eval {job_id}", unit="req",
+               disable=not progress, dynamic_ncols=True)
+    try:
+        for item, result in backend.run(todo):
+            row = {**item.as_dict(), "key": item.key, "method": item.method, **result,
+                   "run_id": run_id, "recorded_at": time.time()}
+            store.record_item(job_id, item.key, row)
+            computed.append(item.key)
+            bar.update(1)
+            if "error" in result:
+                log.warning("item %s failed: %s", item.key, result["error"])
+    finally:
+        bar.close()
+    return RunReport(job_id, run_id, len(items), skipped, len(computed), computed, time.perf_counter() - t0)
+
+
+# ====================================================================== reports
+def _result_from_row(row: dict):
+    from ralm.results import RalmResult, RequestStats
+
+    names = {f.name for f in dataclasses.fields(RequestStats)}
+    stats = RequestStats(**{k: v for k, v in row["stats"].items() if k in names})
+    return RalmResult(row.get("text", ""), list(row["tokens"]), stats, row.get("finish_reason", "length"))
+
+
+def build_report(rows_by_key: dict[str, dict], items: Sequence[EvalItem], configs: Sequence[str],
+                 kinds: Sequence[str]) -> tuple[list[dict], list[dict], dict]:
+    """(per-request rows in item order, summary rows, counts) from stored results."""
+    from cluster.bench import ConfigRuns, summarize
+
+    out_rows: list[dict] = []
+    counts = {"items": len(items), "recorded": 0, "missing": 0, "errors": 0, "compared": 0,
+              "identical": 0, "different": 0}
+    seq_of: dict[tuple[int, str], dict] = {}
+    for it in items:
+        row = rows_by_key.get(it.key)
+        if row is not None and it.config == SEQ:
+            seq_of[(it.qid, it.retriever)] = row
+    summary: list[dict] = []
+    for kind in kinds:
+        base = ConfigRuns("RaLMSeq")
+        runs = {c: ConfigRuns(c) for c in configs}
+        for it in (i for i in items if i.retriever == kind):
+            row = rows_by_key.get(it.key)
+            if row is None:
+                counts["missing"] += 1
+                continue
+            counts["recorded"] += 1
+            row = dict(row)
+            if "error" in row:
+                counts["errors"] += 1
+                row["identical"] = None
+                out_rows.append(row)
+                continue
+            seq = seq_of.get((it.qid, it.retriever))
+            if it.config == SEQ:
+                row["identical"] = True
+            elif seq is None or "error" in seq:
+                row["identical"] = None          # baseline missing or failed: nothing to compare
+            else:
+                row["identical"] = row["tokens"] == seq["tokens"]
+                counts["compared"] += 1
+                counts["identical" if row["identical"] else "different"] += 1
+                if not row["identical"]:
+                    n = next((i for i, (a, b) in enumerate(zip(row["tokens"], seq["tokens"])) if a != b),
+                             min(len(row["tokens"]), len(seq["tokens"])))
+                    row["first_difference"] = n
+            out_rows.append(row)
+        # summary only over questions whose baseline and every config are recorded
+        qtext = {it.qid: it.question for it in items if it.retriever == kind}
+        complete = [q for q in sorted(qtext)
+                    if all(_ok(rows_by_key.get(EvalItem(q, qtext[q], kind, c).key))
+                           for c in (SEQ, *configs))]
+        for q in complete:
+            question = qtext[q]
+            s = rows_by_key[EvalItem(q, question, kind, SEQ).key]
+            base.results.append(_result_from_row(s))
+            base.identical.append(True)
+            for c in configs:
+                r = rows_by_key[EvalItem(q, question, kind, c).key]
+                runs[c].results.append(_result_from_row(r))
+                runs[c].identical.append(r["tokens"] == s["tokens"])
+        if complete:
+            rows = [summarize(base, base)] + [summarize(base, runs[c]) for c in configs]
+            for r in rows:
+                r["retriever"] = kind
+            summary += rows
+    return out_rows, summary, counts
+
+
+def _ok(row: Optional[dict]) -> bool:
+    return row is not None and "error" not in row
+
+
+def write_outputs(out: Path, job_id: str, store, items: Sequence[EvalItem], configs: Sequence[str],
+                  kinds: Sequence[str], notes: list[str]) -> dict:
+    from cluster.bench import markdown_table, plot
+
+    rows_by_key = store.job_results(job_id)
+    per_req, summary, counts = build_report(rows_by_key, items, configs, kinds)
+    runs = sorted({r.get("run_id") for r in per_req if r.get("run_id")})
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.jsonl", "w", encoding="utf-8") as fh:
+        for r in per_req:
+            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+    notes = notes + [
+        f"Job `{job_id}`: {counts['recorded']}/{counts['items']} requests recorded "
+        f"(computed over {len(runs)} run(s)), {counts['errors']} errors; RaLMSpec outputs identical to "
+        f"RaLMSeq: {counts['identical']}/{counts['compared']}."]
+    if counts["missing"]:
+        notes.append(f"INCOMPLETE: {counts['missing']} requests are not recorded yet; rerun with "
+                     f"--job-id {job_id} to finish.")
+    md = markdown_table(summary, notes) if summary else "\n".join(notes) + "\n"
+    (out / "summary.md").write_text(md, encoding="utf-8")
+    (out / "summary.json").write_text(json.dumps(
+        {"job_id": job_id, "notes": notes, "counts": counts, "runs": runs, "summary": summary}, indent=1))
+    if summary:
+        plot(summary, out / "latency.png")
+    return {"counts": counts, "summary": summary, "markdown": md}
+
+
+# ====================================================================== CLI
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    """Eval-specific flags (the common ones come from ``cluster.cli._base_parser``)."""
+    p.add_argument("--questions", type=Path, help="JSONL with a 'question' field (default: the demo set)")
+    p.add_argument("-n", "--num-questions", type=int, default=None, help="use the first N questions (default: all)")
+    p.add_argument("--retrievers", default=DEFAULT_RETRIEVERS, help="comma-separated subset of edr,adr,sr")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help="RaLMSpec configurations, comma-separated: base, any of P/S/A, or s=N (RaLMSeq always runs)")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--state-url", default=None,
+                   help="state store for progress and results: redis://host:6379/0 (password from "
+                        "$RALMSPEC_REDIS_PASSWORD / $RALMSPEC_REDIS_PASSWORD_FILE), sqlite:///path.db, or "
+                        "memory:// (not resumable). Default: $RALMSPEC_STATE_URL, else sqlite://OUT/state.sqlite")
+    p.add_argument("--job-id", default=None,
+                   help="resume/identify the job; default: derived from the setup, so rerunning the same command resumes")
+    p.add_argument("--out", type=Path, default=Path("eval-out"), help="output directory")
+    p.add_argument("--backend", default="auto",
+                   help="auto (ray inside a Ray job, else local), local, ray, or a registered backend")
+    p.add_argument("--workers", type=int, default=1, help="ray backend: number of pipeline actors")
+    p.add_argument("--worker-cpus", type=float, default=1.0, help="ray backend: CPUs per actor")
+    p.add_argument("--worker-gpus", type=float, default=0.0, help="ray backend: GPUs per actor")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up questions per backend worker")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def eval_main(args: argparse.Namespace) -> int:
+    from cache.state import STATE_URL_ENV, StateStoreError, open_state_store
+    from cluster.bench import parse_config
+    from cluster.cli import load_config
+    from ralm import constants as C
+    from ralm.corpus import load_questions
+    from ralm.pipeline import check_kind
+
+    cfg = load_config(args)
+    kinds = tuple(check_kind(k.strip()) for k in args.retrievers.split(",") if k.strip())
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if not kinds or not configs:
+        from ralm.errors import ConfigError
+        raise ConfigError("--retrievers and --configs must each name at least one entry")
+    for c in configs:
+        parse_config(c)                                   # fail fast on a bad name
+    qpath = Path(args.questions or C.DEMO_QUESTIONS)
+    questions = load_questions(qpath, limit=args.num_questions)
+    items = make_items(questions, kinds, configs)
+    out: Path = args.out
+    url = args.state_url or os.environ.get(STATE_URL_ENV) or f"sqlite://{out.resolve() / 'state.sqlite'}"
+    fp = fingerprint(cfg)
+    job_id = args.job_id or default_job_id(fp, str(qpath.resolve()))
+    run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    progress = not args.no_progress
+    try:
+        store = open_state_store(url)
+    except StateStoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with store:
+        if not store.durable:
+            print("warning: the memory state store is not durable; a killed job cannot be resumed",
+                  file=sys.stderr)
+        meta = {"fingerprint": fp, "questions": str(qpath), "created_at": time.time(),
+                "created_by": f"{socket.gethostname()}:{os.getpid()}"}
+        try:
+            check_resume(store.init_job(job_id, meta), meta, job_id)
+        except StateStoreError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        done = store.finished_items(job_id)
+        todo = sum(1 for it in items if it.key not in done)
+        print(f"job {job_id}: {len(items)} requests ({len(questions)} questions x {len(kinds)} retrievers x "
+              f"(RaLMSeq + {len(configs)} configs)); {len(items) - todo} already recorded in "
+              f"{store.describe()}; run {run_id}", file=sys.stderr)
+        report = RunReport(job_id, run_id, len(items), len(items), 0, [], 0.0)
+        try:
+            if todo:
+                name = choose_backend(args.backend)
+                warm = questions[: max(0, args.warmup)]
+                backend = _BACKENDS[name](cfg, kinds, args, warm)
+                print(f"backend: {backend.describe()}", file=sys.stderr)
+                try:
+                    report = run_items(store, job_id, run_id, items, backend, progress=progress)
+                finally:
+                    backend.close()
+            notes = [f"# ralmspec eval: {len(questions)} questions from {qpath}, corpus {cfg.corpus}, "
+                     f"generator {cfg.generator.model}, k={cfg.request.generation_stride}, "
+                     f"max_new_tokens={cfg.request.max_new_tokens}"]
+            if "edr" in kinds and cfg.retriever.pad_to:
+                notes.append(f"Note: the EDR flat index is padded to {cfg.retriever.pad_to:,} rows with random "
+                             f"vectors that never outrank a real passage, to emulate Wikipedia-scale search "
+                             f"cost; results are unchanged.")
+            res = write_outputs(out, job_id, store, items, configs, kinds, notes)
+        except StateStoreError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 3
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    (out / "runs" / f"{run_id}.json").write_text(json.dumps(dataclasses.asdict(report), indent=1))
+    counts = res["counts"]
+    print(res["markdown"])
+    print(f"run {run_id}: computed {report.computed}, skipped {report.skipped} already recorded; "
+          f"wrote {out}/results.jsonl, summary.md, summary.json" + (", latency.png" if res["summary"] else ""))
+    if counts["different"]:
+        print(f"FAIL: {counts['different']} RaLMSpec outputs differ from RaLMSeq", file=sys.stderr)
+        return 1
+    if counts["missing"]:
+        return 3
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from cluster.cli import _base_parser
+
+    p = argparse.ArgumentParser(prog="ralmspec eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _base_parser(p)
+    add_eval_args(p)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m cluster.eval_job ...``: the same as ``ralmspec eval ...``."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    from ralm.corpus import CorpusError
+    from ralm.errors import ConfigError, RalmInputError
+    try:
+        return eval_main(args)
+    except (RalmInputError, ConfigError, CorpusError, JobMismatch) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
