@@ -3,6 +3,7 @@
     ralmspec index    --retriever edr|adr|sr|all     build indexes (progress bars, manifest)
     ralmspec generate --retriever edr "question"     answer one question, print statistics
     ralmspec bench    ...                            side-by-side RaLMSeq vs RaLMSpec benchmark
+    ralmspec bench-gen ...                           doc-KV reuse and drafting benchmark
     ralmspec eval     --questions FILE ...           resumable batch evaluation (local or `ray job submit`)
     ralmspec k8s                                     regenerate KubeRay manifests from serve_config.yaml
     ralmspec assets   corpus|questions|train|fixtures  rebuild the shipped demo assets
@@ -51,15 +52,18 @@ def load_config(args: argparse.Namespace) -> RalmConfig:
 
 
 def cmd_index(args) -> int:
+    from ralm.errors import ConfigError
     from ralm.corpus import Corpus
     from ralm.pipeline import RETRIEVER_KINDS, check_kind
     from ralm.retrieval.index_build import build_index
 
     cfg = load_config(args)
     kinds = RETRIEVER_KINDS if args.retriever == "all" else (check_kind(args.retriever),)
+    if args.index_dir and len(kinds) != 1:
+        raise ConfigError("--index-dir needs a single --retriever (edr, adr or sr)")
     corpus = Corpus.load(cfg.corpus)
     for kind in kinds:
-        out = cfg.index_dir(kind)
+        out = args.index_dir or cfg.index_dir(kind)
         rcfg = cfg.retriever.model_copy(update={"kind": kind})
         print(f"building {kind} index over {len(corpus)} passages -> {out}", file=sys.stderr)
         build_index(kind, corpus, out, rcfg, progress=True)
@@ -110,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     pi = sub.add_parser("index", help="build retrieval indexes")
     _base_parser(pi)
     pi.add_argument("--retriever", default="all", help="edr, adr, sr or all")
+    pi.add_argument("--index-dir", type=Path, help="output directory (default <work-dir>/indexes/<kind>)")
     pi.set_defaults(func=cmd_index)
 
     pg = sub.add_parser("generate", help="answer one question and print its statistics")
@@ -127,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.bench import add_bench_args
     add_bench_args(pb)
     pb.set_defaults(func=cmd_bench)
+
+    from cluster.gen_bench import add_gen_bench_args, gen_bench_main
+    pgb = sub.add_parser("bench-gen", help="generation-side benchmark: doc-KV reuse, n-gram vs dense drafting")
+    add_gen_bench_args(pgb)
+    pgb.set_defaults(func=gen_bench_main)
 
     from cluster.eval_job import add_eval_args, eval_main
     pe = sub.add_parser("eval", help="resumable batch evaluation, RaLMSeq vs RaLMSpec (also under `ray job submit`)")

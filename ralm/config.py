@@ -70,6 +70,38 @@ class RequestConfig(_Strict):
     generation_stride: int = Field(C.GENERATION_STRIDE, ge=1, description="k: tokens generated per retrieval.")
     query_window: int = Field(C.QUERY_WINDOW_TOKENS, ge=1, description="Query = decoded last N tokens of question + generated text.")
     ignore_eos: bool = Field(False, description="Never stop at EOS: the EOS logit is masked, so every request generates max_new_tokens (fixed-length workloads for benchmarks, as in the RaLMSpec paper).")
+    # ---- generation-side acceleration (DESIGN.md: IDR2, DReSD); exact unless stated ----
+    num_docs: int = Field(C.NUM_DOCS, ge=1, le=8, description="Documents per prompt: [doc1]..[docn][context] with the KB's top-n in rank order. Their KV is reused through the doc-KV prefix tree (longest cached prefix of the document sequence); exact.")
+    drafting: Literal["none", "ngram", "dense"] = Field("none", description="Draft tokens inside a step and verify them in one forward pass: 'ngram' (IGPG: copy from the documents/question), 'dense' (DReSD: hidden-state datastore attached to the engine). Same greedy tokens as 'none' up to float32 near-ties (a multi-token forward rounds differently).")
+    ngram_n: int = Field(C.NGRAM_N, ge=1, description="n-gram drafting: match the last N tokens of the context.")
+    ngram_min_n: int = Field(C.NGRAM_MIN_N, ge=1, description="n-gram drafting: back off to matches down to this length.")
+    ngram_m: int = Field(C.NGRAM_M, ge=1, description="n-gram drafting: tokens proposed per draft.")
+    dense_num_drafts: int = Field(C.DENSE_NUM_DRAFTS, ge=1, description="dense drafting: drafts verified together in one batched forward pass.")
+    dense_draft_len: int = Field(C.DENSE_DRAFT_LEN, ge=1, description="dense drafting: tokens per draft.")
+    dense_candidates: int = Field(C.DENSE_CANDIDATES, ge=1, description="dense drafting: datastore neighbours fetched before keeping those whose first token is the model's next token.")
+    workload: Literal["fixed", "flare", "iter_retgen"] = Field("fixed", description="Retrieval trigger/query: 'fixed' (every generation_stride tokens, query = last query_window tokens), 'flare' (a step ends before the first low-confidence token, then re-retrieve; generation_stride caps a step), 'iter_retgen' (iter_retgen_iterations iterations; query = question + the previous iteration's whole generation). All exact under RaLMSpec.")
+    flare_threshold: float = Field(C.FLARE_THRESHOLD, gt=0, lt=1, description="FLARE: a token whose greedy probability is below this ends the step (it is regenerated after a new retrieval).")
+    iter_retgen_iterations: int = Field(C.ITER_RETGEN_ITERATIONS, ge=1, description="Iter-RetGen: number of iterations; each generates ceil(max_new_tokens / iterations) tokens.")
+    idgr: bool = Field(False, description="IDGR instruction block (IDR2) listing related and unrelated doc ids and their relevance rank before the context. CHANGES OUTPUTS (a different prompt); off by default.")
+    idgr_unrelated: int = Field(C.IDGR_UNRELATED, ge=0, description="IDGR: lower-ranked retrieved doc ids listed as unrelated.")
+    allow_inexact_shifted_reuse: bool = Field(False, description="IDR2 position-shifted doc-KV reuse: reuse a document's stand-alone KV at a later position in a multi-document prompt without recomputation. INEXACT: CHANGES OUTPUTS; off by default.")
+
+
+class KnnLMConfig(_Strict):
+    """KNN-LM (token-level iterative RaLM): datastore, retrieval and interpolation."""
+    k: int = Field(C.KNN_K, ge=1, le=C.KNN_MAX_K, description="Nearest datastore entries retrieved per generated token (1..1024).")
+    temperature: float = Field(C.KNN_TEMPERATURE, gt=0, description="T in p_knn(y) ~ sum over neighbours with value y of exp(-dist/T); dist is the exact float64 squared L2 distance.")
+    lmbda: float = Field(C.KNN_LAMBDA, ge=0, le=1, description="lambda: next token = argmax(lambda p_knn + (1 - lambda) p_lm), ties to the lowest token id.")
+    index: Literal["flat", "hnsw"] = Field("flat", description="Datastore index: flat (exact, FAISS IndexFlatL2) or hnsw (approximate, FAISS IndexHNSWFlat L2); both re-scored exactly.")
+    hnsw_m: int = Field(C.HNSW_M, ge=4, le=256, description="HNSW graph degree M (index=hnsw).")
+    hnsw_ef_construction: int = Field(C.HNSW_EF_CONSTRUCTION, ge=8, description="HNSW efConstruction (index=hnsw).")
+    hnsw_ef_search: int = Field(C.HNSW_EF_SEARCH, ge=8, description="HNSW efSearch (index=hnsw); FAISS uses max(efSearch, candidates asked).")
+    pad_to: int = Field(0, ge=0, description="flat only: pad the index with far-away random vectors up to this many rows to emulate a large datastore's search cost (never returned; results unchanged; reported wherever used).")
+    rerank_margin: int = Field(C.KNN_RERANK_MARGIN, ge=1, description="Extra candidates (at least; k/8 for large k) fetched before exact float64 re-scoring.")
+    spatial_next: int = Field(C.KNN_SPATIAL_NEXT, ge=0, description="n: after each KB retrieval, the retrieved entries and the n entries after each (same passage) go into the speculative cache.")
+    cache_max_entries: int = Field(0, ge=0, description="Speculative cache capacity in entries (oldest evicted first); 0: max(KNN_CACHE_MIN_ENTRIES, 2 k (n + 1)).")
+    max_passage_tokens: int = Field(C.KNN_MAX_PASSAGE_TOKENS, ge=2, description="Datastore build: each passage is truncated to this many tokens.")
+    datastore_dir: Optional[Path] = Field(None, description="Directory of a built datastore (with manifest.json). None: <work_dir>/knn-datastore.")
 
 
 class RalmConfig(_Strict):

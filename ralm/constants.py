@@ -34,7 +34,31 @@ PAD_VECTOR_NORM = 1e-3        # norm of padding vectors: they cost a scan but (a
 
 # ---- engine ----
 DOC_KV_CACHE_BYTES = 256 * 2**20
+# ---- generation-side acceleration (DESIGN.md: IDR2, DReSD) ----
+NUM_DOCS = 1                  # documents per prompt ([doc1]..[docn][context]); prefix-reused KV
+NGRAM_N = 5                   # IGPG: match the last N tokens (IDR2's best N=5) ...
+NGRAM_MIN_N = 2               # ... backing off to shorter matches down to this length
+NGRAM_M = 7                   # ... and propose the M tokens that follow (IDR2's best M=7)
+DENSE_NUM_DRAFTS = 3          # DReSD: drafts verified in one batched forward (paper's best: 3 x 20)
+DENSE_DRAFT_LEN = 20
+DENSE_CANDIDATES = 16         # neighbours fetched from the datastore before the first-token filter
+DENSE_PCA_DIM = 64            # keys: z-score, PCA to this many dims, L2 norm
+FLARE_THRESHOLD = 0.4         # FLARE: re-retrieve when a token's probability falls below this
+ITER_RETGEN_ITERATIONS = 4    # Iter-RetGen: fixed number of retrieval-generation iterations
+IDGR_UNRELATED = 2            # IDGR: lower-ranked doc ids listed as unrelated
+DIVERGENCE_GAP = 1e-3         # a drafted/plain divergence is a float near-tie below this top-2 logit gap
 TORCH_THREADS = 1             # 1 avoids oversubscription (FAISS/Lucene/other requests share the cores)
+
+# ---- KNN-LM (token level; DESIGN.md "KNN-LM"; RaLMSpec paper section 5.3) ----
+KNN_K = 16                    # neighbours retrieved per token (1..1024)
+KNN_MAX_K = 1024
+KNN_TEMPERATURE = 1.0         # p_knn(y) ~ sum_{v_j = y} exp(-dist_j / T), dist = squared L2
+KNN_LAMBDA = 0.25             # next token = argmax(lambda p_knn + (1 - lambda) p_lm) (Khandelwal et al.)
+KNN_SPATIAL_NEXT = 10         # n: entries after each retrieved one inserted into the speculative cache
+KNN_CACHE_MIN_ENTRIES = 4096  # speculative cache capacity = max(this, 2 k (n + 1)) unless set
+KNN_MAX_PASSAGE_TOKENS = 256  # datastore: a passage is truncated to this many tokens
+KNN_PAD_NORM_FACTOR = 1e3     # L2 padding vectors: norm = this x the largest key norm (never in a top-k)
+KNN_RERANK_MARGIN = 16        # extra candidates (at least; k/8 for large k) before exact re-scoring
 
 # ---- paths ----
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent

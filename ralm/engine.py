@@ -1,6 +1,8 @@
 """Deterministic LM engine: the step ``f(doc, context_tokens, k) -> tokens`` of DESIGN.md.
 
-Prompt layout: ``[doc <= max_doc_tokens][question + generated so far]``. A step
+Prompt layout: ``[doc <= max_doc_tokens][question + generated so far]``, or with several
+documents ``[doc1]..[docn][context]`` (their KV computed document by document and reused
+through the doc-KV prefix tree, :mod:`ralm.drafting.kv`). A step
 
 1. takes the document's KV, computed from the document tokens alone and reused by
    token ids from a byte-bounded LRU (exact: the document is the prefix);
@@ -8,20 +10,24 @@ Prompt layout: ``[doc <= max_doc_tokens][question + generated so far]``. A step
 3. decodes up to ``k`` tokens greedily (argmax; ties go to the lowest token id, which is
    what ``torch.argmax`` returns), stopping at EOS (EOS itself is not returned).
 
+Options (:class:`ralm.drafting.StepOptions`): n-gram / dense drafting (same greedy tokens
+up to float32 near-ties) and the FLARE stop; see :mod:`ralm.drafting.decode`.
+
 The result depends only on ``(doc tokens, context tokens, k)``: the same bits whether the
 doc KV came from the cache or was just computed, and whatever ran before.
 """
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from cache.doc_kv import DocKVCache
+from cache.doc_kv import DocPrefixTree
 from ralm.config import GeneratorConfig
+from ralm.drafting import DEFAULT_OPTIONS, StepOptions
+from ralm.drafting.kv import docs_past, segment_bytes
 from ralm.errors import RalmInputError
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -34,6 +40,15 @@ class StepOutput:
     prefill_s: float           # doc-KV (on a miss) + context prefill wall time
     decode_s: float            # incremental decode wall time
     doc_kv_hit: bool
+    # additive statistics (drafting, multi-document KV reuse, FLARE)
+    forward_passes: int = 0        # model forward passes, prefill included (doc KV excluded)
+    draft_rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    docs_reused: int = 0           # documents whose KV came from the doc-KV cache
+    docs_computed: int = 0
+    kv_bytes_reused: int = 0
+    low_confidence: bool = False   # FLARE: the step ended before a low-probability token
 
 
 def _kv_bytes(cache) -> int:
@@ -59,7 +74,8 @@ class LMEngine:
         self.eos_token_id: int | None = eos
         self.device = next(model.parameters()).device
         self.max_positions = self._max_positions(model.config)
-        self.doc_kv = DocKVCache(self.cfg.doc_kv_cache_bytes, _kv_bytes)
+        self.doc_kv = DocPrefixTree(self.cfg.doc_kv_cache_bytes, segment_bytes)
+        self.dense_store = None        # DenseDatastore for drafting='dense' (attach_dense_datastore)
         self._doc_tok_memo: dict[str, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ loading
@@ -128,30 +144,58 @@ class LMEngine:
         """A private copy of the document's KV (cache hit or fresh), and whether it hit."""
         if not doc:
             return None, False
-        if self.cfg.doc_kv_cache_bytes > 0:
-            kv, hit = self.doc_kv.get_or_compute(doc, lambda: self._compute_doc_kv(doc))
-        else:
-            kv, hit = self._compute_doc_kv(doc), False
-        return copy.deepcopy(kv), hit
+        past, info = docs_past(self, [doc])
+        return past, info.hit
+
+    def attach_dense_datastore(self, store) -> None:
+        """The :class:`ralm.drafting.dense.DenseDatastore` used by ``drafting='dense'``."""
+        self.dense_store = store
+
+    def _drafter(self, docs, context, opts: StepOptions):
+        if opts.drafting == "ngram":
+            from ralm.drafting.ngram import NGramDrafter
+            return NGramDrafter(docs, opts.ngram_n, opts.ngram_m, opts.ngram_min_n)
+        if opts.drafting == "dense":
+            from ralm.drafting.dense import DenseDrafter
+            if self.dense_store is None:
+                raise RalmInputError("drafting='dense' needs a datastore: engine.attach_dense_datastore(...)")
+            return DenseDrafter(self.dense_store, opts.dense_num_drafts, opts.dense_draft_len, opts.dense_candidates)
+        return None
 
     @torch.inference_mode()
-    def step(self, doc_text: str | None, context: Sequence[int], k: int, ignore_eos: bool = False) -> StepOutput:
+    def step(self, doc_text: str | Sequence[str] | None, context: Sequence[int], k: int, ignore_eos: bool = False,
+             options: StepOptions | None = None) -> StepOutput:
         """``f(doc, context, k)``: up to ``k`` greedy tokens after ``[doc][context]``.
 
+        ``doc_text`` may be a list of documents: the prompt is ``[doc1]..[docn][context]``.
         With ``ignore_eos`` the EOS logit is masked, so the step always yields ``k`` tokens.
+        ``options`` selects drafting / the FLARE stop (default: the plain greedy loop).
         """
+        opts = options or DEFAULT_OPTIONS
         if k <= 0:
             return StepOutput([], False, 0.0, 0.0, False)
         if not context:
             raise RalmInputError("context must contain at least one token")
-        doc = self.doc_tokens(doc_text) if doc_text else ()
-        if len(doc) + len(context) + k > self.max_positions:
+        texts = [doc_text] if isinstance(doc_text, str) else list(doc_text or [])
+        docs = [self.doc_tokens(t) for t in texts if t]
+        n_doc = sum(len(d) for d in docs)
+        if n_doc + len(context) + k > self.max_positions:
             raise RalmInputError(
-                f"document ({len(doc)}) + context ({len(context)}) + {k} new tokens exceed "
+                f"document ({n_doc}) + context ({len(context)}) + {k} new tokens exceed "
                 f"the model's {self.max_positions} positions"
             )
         t0 = time.perf_counter()
-        past, hit = self.doc_past(doc)
+        past, info = docs_past(self, docs, opts.allow_inexact_shifted_reuse)
+        kv = dict(docs_reused=info.docs_reused, docs_computed=info.docs_computed, kv_bytes_reused=info.bytes_reused)
+        if not opts.plain:
+            from ralm.drafting.decode import drafted_decode
+            r = drafted_decode(self, past, context, k, ignore_eos, opts, self._drafter(docs, context, opts))
+            t2 = time.perf_counter()
+            return StepOutput(r.tokens, r.eos, r.prefill_end - t0, t2 - r.prefill_end, info.hit,
+                              forward_passes=r.forward_passes, draft_rounds=r.draft_rounds,
+                              drafted_tokens=r.drafted_tokens, accepted_tokens=r.accepted_tokens,
+                              low_confidence=r.low_confidence, **kv)
+        hit = info.hit
         ids = torch.tensor([list(context)], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
         t1 = time.perf_counter()
@@ -176,4 +220,4 @@ class LMEngine:
             out = self.model(input_ids=step_ids, past_key_values=past, use_cache=True)
             logits, past = out.logits[0, -1], out.past_key_values
         t2 = time.perf_counter()
-        return StepOutput(tokens, eos, t1 - t0, t2 - t1, hit)
+        return StepOutput(tokens, eos, t1 - t0, t2 - t1, hit, forward_passes=max(1, len(tokens) + int(eos)), **kv)

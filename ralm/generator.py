@@ -36,7 +36,24 @@ class LocalGenerator:
     def decode(self, tokens: Sequence[int]) -> str:
         return self.engine.decode(tokens)
 
-    def step(self, doc_id: int | None, context: Sequence[int], k: int, ignore_eos: bool = False) -> StepOutput:
-        """``f`` on corpus passage ``doc_id`` (None: no document)."""
-        text = self.corpus.text(doc_id) if doc_id is not None else None
-        return self.engine.step(text, context, k, ignore_eos=ignore_eos)
+    def step(self, doc_id, context: Sequence[int], k: int, ignore_eos: bool = False,
+             options=None) -> StepOutput:
+        """``f`` on corpus passage ``doc_id`` (None: no document).
+
+        ``doc_id`` may be a tuple of ranked ids (``RequestConfig.num_docs`` > 1 or IDGR): the
+        first ``options.num_docs`` are the prompt's documents, the rest are only listed as
+        unrelated in the IDGR block. ``options``: :class:`ralm.drafting.StepOptions`.
+        """
+        if doc_id is None or isinstance(doc_id, (int,)) or not hasattr(doc_id, "__len__"):
+            text = self.corpus.text(doc_id) if doc_id is not None else None
+            if options is None:
+                return self.engine.step(text, context, k, ignore_eos=ignore_eos)
+            ids = [doc_id] if doc_id is not None else []
+        else:
+            ids = [int(d) for d in doc_id]
+        n = options.num_docs if options is not None else len(ids)
+        texts = [self.corpus.text(d) for d in ids[:n]]
+        if options is not None and options.idgr:
+            from ralm.drafting.idgr import idgr_block
+            texts.append(idgr_block(ids[:n], ids[n:]))
+        return self.engine.step(texts, context, k, ignore_eos=ignore_eos, options=options)

@@ -15,18 +15,13 @@ from ralm.errors import ConfigError
 from ralm.generator import LocalGenerator
 from ralm.results import RalmResult
 from ralm.retrieval.base import Retriever
+from ralm.retrieval.index_build import KINDS as RETRIEVER_KINDS, check_kind
 from ralm.seq import run_seq
 from ralm.spec import run_spec
 
 log = logging.getLogger(__name__)
 
-RETRIEVER_KINDS = ("edr", "adr", "sr")
-
-
-def check_kind(kind: str) -> str:
-    if kind not in RETRIEVER_KINDS:
-        raise ConfigError(f"unknown retriever {kind!r}: choose one of {', '.join(RETRIEVER_KINDS)}")
-    return kind
+__all__ = ["Pipeline", "RETRIEVER_KINDS", "check_kind"]
 
 
 @dataclass

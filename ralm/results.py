@@ -27,6 +27,46 @@ class RequestStats:
     total_time_s: float = 0.0
     doc_kv_hits: int = 0
     doc_ids: list[int] = field(default_factory=list)   # document used at each committed step
+    # ---- generation-side statistics (additive; summed over every step run, rolled back or not)
+    workload: str = "fixed"              # fixed | flare | iter_retgen
+    drafting: str = "none"               # none | ngram | dense
+    forward_passes: int = 0              # model forward passes (context prefill + decode/verify)
+    generated_tokens: int = 0            # tokens produced by those steps
+    draft_rounds: int = 0                # verify passes that carried a draft
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0             # draft tokens accepted
+    doc_kv_misses: int = 0               # documents whose KV had to be computed
+    doc_kv_docs_reused: int = 0          # documents whose KV came from the doc-KV cache
+    doc_kv_bytes_reused: int = 0
+    prefill_time_s: float = 0.0          # doc KV (misses) + context prefill
+    decode_time_s: float = 0.0
+    low_confidence_stops: int = 0        # FLARE: steps ended by a low-probability token
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / drafted tokens (drafting only)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+
+    @property
+    def tokens_per_forward(self) -> float | None:
+        return self.generated_tokens / self.forward_passes if self.forward_passes else None
+
+    def record_step(self, out) -> None:
+        """Add one step's generation statistics (any StepOutput; missing fields count 0)."""
+        g = lambda name: getattr(out, name, 0) or 0  # noqa: E731
+        self.forward_passes += g("forward_passes")
+        self.generated_tokens += len(out.tokens)
+        self.draft_rounds += g("draft_rounds")
+        self.drafted_tokens += g("drafted_tokens")
+        self.accepted_tokens += g("accepted_tokens")
+        self.doc_kv_misses += g("docs_computed")
+        self.doc_kv_docs_reused += g("docs_reused")
+        self.doc_kv_bytes_reused += g("kv_bytes_reused")
+        self.prefill_time_s += g("prefill_s")
+        self.decode_time_s += g("decode_s")
+        self.low_confidence_stops += int(bool(g("low_confidence")))
+    knn_k: int = 0                       # KNN-LM: neighbours per token (0: a document-level request)
+    cache_entries: int = 0               # KNN-LM: speculative cache size at the end of the request
 
     @property
     def speculation_accuracy(self) -> float | None:
@@ -37,6 +77,8 @@ class RequestStats:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["speculation_accuracy"] = self.speculation_accuracy
+        d["acceptance_rate"] = self.acceptance_rate
+        d["tokens_per_forward"] = self.tokens_per_forward
         return d
 
 

@@ -11,6 +11,7 @@ from ralm.config import RequestConfig
 from ralm.generator import Generator
 from ralm.results import RalmResult, RequestStats
 from ralm.retrieval.base import Retriever
+from ralm.workloads import call_step, doc_from_hits, make_query_fn, retrieval_depth, step_budget
 
 
 def query_text(gen: Generator, tokens: list[int], window: int) -> str:
@@ -37,18 +38,21 @@ def run_seq(question: str, gen: Generator, kb: Retriever, req: RequestConfig | N
     t_start = time.perf_counter()
     X = gen.encode_question(question)
     n_q = len(X)
-    stats = RequestStats(method="seq", retriever=getattr(kb, "name", ""))
+    stats = RequestStats(method="seq", retriever=getattr(kb, "name", ""), workload=req.workload,
+                         drafting=req.drafting)
+    query = make_query_fn(gen, req, n_q)          # workload's query (default: last query_window tokens)
     eos = False
     while not eos and len(X) - n_q < req.max_new_tokens:
-        hits = kb.search(query_text(gen, X, req.query_window), 1)
+        hits = kb.search(query(X), retrieval_depth(req))
         stats.kb_calls += 1
         stats.kb_queries += 1
-        doc_id = hits[0][0] if hits else None     # no hit (e.g. a BM25 query of stopwords): no document
-        k = min(req.generation_stride, req.max_new_tokens - (len(X) - n_q))
+        doc_id = doc_from_hits(hits, req)          # no hit (e.g. a BM25 query of stopwords): no document
+        k = step_budget(req, len(X) - n_q)
         t0 = time.perf_counter()
-        out = gen.step(doc_id, X, k, ignore_eos=req.ignore_eos)
+        out = call_step(gen, doc_id, X, k, req)
         stats.gen_time_s += time.perf_counter() - t0
         stats.doc_kv_hits += int(out.doc_kv_hit)
+        stats.record_step(out)
         stats.steps += 1
         stats.doc_ids.append(doc_id)
         X = X + out.tokens

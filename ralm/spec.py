@@ -26,7 +26,8 @@ from ralm.generator import Generator
 from ralm.os3 import StrideScheduler
 from ralm.results import RalmResult, RequestStats
 from ralm.retrieval.base import Hit, Retriever
-from ralm.seq import finish, query_text
+from ralm.seq import finish
+from ralm.workloads import call_step, doc_from_hits, make_query_fn, retrieval_depth, step_budget
 
 _POOL: ThreadPoolExecutor | None = None
 
@@ -67,11 +68,14 @@ class _SpecRun:
         self.eos = False
         self.committed: list[_Step] = []     # verified or not-yet-verified steps, in order
         self.cache = cache if cache is not None else SpeculativeCache(kb.scorer)
-        self.p = spec.prefetch_size if spec.prefetch else 1
+        self.depth = retrieval_depth(req)      # ranked ids a step uses (1 unless num_docs > 1 / IDGR)
+        self.p = max(spec.prefetch_size if spec.prefetch else 1, self.depth)
+        self.query = make_query_fn(gen, req, self.n_q)
         self.sched = StrideScheduler(spec)
         name = "".join(c for c, on in (("P", spec.prefetch), ("S", spec.adaptive_stride),
                                          ("A", spec.async_verify)) if on) or "base"
-        self.stats = RequestStats(method=f"spec[{name}]", retriever=getattr(kb, "name", ""))
+        self.stats = RequestStats(method=f"spec[{name}]", retriever=getattr(kb, "name", ""),
+                                  workload=req.workload, drafting=req.drafting)
 
     # ---- helpers
     @property
@@ -81,10 +85,11 @@ class _SpecRun:
     def _generate(self, doc_id: int | None) -> tuple[int, bool]:
         """Run f(doc, X, k) and append its tokens; returns (mark, eos)."""
         mark = len(self.X)
-        k = min(self.req.generation_stride, self.req.max_new_tokens - (mark - self.n_q))
+        k = step_budget(self.req, mark - self.n_q)
         t0 = time.perf_counter()
-        out = self.gen.step(doc_id, self.X, k, ignore_eos=self.req.ignore_eos)
+        out = call_step(self.gen, doc_id, self.X, k, self.req)
         dt = time.perf_counter() - t0
+        self.stats.record_step(out)
         self.stats.gen_time_s += dt
         self.sched.record_generation(dt)
         self.stats.doc_kv_hits += int(out.doc_kv_hit)
@@ -97,11 +102,10 @@ class _SpecRun:
 
     def speculative_step(self) -> _Step:
         t0 = time.perf_counter()
-        q = query_text(self.gen, self.X, self.req.query_window)
+        q = self.query(self.X)
         rep = self.kb.scorer.encode([q])[0]
-        top = self.cache.top1(rep)
+        doc_id = doc_from_hits(self.cache.search(rep, self.depth), self.req)
         self.stats.cache_lookups += 1
-        doc_id = top[0] if top else None
         mark, eos = self._generate(doc_id)
         self.stats.spec_steps += 1
         self.sched.record_step(time.perf_counter() - t0)
@@ -120,17 +124,17 @@ class _SpecRun:
     def direct_step(self) -> None:
         """s = 0: a plain RaLMSeq step (KB top-1, then f), with the cache's guess recorded."""
         st = self.stats
-        q = query_text(self.gen, self.X, self.req.query_window)
+        q = self.query(self.X)
         t0 = time.perf_counter()
-        guess = self.cache.top1(self.kb.scorer.encode([q])[0])
+        guess = doc_from_hits(self.cache.search(self.kb.scorer.encode([q])[0], self.depth), self.req)
         hits = self.kb.search(q, self.p)
         b = time.perf_counter() - t0
         st.kb_calls += 1
         st.kb_queries += 1
         st.direct_steps += 1
         self._add_to_cache([hits])
-        doc_id = hits[0][0] if hits else None
-        self.sched.record_direct((guess[0] if guess else None) == doc_id, b)
+        doc_id = doc_from_hits(hits, self.req)
+        self.sched.record_direct(guess == doc_id, b)
         self._generate(doc_id)
         st.steps += 1
         st.doc_ids.append(doc_id)
@@ -144,7 +148,7 @@ class _SpecRun:
     def run(self, executor: Executor) -> RalmResult:
         st = self.stats
         # Warm the cache with the KB's answer for the first query.
-        first = self.kb.search(query_text(self.gen, self.X, self.req.query_window), self.p)
+        first = self.kb.search(self.query(self.X), self.p)
         st.kb_calls += 1
         st.kb_queries += 1
         self._add_to_cache([first])
@@ -173,7 +177,7 @@ class _SpecRun:
             st.strides.append(len(window))
             self._add_to_cache(truth)
             mismatch = next((i for i, (w, t) in enumerate(zip(window, truth))
-                             if w.doc_id != (t[0][0] if t else None)), None)
+                             if w.doc_id != doc_from_hits(t, self.req)), None)
             if mismatch is None:
                 matched = len(window)
                 st.matched_steps += matched
@@ -192,7 +196,7 @@ class _SpecRun:
                     st.async_steps_discarded += 1
                 bad = window[mismatch]
                 self.rollback_to(bad)
-                right = truth[mismatch][0][0] if truth[mismatch] else None
+                right = doc_from_hits(truth[mismatch], self.req)
                 self._generate(right)                   # correction step with the KB's document
                 st.steps += 1
                 st.doc_ids.append(right)

@@ -1,0 +1,125 @@
+"""The speculative cache of KNN-LM: datastore entries a request is likely to need next.
+
+After each KB retrieval the retrieved entries **and the next n entries after each**
+(same passage; spatial locality: if the context matched entry i, the next context
+likely matches entry i + 1) are inserted. A speculative step asks the cache for its
+``k`` nearest entries, ranked with the KB's exact distance and tie-break
+(:func:`ralm.knnlm.metric.l2_distances`, then entry id), so when the KB's neighbours
+are all cached, the cache returns the KB's list exactly.
+
+Storage: a ring buffer of at most ``capacity`` entries (first in, first out; a
+re-inserted entry keeps its place), keys copied once at insertion. Search: FAISS brute
+force L2 over the buffer for candidates, then the same exact re-scoring and boundary
+expansion as the KB (:func:`ralm.knnlm.retriever.exact_knn`).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from ralm import constants as C
+from ralm.knnlm.datastore import Datastore
+from ralm.knnlm.metric import Hit, l2_distances
+from ralm.knnlm.retriever import exact_knn, margin_for
+
+
+def default_capacity(k: int, n_next: int) -> int:
+    return max(C.KNN_CACHE_MIN_ENTRIES, 2 * int(k) * (int(n_next) + 1))
+
+
+class KnnEntryCache:
+    def __init__(self, datastore: Datastore, n_next: int = C.KNN_SPATIAL_NEXT,
+                 capacity: int = C.KNN_CACHE_MIN_ENTRIES, rerank_margin: int = C.KNN_RERANK_MARGIN):
+        self.ds = datastore
+        self.n_next = int(n_next)
+        self.capacity = int(capacity)
+        self.rerank_margin = int(rerank_margin)
+        self._keys = np.empty((self.capacity, datastore.dim), dtype=np.float32)
+        self._ids = np.full(self.capacity, -1, dtype=np.int64)
+        self._slot_of = np.full(len(datastore), -1, dtype=np.int64)   # entry id -> ring slot
+        self._pos = 0                       # next ring slot
+        self._filled = 0
+        self.inserted = 0                   # entries ever added
+        self._key_scale = datastore.max_norm ** 2
+
+    def __len__(self) -> int:
+        return self._filled
+
+    def __contains__(self, entry_id: int) -> bool:
+        e = int(entry_id)
+        return 0 <= e < len(self._slot_of) and self._slot_of[e] >= 0
+
+    def entry_ids(self) -> np.ndarray:
+        return self._ids[: self._filled].copy()
+
+    def clear(self) -> None:
+        self._slot_of[self._ids[self._ids >= 0]] = -1
+        self._ids[:] = -1
+        self._pos = self._filled = 0
+
+    # ------------------------------------------------------------------ insert
+    def expand(self, entry_ids: Iterable[int]) -> np.ndarray:
+        """``entry_ids`` and the ``n_next`` entries after each within its passage, in order,
+        duplicates removed (first occurrence kept)."""
+        base = np.fromiter((int(e) for e in entry_ids), dtype=np.int64) \
+            if not isinstance(entry_ids, np.ndarray) else entry_ids.astype(np.int64).reshape(-1)
+        if base.size == 0:
+            return base
+        cand = (base[:, None] + np.arange(self.n_next + 1, dtype=np.int64)[None, :])
+        ok = cand < len(self.ds)
+        same = np.zeros_like(ok)
+        same[ok] = self.ds.passage[cand[ok]] == np.repeat(self.ds.passage[base], self.n_next + 1).reshape(cand.shape)[ok]
+        flat = cand[same]
+        _, first = np.unique(flat, return_index=True)
+        return flat[np.sort(first)]
+
+    def insert_hits(self, hits_per_query: Iterable[Iterable[Hit]]) -> int:
+        return self.insert(np.fromiter((e for hits in hits_per_query for e, _ in hits), dtype=np.int64))
+
+    def insert(self, entry_ids: Iterable[int]) -> int:
+        """Insert entries and their spatial successors; returns how many were new."""
+        ids = self.expand(entry_ids)
+        new_arr = ids[self._slot_of[ids] < 0] if ids.size else ids
+        if new_arr.size == 0:
+            return 0
+        if len(new_arr) > self.capacity:
+            new_arr = new_arr[-self.capacity:]
+        slots = (self._pos + np.arange(len(new_arr))) % self.capacity
+        old = self._ids[slots]
+        self._slot_of[old[old >= 0]] = -1
+        self._ids[slots] = new_arr
+        self._keys[slots] = self.ds.keys[new_arr]
+        self._slot_of[new_arr] = slots
+        self._pos = int((self._pos + len(new_arr)) % self.capacity)
+        self._filled = min(self.capacity, self._filled + len(new_arr))
+        self.inserted += len(new_arr)
+        return len(new_arr)
+
+    # ------------------------------------------------------------------ search
+    def search(self, query: np.ndarray, k: int) -> list[Hit]:
+        """The ``k`` nearest cached entries by (exact distance asc, entry id asc)."""
+        import faiss
+
+        n_rows = self._filled
+        if n_rows == 0 or k <= 0:
+            return []
+        q = np.asarray(query, dtype=np.float32).reshape(1, -1)
+        keys = self._keys[:n_rows]
+        ids_all = self._ids[:n_rows]
+        scale = float(np.dot(q[0].astype(np.float64), q[0].astype(np.float64))) + self._key_scale
+
+        def candidates(n: int):
+            if n >= n_rows:
+                return ids_all, None, True
+            D, I = faiss.knn(q, keys, int(n), metric=faiss.METRIC_L2)
+            D, I = D[0], I[0]
+            valid = I >= 0
+            return ids_all[I[valid]], (float(D[valid][-1]) if valid.any() else None), int(valid.sum()) < n
+
+        def rescore(ids):
+            return l2_distances(self.ds.keys[ids], q[0])
+
+        n_first = min(k + margin_for(k, self.rerank_margin), n_rows)
+        hits, _ = exact_knn(k, n_first, n_rows, candidates, rescore, scale)
+        return hits

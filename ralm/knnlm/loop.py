@@ -1,0 +1,366 @@
+"""KNN-LM serving: the baseline (retrieve for every token) and speculative retrieval.
+
+Token choice (both loops, :func:`choose_token`): with the step's float32 logits and the
+retrieved neighbours ``(entry, dist)`` ordered by (dist asc, entry id asc),
+
+    p_lm   = softmax(logits) in float64
+    p_knn(y) = sum_{j: v_j = y} exp(-dist_j / T) / sum_j exp(-dist_j / T)
+    token  = argmax(lambda p_knn + (1 - lambda) p_lm), ties -> lowest token id.
+
+Both loops decode one token at a time with the same incremental KV cache
+(:class:`KnnStepper`: one prefill of the prompt, then single-token forwards), so the
+hidden state (the query) and the logits at every position are bit-identical.
+
+:func:`run_knn_spec` (RaLMSpec for KNN-LM): each speculative step retrieves the ``k``
+nearest entries from the request's cache (:class:`~ralm.knnlm.cache.KnnEntryCache`) and
+chooses a token. Every ``s`` steps the ``s`` queries are verified in one batched KB
+search; a step is correct when the token chosen with the KB's neighbours equals the
+speculated token (the paper's relaxed criterion). At the first mismatch the KV cache is
+cropped to that position (``DynamicCache.crop``), the KB's token is taken and decoding
+continues from the cropped cache exactly as the baseline would. The KB results and the
+``n`` entries after each go into the cache. ``s`` is fixed or chosen by OS3
+(:class:`ralm.os3.StrideScheduler`: a = speculative step latency, b = verification
+latency; s = 0 is a direct KB step with the cache's guess recorded).
+
+Exactness: a committed token at position i is always chosen from (logits_i, KB top-k
+of h_i); logits_i and h_i are functions of the committed tokens before i computed by
+the same sequence of single-token forwards as the baseline; the KB answer of a query
+does not depend on its batch (exact re-scoring + boundary expansion), so the tokens
+equal :func:`run_knn_seq`'s.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
+from ralm.errors import RalmInputError
+from ralm.knnlm.cache import KnnEntryCache, default_capacity
+from ralm.knnlm.metric import Hit
+from ralm.knnlm.retriever import KnnRetriever
+from ralm.os3 import StrideScheduler
+from ralm.results import RalmResult, RequestStats
+
+
+# ---------------------------------------------------------------------------- numerics
+def lm_probs(logits: torch.Tensor) -> np.ndarray:
+    """softmax of float32 logits, computed in float64 with numpy (deterministic)."""
+    lg = logits.detach().to("cpu", torch.float32).numpy().astype(np.float64)
+    e = np.exp(lg - lg.max())
+    return e / e.sum()
+
+
+def knn_probs(hits: Sequence[Hit], values: np.ndarray, vocab: int, temperature: float) -> np.ndarray:
+    """p_knn over the vocabulary from neighbours ordered by (dist asc, id asc)."""
+    p = np.zeros(vocab, dtype=np.float64)
+    if not hits:
+        return p
+    ids = np.fromiter((e for e, _ in hits), dtype=np.int64, count=len(hits))
+    d = np.fromiter((x for _, x in hits), dtype=np.float64, count=len(hits))
+    w = np.exp(-(d - d.min()) / float(temperature))       # shift: same distribution, no underflow
+    toks = values[ids].astype(np.int64)
+    if toks.max(initial=0) >= vocab:
+        raise RalmInputError(f"datastore token id {int(toks.max())} is outside the model's vocabulary ({vocab})")
+    np.add.at(p, toks, w)                                  # sequential, in hit order
+    return p / w.sum()
+
+
+def choose_token(p_lm: np.ndarray, hits: Sequence[Hit], values: np.ndarray, knn: KnnLMConfig,
+                 mask_token: int | None = None) -> int:
+    """argmax of lambda p_knn + (1 - lambda) p_lm; ties go to the lowest token id."""
+    mix = (1.0 - knn.lmbda) * p_lm
+    if hits and knn.lmbda > 0:
+        mix = mix + knn.lmbda * knn_probs(hits, values, len(p_lm), knn.temperature)
+    if mask_token is not None:
+        mix = mix.copy()
+        mix[mask_token] = -np.inf
+    return int(np.argmax(mix))
+
+
+# ---------------------------------------------------------------------------- the LM
+class KnnStepper:
+    """One prefill of the prompt, then single-token forwards on one DynamicCache.
+
+    ``h`` is the final hidden state (float32 numpy, the query) and ``p_lm`` the float64
+    LM distribution after the last token fed; ``past`` covers every token fed.
+    """
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.past = None
+        self.length = 0
+        self.h: np.ndarray | None = None
+        self.p_lm: np.ndarray | None = None
+
+    @torch.inference_mode()
+    def _run(self, ids: list[int]) -> None:
+        from transformers import DynamicCache
+
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        past = self.past if self.past is not None else DynamicCache()
+        out = self.model(input_ids=x, past_key_values=past, use_cache=True, output_hidden_states=True)
+        self.past = out.past_key_values
+        self.length += len(ids)
+        self.h = out.hidden_states[-1][0, -1].detach().to("cpu", torch.float32).numpy().copy()
+        self.p_lm = lm_probs(out.logits[0, -1])
+
+    def prefill(self, ids: list[int]) -> None:
+        self.past, self.length = None, 0
+        self._run(list(ids))
+
+    def feed(self, token: int) -> None:
+        self._run([int(token)])
+
+    def crop(self, length: int) -> None:
+        """Drop the KV of every position >= ``length`` (the tokens fed after it)."""
+        if length > self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
+        have = self.past.get_seq_length()
+        if have != self.length:
+            raise RuntimeError(f"KV cache holds {have} positions, expected {self.length}")
+        remove = self.length - length
+        if remove:
+            # a negative argument removes that many positions, in every transformers version
+            # (older ones also accept an absolute length; 5.x only a negative count)
+            self.past.crop(-remove)
+        if self.past.get_seq_length() != length:
+            raise RuntimeError(f"KV crop to {length} left {self.past.get_seq_length()} positions")
+        self.length = length
+        self.h = self.p_lm = None
+
+
+def _model_of(lm: Any):
+    return getattr(lm, "model", lm)
+
+
+def _prepare(prompt: str, lm: Any, req: RequestConfig) -> list[int]:
+    ids = lm.encode_question(prompt)
+    max_pos = getattr(lm, "max_positions", 1 << 30)
+    if len(ids) + req.max_new_tokens > max_pos:
+        raise RalmInputError(f"prompt ({len(ids)}) + {req.max_new_tokens} new tokens exceed the model's "
+                             f"{max_pos} positions")
+    return ids
+
+
+def _finish(lm: Any, X: list[int], n_q: int, eos: bool, st: RequestStats, t_start: float) -> RalmResult:
+    st.total_time_s = time.perf_counter() - t_start
+    st.retrieval_time_s = max(0.0, st.total_time_s - st.gen_time_s)
+    out = X[n_q:]
+    return RalmResult(lm.decode(out), out, st, "stop" if eos else "length")
+
+
+def _eos_setup(lm: Any, req: RequestConfig) -> tuple[int | None, int | None]:
+    """(eos id that stops generation, token masked out of the argmax)."""
+    eos = getattr(lm, "eos_token_id", None)
+    if req.ignore_eos:
+        return None, eos
+    return eos, None
+
+
+# ---------------------------------------------------------------------------- baseline
+def run_knn_seq(prompt: str, lm: Any, kb: KnnRetriever, knn: KnnLMConfig | None = None,
+                req: RequestConfig | None = None,
+                on_commit: Optional[Callable[[list[int]], None]] = None) -> RalmResult:
+    """KNN-LM baseline: one KB retrieval and one single-token forward per generated token.
+
+    ``lm``: an :class:`~ralm.engine.LMEngine` (model, tokenizer, eos). Defines the right answer.
+    """
+    knn, req = knn or KnnLMConfig(), req or RequestConfig()
+    t_start = time.perf_counter()
+    X = _prepare(prompt, lm, req)
+    n_q = len(X)
+    stop_tok, mask_tok = _eos_setup(lm, req)
+    values = kb.ds.values
+    st = RequestStats(method="knn-seq", retriever=kb.name, knn_k=knn.k)
+    lm_step = KnnStepper(_model_of(lm))
+    t0 = time.perf_counter()
+    lm_step.prefill(X)
+    st.gen_time_s += time.perf_counter() - t0
+    eos = False
+    while len(X) - n_q < req.max_new_tokens:
+        hits = kb.search_vectors([lm_step.h], knn.k)[0]
+        st.kb_calls += 1
+        st.kb_queries += 1
+        y = choose_token(lm_step.p_lm, hits, values, knn, mask_tok)
+        st.steps += 1
+        if stop_tok is not None and y == stop_tok:
+            eos = True
+            break
+        X.append(y)
+        if on_commit is not None:
+            on_commit([y])
+        if len(X) - n_q >= req.max_new_tokens:
+            break
+        t0 = time.perf_counter()
+        lm_step.feed(y)
+        st.gen_time_s += time.perf_counter() - t0
+    return _finish(lm, X, n_q, eos, st, t_start)
+
+
+# ---------------------------------------------------------------------------- speculation
+@dataclass
+class _Step:
+    query: np.ndarray        # h at the step (float32)
+    p_lm: np.ndarray         # LM distribution at the step
+    pos: int                 # len(X) before the step (= KV length when the query was made)
+    token: int               # speculated token (may be EOS)
+
+
+class _KnnSpecRun:
+    def __init__(self, prompt: str, lm: Any, kb: KnnRetriever, knn: KnnLMConfig, req: RequestConfig,
+                 spec: SpecConfig, cache: KnnEntryCache | None,
+                 on_commit: Optional[Callable[[list[int]], None]]):
+        if spec.async_verify:
+            raise RalmInputError("asynchronous verification (A) is not supported for KNN-LM "
+                                 "(as in the RaLMSpec paper); use a fixed stride or S")
+        self.t_start = time.perf_counter()
+        self.lm, self.kb, self.knn, self.req, self.spec = lm, kb, knn, req, spec
+        self.on_commit = on_commit
+        self.X = _prepare(prompt, lm, req)
+        self.n_q = len(self.X)
+        self.emitted = self.n_q
+        self.stop_tok, self.mask_tok = _eos_setup(lm, req)
+        self.values = kb.ds.values
+        self.eos = False
+        cap = knn.cache_max_entries or default_capacity(knn.k, knn.spatial_next)
+        self.cache = cache if cache is not None else KnnEntryCache(
+            kb.ds, knn.spatial_next, cap, knn.rerank_margin)
+        self.sched = StrideScheduler(spec)
+        name = f"s={spec.stride}" if not spec.adaptive_stride else "S"
+        self.stats = RequestStats(method=f"knn-spec[{name}]", retriever=kb.name, knn_k=knn.k)
+        self.step_lm = KnnStepper(_model_of(lm))
+
+    @property
+    def finished(self) -> bool:
+        return self.eos or len(self.X) - self.n_q >= self.req.max_new_tokens
+
+    # ---- LM
+    def _feed(self, token: int) -> float:
+        t0 = time.perf_counter()
+        self.step_lm.feed(token)
+        dt = time.perf_counter() - t0
+        self.stats.gen_time_s += dt
+        self.sched.record_generation(dt)
+        return dt
+
+    def _commit_token(self, y: int) -> None:
+        """Append ``y`` (or stop on EOS) and feed it unless the request is finished."""
+        if self.stop_tok is not None and y == self.stop_tok:
+            self.eos = True
+            return
+        self.X.append(y)
+        if not self.finished:
+            self._feed(y)
+
+    def _emit(self) -> None:
+        if self.on_commit is not None and len(self.X) > self.emitted:
+            chunk = self.X[self.emitted:]
+            self.emitted = len(self.X)
+            self.on_commit(list(chunk))
+
+    def _choose(self, p_lm: np.ndarray, hits: Sequence[Hit]) -> int:
+        return choose_token(p_lm, hits, self.values, self.knn, self.mask_tok)
+
+    # ---- steps
+    def direct_step(self, shadow: bool = True) -> None:
+        """One plain KB step (s = 0, and the first token); the cache's guess is recorded."""
+        st = self.stats
+        h, p = self.step_lm.h, self.step_lm.p_lm
+        t0 = time.perf_counter()
+        guess = None
+        if shadow:
+            guess = self._choose(p, self.cache.search(h, self.knn.k))
+            st.cache_lookups += 1
+        hits = self.kb.search_vectors([h], self.knn.k)[0]
+        b = time.perf_counter() - t0
+        st.kb_calls += 1
+        st.kb_queries += 1
+        self.cache.insert_hits([hits])
+        y = self._choose(p, hits)
+        if shadow:
+            st.direct_steps += 1
+            self.sched.record_direct(guess == y, b)
+        st.steps += 1
+        self._commit_token(y)
+
+    def speculative_step(self) -> _Step:
+        t0 = time.perf_counter()
+        h, p = self.step_lm.h, self.step_lm.p_lm
+        hits = self.cache.search(h, self.knn.k)
+        self.stats.cache_lookups += 1
+        y = self._choose(p, hits)
+        step = _Step(h, p, len(self.X), y)
+        self._commit_token(y)
+        self.stats.spec_steps += 1
+        self.sched.record_step(time.perf_counter() - t0)
+        return step
+
+    def run(self) -> RalmResult:
+        st = self.stats
+        t0 = time.perf_counter()
+        self.step_lm.prefill(self.X)
+        st.gen_time_s += time.perf_counter() - t0
+        if not self.finished:
+            self.direct_step(shadow=False)        # the first token warms the cache
+            self._emit()
+        while not self.finished:
+            s = self.sched.next_stride()
+            if s == 0:
+                self.direct_step()
+                self._emit()
+                continue
+            window: list[_Step] = []
+            while len(window) < s and not self.finished:
+                window.append(self.speculative_step())
+            truth, b = self.kb.timed_search([w.query for w in window], self.knn.k)
+            st.kb_calls += 1
+            st.kb_queries += len(window)
+            st.verifications += 1
+            st.strides.append(len(window))
+            self.cache.insert_hits(truth)
+            mismatch, right = None, None
+            for i, (w, t) in enumerate(zip(window, truth)):
+                y = self._choose(w.p_lm, t)
+                if y != w.token:
+                    mismatch, right = i, y
+                    break
+            if mismatch is None:
+                matched = len(window)
+                st.matched_steps += matched
+                st.steps += matched
+            else:
+                matched = mismatch
+                st.matched_steps += matched
+                st.steps += matched + 1
+                st.rollbacks += 1
+                bad = window[mismatch]
+                st.regenerated_tokens += len(self.X) - bad.pos
+                del self.X[bad.pos:]
+                self.eos = False
+                self.step_lm.crop(bad.pos)        # KV of X[:bad.pos], as when the query was made
+                self._commit_token(right)         # the KB's token, fed on the cropped cache
+            self.sched.record_verification(len(window), matched, b)
+            self._emit()
+        st.gamma = self.sched.gamma
+        st.cache_entries = len(self.cache)
+        return _finish(self.lm, self.X, self.n_q, self.eos, st, self.t_start)
+
+
+def run_knn_spec(prompt: str, lm: Any, kb: KnnRetriever, knn: KnnLMConfig | None = None,
+                 req: RequestConfig | None = None, spec: SpecConfig | None = None,
+                 cache: KnnEntryCache | None = None,
+                 on_commit: Optional[Callable[[list[int]], None]] = None) -> RalmResult:
+    """KNN-LM with speculative retrieval; the tokens equal :func:`run_knn_seq`'s.
+
+    ``spec``: stride (fixed) or ``adaptive_stride`` (OS3); ``prefetch`` has no effect
+    (the spatial-locality insertion is KNN-LM's form of it); async is rejected.
+    ``on_commit(tokens)`` receives tokens once verified.
+    """
+    knn, req, spec = knn or KnnLMConfig(), req or RequestConfig(), spec or SpecConfig()
+    run = _KnnSpecRun(prompt, lm, kb, knn, req, spec, cache, on_commit)
+    return run.run()

@@ -1,0 +1,94 @@
+"""The one distance function of KNN-LM: exact, layout-independent float64 squared L2.
+
+The KB re-scorer and the speculative cache both rank with :func:`l2_distances` and the
+order (distance ascending, entry id ascending), so when they hold the same entries they
+return the same list, bit for bit.
+
+Every row is computed by the same sequence of IEEE operations whatever the number of
+rows or their memory layout: float32 inputs are widened to float64, differences and
+squares are elementwise, and the ``d`` squares are summed by a fixed pairwise tree
+(halving, zero-padded to a power of two) with elementwise numpy adds - no BLAS and no
+reduction whose order depends on the array shape.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+Hit = tuple[int, float]          # (entry id, exact squared L2 distance)
+
+
+def l2_distances(keys: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """float64 squared L2 distances of ``query`` (d,) to each row of ``keys`` (n, d).
+
+    Row ``r``'s value is ``tree_sum((float64(k_r) - float64(q)) ** 2)`` with the fixed
+    pairwise tree, whatever ``n`` is. (Computed on the transposed (d, n) array so the
+    tree's adds run over contiguous blocks; each element goes through the same
+    operations as in the row layout.)
+    """
+    K = np.asarray(keys)
+    if K.ndim == 1:
+        K = K[None, :]
+    q = np.asarray(query, dtype=np.float64).reshape(-1)
+    n = K.shape[0]
+    if n == 0:
+        return np.zeros(0, dtype=np.float64)
+    d = K.shape[1]
+    if d != q.shape[0]:
+        raise ValueError(f"key dimension {d} != query dimension {q.shape[0]}")
+    width = 1 << max(0, (d - 1).bit_length())
+    buf = np.zeros((width, n), dtype=np.float64)
+    buf[:d] = K.T                          # float32 -> float64 is exact
+    np.subtract(buf[:d], q[:, None], out=buf[:d])
+    np.multiply(buf[:d], buf[:d], out=buf[:d])
+    while width > 1:
+        width //= 2
+        np.add(buf[:width], buf[width:2 * width], out=buf[:width])
+    return buf[0].copy()
+
+
+def _l2_reference(keys: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """The same function, row layout (kept for tests)."""
+    K = np.asarray(keys, dtype=np.float64)
+    if K.ndim == 1:
+        K = K[None, :]
+    q = np.asarray(query, dtype=np.float64).reshape(-1)
+    diff = K - q
+    sq = diff * diff
+    d = sq.shape[1]
+    width = 1 << max(0, (d - 1).bit_length())
+    if width != d:
+        sq = np.concatenate([sq, np.zeros((sq.shape[0], width - d))], axis=1)
+    while width > 1:
+        width //= 2
+        sq = sq[:, :width] + sq[:, width:]
+    return sq[:, 0].copy()
+
+
+def rank_by_distance(ids: np.ndarray | Sequence[int], dists: np.ndarray | Sequence[float], k: int) -> list[Hit]:
+    """Top-``k`` of ``(ids, dists)`` ordered by (distance asc, entry id asc); duplicates kept once.
+
+    Example: ids [7, 3, 5], dists [0.5, 0.9, 0.5], k=2 -> [(5, 0.5), (7, 0.5)].
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    d = np.asarray(dists, dtype=np.float64)
+    if ids.shape != d.shape:
+        raise ValueError(f"ids {ids.shape} and distances {d.shape} differ in shape")
+    if ids.size == 0 or k <= 0:
+        return []
+    ids, first = np.unique(ids, return_index=True)
+    d = d[first]
+    order = np.lexsort((ids, d))[:k]
+    return [(int(ids[i]), float(d[i])) for i in order]
+
+
+def tolerance(bound: float, scale: float) -> float:
+    """How far a float32 candidate-stage distance may be from the exact one.
+
+    FAISS computes L2 either directly (error relative to the distance) or as
+    ``|q|^2 + |x|^2 - 2 q.x`` (error relative to the norms, ``scale``), so both count.
+    """
+    from ralm import constants as C
+
+    return C.TIE_EPS * max(1.0, abs(float(bound))) + 1e-5 * float(scale)
