@@ -55,7 +55,7 @@ def cmd_index(args) -> int:
     from ralm.errors import ConfigError
     from ralm.corpus import Corpus
     from ralm.pipeline import RETRIEVER_KINDS, check_kind
-    from ralm.retrieval.index_build import build_index
+    from ralm.retrieval.index_build import build_index, validate_index
 
     cfg = load_config(args)
     kinds = RETRIEVER_KINDS if args.retriever == "all" else (check_kind(args.retriever),)
@@ -65,8 +65,13 @@ def cmd_index(args) -> int:
     for kind in kinds:
         out = args.index_dir or cfg.index_dir(kind)
         rcfg = cfg.retriever.model_copy(update={"kind": kind})
+        if (out / "manifest.json").is_file() and not args.force:
+            validate_index(out, rcfg, corpus)        # raises a clear error if stale or damaged
+            print(f"{kind} index at {out} is up to date (use --force to rebuild)", file=sys.stderr)
+            continue
         print(f"building {kind} index over {len(corpus)} passages -> {out}", file=sys.stderr)
-        build_index(kind, corpus, out, rcfg, progress=True)
+        manifest = build_index(kind, corpus, out, rcfg, progress=True)
+        print(f"built {kind} index in {manifest.get('build_seconds', 0):.1f} s", file=sys.stderr)
     return 0
 
 
@@ -115,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     _base_parser(pi)
     pi.add_argument("--retriever", default="all", help="edr, adr, sr or all")
     pi.add_argument("--index-dir", type=Path, help="output directory (default <work-dir>/indexes/<kind>)")
+    pi.add_argument("--force", action="store_true", help="rebuild even if a valid index exists")
     pi.set_defaults(func=cmd_index)
 
     pg = sub.add_parser("generate", help="answer one question and print its statistics")

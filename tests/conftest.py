@@ -1,0 +1,86 @@
+"""Session fixtures shared by all tests: the fixture corpus, its questions, and the
+three KB indexes (EDR, ADR, SR) built once from it into a temporary directory."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")        # the hub is unreachable: never try it
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from ralm.config import RetrieverConfig  # noqa: E402
+from ralm.corpus import Corpus, load_questions  # noqa: E402
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+FIXTURE_CORPUS = DATA_DIR / "fixture_corpus.jsonl"
+FIXTURE_QUESTIONS = DATA_DIR / "fixture_questions.jsonl"
+KINDS = ("edr", "adr", "sr")
+
+# small, fast index parameters for tests
+TEST_HNSW = dict(hnsw_m=16, hnsw_ef_construction=64, hnsw_ef_search=64)
+
+
+@pytest.fixture(scope="session")
+def fixture_corpus() -> Corpus:
+    return Corpus.load(FIXTURE_CORPUS)
+
+
+@pytest.fixture(scope="session")
+def fixture_questions() -> list[str]:
+    return load_questions(FIXTURE_QUESTIONS)
+
+
+@pytest.fixture(scope="session")
+def dense_encoder():
+    """The offline all-MiniLM-L6-v2 encoder, shared by every dense retriever in the session."""
+    from ralm.retrieval.factory import get_encoder
+
+    return get_encoder("local:all-MiniLM-L6-v2")
+
+
+@pytest.fixture(scope="session")
+def retriever_configs() -> dict[str, RetrieverConfig]:
+    return {kind: RetrieverConfig(kind=kind, **(TEST_HNSW if kind == "adr" else {})) for kind in KINDS}
+
+
+@pytest.fixture(scope="session")
+def index_dirs(tmp_path_factory, fixture_corpus, dense_encoder, retriever_configs) -> dict[str, Path]:
+    """kind -> directory of a freshly built index of the fixture corpus."""
+    from ralm.retrieval.index_build import build_index
+
+    root = tmp_path_factory.mktemp("indexes")
+    dirs = {kind: root / kind for kind in KINDS}
+    build_index("edr", fixture_corpus, dirs["edr"], retriever_configs["edr"], progress=False, encoder=dense_encoder)
+    vectors = np.load(dirs["edr"] / "vectors.npy")
+    build_index("adr", fixture_corpus, dirs["adr"], retriever_configs["adr"], progress=False,
+                encoder=dense_encoder, vectors=vectors)
+    build_index("sr", fixture_corpus, dirs["sr"], retriever_configs["sr"], progress=False)
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def retrievers(index_dirs, fixture_corpus, dense_encoder, retriever_configs) -> dict:
+    """kind -> loaded KB retriever (validated through its manifest)."""
+    from ralm.retrieval.factory import load_retriever
+
+    return {kind: load_retriever(retriever_configs[kind], fixture_corpus, index_dirs[kind], encoder=dense_encoder)
+            for kind in KINDS}
+
+
+@pytest.fixture(scope="session")
+def sample_queries(fixture_corpus, fixture_questions) -> list[str]:
+    """200 random word windows (4-32 words) of fixture passages, then the fixture questions."""
+    rng = np.random.default_rng(1234)
+    out = []
+    while len(out) < 200:
+        words = fixture_corpus.text(int(rng.integers(len(fixture_corpus)))).split()
+        if not words:
+            continue
+        n = int(rng.integers(4, 33))
+        s = int(rng.integers(0, max(1, len(words) - n)))
+        out.append(" ".join(words[s:s + n]))
+    return out + list(fixture_questions)
