@@ -34,6 +34,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up questions")
+    p.add_argument("--allow-eos", action="store_true",
+                   help="stop requests at EOS (default: fixed-length generation with EOS masked, as in the paper)")
 
 
 def parse_config(name: str) -> SpecConfig:
@@ -92,7 +94,7 @@ def run_retriever(pipe, kind: str, questions: list[str], configs: list[str], war
     base = ConfigRuns("RaLMSeq")
     runs = {c: ConfigRuns(c) for c in configs}
     per_request: list[dict] = []
-    for qi, q in enumerate(tqdm(questions, desc=f"bench {kind}", disable=not progress)):
+    for q in tqdm(questions[warmup:], desc=f"bench {kind}", disable=not progress):
         pipe.engine.doc_kv.clear()
         b = run_seq(q, gen, kb, req)
         base.results.append(b)
@@ -160,6 +162,7 @@ def bench_main(args) -> int:
     from ralm.pipeline import Pipeline, check_kind
 
     cfg = load_config(args)
+    cfg = cfg.model_copy(update={"request": cfg.request.model_copy(update={"ignore_eos": not args.allow_eos})})
     kinds = tuple(check_kind(k.strip()) for k in args.retrievers.split(",") if k.strip())
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in configs:

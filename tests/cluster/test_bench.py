@@ -1,0 +1,61 @@
+"""`ralmspec bench` end to end on the fixture corpus: outputs, identity check, exit code."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from cluster.bench import parse_config
+from cluster.cli import main
+from tests.conftest import FIXTURE_CORPUS, FIXTURE_QUESTIONS, TEST_HNSW
+
+
+def test_parse_config_names():
+    assert parse_config("s=4").stride == 4 and not parse_config("s=4").adaptive_stride
+    psa = parse_config("PSA")
+    assert psa.prefetch and psa.adaptive_stride and psa.async_verify
+    with pytest.raises(ValueError):
+        parse_config("XYZ")
+
+
+def test_bench_writes_json_table_and_chart(tmp_path, index_dirs, capsys):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"corpus": str(FIXTURE_CORPUS), "work_dir": str(tmp_path / "work"),
+                                   "retriever": {"kind": "edr", "index_dir": str(index_dirs["edr"])}}))
+    out = tmp_path / "out"
+    rc = main(["bench", "--config", str(cfg), "--questions", str(FIXTURE_QUESTIONS), "-n", "2",
+               "--retrievers", "edr", "--configs", "base,PSA,s=2", "--max-new-tokens", "12",
+               "--out", str(out)])
+    assert rc == 0
+    data = json.loads((out / "bench.json").read_text())
+    rows = {r["config"]: r for r in data["summary"]}
+    assert set(rows) == {"RaLMSeq", "base", "PSA", "s=2"}
+    assert all(r["requests"] == 2 and r["identical"] == 2 for r in rows.values())
+    assert rows["RaLMSeq"]["speedup"] == pytest.approx(1.0)
+    assert len(data["requests"]) == 2
+    assert (out / "bench.png").stat().st_size > 1000
+    md = (out / "bench.md").read_text()
+    assert "| edr | PSA |" in md and "identical" in md
+
+
+def test_bench_exits_nonzero_when_an_output_differs(tmp_path, index_dirs, monkeypatch, capsys):
+    """A deliberately broken RaLMSpec (drops the last token) must fail the benchmark."""
+    import ralm.spec
+
+    real = ralm.spec.run_spec
+
+    def broken(*a, **kw):
+        r = real(*a, **kw)
+        r.tokens = r.tokens[:-1]
+        return r
+
+    monkeypatch.setattr(ralm.spec, "run_spec", broken)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"corpus": str(FIXTURE_CORPUS), "work_dir": str(tmp_path / "work"),
+                                   "retriever": {"kind": "edr", "index_dir": str(index_dirs["edr"])}}))
+    rc = main(["bench", "--config", str(cfg), "--questions", str(FIXTURE_QUESTIONS), "-n", "1",
+               "--retrievers", "edr", "--configs", "base", "--max-new-tokens", "8", "--warmup", "0",
+               "--out", str(tmp_path / "out")])
+    assert rc == 1
+    assert "differ from RaLMSeq" in capsys.readouterr().err
