@@ -3,6 +3,8 @@
     ralmspec index    --retriever edr|adr|sr|all     build indexes (progress bars, manifest)
     ralmspec generate --retriever edr "question"     answer one question, print statistics
     ralmspec bench    ...                            side-by-side RaLMSeq vs RaLMSpec benchmark
+    ralmspec serve                                   start the HTTP server (OpenAI-compatible + native API)
+    ralmspec served-bench ...                        served throughput/latency benchmark
     ralmspec bench-gen ...                           doc-KV reuse and drafting benchmark
     ralmspec eval     --questions FILE ...           resumable batch evaluation (local or `ray job submit`)
     ralmspec k8s                                     regenerate KubeRay manifests from serve_config.yaml
@@ -138,6 +140,17 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.bench import add_bench_args
     add_bench_args(pb)
     pb.set_defaults(func=cmd_bench)
+
+    from cluster.serve import add_serve_args, serve_main
+    ps = sub.add_parser("serve", help="start the HTTP server (Ray Serve) from serve_config.yaml")
+    _base_parser(ps)
+    add_serve_args(ps)
+    ps.set_defaults(func=serve_main)
+
+    from cluster.served_bench import add_served_bench_args, served_bench_main
+    psb = sub.add_parser("served-bench", help="served throughput/latency benchmark at several concurrencies")
+    add_served_bench_args(psb)
+    psb.set_defaults(func=served_bench_main)
 
     from cluster.gen_bench import add_gen_bench_args, gen_bench_main
     pgb = sub.add_parser("bench-gen", help="generation-side benchmark: doc-KV reuse, n-gram vs dense drafting")

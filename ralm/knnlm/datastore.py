@@ -83,8 +83,10 @@ class Datastore:
             raise DatastoreError(f"datastore arrays disagree: keys {self.keys.shape}, values "
                                  f"{self.values.shape}, passage {self.passage.shape}")
         self.keys.setflags(write=False)
-        norms = np.sqrt(np.einsum("ij,ij->i", self.keys.astype(np.float64), self.keys.astype(np.float64)))
-        self.max_norm = float(norms.max()) if len(norms) else 0.0
+        self.max_norm = 0.0
+        for s in range(0, len(self.keys), 1 << 16):
+            blk = self.keys[s:s + (1 << 16)].astype(np.float64)
+            self.max_norm = max(self.max_norm, float(np.sqrt(np.einsum("ij,ij->i", blk, blk).max())))
 
     def __len__(self) -> int:
         return int(self.keys.shape[0])

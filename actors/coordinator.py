@@ -1,0 +1,278 @@
+"""Coordinator actor: runs one request at a time with the core loops, over Ray.
+
+A coordinator is a thin shell around :func:`ralm.seq.run_seq` and
+:func:`ralm.spec.run_spec` (called as they are, not copied). It gives them:
+
+- a :class:`RemoteGenerator` (the :class:`~ralm.generator.Generator` protocol): tokenising
+  and decoding happen locally with the generator's own tokenizer (fetched once), and
+  each step ``f(doc, X, k)`` is a call to the generator deployment;
+- a :class:`VerifierKB` (the :class:`~ralm.retrieval.base.Retriever` protocol) per
+  retriever kind: KB searches and verifications go to that kind's verifier actor, which
+  batches them with other requests' and fans them out to the shards;
+- the request's local :class:`~cache.speculative.SpeculativeCache`, ranked with the KB's
+  exact scorer (query encoding and document keys come from the verifier, so they are
+  the very bits the KB uses; the score function runs here). It is cleared after each
+  request, before the coordinator goes back to its pool.
+
+Asynchronous verification (A) is real overlap: ``run_spec`` submits the verification to
+the coordinator's thread pool, whose thread blocks on the verifier's ObjectRef while the
+main thread runs the next speculative step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator, Sequence
+
+from ralm.config import GeneratorConfig, RequestConfig, SpecConfig
+from ralm.engine import LMEngine, StepOutput
+from ralm.errors import ConfigError, RalmInputError
+from ralm.results import RalmResult
+from ralm.retrieval.base import Hit
+
+log = logging.getLogger(__name__)
+
+
+def _get(ref_or_response, timeout: float | None = None):
+    """Value of an ObjectRef or a Serve DeploymentResponse (blocking)."""
+    import ray
+
+    if hasattr(ref_or_response, "result"):
+        return ref_or_response.result(timeout_s=timeout)
+    return ray.get(ref_or_response, timeout=timeout)
+
+
+class RemoteGenerator:
+    """:class:`~ralm.generator.Generator` whose steps run on the generator deployment."""
+
+    def __init__(self, handle: Any, tokenizer: Any, cfg: GeneratorConfig, eos_token_id: int | None):
+        self.handle = handle
+        self.tokenizer = tokenizer           # LMEngine.encode_question/decode only use these two
+        self.cfg = cfg
+        self.eos_token_id = eos_token_id
+        self.calls = 0
+
+    def encode_question(self, question: str) -> list[int]:
+        return LMEngine.encode_question(self, question)   # the engine's own validation
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return LMEngine.decode(self, tokens)
+
+    def step(self, doc_id: int | None, context: Sequence[int], k: int, ignore_eos: bool = False) -> StepOutput:
+        self.calls += 1
+        if ignore_eos:
+            return _get(self.handle.step.remote(doc_id, list(context), int(k), True))
+        return _get(self.handle.step.remote(doc_id, list(context), int(k)))
+
+
+class RemoteScorer:
+    """The KB's exact scorer seen from a coordinator.
+
+    ``encode`` and ``doc_keys`` ask the verifier (so the bits are the KB's own; document
+    keys are immutable and kept in a small LRU); ``score`` is the KB's pure scoring
+    function, run locally.
+    """
+
+    def __init__(self, verifier: Any, score_fn: Any, key_cache_size: int = 50_000):
+        self.verifier = verifier
+        self.score_fn = score_fn
+        self._keys: OrderedDict[int, Any] = OrderedDict()
+        self._max = key_cache_size
+        self._lock = threading.Lock()
+
+    def encode(self, queries: Sequence[str]) -> list[Any]:
+        return _get(self.verifier.encode.remote(list(queries)))
+
+    def doc_keys(self, doc_ids: Sequence[int]) -> list[Any]:
+        ids = [int(d) for d in doc_ids]
+        with self._lock:
+            missing = list(dict.fromkeys(d for d in ids if d not in self._keys))
+        if missing:
+            fetched = _get(self.verifier.doc_keys.remote(missing))
+            with self._lock:
+                for d, key in zip(missing, fetched):
+                    self._keys[d] = key
+                while len(self._keys) > self._max:
+                    self._keys.popitem(last=False)
+        with self._lock:
+            out = []
+            for d in ids:
+                self._keys.move_to_end(d)
+                out.append(self._keys[d])
+            return out
+
+    def score(self, query_rep: Any, keys: Sequence[Any]):
+        return self.score_fn(query_rep, keys)
+
+
+class VerifierKB:
+    """:class:`~ralm.retrieval.base.Retriever` backed by a verifier actor."""
+
+    def __init__(self, name: str, verifier: Any, scorer: RemoteScorer):
+        self.name = name
+        self.verifier = verifier
+        self.scorer = scorer
+
+    def search(self, query: str, k: int) -> list[Hit]:
+        return self.batch_search([query], k)[0]
+
+    def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        return _get(self.verifier.verify.remote(list(queries), int(k)))
+
+
+class StreamDecoder:
+    """Turns committed token chunks into text deltas whose concatenation is the full text."""
+
+    def __init__(self, decode):
+        self.decode = decode
+        self.tokens: list[int] = []
+        self.sent = ""
+
+    def push(self, tokens: Sequence[int], final: bool = False) -> str:
+        self.tokens.extend(tokens)
+        text = self.decode(self.tokens)
+        if not final and text.endswith("\ufffd"):    # a multi-byte character is not complete yet
+            return ""
+        if not text.startswith(self.sent):           # decoding is not prefix-stable: resend nothing
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+class Coordinator:
+    """Runs requests one at a time (body of the coordinator actor)."""
+
+    def __init__(self, generator: Any, verifiers: dict[str, Any], request_defaults: dict | None = None,
+                 spec_defaults: dict | None = None, verify_threads: int = 4):
+        self.generator_handle = generator
+        self.verifiers = dict(verifiers)
+        self.request_defaults = RequestConfig.model_validate(request_defaults or {})
+        self.spec_defaults = SpecConfig.model_validate(spec_defaults or {})
+        self.executor = ThreadPoolExecutor(max_workers=verify_threads, thread_name_prefix="coord-verify")
+        self._gen: RemoteGenerator | None = None
+        self._kbs: dict[str, VerifierKB] = {}
+        self._caches: dict[str, Any] = {}
+        self.served = 0
+        self.busy = False
+
+    # ---------------------------------------------------------------- set-up
+    def ready(self) -> dict:
+        """Fetch the tokenizer and the scorers now, so the first request does not wait."""
+        self._generator()
+        for kind in self.verifiers:
+            self._kb(kind)
+        return {"pid": os.getpid(), "kinds": sorted(self.verifiers)}
+
+    def _generator(self) -> RemoteGenerator:
+        if self._gen is None:
+            h = self.generator_handle
+            tok = _get(h.tokenizer.remote())
+            info = _get(h.info.remote())
+            cfg = GeneratorConfig(max_prompt_tokens=info["max_prompt_tokens"],
+                                  max_new_tokens=info["max_new_tokens"])
+            self._gen = RemoteGenerator(h, tok, cfg, info["eos_token_id"])
+        return self._gen
+
+    def _kb(self, kind: str) -> VerifierKB:
+        if kind not in self.verifiers:
+            raise ConfigError(f"unknown retriever {kind!r}: this server has {', '.join(sorted(self.verifiers))}")
+        if kind not in self._kbs:
+            from cache.speculative import SpeculativeCache
+
+            v = self.verifiers[kind]
+            scorer = RemoteScorer(v, _get(v.score_function.remote()))
+            self._kbs[kind] = VerifierKB(kind, v, scorer)
+            self._caches[kind] = SpeculativeCache(scorer)
+        return self._kbs[kind]
+
+    # ---------------------------------------------------------------- requests
+    def _configs(self, request: dict) -> tuple[str, str, RequestConfig, SpecConfig]:
+        kind = request.get("retriever") or next(iter(self.verifiers))
+        method = request.get("method", "spec")
+        if method not in ("seq", "spec"):
+            raise RalmInputError(f"unknown method {method!r}: use 'seq' or 'spec'")
+        req = self.request_defaults.model_copy(update=request.get("request") or {})
+        req = RequestConfig.model_validate(req.model_dump())
+        spec = self.spec_defaults.model_copy(update=request.get("spec") or {})
+        spec = SpecConfig.model_validate(spec.model_dump())
+        return kind, method, req, spec
+
+    def _run(self, request: dict, on_commit=None) -> RalmResult:
+        from ralm.seq import run_seq
+        from ralm.spec import run_spec
+
+        kind, method, req, spec = self._configs(request)
+        gen, kb = self._generator(), self._kb(kind)
+        self.busy = True
+        try:
+            if method == "seq":
+                return run_seq(request["question"], gen, kb, req, on_commit=on_commit)
+            cache = self._caches[kind]
+            return run_spec(request["question"], gen, kb, req, spec, cache=cache,
+                            executor=self.executor, on_commit=on_commit)
+        finally:
+            for c in self._caches.values():
+                c.clear()
+            self.busy = False
+            self.served += 1
+
+    def run(self, request: dict) -> dict:
+        """Answer one request: ``{question, retriever, method, request: {...}, spec: {...}}``.
+
+        Returns :meth:`RalmResult.as_dict` plus ``prompt_tokens``.
+        """
+        res = self._run(request)
+        out = res.as_dict()
+        out["prompt_tokens"] = len(self._generator().encode_question(request["question"]))
+        return out
+
+    def run_stream(self, request: dict) -> Iterator[dict]:
+        """Like :meth:`run`, yielding ``{"delta": text, "tokens": [...]}`` as tokens are verified,
+        then ``{"done": True, "result": ...}``. Call with ``num_returns="streaming"``."""
+        chunks: queue.Queue = queue.Queue()
+        dec = StreamDecoder(self._generator().decode)
+        box: dict = {}
+
+        def work():
+            try:
+                box["result"] = self._run(request, on_commit=lambda toks: chunks.put(list(toks)))
+            except BaseException as e:       # re-raised in the generator below
+                box["error"] = e
+            finally:
+                chunks.put(None)
+
+        t = threading.Thread(target=work, name="coord-stream", daemon=True)
+        t.start()
+        while True:
+            toks = chunks.get()
+            if toks is None:
+                break
+            delta = dec.push(toks)
+            yield {"delta": delta, "tokens": toks}
+        t.join()
+        if "error" in box:
+            raise box["error"]
+        res: RalmResult = box["result"]
+        tail = dec.push([], final=True)
+        out = res.as_dict()
+        out["prompt_tokens"] = len(self._generator().encode_question(request["question"]))
+        yield {"delta": tail, "tokens": [], "done": True, "result": out}
+
+    def info(self) -> dict:
+        return {"pid": os.getpid(), "served": self.served, "busy": self.busy,
+                "generator_calls": self._gen.calls if self._gen else 0}
+
+
+def coordinator_actor_class(num_cpus: float = 0.05, max_concurrency: int = 4):
+    """``ray.remote`` class for :class:`Coordinator`.
+
+    ``max_concurrency`` > 1 only so ``info``/``ready`` answer while a request runs; the pool
+    never gives a coordinator a second request while it holds one.
+    """
+    import ray
+
+    return ray.remote(num_cpus=num_cpus, max_concurrency=max_concurrency, max_restarts=0)(Coordinator)

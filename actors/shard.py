@@ -1,0 +1,602 @@
+"""Retrieval shards and the router that fans queries out to them.
+
+The corpus is split into ``N`` contiguous slices ``[lo, hi)``; doc ids stay global (a
+shard adds ``lo`` to its local row numbers). Each :class:`RetrievalShard` - run as a Ray
+actor by :func:`start_shards` - holds the index of its slice, loaded from disk:
+
+- **edr / adr**: the slice's rows of the full index's ``vectors.npy`` (never re-encoded:
+  passage encoding is batch-dependent, slicing keeps the very same float32 keys) with
+  a FAISS flat or HNSW index over them, built once by :func:`prepare_shards`;
+- **sr**: a Lucene index of the slice's passages.
+
+:class:`ShardedRetriever` implements the :class:`~ralm.retrieval.base.Retriever`
+protocol over the shards: every shard returns its exact top-k (global doc ids) and the
+router merges them with :func:`~ralm.retrieval.base.rank_hits`, i.e. by (score desc,
+doc id asc). The union of every shard's exact top-k contains the global top-k, so the
+merge is the unsharded answer *provided each shard scores with the unsharded scores*:
+
+- **dense**: the exact score is :func:`~ralm.retrieval.dense.dense_scores` of the same
+  float32 vectors, a pure per-row function: identical by construction (the router
+  encodes each query once and sends the vector to every shard). EDR sharded == EDR
+  unsharded. ADR: each shard's HNSW graph is another approximate index, so sharded ADR is
+  its own (deterministic) KB; seq and spec over it still agree token for token.
+- **sr (BM25)**: like Elasticsearch's ``dfs_query_then_fetch``. The router analyses the
+  query and asks every shard for the document frequencies of its terms (cached per
+  term), and sums them with the shards' ``docCount`` and ``sumTotalTermFreq``: the global
+  statistics, the same integers the unsharded index has. With them it builds the query
+  representation exactly as the unsharded :class:`~ralm.retrieval.bm25.BM25Scorer` does
+  (same analysis, term order and weights ``count * idf(df)`` with its own ``idf``; tested
+  equal to the unsharded representations). Each shard takes Lucene candidates from its slice
+  index (ranked with *local* statistics) and re-scores them with the global query and
+  global ``avgdl`` (the shared :func:`~ralm.retrieval.bm25.bm25_scores`). The candidate
+  bound is converted from local to global scores: for any document of the shard,
+  ``global <= R * local`` with ``R = max_t(idf_global(t) / idf_local(t)) * max(1, avgdl_global / avgdl_local)``
+  (per term, the tf-part ratio lies between 1 and ``avgdl_g/avgdl_l``), so the
+  expansion loop of :func:`~ralm.retrieval.rerank.exact_top_k` fetches more candidates
+  until the global k-th score is clearly above ``R * bound``. The result is the exact
+  top-k of the slice under global BM25, hence the merge equals the unsharded result.
+
+Fault tolerance: shard actors restart (``max_restarts``) and reload their slice from
+disk in ``__init__``; in-flight calls are retried by Ray (``max_task_retries``) and, on
+top of that, by the router (:meth:`ShardedRetriever._call`) until ``retry_timeout_s``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ralm.config import RetrieverConfig
+from ralm.corpus import Corpus
+from ralm.retrieval.base import Hit, rank_hits
+from ralm.retrieval.rerank import Candidates, exact_top_k, tolerance
+
+log = logging.getLogger(__name__)
+
+SHARD_INFO = "shard.json"
+DENSE = ("edr", "adr")
+
+
+# ---------------------------------------------------------------------------- layout
+def shard_bounds(n_docs: int, n_shards: int) -> list[tuple[int, int]]:
+    """``n_shards`` contiguous, balanced ``[lo, hi)`` slices of ``range(n_docs)``."""
+    if n_shards < 1:
+        raise ValueError("n_shards must be >= 1")
+    if n_shards > n_docs:
+        raise ValueError(f"cannot split {n_docs} passages into {n_shards} shards")
+    base, extra = divmod(n_docs, n_shards)
+    out, lo = [], 0
+    for i in range(n_shards):
+        hi = lo + base + (1 if i < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def shard_root(index_dir: str | Path, n_shards: int) -> Path:
+    index_dir = Path(index_dir)
+    return index_dir.parent / f"{index_dir.name}-{n_shards}shards"
+
+
+def sub_corpus(corpus: Corpus, lo: int, hi: int) -> Corpus:
+    """Passages ``lo..hi-1`` as a corpus of their own (local row = global row - lo)."""
+    return Corpus.from_records([{"id": corpus.ids[i], "title": corpus.titles[i], "contents": corpus.contents[i]}
+                                for i in range(lo, hi)])
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Everything a shard actor needs to (re)load its slice from disk."""
+
+    kind: str
+    index: int
+    n_shards: int
+    lo: int
+    hi: int
+    shard_dir: str
+    retriever: dict          # RetrieverConfig as a dict
+
+    @property
+    def rcfg(self) -> RetrieverConfig:
+        return RetrieverConfig.model_validate(self.retriever)
+
+
+class _EncoderInfo:
+    """Stands in for the encoder when writing a shard's manifest (vectors are given)."""
+
+    def __init__(self, info: dict):
+        self.name = info["name"]
+        self.fingerprint = info["fingerprint"]
+        self.dim = int(info["dim"])
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def prepare_shards(rcfg: RetrieverConfig, corpus: Corpus, index_dir: str | Path, n_shards: int,
+                   progress: bool = False, vectors_from: str | Path | None = None) -> list[ShardSpec]:
+    """Build (once) the slice indexes of the full index at ``index_dir``; return their specs.
+
+    The full index is built first if missing (``vectors_from``: an EDR index directory whose
+    passage vectors an ADR build may reuse). A shard directory is rebuilt when it was made
+    from another full index (``shard.json`` records its manifest's sha256).
+    """
+    from ralm.retrieval.factory import ensure_index
+    from ralm.retrieval.index_build import MANIFEST, build_index, validate_index
+
+    kind = rcfg.kind
+    index_dir = Path(index_dir)
+    if vectors_from is not None and kind == "adr" and not (index_dir / MANIFEST).is_file() \
+            and (Path(vectors_from) / MANIFEST).is_file():
+        # reuse the EDR index's passage vectors (same encoder) instead of encoding the corpus again
+        from ralm.retrieval.factory import get_encoder
+        from ralm.retrieval.index_build import read_manifest
+
+        src = read_manifest(vectors_from)
+        if src.get("kind") == "edr" and (src.get("encoder") or {}).get("name") == rcfg.encoder \
+                and (src.get("corpus") or {}).get("sha256") == corpus.sha256:
+            build_index(kind, corpus, index_dir, rcfg, progress=progress, encoder=get_encoder(rcfg.encoder),
+                        vectors=np.load(Path(vectors_from) / "vectors.npy"))
+    ensure_index(rcfg, corpus, index_dir, progress=progress)
+    manifest = validate_index(index_dir, rcfg, corpus, checksums=False)
+    source = _sha256(index_dir / MANIFEST)
+    root = shard_root(index_dir, n_shards)
+    specs = []
+    vectors = None
+    build_cfg = rcfg.model_copy(update={"pad_to": 0})
+    for i, (lo, hi) in enumerate(shard_bounds(len(corpus), n_shards)):
+        d = root / f"shard-{i:03d}"
+        info = {"kind": kind, "index": i, "n_shards": n_shards, "lo": lo, "hi": hi, "source_manifest": source}
+        info_path = d / SHARD_INFO
+        current = None
+        if info_path.is_file():
+            try:
+                current = json.loads(info_path.read_text())
+            except (OSError, json.JSONDecodeError):
+                current = None
+        if current != info or not (d / MANIFEST).is_file():
+            if info_path.exists():
+                info_path.unlink()
+            sub = sub_corpus(corpus, lo, hi)
+            log.info("building %s shard %d/%d (passages %d..%d) in %s", kind, i + 1, n_shards, lo, hi - 1, d)
+            if kind in DENSE:
+                if vectors is None:
+                    vectors = np.load(index_dir / "vectors.npy", mmap_mode="r")
+                build_index(kind, sub, d, build_cfg, progress=progress,
+                            encoder=_EncoderInfo(manifest["encoder"]), vectors=np.asarray(vectors[lo:hi]))
+            else:
+                build_index(kind, sub, d, build_cfg, progress=progress)
+                (d / "ids.json").write_text(json.dumps(sub.ids))
+            info_path.write_text(json.dumps(info, indent=2, sort_keys=True))
+        specs.append(ShardSpec(kind, i, n_shards, lo, hi, str(d), rcfg.model_dump(mode="json")))
+    return specs
+
+
+# ---------------------------------------------------------------------------- one shard
+class RetrievalShard:
+    """One slice of a KB (body of the shard actor). Every doc id it takes or returns is global."""
+
+    def __init__(self, spec: ShardSpec, corpus_path: str | None = None):
+        self.spec = spec
+        self.kind = spec.kind
+        self.lo, self.hi = spec.lo, spec.hi
+        self.n_docs = spec.hi - spec.lo
+        self.started = time.time()
+        self.pid = os.getpid()
+        self.calls = 0
+        rcfg = spec.rcfg
+        d = Path(spec.shard_dir)
+        if self.kind in DENSE:
+            import faiss
+
+            from ralm.retrieval.dense import DenseRetriever
+
+            vectors = np.load(d / "vectors.npy", allow_pickle=False)
+            index = faiss.read_index(str(d / "index.faiss"))
+            if vectors.shape[0] != self.n_docs or int(index.ntotal) != self.n_docs:
+                raise ValueError(f"shard {spec.index} at {d}: {vectors.shape[0]} vectors / {index.ntotal} rows, "
+                                 f"expected {self.n_docs}; delete {d.parent} to rebuild the shards")
+            pad = -(-rcfg.pad_to // spec.n_shards) if (self.kind == "edr" and rcfg.pad_to) else 0
+            self.local = DenseRetriever(self.kind, None, vectors, index, ef_search=rcfg.hnsw_ef_search,
+                                        pad_to=pad, rerank_margin=rcfg.rerank_margin)
+        else:
+            from ralm.retrieval.bm25 import SparseRetriever
+            from ralm.retrieval.index_build import LUCENE_SUBDIR
+
+            ids = json.loads((d / "ids.json").read_text()) if (d / "ids.json").is_file() else None
+            if ids is None:
+                ids = _lucene_ids(d / LUCENE_SUBDIR, self.n_docs)
+            self.local = SparseRetriever(d / LUCENE_SUBDIR, ids, k1=rcfg.bm25_k1, b=rcfg.bm25_b,
+                                         rerank_margin=rcfg.rerank_margin)
+            sc = self.local.scorer
+            if sc.max_doc != self.n_docs:
+                raise ValueError(f"shard {spec.index}: Lucene index has {sc.max_doc} documents, expected {self.n_docs}")
+        self.stats = {"searches": 0, "queries": 0, "expansions": 0}
+
+    # ---- identity / health
+    def info(self) -> dict:
+        return {"kind": self.kind, "index": self.spec.index, "lo": self.lo, "hi": self.hi, "pid": self.pid,
+                "started": self.started, "calls": self.calls, **self.stats}
+
+    def ping(self) -> int:
+        return self.pid
+
+    # ---- dense
+    def search_vectors(self, reps: Sequence[np.ndarray], k: int) -> list[list[Hit]]:
+        """Exact top-``k`` of this slice for encoded queries (global doc ids)."""
+        self.calls += 1
+        self.stats["searches"] += 1
+        self.stats["queries"] += len(reps)
+        res = self.local.search_vectors(list(reps), min(int(k), self.n_docs))
+        return [[(d + self.lo, s) for d, s in hits] for hits in res]
+
+    # ---- sparse: global statistics (dfs phase) and search with global weights
+    def term_stats(self, terms: Sequence[str]) -> dict:
+        """This slice's ``docCount``, ``sumTotalTermFreq`` and the df of each analysed term."""
+        self.calls += 1
+        sc = self.local.scorer
+        return {"doc_count": sc.doc_count, "sum_total_term_freq": sc.sum_total_term_freq,
+                "df": [sc.df(t) for t in terms]}
+
+    def search_bm25(self, texts: Sequence[str], reps: Sequence[Any], avgdl: float, k: int) -> list[list[Hit]]:
+        """Exact top-``k`` of this slice under *global* BM25 (``reps``: global query reps)."""
+        from ralm.retrieval.bm25 import bm25_scores
+
+        self.calls += 1
+        self.stats["searches"] += 1
+        self.stats["queries"] += len(texts)
+        loc = self.local
+        sc = loc.scorer
+        k = min(int(k), self.n_docs)
+        out = []
+        for text, gq in zip(texts, reps):
+            if not gq.terms:
+                out.append(self._globalize(loc._zero_fill([], k)))
+                continue
+            R = _bound_ratio(gq, sc.encode_one(text), avgdl, sc.avgdl)
+
+            def candidates(n: int, text=text, R=R) -> Candidates:
+                ids, scores = loc.lucene_search(text, n)
+                if not len(scores):
+                    return Candidates(ids=ids, bound=None, complete=True)
+                b = float(scores[-1])
+                return Candidates(ids=ids, bound=R * (b + tolerance(b)), complete=len(ids) < n)
+
+            def rescore(ids, gq=gq) -> np.ndarray:
+                return bm25_scores(gq, sc.doc_keys(ids), sc.k1, sc.b, avgdl)
+
+            hits, _ = exact_top_k(k, k + loc.rerank_margin, self.n_docs, candidates, rescore, self.stats)
+            out.append(self._globalize(loc._zero_fill(hits, k)))
+        return out
+
+    def _globalize(self, hits: list[Hit]) -> list[Hit]:
+        return [(d + self.lo, s) for d, s in hits]
+
+    # ---- keys for the local caches
+    def doc_keys(self, doc_ids: Sequence[int]) -> list[Any]:
+        """Exact-scorer keys of global ``doc_ids`` (all in this slice)."""
+        self.calls += 1
+        local = [int(d) - self.lo for d in doc_ids]
+        if any(d < 0 or d >= self.n_docs for d in local):
+            raise ValueError(f"doc ids outside shard {self.spec.index} [{self.lo}, {self.hi})")
+        keys = self.local.scorer.doc_keys(local)
+        if self.kind in DENSE:
+            return [np.array(k) for k in keys]       # copies: not views of the whole matrix
+        return keys
+
+
+def _lucene_ids(lucene_dir: Path, n: int) -> list[str]:
+    from pyserini.index.lucene import LuceneIndexReader
+
+    r = LuceneIndexReader(str(lucene_dir))
+    return [r.convert_internal_docid_to_collection_docid(i) for i in range(n)]
+
+
+def _bound_ratio(global_q, local_q, avgdl_g: float, avgdl_l: float) -> float:
+    """R with ``global_score(d) <= R * local_score(d)`` for every document of the shard."""
+    local_w = dict(zip(local_q.terms, local_q.weights))
+    r = 1.0
+    for t, w in zip(global_q.terms, global_q.weights):
+        lw = local_w.get(t)
+        if lw:                          # a term absent from the slice contributes 0 to all its docs
+            r = max(r, w / lw)
+    return r * max(1.0, avgdl_g / avgdl_l if avgdl_l > 0 else 1.0)
+
+
+# ---------------------------------------------------------------------------- the router
+def _jvm_lock():
+    """pyserini's JVM is entered by one thread at a time (``lucene_env.JVM_LOCK``)."""
+    try:
+        from ralm.retrieval.lucene_env import JVM_LOCK
+        return JVM_LOCK
+    except ImportError:        # pragma: no cover
+        import contextlib
+        return contextlib.nullcontext()
+
+
+_RETRYABLE: tuple = ()
+
+
+def _retryable() -> tuple:
+    global _RETRYABLE
+    if not _RETRYABLE:
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+        _RETRYABLE = (RayActorError, ActorUnavailableError, GetTimeoutError)
+    return _RETRYABLE
+
+
+class _ShardScorer:
+    """The KB's exact scorer seen by the router: encode here, keys from the owning shards."""
+
+    def __init__(self, router: "ShardedRetriever", key_cache_size: int = 100_000):
+        self.router = router
+        self._keys: OrderedDict[int, Any] = OrderedDict()
+        self._max = key_cache_size
+        self._lock = threading.Lock()
+
+    def doc_keys(self, doc_ids: Sequence[int]) -> list[Any]:
+        ids = [int(d) for d in doc_ids]
+        with self._lock:
+            missing = list(dict.fromkeys(d for d in ids if d not in self._keys))
+        if missing:
+            fetched = self.router.fetch_keys(missing)
+            with self._lock:
+                self._keys.update(zip(missing, fetched))
+                while len(self._keys) > self._max:
+                    self._keys.popitem(last=False)
+        with self._lock:
+            return [self._keys[d] for d in ids]
+
+    def score(self, query_rep: Any, keys: Sequence[Any]) -> np.ndarray:
+        return self.score_function()(query_rep, keys)
+
+
+def dense_score_fn(query_rep: np.ndarray, keys) -> np.ndarray:
+    """The dense KB's pure scoring function, in the ``(query_rep, keys)`` order of a scorer."""
+    from ralm.retrieval.dense import dense_scores
+
+    return dense_scores(keys, query_rep)
+
+
+class ShardedDenseScorer(_ShardScorer):
+    def __init__(self, router: "ShardedRetriever", encoder: Any):
+        super().__init__(router)
+        self.encoder = encoder
+
+    def encode(self, queries: Sequence[str]) -> list[np.ndarray]:
+        return self.encoder.encode_queries(list(queries))
+
+    def score_function(self):
+        return dense_score_fn
+
+
+class ShardedBM25Scorer(_ShardScorer):
+    """Global BM25 over the shards: analysis here, statistics summed over the shards (dfs).
+
+    ``idf`` is :class:`~ralm.retrieval.bm25.BM25Scorer`'s own method and ``encode_one``
+    builds the representation the way it does, over the global statistics, so a query's
+    representation is bit for bit the unsharded KB's.
+    """
+
+    def __init__(self, router: "ShardedRetriever", k1: float, b: float, language: str = "en"):
+        super().__init__(router)
+        from ralm.retrieval.bm25 import BM25ScoreFn
+        from ralm.retrieval.lucene_env import ensure_lucene
+
+        ensure_lucene()
+        from pyserini.analysis import Analyzer, get_lucene_analyzer
+
+        self.k1, self.b = float(k1), float(b)
+        with _jvm_lock():
+            self.analyzer = Analyzer(get_lucene_analyzer(language=language))
+        stats = router.term_stats([])
+        self.doc_count = sum(s["doc_count"] for s in stats)
+        self.sum_total_term_freq = sum(s["sum_total_term_freq"] for s in stats)
+        self.avgdl = self.sum_total_term_freq / self.doc_count if self.doc_count else 1.0
+        self._fn = BM25ScoreFn(self.k1, self.b, self.avgdl)
+        self._df: dict[str, int] = {}
+        self._df_lock = threading.Lock()
+        self._memo: OrderedDict[str, Any] = OrderedDict()
+
+    def analyze(self, text: str) -> list[str]:
+        with _jvm_lock():
+            return list(self.analyzer.analyze(text))
+
+    def df(self, term: str) -> int:
+        with self._df_lock:
+            d = self._df.get(term)
+        if d is None:
+            self._fetch_df([term])
+            d = self._df[term]
+        return d
+
+    def idf(self, df: int) -> float:
+        from ralm.retrieval.bm25 import BM25Scorer
+        return BM25Scorer.idf(self, df)
+
+    def _fetch_df(self, terms: list[str]) -> None:
+        stats = self.router.term_stats(terms)
+        with self._df_lock:
+            for j, t in enumerate(terms):
+                self._df[t] = sum(int(s["df"][j]) for s in stats)
+
+    def encode_one(self, text: str, terms: list[str] | None = None) -> Any:
+        """:meth:`BM25Scorer.encode_one` over global statistics (same terms, order and weights:
+        ``count * idf(df)`` for the distinct analysed terms in sorted order, df 0 dropped)."""
+        from ralm.retrieval.bm25 import BM25Query
+
+        counts: dict[str, int] = {}
+        for t in (self.analyze(text) if terms is None else terms):
+            counts[t] = counts.get(t, 0) + 1
+        out_terms, weights = [], []
+        for t in sorted(counts):
+            df = self.df(t)
+            if df == 0:
+                continue
+            out_terms.append(t)
+            weights.append(counts[t] * self.idf(df))
+        return BM25Query(tuple(out_terms), tuple(weights))
+
+    def encode(self, queries: Sequence[str]) -> list[Any]:
+        queries = list(queries)
+        todo = [q for q in dict.fromkeys(queries) if q not in self._memo]
+        if todo:
+            analysed = {q: self.analyze(q) for q in todo}
+            with self._df_lock:
+                missing = sorted({t for ts in analysed.values() for t in ts} - set(self._df))
+            if missing:
+                self._fetch_df(missing)          # one dfs round trip for the whole batch
+            for q in todo:
+                self._memo[q] = self.encode_one(q, analysed[q])
+            while len(self._memo) > 65536:
+                self._memo.popitem(last=False)
+        return [self._memo[q] for q in queries]
+
+    def score_function(self):
+        return self._fn
+
+
+class ShardedRetriever:
+    """:class:`~ralm.retrieval.base.Retriever` over shard actors; merges per-shard exact top-k."""
+
+    def __init__(self, kind: str, shards: Sequence[Any], bounds: Sequence[tuple[int, int]],
+                 rcfg: RetrieverConfig | dict | None = None, encoder: Any = None,
+                 retry_timeout_s: float = 120.0):
+        self.kind = kind
+        self.name = kind
+        self.shards = list(shards)
+        self.bounds = [tuple(b) for b in bounds]
+        self._los = np.array([lo for lo, _ in self.bounds], dtype=np.int64)
+        if rcfg is None:
+            rcfg = RetrieverConfig(kind=kind)
+        self.rcfg = rcfg if isinstance(rcfg, RetrieverConfig) else RetrieverConfig.model_validate(rcfg)
+        self.retry_timeout_s = retry_timeout_s
+        self.retries = 0
+        self.calls = 0
+        if kind in DENSE:
+            if encoder is None:
+                from ralm.retrieval.factory import get_encoder
+                encoder = get_encoder(self.rcfg.encoder)
+            self.scorer: Any = ShardedDenseScorer(self, encoder)
+        else:
+            self.scorer = ShardedBM25Scorer(self, self.rcfg.bm25_k1, self.rcfg.bm25_b)
+
+    # ---- fan-out with retries
+    def _call(self, method: str, args_per_shard: Sequence[tuple] | None = None,
+              shard_ids: Sequence[int] | None = None) -> list[Any]:
+        """Call ``method`` on the given shards (all by default) and wait; a call that fails
+        because its shard died is resubmitted until the shard is back (restarted by Ray)."""
+        import ray
+
+        shard_ids = list(range(len(self.shards))) if shard_ids is None else list(shard_ids)
+        args = list(args_per_shard) if args_per_shard is not None else [()] * len(shard_ids)
+        self.calls += 1
+        refs = {i: getattr(self.shards[i], method).remote(*a) for i, a in zip(shard_ids, args)}
+        out: dict[int, Any] = {}
+        deadline = time.monotonic() + self.retry_timeout_s
+        delay = 0.05
+        for i, a in zip(shard_ids, args):
+            while True:
+                try:
+                    out[i] = ray.get(refs[i], timeout=max(1.0, deadline - time.monotonic()))
+                    break
+                except _retryable() as e:
+                    if time.monotonic() >= deadline:
+                        raise
+                    self.retries += 1
+                    log.warning("shard %d of %s failed (%s); retrying", i, self.kind, type(e).__name__)
+                    time.sleep(delay)
+                    delay = min(1.0, delay * 2)
+                    refs[i] = getattr(self.shards[i], method).remote(*a)
+        return [out[i] for i in shard_ids]
+
+    def shard_of(self, doc_id: int) -> int:
+        return int(np.searchsorted(self._los, int(doc_id), side="right") - 1)
+
+    def fetch_keys(self, doc_ids: Sequence[int]) -> list[Any]:
+        groups: dict[int, list[int]] = {}
+        for d in doc_ids:
+            groups.setdefault(self.shard_of(d), []).append(int(d))
+        sids = sorted(groups)
+        res = self._call("doc_keys", [(groups[s],) for s in sids], sids)
+        got = {d: key for s, keys in zip(sids, res) for d, key in zip(groups[s], keys)}
+        return [got[int(d)] for d in doc_ids]
+
+    def term_stats(self, terms: Sequence[str]) -> list[dict]:
+        return self._call("term_stats", [(list(terms),)] * len(self.shards))
+
+    # ---- Retriever protocol
+    def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        queries = list(queries)
+        if not queries:
+            return []
+        if k <= 0:
+            return [[] for _ in queries]
+        reps = self.scorer.encode(queries)
+        n = len(self.shards)
+        if self.kind in DENSE:
+            per_shard = self._call("search_vectors", [(reps, k)] * n)
+        else:
+            per_shard = self._call("search_bm25", [(queries, reps, self.scorer.avgdl, k)] * n)
+        out = []
+        for qi in range(len(queries)):
+            ids = [d for res in per_shard for d, _ in res[qi]]
+            scores = [s for res in per_shard for _, s in res[qi]]
+            out.append(rank_hits(ids, scores, k))
+        return out
+
+    def search(self, query: str, k: int) -> list[Hit]:
+        return self.batch_search([query], k)[0]
+
+    def infos(self) -> list[dict]:
+        return self._call("info")
+
+
+# ---------------------------------------------------------------------------- actors
+def shard_actor_class(num_cpus: float = 0.25, max_restarts: int = 5, max_task_retries: int = 3):
+    """``ray.remote`` class of :class:`RetrievalShard` with restart/retry options."""
+    import ray
+
+    return ray.remote(num_cpus=num_cpus, max_restarts=max_restarts,
+                      max_task_retries=max_task_retries)(RetrievalShard)
+
+
+SHARD_NAMESPACE = "ralmspec"
+
+
+def start_shards(specs: Sequence[ShardSpec], num_cpus: float = 0.25, max_restarts: int = 5,
+                 max_task_retries: int = 3, wait: bool = True, name_prefix: str | None = None) -> list[Any]:
+    """Start one actor per shard spec (each loads its slice in ``__init__``).
+
+    ``name_prefix``: name the actors ``{prefix}-{i}`` in namespace ``ralmspec`` (for operators
+    and tests: ``ray.get_actor(name, namespace="ralmspec")``).
+    """
+    import ray
+
+    cls = shard_actor_class(num_cpus, max_restarts, max_task_retries)
+    actors = []
+    for s in specs:
+        opts = {"name": f"{name_prefix}-{s.index}", "namespace": SHARD_NAMESPACE} if name_prefix else {}
+        actors.append(cls.options(**opts).remote(s))
+    if wait:
+        ray.get([a.ping.remote() for a in actors])
+    return actors
+
+
+def sharded_retriever(rcfg: RetrieverConfig, corpus: Corpus, index_dir: str | Path, n_shards: int,
+                      num_cpus: float = 0.25, max_restarts: int = 5, max_task_retries: int = 3,
+                      encoder: Any = None, progress: bool = False) -> ShardedRetriever:
+    """Prepare the shards of ``index_dir``, start their actors and return the router."""
+    specs = prepare_shards(rcfg, corpus, index_dir, n_shards, progress=progress)
+    actors = start_shards(specs, num_cpus, max_restarts, max_task_retries)
+    return ShardedRetriever(rcfg.kind, actors, [(s.lo, s.hi) for s in specs], rcfg, encoder=encoder)

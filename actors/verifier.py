@@ -1,0 +1,240 @@
+"""Cross-request verification batching (DESIGN.md, "Cross-request verification batching").
+
+One :class:`Verifier` actor per retriever kind takes the KB calls of every in-flight
+request - RaLMSpec's verifications and first retrievals, RaLMSeq's per-step searches.
+It collects them for a short window (``window_ms``) or until ``max_batch`` queries are
+waiting, then sends **one** batched search to each shard (through its
+:class:`~actors.shard.ShardedRetriever`) and routes each request's rows back.
+
+Batching never changes a result: each query's KB result is independent of the batch it
+arrives in (every retriever re-scores exactly and ranks by (score desc, doc id asc)).
+Submissions with different ``k`` go in separate searches, so a query is always searched
+with its own ``k`` (HNSW's candidate set depends on ``k``); identical queries within a
+batch are searched once.
+
+The verifier is also where coordinators get the KB's query representations and
+document keys for their local caches (:meth:`Verifier.encode`, :meth:`Verifier.doc_keys`),
+so those are the very bits the KB uses.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence
+
+from ralm.retrieval.base import Hit
+
+log = logging.getLogger(__name__)
+
+SearchFn = Callable[[list[str], int], Awaitable[list[list[Hit]]]]
+
+
+@dataclass
+class _Item:
+    queries: list[str]
+    k: int
+    future: asyncio.Future
+    t: float
+
+
+@dataclass
+class BatchStats:
+    submissions: int = 0
+    queries: int = 0
+    batches: int = 0                 # flushes
+    searches: int = 0                # KB searches sent (one per distinct k per flush)
+    searched_queries: int = 0        # after de-duplication
+    max_batch_queries: int = 0
+    max_batch_submissions: int = 0
+    sizes: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["sizes"] = dict(sorted(self.sizes.items()))
+        d["mean_submissions_per_batch"] = self.submissions / self.batches if self.batches else 0.0
+        return d
+
+
+class VerificationBatcher:
+    """Async batcher: ``await submit(queries, k)`` returns exactly ``search(queries, k)``.
+
+    ``search(queries, k)`` is an async function doing one batched KB search. With
+    ``enabled=False`` every submission is searched on its own, immediately.
+    """
+
+    def __init__(self, search: SearchFn, window_ms: float = 2.0, max_batch: int = 64,
+                 enabled: bool = True, max_inflight: int = 2):
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        self.search = search
+        self.window_s = max(0.0, float(window_ms)) / 1000.0
+        self.max_batch = int(max_batch)
+        self.enabled = bool(enabled)
+        self.stats = BatchStats()
+        self._pending: list[_Item] = []
+        self._n_pending = 0
+        self._wake: asyncio.Event | None = None
+        self._flusher: asyncio.Task | None = None
+        self._sem: asyncio.Semaphore | None = None
+        self._max_inflight = max(1, int(max_inflight))
+        self._tasks: set[asyncio.Task] = set()
+
+    async def submit(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        queries = list(queries)
+        if not queries:
+            return []
+        self.stats.submissions += 1
+        self.stats.queries += len(queries)
+        if not self.enabled:
+            self._record([len(queries)], 1)
+            self.stats.searches += 1
+            self.stats.searched_queries += len(queries)
+            return await self.search(queries, int(k))
+        loop = asyncio.get_running_loop()
+        if self._wake is None:
+            self._wake = asyncio.Event()
+            self._sem = asyncio.Semaphore(self._max_inflight)
+        item = _Item(queries, int(k), loop.create_future(), loop.time())
+        self._pending.append(item)
+        self._n_pending += len(queries)
+        self._wake.set()
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.ensure_future(self._flush_loop())
+        return await item.future
+
+    def _record(self, sizes: list[int], n_items: int) -> None:
+        n = sum(sizes)
+        self.stats.batches += 1
+        self.stats.sizes[n] += 1
+        self.stats.max_batch_queries = max(self.stats.max_batch_queries, n)
+        self.stats.max_batch_submissions = max(self.stats.max_batch_submissions, n_items)
+
+    async def _flush_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wake is not None and self._sem is not None
+        while self._pending:
+            deadline = self._pending[0].t + self.window_s
+            while self._n_pending < self.max_batch:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), remaining)
+                except asyncio.TimeoutError:
+                    break
+            await self._sem.acquire()            # at most max_inflight batches in flight;
+            batch, total = [], 0                 # meanwhile more submissions accumulate
+            while self._pending and (not batch or total + len(self._pending[0].queries) <= self.max_batch):
+                it = self._pending.pop(0)
+                batch.append(it)
+                total += len(it.queries)
+            self._n_pending -= total
+            task = asyncio.ensure_future(self._execute(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _execute(self, batch: list[_Item]) -> None:
+        assert self._sem is not None
+        try:
+            self._record([len(it.queries) for it in batch], len(batch))
+            by_k: dict[int, list[_Item]] = {}
+            for it in batch:
+                by_k.setdefault(it.k, []).append(it)
+            for k, items in by_k.items():
+                uniq = list(dict.fromkeys(q for it in items for q in it.queries))
+                self.stats.searches += 1
+                self.stats.searched_queries += len(uniq)
+                try:
+                    res = await self.search(uniq, k)
+                except BaseException as e:      # every waiting request sees the error
+                    for it in items:
+                        if not it.future.done():
+                            it.future.set_exception(e)
+                    continue
+                row = dict(zip(uniq, res))
+                for it in items:
+                    if not it.future.done():
+                        it.future.set_result([list(row[q]) for q in it.queries])
+        finally:
+            self._sem.release()
+
+
+class Verifier:
+    """Body of the verifier actor of one retriever kind (an async actor)."""
+
+    def __init__(self, kind: str, shards: Sequence[Any], bounds: Sequence[tuple[int, int]], retriever: dict,
+                 window_ms: float = 2.0, max_batch: int = 64, batching: bool = True, max_inflight: int = 2):
+        from actors.shard import ShardedRetriever
+        from ralm.config import RetrieverConfig
+
+        self.kind = kind
+        self.router = ShardedRetriever(kind, shards, bounds, RetrieverConfig.model_validate(retriever))
+        self.batcher = VerificationBatcher(self._search, window_ms, max_batch, batching, max_inflight)
+        self.kb_time_s = 0.0
+
+    async def _search(self, queries: list[str], k: int) -> list[list[Hit]]:
+        t0 = time.perf_counter()
+        try:
+            return await asyncio.to_thread(self.router.batch_search, queries, k)
+        finally:
+            self.kb_time_s += time.perf_counter() - t0
+
+    async def verify(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        """KB top-``k`` of each query (batched with other requests' calls)."""
+        return await self.batcher.submit(list(queries), int(k))
+
+    async def search(self, query: str, k: int) -> list[Hit]:
+        return (await self.batcher.submit([query], int(k)))[0]
+
+    async def encode(self, queries: Sequence[str]) -> list[Any]:
+        """The KB's query representations (what the shards score with)."""
+        return await asyncio.to_thread(self.router.scorer.encode, list(queries))
+
+    async def doc_keys(self, doc_ids: Sequence[int]) -> list[Any]:
+        """The KB's keys of ``doc_ids`` (fetched from their shards, cached)."""
+        return await asyncio.to_thread(self.router.scorer.doc_keys, list(doc_ids))
+
+    def score_function(self) -> Any:
+        """The KB's pure, picklable scoring function ``(query_rep, keys) -> float64 scores``."""
+        return self.router.scorer.score_function()
+
+    def configure(self, window_ms: float | None = None, max_batch: int | None = None,
+                  batching: bool | None = None) -> dict:
+        """Change the batching policy at run time (e.g. for a benchmark)."""
+        b = self.batcher
+        if window_ms is not None:
+            b.window_s = max(0.0, float(window_ms)) / 1000.0
+        if max_batch is not None:
+            b.max_batch = int(max_batch)
+        if batching is not None:
+            b.enabled = bool(batching)
+        return self.policy()
+
+    def policy(self) -> dict:
+        b = self.batcher
+        return {"window_ms": b.window_s * 1000.0, "max_batch": b.max_batch, "batching": b.enabled}
+
+    def stats(self, reset: bool = False) -> dict:
+        out = {"kind": self.kind, **self.policy(), **self.batcher.stats.as_dict(),
+               "kb_time_s": self.kb_time_s, "shard_retries": self.router.retries}
+        if reset:
+            self.batcher.stats = BatchStats()
+            self.kb_time_s = 0.0
+        return out
+
+    def shard_infos(self) -> list[dict]:
+        return self.router.infos()
+
+    def ping(self) -> str:
+        return self.kind
+
+
+def verifier_actor_class(num_cpus: float = 0.25):
+    import ray
+
+    # verify, encode and doc_keys are pure: a call interrupted by a restart is simply retried
+    return ray.remote(num_cpus=num_cpus, max_restarts=3, max_task_retries=2)(Verifier)

@@ -1,0 +1,239 @@
+"""``ralmspec bench-knn``: KNN-LM baseline against speculative retrieval, side by side.
+
+For each datastore index (exact: FAISS IndexFlatL2, optionally padded with far-away
+random vectors to emulate a large datastore's search cost; approximate: HNSW) and each
+``k``, every prompt runs the baseline (:func:`ralm.knnlm.run_knn_seq`, one KB retrieval
+per token) and then each speculative configuration (fixed strides ``s=N`` and ``S`` for
+OS3) back to back. Every speculative output is compared token by token with the
+baseline's; any difference makes the command exit non-zero. Writes ``knn_bench.json``
+and ``knn_bench.md``.
+
+Example (the numbers in the KNN-LM section of the docs):
+
+    ralmspec bench-knn --passages 400 -n 5 --max-new-tokens 32 --pad-to 400000
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def add_knn_bench_args(p: argparse.ArgumentParser) -> None:
+    from ralm import constants as C
+
+    p.add_argument("--model", default=str(C.DEMO_MODEL_DIR), help="generator (HF causal LM path or name)")
+    p.add_argument("--corpus", type=Path, default=C.DEMO_CORPUS, help="corpus JSONL(.gz) the datastore is built from")
+    p.add_argument("--passages", type=int, default=400, help="datastore = the first N passages of the corpus")
+    p.add_argument("--max-passage-tokens", type=int, default=C.KNN_MAX_PASSAGE_TOKENS)
+    p.add_argument("--datastore-dir", type=Path,
+                   help="load the datastore from here if it matches, else build and save it there "
+                        "(default: <out>/datastore)")
+    p.add_argument("--questions", type=Path, help="JSONL with a 'question' field (default: the demo set)")
+    p.add_argument("-n", "--num-prompts", type=int, default=5)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--ks", default="1,16,256,1024", help="comma-separated k values (1..1024)")
+    p.add_argument("--indexes", default="flat,hnsw", help="comma-separated subset of flat,hnsw")
+    p.add_argument("--configs", default="s=4,s=8,S", help="comma-separated: s=N (fixed stride) or S (OS3)")
+    p.add_argument("--pad-to", type=int, default=0,
+                   help="pad the flat index to this many rows with far-away random vectors (never returned) "
+                        "to emulate a large datastore's search cost")
+    p.add_argument("--lmbda", type=float, default=C.KNN_LAMBDA)
+    p.add_argument("--temperature", type=float, default=C.KNN_TEMPERATURE)
+    p.add_argument("--spatial-next", type=int, default=C.KNN_SPATIAL_NEXT)
+    p.add_argument("--hnsw-m", type=int, default=C.HNSW_M)
+    p.add_argument("--hnsw-ef-construction", type=int, default=C.HNSW_EF_CONSTRUCTION)
+    p.add_argument("--hnsw-ef-search", type=int, default=C.HNSW_EF_SEARCH)
+    p.add_argument("--gamma-max", type=float, default=C.OS3_GAMMA_MAX,
+                   help="OS3 cap on the gamma estimate (the paper's 0.6 by default)")
+    p.add_argument("--max-stride", type=int, default=C.OS3_MAX_STRIDE, help="OS3 upper bound on s")
+    p.add_argument("--threads", type=int, default=1, help="torch and FAISS threads")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up prompts")
+    p.add_argument("--out", type=Path, default=Path("knn-bench-out"), help="output directory")
+
+
+def _spec(name: str, gamma_max: float = 0.6, max_stride: int = 16):
+    from ralm.config import SpecConfig
+
+    if name.startswith("s="):
+        return SpecConfig(stride=int(name[2:]))
+    if name.upper() == "S":
+        return SpecConfig(adaptive_stride=True, gamma_max=gamma_max, max_stride=max_stride)
+    raise ValueError(f"unknown KNN-LM speculation config {name!r}: use s=N or S")
+
+
+def _load_or_build(args, engine, corpus):
+    from ralm.knnlm import Datastore, DatastoreError, build_datastore, model_fingerprint
+
+    d = args.datastore_dir or (args.out / "datastore")
+    fp = model_fingerprint(engine)
+    want_hnsw = "hnsw" in args.indexes
+    try:
+        ds = Datastore.load(d, corpus=corpus, fingerprint=fp)
+        if ds.manifest.get("n_passages") != min(args.passages, len(corpus)) or \
+                ds.manifest.get("max_passage_tokens") != args.max_passage_tokens:
+            raise DatastoreError("different size")
+        if want_hnsw and (ds.hnsw is None or ds.manifest.get("hnsw", {}).get("m") != args.hnsw_m):
+            ds.build_hnsw(args.hnsw_m, args.hnsw_ef_construction, progress=True)
+            ds.save(d)
+        log.info("loaded %r from %s", ds, d)
+        return ds, d, False
+    except DatastoreError as e:
+        log.info("building the datastore (%s)", e)
+    ds = build_datastore(engine, corpus, n_passages=args.passages, max_passage_tokens=args.max_passage_tokens,
+                         hnsw=want_hnsw, hnsw_m=args.hnsw_m, hnsw_ef_construction=args.hnsw_ef_construction,
+                         progress=True)
+    ds.save(d)
+    return ds, d, True
+
+
+def _summarize(base_results, results, identical, name: str) -> dict:
+    from statistics import fmean
+
+    T = fmean(r.stats.total_time_s for r in results)
+    G = fmean(r.stats.gen_time_s for r in results)
+    R = fmean(r.stats.retrieval_time_s for r in results)
+    Tb = fmean(r.stats.total_time_s for r in base_results)
+    Rb = fmean(r.stats.retrieval_time_s for r in base_results)
+    gammas = [r.stats.gamma for r in results if r.stats.gamma is not None]
+    accs = [r.stats.speculation_accuracy for r in results if r.stats.speculation_accuracy is not None]
+    strides = [s for r in results for s in r.stats.strides]
+    return {
+        "config": name, "latency_s": T, "gen_s": G, "retrieval_s": R,
+        "retrieval_share": R / T if T else 0.0,
+        "speedup": Tb / T if T else 0.0,
+        "E": (Tb - T) / Rb if Rb else 0.0,
+        "gamma": fmean(gammas) if gammas else None,
+        "spec_accuracy": fmean(accs) if accs else None,
+        "kb_calls": fmean(r.stats.kb_calls for r in results),
+        "rollbacks": fmean(r.stats.rollbacks for r in results),
+        "direct_steps": fmean(r.stats.direct_steps for r in results),
+        "mean_stride": fmean(strides) if strides else None,
+        "tokens": fmean(len(r.tokens) for r in results),
+        "identical": sum(identical), "requests": len(results),
+    }
+
+
+def markdown(rows: list[dict], notes: list[str]) -> str:
+    f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"   # noqa: E731
+    out = ["| index | k | config | latency ms | G ms | R ms | R share | speed-up | E | gamma | "
+           "spec acc | KB calls | rollbacks | direct | mean s | identical |", "|" + "---|" * 16]
+    for r in rows:
+        out.append(f"| {r['index']} | {r['k']} | {r['config']} | {r['latency_s']*1000:.0f} | "
+                   f"{r['gen_s']*1000:.0f} | {r['retrieval_s']*1000:.0f} | {r['retrieval_share']:.0%} | "
+                   f"{r['speedup']:.2f}x | {f(r['E'])} | {f(r['gamma'])} | {f(r['spec_accuracy'])} | "
+                   f"{r['kb_calls']:.1f} | {r['rollbacks']:.1f} | {r['direct_steps']:.1f} | "
+                   f"{f(r['mean_stride'], 1)} | {r['identical']}/{r['requests']} |")
+    return "\n".join(notes + [""] + out) + "\n"
+
+
+def knn_bench_main(args) -> int:
+    import faiss
+    import torch
+    from tqdm import tqdm
+
+    from ralm import constants as C
+    from ralm.config import GeneratorConfig, KnnLMConfig, RequestConfig
+    from ralm.corpus import Corpus, load_questions
+    from ralm.engine import LMEngine
+    from ralm.knnlm import KnnRetriever, run_knn_seq, run_knn_spec
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    faiss.omp_set_num_threads(args.threads)
+    ks = [int(k) for k in args.ks.split(",") if k.strip()]
+    for k in ks:
+        if not 1 <= k <= C.KNN_MAX_K:
+            raise SystemExit(f"k={k} is outside 1..{C.KNN_MAX_K}")
+    kinds = [x.strip() for x in args.indexes.split(",") if x.strip()]
+    for kind in kinds:
+        if kind not in ("flat", "hnsw"):
+            raise SystemExit(f"unknown index {kind!r}: use flat or hnsw")
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    specs = {c: _spec(c, args.gamma_max, args.max_stride) for c in configs}
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    engine = LMEngine.from_config(GeneratorConfig(model=args.model, torch_threads=args.threads))
+    corpus = Corpus.load(args.corpus, limit=args.passages)
+    ds, ds_dir, built = _load_or_build(args, engine, corpus)
+    prompts = load_questions(args.questions or C.DEMO_QUESTIONS, limit=args.num_prompts + args.warmup)
+    warm, timed = prompts[: args.warmup], prompts[args.warmup:]
+    if not timed:
+        timed, warm = prompts, []
+    req = RequestConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    notes = [f"# ralmspec bench-knn: {len(timed)} prompts x {args.max_new_tokens} tokens (EOS ignored), "
+             f"generator {args.model}, datastore {len(ds):,} entries x {ds.dim} dims from "
+             f"{ds.manifest['n_passages']} passages of {args.corpus}, lambda={args.lmbda}, T={args.temperature}, "
+             f"n={args.spatial_next}, OS3 gamma_max={args.gamma_max}, threads={args.threads}"]
+    rows, per_request = [], []
+    t_all = time.perf_counter()
+    for kind in kinds:
+        kb = KnnRetriever(ds, kind, pad_to=args.pad_to if kind == "flat" else 0,
+                          hnsw_ef_search=args.hnsw_ef_search)
+        if kb.padded_rows:
+            notes.append(f"Note: the flat index is padded to {kb.padded_rows:,} rows ({len(ds):,} entries + "
+                         f"{kb.padded_rows - len(ds):,} random vectors of norm {C.KNN_PAD_NORM_FACTOR:g} x the "
+                         f"largest key norm, never returned) to emulate a large datastore's search cost; "
+                         f"results are unchanged.")
+        for k in ks:
+            knn = KnnLMConfig(k=k, lmbda=args.lmbda, temperature=args.temperature, index=kind,
+                              spatial_next=args.spatial_next, pad_to=args.pad_to if kind == "flat" else 0)
+            for p in warm:
+                run_knn_seq(p, engine, kb, knn, req)
+                for c in configs:
+                    run_knn_spec(p, engine, kb, knn, req, specs[c])
+            base, res = [], {c: [] for c in configs}
+            same = {c: [] for c in configs}
+            for p in tqdm(timed, desc=f"{kind} k={k}"):
+                b = run_knn_seq(p, engine, kb, knn, req)
+                base.append(b)
+                row = {"index": kind, "k": k, "prompt": p, "seq": b.stats.as_dict(), "seq_tokens": b.tokens}
+                for c in configs:
+                    r = run_knn_spec(p, engine, kb, knn, req, specs[c])
+                    ok = r.tokens == b.tokens
+                    res[c].append(r)
+                    same[c].append(ok)
+                    row[c] = {"identical": ok, **r.stats.as_dict()}
+                    if not ok:
+                        log.error("OUTPUT DIFFERS: index=%s k=%d config=%s prompt=%r", kind, k, c, p)
+                per_request.append(row)
+            block = [_summarize(base, base, [True] * len(base), "baseline")]
+            block += [_summarize(base, res[c], same[c], c) for c in configs]
+            for r in block:
+                r.update(index=kind + (f"(pad {kb.padded_rows:,})" if kb.padded_rows else ""), k=k)
+            rows += block
+            log.info("%s k=%d: %s", kind, k, ", ".join(f"{r['config']} {r['speedup']:.2f}x" for r in block))
+        notes.append(f"KB stats {kind}: {kb.stats}")
+    share = [r for r in rows if r["config"] == "baseline" and r["index"].startswith("flat")]
+    if share:
+        notes.append("Baseline retrieval share (flat): " + ", ".join(
+            f"k={r['k']}: {r['retrieval_share']:.0%}" for r in share))
+    md = markdown(rows, notes)
+    (args.out / "knn_bench.md").write_text(md)
+    (args.out / "knn_bench.json").write_text(json.dumps(
+        {"notes": notes, "summary": rows, "requests": per_request, "datastore": ds.manifest,
+         "datastore_dir": str(ds_dir), "datastore_built": built, "argv": sys.argv,
+         "args": {k: str(v) for k, v in vars(args).items() if k != "func"},
+         "wall_s": time.perf_counter() - t_all}, indent=1, default=str))
+    print(md)
+    print(f"wrote {args.out}/knn_bench.json, knn_bench.md")
+    diffs = sum(r["requests"] - r["identical"] for r in rows)
+    if diffs:
+        print(f"FAIL: {diffs} speculative KNN-LM outputs differ from the baseline", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="knn_bench", description=__doc__.splitlines()[0])
+    add_knn_bench_args(p)
+    return knn_bench_main(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

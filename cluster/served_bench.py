@@ -1,0 +1,263 @@
+"""``ralmspec served-bench``: the served system under concurrent load.
+
+For every retriever, cross-request batching on and off, RaLMSeq and the RaLMSpec
+configurations asked for, and every concurrency level (default 1, 4, 16), it sends the
+same ``n`` questions through HTTP (``POST /v1/ralm/generate``) with that many requests in
+flight and reports throughput (requests/s, tokens/s) and p50/p95 latency, plus the
+verifier's batching (queries per KB search). Every answer is compared token by token
+with the server's RaLMSeq answer for the same question; a difference makes the command
+exit non-zero.
+
+Runs against a server (``--url``) or starts the app of ``serve_config.yaml`` in-process.
+Switching batching needs the admin API (``ingress.admin: true``, always on for the
+in-process server); without it only the server's current setting is measured.
+Writes ``served_bench.json`` and ``served_bench.md`` into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from statistics import fmean
+
+log = logging.getLogger(__name__)
+
+
+def add_served_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", help="base URL of a running ralmspec server (default: start one in-process)")
+    p.add_argument("--serve-config", type=Path, help="serve config for the in-process server (default: the repo's)")
+    p.add_argument("--port", type=int, default=8000, help="port of the in-process server")
+    p.add_argument("--pad-to", type=int, help="in-process server: pad the EDR index to N rows per KB "
+                   "(Wikipedia-scale search cost; results unchanged)")
+    p.add_argument("--questions", type=Path, help="JSONL with a 'question' field (default: the demo set)")
+    p.add_argument("-n", "--num-questions", type=int, default=16, help="requests per measurement")
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of requests in flight")
+    p.add_argument("--retrievers", default="edr", help="comma-separated retriever kinds")
+    p.add_argument("--methods", default="seq,spec:PSA",
+                   help="comma-separated: seq, or spec:<config> (base or any of P/S/A)")
+    p.add_argument("--batching", default="on,off", help="cross-request batching settings to measure: on,off")
+    p.add_argument("--window-ms", type=float, help="verifier batching window (default: the server's)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up (0: none); it runs at the highest concurrency")
+    p.add_argument("--timeout", type=float, default=900.0, help="HTTP timeout per request (s)")
+    p.add_argument("--out", type=Path, default=Path("bench-out/served"), help="output directory")
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Linear-interpolated percentile (p in 0..100)."""
+    xs = sorted(values)
+    if not xs:
+        return 0.0
+    pos = (len(xs) - 1) * p / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _parse_methods(spec: str) -> list[tuple[str, str | None]]:
+    out = []
+    for m in (x.strip() for x in spec.split(",") if x.strip()):
+        if m == "seq":
+            out.append(("seq", None))
+        elif m.startswith("spec"):
+            name = m.split(":", 1)[1] if ":" in m else "base"
+            out.append(("spec", name))
+        else:
+            raise ValueError(f"unknown method {m!r}: use seq or spec:<config>")
+    return out
+
+
+def _label(method: str, spec: str | None) -> str:
+    if method == "seq":
+        return "seq"
+    name = "".join(c for c in "PSA" if c in (spec or "").upper()) or "base"
+    return f"spec[{name}]"
+
+
+class Client:
+    def __init__(self, url: str, timeout: float):
+        import httpx
+
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._local = threading.local()
+        self._httpx = httpx
+
+    @property
+    def http(self):
+        c = getattr(self._local, "c", None)
+        if c is None:
+            c = self._local.c = self._httpx.Client(base_url=self.url, timeout=self.timeout)
+        return c
+
+    def generate(self, body: dict) -> tuple[dict, float]:
+        t0 = time.perf_counter()
+        r = self.http.post("/v1/ralm/generate", json=body)
+        dt = time.perf_counter() - t0
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+        return r.json(), dt
+
+    def admin(self, body: dict) -> dict | None:
+        r = self.http.post("/v1/ralm/admin/verifier", json=body)
+        if r.status_code == 403:
+            return None
+        r.raise_for_status()
+        return r.json()
+
+    def stats(self) -> dict:
+        return self.http.get("/v1/ralm/stats").json()
+
+
+def _measure(client: Client, bodies: list[dict], concurrency: int) -> tuple[list[dict], list[float], float]:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as ex:
+        outs = list(ex.map(client.generate, bodies))
+    wall = time.perf_counter() - t0
+    return [o for o, _ in outs], [dt for _, dt in outs], wall
+
+
+def run_served_bench(client: Client, questions: list[str], kinds: list[str], methods: list[tuple[str, str | None]],
+                     levels: list[int], batching: list[bool], max_new: int, warmup: int,
+                     window_ms: float | None = None, progress: bool = True) -> tuple[list[dict], list[str]]:
+    notes: list[str] = []
+    can_switch = client.admin({}) is not None
+    if not can_switch:
+        notes.append("the server's admin API is off: batching was measured at its current setting only")
+        current = next(iter(client.stats()["verifiers"].values()))["batching"]
+        batching = [current]
+    if window_ms is not None and can_switch:
+        client.admin({"window_ms": window_ms})
+    rows = []
+    for kind in kinds:
+        if warmup:      # untimed; at the highest concurrency, so the coordinator pool has grown
+            wq = (questions * max(levels))[:max(warmup, max(levels))]
+            _measure(client, [{"question": q, "retriever": kind, "method": "seq", "max_new_tokens": max_new}
+                              for q in wq], max(levels))
+        ref: dict[str, list[int]] = {}
+        for q in questions:        # RaLMSeq reference answers (untimed)
+            out, _ = client.generate({"question": q, "retriever": kind, "method": "seq", "max_new_tokens": max_new})
+            ref[q] = out["tokens"]
+        for b in batching:
+            if can_switch:
+                client.admin({"batching": b})
+            for method, spec in methods:
+                for c in levels:
+                    bodies = [{"question": q, "retriever": kind, "method": method, "max_new_tokens": max_new,
+                               **({"spec": spec} if spec else {})} for q in questions]
+                    if can_switch:
+                        client.admin({"reset_stats": True})
+                    outs, lats, wall = _measure(client, bodies, c)
+                    vst = client.stats()["verifiers"].get(kind, {})
+                    n_tok = sum(len(o["tokens"]) for o in outs)
+                    identical = sum(o["tokens"] == ref[q] for o, q in zip(outs, questions))
+                    row = {
+                        "retriever": kind, "method": _label(method, spec), "batching": b, "concurrency": c,
+                        "requests": len(outs), "identical": identical, "wall_s": wall,
+                        "throughput_rps": len(outs) / wall if wall else 0.0,
+                        "tokens_per_s": n_tok / wall if wall else 0.0,
+                        "mean_s": fmean(lats), "p50_s": percentile(lats, 50), "p95_s": percentile(lats, 95),
+                        "kb_calls_per_request": fmean(o["stats"]["kb_calls"] for o in outs),
+                        "kb_searches": vst.get("searches"),
+                        "queries_per_search": (vst["searched_queries"] / vst["searches"]) if vst.get("searches") else None,
+                        "requests_per_batch": vst.get("mean_submissions_per_batch"),
+                    }
+                    rows.append(row)
+                    if progress:
+                        print(f"{kind} {row['method']:<10} batching={'on ' if b else 'off'} c={c:<3} "
+                              f"{row['throughput_rps']:.2f} req/s p50={row['p50_s']:.2f}s p95={row['p95_s']:.2f}s "
+                              f"identical={identical}/{len(outs)}", file=sys.stderr)
+        if can_switch:
+            client.admin({"batching": True})
+    return rows, notes
+
+
+def to_markdown(rows: list[dict], meta: dict, notes: list[str]) -> str:
+    lines = ["# Served benchmark: RaLMSeq vs RaLMSpec under concurrent load",
+             "",
+             f"Server {meta['url']}, model `{meta['model']}`, {meta['requests']} requests per row, "
+             f"{meta['max_new_tokens']} new tokens each. Latency is per request (HTTP round trip); "
+             f"throughput is requests finished per second of wall time. `q/search`: queries per KB "
+             f"search sent by the verifier (cross-request batching); `req/batch`: requests per batch.",
+             ""]
+    lines += [f"> {n}" for n in notes] + ([""] if notes else [])
+    lines.append("| retriever | method | batching | concurrency | req/s | tokens/s | p50 (s) | p95 (s) | "
+                 "mean (s) | q/search | req/batch | identical |")
+    lines.append("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        name = "RaLMSeq" if r["method"] == "seq" else "RaLMSpec " + r["method"][5:-1]
+        qps = f"{r['queries_per_search']:.2f}" if r["queries_per_search"] else "-"
+        rpb = f"{r['requests_per_batch']:.2f}" if r["requests_per_batch"] else "-"
+        lines.append(f"| {r['retriever']} | {name} | {'on' if r['batching'] else 'off'} | {r['concurrency']} | "
+                     f"{r['throughput_rps']:.2f} | {r['tokens_per_s']:.1f} | {r['p50_s']:.2f} | {r['p95_s']:.2f} | "
+                     f"{r['mean_s']:.2f} | {qps} | {rpb} | {r['identical']}/{r['requests']} |")
+    return "\n".join(lines) + "\n"
+
+
+def served_bench_main(args: argparse.Namespace) -> int:
+    """Entry point of ``ralmspec served-bench``; returns 1 if any answer differed from RaLMSeq's."""
+    from ralm import constants as C
+    from ralm.corpus import load_questions
+
+    questions = load_questions(args.questions or C.DEMO_QUESTIONS)
+    n = args.num_questions
+    if n > len(questions):
+        questions = (questions * (n // len(questions) + 1))
+    questions = questions[:n]
+    levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
+    kinds = [k.strip() for k in args.retrievers.split(",") if k.strip()]
+    methods = _parse_methods(args.methods)
+    batching = [{"on": True, "off": False}[x.strip()] for x in args.batching.split(",") if x.strip()]
+    url = args.url
+    started_here = False
+    if not url:
+        from cluster.serve import DEFAULT_SERVE_CONFIG, apply_overrides, load_serve_config, start_local_app
+
+        ns = argparse.Namespace(port=args.port, admin=True, pad_to=args.pad_to,
+                                retrievers=",".join(dict.fromkeys(kinds)))
+        data = apply_overrides(load_serve_config(args.serve_config or DEFAULT_SERVE_CONFIG), ns)
+        print("starting the server in-process...", file=sys.stderr)
+        url = start_local_app(data)
+        started_here = True
+    client = Client(url, args.timeout)
+    try:
+        model = client.http.get("/v1/models").json()["data"][0]["id"]
+        rows, notes = run_served_bench(client, questions, kinds, methods, levels, batching,
+                                       args.max_new_tokens, args.warmup, args.window_ms)
+        if started_here and args.pad_to:
+            notes.append(f"the EDR index was padded to {args.pad_to} rows with random vectors of norm "
+                         f"1e-3 (search cost of a Wikipedia-scale KB; results unchanged)")
+    finally:
+        if started_here:
+            from ray import serve
+            serve.shutdown()
+    meta = {"url": url, "model": model, "requests": len(questions), "max_new_tokens": args.max_new_tokens,
+            "concurrency": levels, "retrievers": kinds, "methods": [m for m, _ in methods],
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "served_bench.json").write_text(json.dumps({"meta": meta, "notes": notes, "rows": rows}, indent=2))
+    md = to_markdown(rows, meta, notes)
+    (out / "served_bench.md").write_text(md)
+    print(md)
+    bad = [r for r in rows if r["identical"] != r["requests"]]
+    if bad:
+        print(f"error: {len(bad)} configurations returned answers that differ from RaLMSeq", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ralmspec served-bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_served_bench_args(p)
+    return served_bench_main(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Ray Serve deployments: the HTTP ingress, the generator, and the app builder."""

@@ -1,0 +1,154 @@
+"""The Ray Serve application builder that ``serve_config.yaml`` imports.
+
+    import_path: deployments.app:build_app
+
+``build_app(args)`` validates ``args`` (the ``args:`` block of the Serve config, or a
+dict) as an :class:`AppConfig` and returns the bound application: the HTTP ingress
+(:mod:`deployments.ingress`) over the generator deployment
+(:mod:`deployments.generator`). The ingress starts, per served retriever, the shard
+actors and the verifier, and the pool of coordinators; missing indexes are built on
+first start into ``ralm.work_dir``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from deployments.generator import PRESETS, GeneratorDeploymentOptions, preset
+from ralm import constants as C
+from ralm.config import GeneratorConfig, RalmConfig, RetrieverKind
+
+
+class _Opts(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class ShardingOptions(_Opts):
+    n_shards: int = Field(2, ge=1, le=256, description="Contiguous corpus slices per retriever, one shard actor each.")
+    num_cpus: float = Field(0.1, ge=0, description="CPUs reserved per shard actor (a scheduling reservation).")
+    max_restarts: int = Field(5, ge=-1, description="Restarts of a shard actor that died (-1: unlimited); it reloads its slice.")
+    max_task_retries: int = Field(3, ge=-1, description="Ray retries of a shard call interrupted by the shard's death.")
+    build_num_cpus: float = Field(0.1, ge=0, description="CPUs reserved by the one-off task that builds missing indexes and shards.")
+
+
+class VerifierOptions(_Opts):
+    batching: bool = Field(True, description="Batch KB calls across in-flight requests (off: each call is searched on its own).")
+    window_ms: float = Field(2.0, ge=0, le=1000, description="How long the verifier waits to fill a batch after its first query.")
+    max_batch: int = Field(64, ge=1, description="A batch is sent as soon as this many queries wait.")
+    max_inflight: int = Field(2, ge=1, description="Batches in flight at once per retriever.")
+    num_cpus: float = Field(0.1, ge=0, description="CPUs reserved per verifier actor (it encodes queries).")
+
+
+class PoolOptions(_Opts):
+    size: int = Field(4, ge=1, description="Coordinators started with the server.")
+    max_size: int = Field(16, ge=1, description="Most coordinators (= most requests in flight); further requests queue.")
+    num_cpus: float = Field(0.02, ge=0, description="CPUs reserved per coordinator actor.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "PoolOptions":
+        if self.max_size < self.size:
+            raise ValueError("pool.max_size must be >= pool.size")
+        return self
+
+
+class IngressOptions(_Opts):
+    served_model_name: Optional[str] = Field(None, description="Model id in the OpenAI API (default: the generator's directory or hub name).")
+    num_cpus: float = Field(0.1, ge=0, description="CPUs reserved by the ingress replica.")
+    max_ongoing_requests: int = Field(256, ge=1, description="Concurrent HTTP requests the ingress accepts (beyond the pool they wait).")
+    max_prompt_chars: int = Field(20_000, ge=1, description="Prompts longer than this are rejected before tokenisation.")
+    admin: bool = Field(False, description="Enable POST /v1/ralm/admin/verifier (change batching at run time; for benchmarks).")
+
+
+class AppConfig(_Opts):
+    """Everything the served application needs. Every field has a default: ``{}`` is the demo."""
+
+    ralm: RalmConfig = Field(default_factory=RalmConfig, description="Corpus, work dir, retriever, generator, speculation and request defaults (ralm.config.RalmConfig).")
+    retrievers: list[RetrieverKind] = Field(default_factory=lambda: ["edr", "adr", "sr"], min_length=1,
+                                            description="Retriever kinds served; the first is the default of a request.")
+    default_method: Literal["seq", "spec"] = Field("spec", description="Method of a request that names none.")
+    generator_preset: Optional[Literal["cpu", "gpu", "llama2-70b-4gpu"]] = Field(
+        None, description="Generator preset; fills generator settings not given explicitly (see deployments.generator.preset).")
+    generator_deployment: GeneratorDeploymentOptions = Field(default_factory=GeneratorDeploymentOptions,
+                                                             description="Replicas, CPUs/GPUs, autoscaling and placement group of the generator.")
+    sharding: ShardingOptions = Field(default_factory=ShardingOptions, description="Retrieval shards.")
+    verifier: VerifierOptions = Field(default_factory=VerifierOptions, description="Cross-request verification batching.")
+    pool: PoolOptions = Field(default_factory=PoolOptions, description="Pre-started coordinator actors.")
+    ingress: IngressOptions = Field(default_factory=IngressOptions, description="HTTP front end.")
+    build_indexes: bool = Field(True, description="Build missing indexes and shards on start (else a missing index is an error).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AppConfig":
+        if len(set(self.retrievers)) != len(self.retrievers):
+            raise ValueError("retrievers lists a kind twice")
+        return self
+
+    def resolved(self) -> "AppConfig":
+        """The config with paths made absolute and the generator preset applied (explicit settings win).
+
+        Relative paths (corpus, work dir, a local model directory) are taken relative to the
+        current directory if they exist there, else to the repository root, so
+        ``serve_config.yaml`` works from any directory; ``~`` is expanded.
+        """
+        ralm = self.ralm
+        gen = ralm.generator
+        upd: dict = {}
+        if self.generator_preset:
+            gen_over, dep = preset(self.generator_preset)
+            explicit = gen.model_fields_set
+            data = gen.model_dump()
+            data.update({k: v for k, v in gen_over.items() if k not in explicit})
+            gen = GeneratorConfig.model_validate(data)
+            if "generator_deployment" not in self.model_fields_set:
+                upd["generator_deployment"] = dep
+        model = gen.model
+        if _looks_local(model):
+            model = str(_abs(model))
+        ralm = ralm.model_copy(update={
+            "corpus": _abs(ralm.corpus), "work_dir": _abs(ralm.work_dir),
+            "generator": gen.model_copy(update={"model": model}),
+            "retriever": ralm.retriever.model_copy(update={
+                "index_dir": _abs(ralm.retriever.index_dir) if ralm.retriever.index_dir else None}),
+        })
+        upd["ralm"] = ralm
+        return self.model_copy(update=upd)
+
+    @property
+    def model_name(self) -> str:
+        if self.ingress.served_model_name:
+            return self.ingress.served_model_name
+        m = str(self.ralm.generator.model)
+        p = Path(m)
+        return p.name if p.is_dir() or m.startswith("/") else m
+
+
+def _abs(p) -> Path:
+    p = Path(str(p)).expanduser()
+    if p.is_absolute() or p.exists():
+        return p.resolve()
+    return (C.PACKAGE_ROOT / p).resolve()
+
+
+def _looks_local(model: str) -> bool:
+    m = str(model)
+    return m.startswith((".", "/", "~")) or Path(m).expanduser().exists() or (C.PACKAGE_ROOT / m).exists()
+
+
+def build_app(args: dict | None = None):
+    """Serve application builder: ``serve run deployments.app:build_app`` or ``serve_config.yaml``."""
+    from deployments.generator import generator_deployment
+    from deployments.ingress import Ingress
+
+    cfg = AppConfig.model_validate(dict(args or {})).resolved()
+    gen = generator_deployment(cfg.generator_deployment).bind(
+        cfg.ralm.generator.model_dump(mode="json"), str(cfg.ralm.corpus),
+        cfg.generator_deployment.serialize_steps)
+    ingress = Ingress.options(
+        ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
+        max_ongoing_requests=cfg.ingress.max_ongoing_requests,
+    )
+    return ingress.bind(gen, cfg.model_dump(mode="json"))
+
+
+__all__ = ["AppConfig", "build_app", "PRESETS"]

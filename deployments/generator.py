@@ -1,0 +1,215 @@
+"""The LM engine as a Ray Serve deployment.
+
+A replica owns one :class:`~ralm.engine.LMEngine` (model, tokenizer, doc-KV cache) and
+the corpus text, and serves the deterministic step ``f(doc, context, k)`` to the
+coordinators (:class:`ralm.generator.LocalGenerator` is the code that runs; this class
+only loads it and takes calls).
+
+Placement. :class:`GeneratorDeploymentOptions` turns the config into Serve deployment
+options: replicas or autoscaling, ``num_cpus``/``num_gpus`` per replica and, for models
+that need several GPUs in one replica, a placement group. The ``llama2-70b-4gpu``
+preset reserves 4 one-GPU bundles with ``STRICT_PACK`` (all on one node), loads the
+model in fp16 and lets ``device_map="auto"`` spread its layers over the 4 GPUs. The
+replica runs in bundle 0 and sees only its own GPU at first; :func:`claim_placement_group_gpus`
+parks a probe actor in every other bundle, learns their GPU ids and makes all of them
+visible to the replica before CUDA starts.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from typing import Any, Literal, Optional, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ralm.config import GeneratorConfig
+from ralm.corpus import Corpus
+from ralm.engine import LMEngine, StepOutput
+from ralm.generator import LocalGenerator
+
+log = logging.getLogger(__name__)
+
+NOSET_CUDA_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+LLAMA2_70B = "meta-llama/Llama-2-70b-hf"
+
+
+class AutoscalingOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas kept running.")
+    max_replicas: int = Field(2, ge=1, description="Most replicas started under load.")
+    target_ongoing_requests: float = Field(4.0, gt=0, description="Ongoing step calls per replica that Serve aims for.")
+    upscale_delay_s: float = Field(5.0, ge=0, description="Load must stay high this long before a replica is added.")
+    downscale_delay_s: float = Field(60.0, ge=0, description="Load must stay low this long before a replica is removed.")
+
+
+class GeneratorDeploymentOptions(BaseModel):
+    """How the generator deployment is placed and scaled (Serve deployment options)."""
+
+    model_config = ConfigDict(extra="forbid")
+    preset: Optional[str] = Field(None, description="Name of the preset these options came from (informational).")
+    num_replicas: int = Field(1, ge=1, description="Replicas when autoscaling is off.")
+    num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per replica (a scheduling reservation).")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved per replica actor (with a placement group: in bundle 0).")
+    max_ongoing_requests: int = Field(16, ge=1, description="Concurrent step calls a replica accepts.")
+    autoscaling: Optional[AutoscalingOptions] = Field(None, description="Autoscaling instead of a fixed replica count.")
+    placement_group_bundles: Optional[list[dict[str, float]]] = Field(
+        None, description="Per-replica placement group; the replica actor runs in the first bundle.")
+    placement_group_strategy: Optional[Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]] = Field(
+        None, description="Placement group strategy (STRICT_PACK: every bundle on one node).")
+    serialize_steps: bool = Field(True, description="Run one step at a time per replica (steps never share a forward pass).")
+    env_vars: dict[str, str] = Field(default_factory=dict, description="Environment variables of the replica processes.")
+
+    def deployment_options(self, name: str = "Generator") -> dict:
+        """Keyword arguments for ``Deployment.options``."""
+        actor: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.num_gpus:
+            actor["num_gpus"] = self.num_gpus
+        if self.env_vars:
+            actor["runtime_env"] = {"env_vars": dict(self.env_vars)}
+        opts: dict[str, Any] = {"name": name, "ray_actor_options": actor,
+                                "max_ongoing_requests": self.max_ongoing_requests}
+        if self.autoscaling is not None:
+            a = self.autoscaling
+            opts["autoscaling_config"] = {
+                "min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+                "target_ongoing_requests": a.target_ongoing_requests,
+                "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s}
+        else:
+            opts["num_replicas"] = self.num_replicas
+        if self.placement_group_bundles:
+            opts["placement_group_bundles"] = [dict(b) for b in self.placement_group_bundles]
+            opts["placement_group_strategy"] = self.placement_group_strategy or "PACK"
+        return opts
+
+    @property
+    def gpus_per_replica(self) -> float:
+        if self.placement_group_bundles:
+            return sum(b.get("GPU", 0.0) for b in self.placement_group_bundles)
+        return self.num_gpus
+
+
+def preset(name: str, model: str | None = None) -> tuple[dict, GeneratorDeploymentOptions]:
+    """(GeneratorConfig overrides, deployment options) of a named preset.
+
+    - ``cpu``: one CPU replica (the embedded default).
+    - ``gpu``: one replica per GPU, fp16.
+    - ``llama2-70b-4gpu``: LLaMA-2-70B in fp16, one replica spanning 4 GPUs of one node
+      (placement group of 4 one-GPU bundles, ``STRICT_PACK``, ``device_map="auto"``).
+    """
+    if name == "cpu":
+        gen, opts = {}, GeneratorDeploymentOptions(preset=name)
+    elif name == "gpu":
+        gen = {"device": "cuda", "dtype": "float16"}
+        opts = GeneratorDeploymentOptions(preset=name, num_cpus=1, num_gpus=1)
+    elif name == "llama2-70b-4gpu":
+        gen = {"model": LLAMA2_70B, "device": "auto", "dtype": "float16"}
+        opts = GeneratorDeploymentOptions(
+            preset=name, num_replicas=1, num_cpus=1, num_gpus=1, max_ongoing_requests=32,
+            placement_group_bundles=[{"CPU": 1, "GPU": 1}, {"GPU": 1}, {"GPU": 1}, {"GPU": 1}],
+            placement_group_strategy="STRICT_PACK",
+            env_vars={NOSET_CUDA_ENV: "1"})
+    else:
+        raise ValueError(f"unknown generator preset {name!r}: choose one of {', '.join(PRESETS)}")
+    if model:
+        gen = {**gen, "model": model}
+    return gen, opts
+
+
+PRESETS = ("cpu", "gpu", "llama2-70b-4gpu")
+
+
+# ------------------------------------------------------------------ multi-GPU replicas
+class _BundleProbe:
+    """Parked in one bundle of the replica's placement group; reports the GPUs Ray gave it."""
+
+    def gpu_ids(self) -> list[str]:
+        import ray
+        return [str(g) for g in ray.get_gpu_ids()]
+
+
+def claim_placement_group_gpus(timeout_s: float = 120.0) -> tuple[list, list[str]]:
+    """Make every GPU of the current placement group visible to this process.
+
+    Returns ``(probes, gpu_ids)``; keep ``probes`` alive as long as the GPUs are used.
+    Outside a placement group (or outside Ray) it does nothing. Must run before CUDA is
+    initialised in this process.
+    """
+    try:
+        import ray
+        from ray.util.placement_group import get_current_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    except ImportError:       # pragma: no cover
+        return [], []
+    if not ray.is_initialized():
+        return [], []
+    pg = get_current_placement_group()
+    if pg is None:
+        return [], []
+    probe_cls = ray.remote(_BundleProbe)
+    probes = []
+    for i, bundle in enumerate(pg.bundle_specs[1:], start=1):
+        probes.append(probe_cls.options(
+            num_cpus=0, num_gpus=bundle.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        ).remote())
+    ids = [str(g) for g in ray.get_gpu_ids()]
+    for p in probes:
+        ids += ray.get(p.gpu_ids.remote(), timeout=timeout_s)
+    if ids:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(ids))
+    log.info("placement group with %d bundles; visible GPUs: %s", len(pg.bundle_specs), ids or "none")
+    return probes, ids
+
+
+def load_engine(cfg: GeneratorConfig) -> LMEngine:
+    """The one way every process loads its engine (fp16/``device_map="auto"`` included)."""
+    return LMEngine.from_config(cfg)
+
+
+# ------------------------------------------------------------------ the deployment
+class GeneratorServer:
+    """Body of the generator deployment (also usable in-process, e.g. in tests)."""
+
+    def __init__(self, generator: dict, corpus: str, serialize_steps: bool = True):
+        self._probes, self.gpu_ids = claim_placement_group_gpus()
+        self.cfg = GeneratorConfig.model_validate(generator)
+        self.engine = load_engine(self.cfg)
+        self.corpus = Corpus.load(corpus)
+        self.local = LocalGenerator(self.engine, self.corpus)
+        self._lock: Any = threading.Lock() if serialize_steps else contextlib.nullcontext()
+        self.steps = 0
+
+    def step(self, doc_id: Optional[int], context: Sequence[int], k: int, ignore_eos: bool = False) -> StepOutput:
+        """``f(doc_id, context, k)`` on this replica's engine."""
+        with self._lock:
+            self.steps += 1
+            return self.local.step(doc_id, list(context), int(k), ignore_eos=bool(ignore_eos))
+
+    def tokenizer(self):
+        """The engine's tokenizer (coordinators tokenise and decode locally with it)."""
+        return self.engine.tokenizer
+
+    def info(self) -> dict:
+        model = self.engine.model
+        return {
+            "model": self.cfg.model, "dtype": self.cfg.dtype, "device": str(self.engine.device),
+            "hf_device_map": {k: str(v) for k, v in (getattr(model, "hf_device_map", None) or {}).items()},
+            "gpu_ids": self.gpu_ids, "eos_token_id": self.engine.eos_token_id,
+            "max_prompt_tokens": self.cfg.max_prompt_tokens, "max_new_tokens": self.cfg.max_new_tokens,
+            "corpus_size": len(self.corpus), "corpus_sha256": self.corpus.sha256, "steps": self.steps,
+            "doc_kv": self.engine.doc_kv.stats.as_dict() if hasattr(self.engine.doc_kv, "stats") else None,
+            "pid": os.getpid(),
+        }
+
+    def check_health(self) -> None:
+        return None
+
+
+def generator_deployment(options: GeneratorDeploymentOptions | None = None, name: str = "Generator"):
+    """The Serve deployment of :class:`GeneratorServer` with ``options`` applied."""
+    from ray import serve
+
+    options = options or GeneratorDeploymentOptions()
+    return serve.deployment(GeneratorServer).options(**options.deployment_options(name))

@@ -1,0 +1,480 @@
+"""HTTP front end (FastAPI through Ray Serve).
+
+Endpoints:
+
+- ``POST /v1/completions`` - OpenAI-compatible completions (``prompt``, ``max_tokens``,
+  ``stream`` with server-sent events, ``echo``). Retrieval options are extra fields:
+  ``retriever`` (edr|adr|sr), ``method`` (seq|spec), ``spec`` (a configuration name such
+  as ``"PSA"``/``"base"``, or an object of :class:`~ralm.config.SpecConfig` fields),
+  ``stride``, ``prefetch_size``, ``generation_stride``, ``query_window``. The response
+  carries the request's statistics under ``ralm``.
+- ``GET /v1/models`` - the served model.
+- ``POST /v1/ralm/generate`` - native: ``question`` + the same options, returns text,
+  tokens, finish reason and :meth:`~ralm.results.RequestStats.as_dict`.
+- ``GET /v1/ralm/stats`` - coordinator pool, verifiers (batching) and generator.
+- ``GET /healthz``.
+
+Decoding is greedy (that is what makes RaLMSpec exact), so sampling parameters other
+than their greedy values are rejected. Every invalid request gets a 4xx answer with an
+OpenAI-style error body ``{"error": {"message", "type", "param", "code"}}``, and the
+server keeps serving.
+
+Each request leases a coordinator from the pool (:mod:`actors.pool`), which runs the
+core loop; the ingress only validates, routes and formats.
+"""
+# no "from __future__ import annotations": FastAPI must see the body models as classes
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from ray import serve
+
+from deployments.app import AppConfig
+from ralm.config import GeneratorConfig, RequestConfig, SpecConfig
+from ralm.errors import ConfigError, RalmInputError
+
+log = logging.getLogger(__name__)
+
+app = FastAPI(title="ralmspec", version="0.1.0",
+              description="Iterative retrieval-augmented LM serving with exact speculative retrieval.")
+
+
+# ------------------------------------------------------------------ errors
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+
+
+def _error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+                code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _message(e: BaseException) -> str:
+    """A user-facing message: the original error of a Ray task error, without its traceback."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException) and cause is not e:
+        return _message(cause)
+    text = str(e).strip()
+    return text.splitlines()[-1] if text else type(e).__name__
+
+
+@app.exception_handler(ApiError)
+async def _api_error(_: Request, e: ApiError):
+    return JSONResponse(_error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+
+
+def _is_union_tag(part: str) -> bool:
+    """pydantic puts the union member tried into an error's location (``str``, ``SpecOptions``...)."""
+    return part in ("str", "int", "float", "bool", "dict", "list", "SpecOptions") or "[" in part
+
+
+def _describe(errors: list[dict]) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in errors[:5]:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_union_tag(str(x))]
+        name = ".".join(loc)
+        param = param or (loc[0] if loc else None)
+        typ = err.get("type", "")
+        if typ == "json_invalid":
+            ctx = err.get("ctx", {}).get("error", "")
+            return f"request body is not valid JSON ({ctx})" if ctx else "request body is not valid JSON", None
+        if typ == "extra_forbidden":
+            parts.append(f"unknown field {name!r}")
+        elif typ == "missing":
+            parts.append(f"field {name!r} is required")
+        else:
+            got = err.get("input")
+            got_s = json.dumps(got)[:60] if isinstance(got, (str, int, float, bool, type(None))) else type(got).__name__
+            parts.append(f"{name or 'body'}: {err.get('msg', 'invalid')} (got {got_s})")
+    return "invalid request: " + "; ".join(parts), param
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, e: RequestValidationError):
+    msg, param = _describe(list(e.errors()))
+    return JSONResponse(_error_body(msg, param=param), status_code=400)
+
+
+# ------------------------------------------------------------------ request bodies
+class SpecOptions(BaseModel):
+    """RaLMSpec options (any subset of :class:`~ralm.config.SpecConfig` fields)."""
+
+    model_config = ConfigDict(extra="forbid")
+    prefetch: Optional[StrictBool] = None
+    prefetch_size: Optional[StrictInt] = None
+    adaptive_stride: Optional[StrictBool] = None
+    async_verify: Optional[StrictBool] = None
+    stride: Optional[StrictInt] = None
+    os3_window: Optional[StrictInt] = None
+    gamma_max: Optional[float] = None
+    max_stride: Optional[StrictInt] = None
+
+
+class RalmOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    retriever: Optional[StrictStr] = Field(None, description="edr, adr or sr (default: the server's first).")
+    method: Optional[Literal["seq", "spec"]] = Field(None, description="seq: RaLMSeq; spec: RaLMSpec.")
+    spec: Optional[Union[StrictStr, SpecOptions]] = Field(None, description="'base', any of P/S/A (e.g. 'PSA'), or an object of SpecConfig fields.")
+    stride: Optional[StrictInt] = Field(None, description="Fixed speculation stride s.")
+    prefetch_size: Optional[StrictInt] = Field(None, description="p, documents prefetched per query (with P).")
+    generation_stride: Optional[StrictInt] = Field(None, description="k, tokens generated per retrieval.")
+    query_window: Optional[StrictInt] = Field(None, description="Query = last N tokens.")
+
+
+class CompletionRequest(RalmOptions):
+    model: Optional[StrictStr] = None
+    prompt: Union[StrictStr, list[StrictStr]]
+    max_tokens: Optional[StrictInt] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    n: Optional[StrictInt] = None
+    best_of: Optional[StrictInt] = None
+    stream: StrictBool = False
+    stream_options: Optional[dict] = None
+    logprobs: Optional[StrictInt] = None
+    echo: StrictBool = False
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    suffix: Optional[StrictStr] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict] = None
+    user: Optional[StrictStr] = None
+    seed: Optional[StrictInt] = None
+
+
+class GenerateRequest(RalmOptions):
+    question: StrictStr
+    max_new_tokens: Optional[StrictInt] = None
+
+
+# ------------------------------------------------------------------ the deployment
+def _prepare_shards_task(rcfg: dict, corpus_path: str, index_dir: str, n_shards: int, build: bool,
+                         vectors_from: Optional[str] = None):
+    """One-off task: build missing indexes and shard slices; returns the shard specs."""
+    import os
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from actors.shard import prepare_shards
+    from ralm.config import RetrieverConfig
+    from ralm.corpus import Corpus
+    from ralm.retrieval.index_build import MANIFEST
+
+    cfg = RetrieverConfig.model_validate(rcfg)
+    if not build and not (os.path.isfile(os.path.join(index_dir, MANIFEST))):
+        from ralm.retrieval.errors import IndexNotFoundError
+        raise IndexNotFoundError(f"no {cfg.kind} index at {index_dir} and build_indexes is off; build it with "
+                                 f"`ralmspec index --retriever {cfg.kind}`")
+    missing = not os.path.isfile(os.path.join(index_dir, MANIFEST))
+    if missing and cfg.kind in ("edr", "adr"):
+        import torch
+        torch.set_num_threads(os.cpu_count() or 1)    # Ray gives tasks OMP_NUM_THREADS=1; encode on every core
+    if missing:
+        print(f"ralmspec: no {cfg.kind} index at {index_dir}: building it (first start; progress below)",
+              flush=True)
+    return prepare_shards(cfg, Corpus.load(corpus_path), index_dir, n_shards, progress=missing,
+                          vectors_from=vectors_from)
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(app)
+class Ingress:
+    async def __init__(self, generator: Any, config: dict):
+        import ray
+
+        from actors.coordinator import RemoteGenerator, coordinator_actor_class
+        from actors.pool import CoordinatorPool
+        from actors.shard import start_shards
+        from actors.verifier import verifier_actor_class
+
+        self.cfg = cfg = AppConfig.model_validate(config)
+        self.generator = generator
+        self.model_name = cfg.model_name
+        self.kinds = list(cfg.retrievers)
+        info = await generator.info.remote()
+        tok = await generator.tokenizer.remote()
+        self.gen_info = info
+        self.codec = RemoteGenerator(None, tok, GeneratorConfig(max_prompt_tokens=info["max_prompt_tokens"],
+                                                                max_new_tokens=info["max_new_tokens"]),
+                                     info["eos_token_id"])
+        prep = ray.remote(num_cpus=cfg.sharding.build_num_cpus, max_calls=1)(_prepare_shards_task)
+        self.shards: dict[str, list] = {}
+        self.shard_names: dict[str, list[str]] = {}
+        self.verifiers: dict[str, Any] = {}
+        vcls = verifier_actor_class(cfg.verifier.num_cpus)
+        build_order = sorted(self.kinds, key=lambda k: {"edr": 0, "sr": 1, "adr": 2}[k])   # adr reuses edr's vectors
+        for kind in build_order:
+            rcfg = cfg.ralm.retriever.model_copy(update={"kind": kind})
+            if kind != "edr":
+                rcfg = rcfg.model_copy(update={"pad_to": 0})
+            index_dir = cfg.ralm.index_dir(kind)
+            specs = await prep.remote(rcfg.model_dump(mode="json"), str(cfg.ralm.corpus), str(index_dir),
+                                      cfg.sharding.n_shards, cfg.build_indexes, str(cfg.ralm.index_dir("edr")))
+            sh = cfg.sharding
+            prefix = f"shard-{kind}-{uuid.uuid4().hex[:8]}"
+            actors = await asyncio.to_thread(start_shards, specs, sh.num_cpus, sh.max_restarts,
+                                             sh.max_task_retries, True, prefix)
+            self.shards[kind] = actors
+            self.shard_names[kind] = [f"{prefix}-{s.index}" for s in specs]
+            v = cfg.verifier
+            self.verifiers[kind] = vcls.remote(kind, actors, [(s.lo, s.hi) for s in specs],
+                                               rcfg.model_dump(mode="json"), v.window_ms, v.max_batch,
+                                               v.batching, v.max_inflight)
+        await asyncio.gather(*(v.ping.remote() for v in self.verifiers.values()))
+
+        coord_cls = coordinator_actor_class(cfg.pool.num_cpus)
+        req_defaults = cfg.ralm.request.model_dump(mode="json")
+        spec_defaults = cfg.ralm.spec.model_dump(mode="json")
+
+        def factory():
+            return coord_cls.remote(generator, self.verifiers, req_defaults, spec_defaults)
+
+        async def ready(h):
+            await h.ready.remote()
+
+        self.pool = CoordinatorPool(factory, ready, cfg.pool.size, cfg.pool.max_size)
+        await self.pool.start()
+        self.started = time.time()
+        self.requests = 0
+        self.errors = 0
+        log.info("ralmspec ingress ready: model %s, retrievers %s, %d shards each, pool %d",
+                 self.model_name, self.kinds, cfg.sharding.n_shards, cfg.pool.size)
+
+    # ---------------------------------------------------------------- validation
+    def _check_model(self, model: str | None) -> None:
+        if model is None:
+            return
+        if model not in (self.model_name, str(self.cfg.ralm.generator.model)):
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def _validate_prompt(self, prompt: str, param: str) -> int:
+        limit = self.cfg.ingress.max_prompt_chars
+        if len(prompt) > limit:
+            raise ApiError(400, f"{param} is {len(prompt)} characters long; the limit is {limit} characters "
+                                f"(and {self.codec.cfg.max_prompt_tokens} tokens)", param=param)
+        try:
+            return len(self.codec.encode_question(prompt))
+        except RalmInputError as e:
+            raise ApiError(400, f"{param}: {e}", param=param) from None
+
+    def _job(self, question: str, opts: RalmOptions, max_new: int | None, max_param: str) -> dict:
+        kind = opts.retriever or self.kinds[0]
+        if kind not in self.kinds:
+            raise ApiError(400, f"unknown retriever {kind!r}: this server serves {', '.join(self.kinds)}",
+                           param="retriever")
+        method = opts.method or self.cfg.default_method
+        spec_upd: dict = {}
+        if isinstance(opts.spec, str):
+            try:
+                named = SpecConfig.named(opts.spec)
+            except ValueError as e:
+                raise ApiError(400, str(e), param="spec") from None
+            spec_upd.update(prefetch=named.prefetch, adaptive_stride=named.adaptive_stride,
+                            async_verify=named.async_verify)
+        elif opts.spec is not None:
+            spec_upd.update(opts.spec.model_dump(exclude_none=True))
+        if opts.stride is not None:
+            spec_upd["stride"] = opts.stride
+        if opts.prefetch_size is not None:
+            spec_upd["prefetch_size"] = opts.prefetch_size
+        req_upd: dict = {}
+        if max_new is not None:
+            limit = self.codec.cfg.max_new_tokens
+            if max_new < 1 or max_new > limit:
+                raise ApiError(400, f"{max_param} must be between 1 and {limit}, got {max_new}", param=max_param)
+            req_upd["max_new_tokens"] = max_new
+        if opts.generation_stride is not None:
+            req_upd["generation_stride"] = opts.generation_stride
+        if opts.query_window is not None:
+            req_upd["query_window"] = opts.query_window
+        try:
+            spec = SpecConfig.model_validate({**self.cfg.ralm.spec.model_dump(), **spec_upd})
+            req = RequestConfig.model_validate({**self.cfg.ralm.request.model_dump(), **req_upd})
+        except ValidationError as e:
+            msg, param = _describe([{**err, "loc": tuple(err.get("loc", ()))} for err in e.errors()])
+            raise ApiError(400, msg, param=param) from None
+        return {"question": question, "retriever": kind, "method": method,
+                "spec": spec.model_dump(), "request": req.model_dump()}
+
+    @staticmethod
+    def _check_greedy(body: CompletionRequest) -> None:
+        def bad(param: str, why: str):
+            raise ApiError(400, f"{param}: {why}", param=param)
+
+        if body.temperature not in (None, 0, 0.0):
+            bad("temperature", "only greedy decoding is supported (temperature 0): ralmspec returns exactly "
+                               "the tokens of greedy RaLMSeq")
+        if body.top_p not in (None, 1, 1.0):
+            bad("top_p", "only greedy decoding is supported (top_p 1)")
+        if body.n not in (None, 1):
+            bad("n", "only n=1 is supported (greedy decoding has one answer)")
+        if body.best_of not in (None, 1):
+            bad("best_of", "only best_of=1 is supported")
+        if body.logprobs not in (None, 0):
+            bad("logprobs", "logprobs are not supported")
+        if body.stop not in (None, [], ""):
+            bad("stop", "stop sequences are not supported")
+        if body.suffix not in (None, ""):
+            bad("suffix", "suffix is not supported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, name) not in (None, 0, 0.0):
+                bad(name, "penalties are not supported (greedy decoding)")
+        if body.logit_bias:
+            bad("logit_bias", "logit_bias is not supported")
+
+    # ---------------------------------------------------------------- running
+    async def _run(self, job: dict) -> dict:
+        self.requests += 1
+        try:
+            return await self.pool.run(lambda c: c.run.remote(job))
+        except (RalmInputError, ConfigError) as e:
+            self.errors += 1
+            raise ApiError(400, _message(e)) from None
+        except ApiError:
+            raise
+        except Exception as e:
+            self.errors += 1
+            log.exception("request failed")
+            raise ApiError(500, f"internal error: {_message(e)}", type_="server_error") from None
+
+    # ---------------------------------------------------------------- endpoints
+    @app.get("/healthz")
+    async def healthz(self):
+        try:
+            await asyncio.wait_for(asyncio.gather(*(v.ping.remote() for v in self.verifiers.values())), 10)
+        except Exception as e:
+            return JSONResponse({"status": "unhealthy", "reason": f"verifier: {type(e).__name__}"}, status_code=503)
+        return {"status": "ok", "model": self.model_name, "retrievers": self.kinds,
+                "pool": self.pool.stats.as_dict(), "uptime_s": time.time() - self.started}
+
+    @app.get("/v1/models")
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                            "created": int(self.started), "owned_by": "ralmspec",
+                                            "retrievers": self.kinds}]}
+
+    @app.get("/v1/ralm/stats")
+    async def stats(self):
+        vstats = await asyncio.gather(*(v.stats.remote() for v in self.verifiers.values()))
+        ginfo = await self.generator.info.remote()
+        return {"requests": self.requests, "errors": self.errors, "pool": self.pool.stats.as_dict(),
+                "verifiers": dict(zip(self.verifiers, vstats)), "generator": ginfo,
+                "shards": {k: {"namespace": "ralmspec", "names": v} for k, v in self.shard_names.items()}}
+
+    @app.post("/v1/ralm/admin/verifier")
+    async def admin_verifier(self, request: Request):
+        if not self.cfg.ingress.admin:
+            raise ApiError(403, "the admin API is disabled (ingress.admin: true enables it)", code="forbidden")
+        try:
+            body = await request.json()
+        except Exception:
+            raise ApiError(400, "request body is not valid JSON") from None
+        if not isinstance(body, dict) or set(body) - {"batching", "window_ms", "max_batch", "reset_stats"}:
+            raise ApiError(400, "expected an object with batching, window_ms, max_batch, reset_stats")
+        out = {}
+        for kind, v in self.verifiers.items():
+            out[kind] = await v.configure.remote(body.get("batching"), body.get("window_ms"), body.get("max_batch"))
+            if body.get("reset_stats"):
+                await v.stats.remote(True)
+        return out
+
+    @app.post("/v1/ralm/generate")
+    async def generate(self, body: GenerateRequest):
+        n_prompt = self._validate_prompt(body.question, "question")
+        job = self._job(body.question, body, body.max_new_tokens, "max_new_tokens")
+        res = await self._run(job)
+        res["prompt_tokens"] = n_prompt
+        return {"model": self.model_name, "retriever": job["retriever"], "method": job["method"], **res}
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest):
+        self._check_model(body.model)
+        self._check_greedy(body)
+        prompt = body.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise ApiError(400, f"prompt: exactly one prompt per request is supported, got {len(prompt)}",
+                               param="prompt")
+            prompt = prompt[0]
+        n_prompt = self._validate_prompt(prompt, "prompt")
+        job = self._job(prompt, body, body.max_tokens, "max_tokens")
+        cid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(self._sse(job, cid, created, prompt if body.echo else "", n_prompt,
+                                               include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        res = await self._run(job)
+        text = (prompt if body.echo else "") + res["text"]
+        n_out = len(res["tokens"])
+        return {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+                "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": res["finish_reason"]}],
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
+                "ralm": {"retriever": job["retriever"], "method": job["method"], "tokens": res["tokens"],
+                         "stats": res["stats"]}}
+
+    def _chunk(self, cid: str, created: int, text: str, finish: str | None, **extra) -> str:
+        obj = {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+               "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}], **extra}
+        return f"data: {json.dumps(obj)}\n\n"
+
+    async def _sse(self, job: dict, cid: str, created: int, echo: str, n_prompt: int, include_usage: bool):
+        from actors.pool import _is_actor_death
+
+        self.requests += 1
+        coord = await self.pool.acquire()
+        stream = coord.run_stream.options(num_returns="streaming").remote(job)
+        done = False
+        try:
+            if echo:
+                yield self._chunk(cid, created, echo, None)
+            async for ref in stream:
+                chunk = await ref
+                if chunk.get("done"):
+                    res = chunk["result"]
+                    if chunk["delta"]:
+                        yield self._chunk(cid, created, chunk["delta"], None)
+                    n_out = len(res["tokens"])
+                    extra = {"ralm": {"retriever": job["retriever"], "method": job["method"],
+                                      "tokens": res["tokens"], "stats": res["stats"]}}
+                    if include_usage:
+                        extra["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                                          "total_tokens": n_prompt + n_out}
+                    yield self._chunk(cid, created, "", res["finish_reason"], **extra)
+                elif chunk["delta"]:
+                    yield self._chunk(cid, created, chunk["delta"], None)
+            done = True
+            self.pool.release(coord)
+            yield "data: [DONE]\n\n"
+        except Exception as e:
+            self.errors += 1
+            done = True
+            if _is_actor_death(e):
+                asyncio.ensure_future(self.pool.replace(coord))
+            else:
+                self.pool.release(coord)
+            status = 400 if isinstance(e, (RalmInputError, ConfigError)) else 500
+            msg = _message(e)
+            yield f"data: {json.dumps(_error_body(msg, 'invalid_request_error' if status == 400 else 'server_error'))}\n\n"
+        finally:
+            if not done:          # client went away: keep the lease until the coordinator is free
+                asyncio.ensure_future(self._drain(stream, coord))
+
+    async def _drain(self, stream, coord) -> None:
+        try:
+            async for ref in stream:
+                await ref
+        except Exception:
+            pass
+        self.pool.release(coord)

@@ -1,0 +1,60 @@
+"""Helpers for the Ray tests (tests/actors, tests/deployments): a small local Ray, the model."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def start_ray(num_cpus: int = 2) -> None:
+    """One local Ray for a test module: 2 CPUs, no dashboard; workers import from the repo."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    paths = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+
+
+def stop_ray() -> None:
+    import ray
+
+    try:
+        from ray import serve
+        serve.shutdown()
+    except Exception:
+        pass
+    ray.shutdown()
+
+
+def model_dir(tmp_root: Path) -> str:
+    """The project's generator if it is present, else a tiny random GPT-2 saved under ``tmp_root``."""
+    from ralm import constants as C
+
+    if (C.DEMO_MODEL_DIR / "config.json").is_file():
+        return str(C.DEMO_MODEL_DIR)
+    from tests.factories import tiny_causal_lm, tiny_tokenizer
+
+    d = tmp_root / "tiny-gpt2"
+    if not (d / "config.json").is_file():
+        tok = tiny_tokenizer()
+        tiny_causal_lm("gpt2", len(tok), tok.eos_token_id).save_pretrained(d)
+        tok.save_pretrained(d)
+    return str(d)
+
+
+def kill_later(actor, after: float):
+    """Kill ``actor`` (letting Ray restart it) from a timer thread after ``after`` seconds."""
+    import threading
+
+    import ray
+
+    t = threading.Timer(after, lambda: ray.kill(actor, no_restart=False))
+    t.start()
+    return t

@@ -1,0 +1,194 @@
+"""Coordinators run the core loops over Ray and return exactly the in-process tokens.
+
+Also: the streaming hook of the core loops (``on_commit``) emits only verified tokens,
+and the coordinator pool grows, queues, and replaces a dead coordinator.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ralm.config import RequestConfig, SpecConfig
+from ralm.seq import run_seq
+from ralm.spec import run_spec
+from tests.factories import ScriptedGenerator, ScriptedKB
+
+REQ = RequestConfig(max_new_tokens=24, generation_stride=4)
+
+
+# --------------------------------------------------------------------------- core hook (no Ray)
+@pytest.mark.parametrize("name,stride", [("base", 3), ("A", 2), ("PSA", None), ("S", None)])
+@pytest.mark.parametrize("schedule", [{}, {2: 7}, {1: 3, 4: 9, 5: 2}])
+def test_on_commit_streams_exactly_the_final_tokens(name, stride, schedule):
+    q = "what is the answer to this"
+    spec = SpecConfig.named(name, **({"stride": stride} if stride else {}))
+    gen = ScriptedGenerator()
+    gen.encode_question(q)
+    kb = ScriptedKB(schedule=schedule, n_q=6, k=4)
+    chunks: list[list[int]] = []
+    out = run_spec(q, gen, kb, RequestConfig(max_new_tokens=40, generation_stride=4), spec,
+                   on_commit=chunks.append)
+    assert [t for c in chunks for t in c] == out.tokens
+    assert len(chunks) > 1
+    seq_chunks: list[list[int]] = []
+    gen2 = ScriptedGenerator()
+    gen2.encode_question(q)
+    base = run_seq(q, gen2, ScriptedKB(schedule=schedule, n_q=6, k=4),
+                   RequestConfig(max_new_tokens=40, generation_stride=4), on_commit=seq_chunks.append)
+    assert [t for c in seq_chunks for t in c] == base.tokens == out.tokens
+
+
+def test_stream_decoder_concatenates_to_the_full_text():
+    from actors.coordinator import StreamDecoder
+
+    text = "héllo wörld ✓ done"
+    data = list(text.encode())
+    dec = StreamDecoder(lambda toks: bytes(toks).decode("utf-8", errors="replace"))
+    parts = [dec.push(data[i:i + 3]) for i in range(0, len(data), 3)]
+    parts.append(dec.push([], final=True))
+    assert "".join(parts) == text
+    assert all("\ufffd" not in p for p in parts)
+
+
+# --------------------------------------------------------------------------- pool (no Ray)
+def test_pool_grows_then_queues():
+    from actors.pool import CoordinatorPool
+
+    made = []
+
+    def factory():
+        made.append(object())
+        return made[-1]
+
+    async def ready(_):
+        await asyncio.sleep(0)
+
+    async def main():
+        pool = await CoordinatorPool(factory, ready, size=2, max_size=3).start()
+        a, b, c = await pool.acquire(), await pool.acquire(), await pool.acquire()
+        assert len({id(a), id(b), id(c)}) == 3 and pool.stats.created == 3
+        waiter = asyncio.ensure_future(pool.acquire())
+        await asyncio.sleep(0.01)
+        assert not waiter.done()                 # at max_size: waits for a release
+        pool.release(b)
+        assert await waiter is b
+        assert pool.stats.waits == 1
+        for h in (a, b, c):
+            pool.release(h)
+        assert pool.stats.idle == 3
+
+    asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- over Ray
+@pytest.fixture(scope="module")
+def stack(ray_local, index_dirs, fixture_corpus, retriever_configs, gen_model_dir):
+    """A generator actor, an EDR verifier over 2 shards, and a coordinator actor class."""
+    import ray
+
+    from actors.coordinator import coordinator_actor_class
+    from actors.shard import prepare_shards, start_shards
+    from actors.verifier import verifier_actor_class
+    from deployments.generator import GeneratorServer
+
+    gen = ray.remote(num_cpus=0.1)(GeneratorServer).remote({"model": gen_model_dir}, fixture_corpus.path)
+    rcfg = retriever_configs["edr"]
+    specs = prepare_shards(rcfg, fixture_corpus, index_dirs["edr"], 2)
+    shards = start_shards(specs, num_cpus=0.05)
+    ver = verifier_actor_class(0.05).remote("edr", shards, [(s.lo, s.hi) for s in specs],
+                                            rcfg.model_dump(mode="json"), 2.0, 64, True)
+    cls = coordinator_actor_class(0.02)
+
+    def make():
+        return cls.remote(gen, {"edr": ver}, REQ.model_dump(), SpecConfig().model_dump())
+
+    coord = make()
+    ray.get(coord.ready.remote())
+    yield {"gen": gen, "verifier": ver, "shards": shards, "coord": coord, "make": make}
+    for a in [coord, ver, gen, *shards]:
+        ray.kill(a)
+
+
+@pytest.fixture(scope="module")
+def baselines(retrievers, local_generator, fixture_questions):
+    qs = fixture_questions[:2]
+    return qs, [run_seq(q, local_generator, retrievers["edr"], REQ) for q in qs]
+
+
+def _job(q, method="spec", spec=None):
+    return {"question": q, "retriever": "edr", "method": method, "request": REQ.model_dump(),
+            "spec": (spec or SpecConfig()).model_dump()}
+
+
+@pytest.mark.parametrize("method,spec", [("seq", None), ("spec", SpecConfig(stride=3)),
+                                         ("spec", SpecConfig.named("PSA")), ("spec", SpecConfig.named("PA", stride=2))],
+                         ids=["seq", "base-s3", "PSA", "PA-s2"])
+def test_coordinator_equals_in_process_seq(stack, baselines, method, spec):
+    import ray
+
+    qs, base = baselines
+    for q, b in zip(qs, base):
+        res = ray.get(stack["coord"].run.remote(_job(q, method, spec)))
+        assert res["tokens"] == b.tokens, q
+        assert res["stats"]["doc_ids"] == b.stats.doc_ids
+        assert res["text"] == b.text
+        if spec is not None and spec.async_verify:
+            # a speculative step ran while the verifier call was in flight (thread + ObjectRef)
+            st = res["stats"]
+            assert st["async_steps_kept"] + st["async_steps_discarded"] > 0
+    info = ray.get(stack["coord"].info.remote())
+    assert info["busy"] is False
+
+
+def test_coordinator_stream(stack, baselines):
+    qs, base = baselines
+    gen = stack["coord"].run_stream.options(num_returns="streaming").remote(_job(qs[0], "spec", SpecConfig.named("PSA")))
+    import ray
+
+    chunks = [ray.get(ref) for ref in gen]
+    assert chunks[-1]["done"] and chunks[-1]["result"]["tokens"] == base[0].tokens
+    assert [t for c in chunks for t in c["tokens"]] == base[0].tokens
+    assert "".join(c["delta"] for c in chunks) == base[0].text
+    assert len(chunks) > 2
+
+
+def test_coordinator_rejects_bad_input(stack):
+    import ray
+
+    from ralm.errors import RalmInputError
+
+    with pytest.raises(RalmInputError, match="empty"):
+        ray.get(stack["coord"].run.remote(_job("   ")))
+    with pytest.raises(ValueError, match="unknown retriever"):
+        ray.get(stack["coord"].run.remote({**_job("hi"), "retriever": "sr"}))
+
+
+def test_pool_over_ray_queues_and_replaces_a_dead_coordinator(stack, baselines):
+    import ray
+
+    from actors.pool import CoordinatorPool
+
+    qs, base = baselines
+    by_q = dict(zip(qs, base))
+
+    async def ready(h):
+        await h.ready.remote()
+
+    async def main():
+        pool = await CoordinatorPool(stack["make"], ready, size=2, max_size=2).start()
+        jobs = [qs[i % len(qs)] for i in range(5)]
+        res = await asyncio.gather(*(pool.run(lambda c, q=q: c.run.remote(_job(q, "spec", SpecConfig.named("PSA"))))
+                                     for q in jobs))
+        for q, r in zip(jobs, res):
+            assert r["tokens"] == by_q[q].tokens
+        assert pool.stats.waits >= 1 and pool.stats.size == 2
+        # kill an idle coordinator: the next request on it fails over to a fresh one
+        victim = pool._idle._queue[0]
+        ray.kill(victim)
+        r = await pool.run(lambda c: c.run.remote(_job(qs[0], "seq")))
+        assert r["tokens"] == by_q[qs[0]].tokens
+        assert pool.stats.replaced == 1 and pool.stats.size == 2
+        await pool.shutdown()
+
+    asyncio.run(main())
