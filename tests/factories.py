@@ -41,7 +41,7 @@ class ScriptedGenerator:
     def decode(self, tokens: Sequence[int]) -> str:
         return " ".join(str(t) for t in tokens)
 
-    def step(self, doc_id, context, k) -> StepOutput:
+    def step(self, doc_id, context, k, ignore_eos=False) -> StepOutput:
         t0 = time.perf_counter()
         if self.step_sleep:
             time.sleep(self.step_sleep)
@@ -49,7 +49,7 @@ class ScriptedGenerator:
         out, eos = [], False
         for j in range(k):
             pos = len(context) + j
-            if self.eos_at is not None and pos - self.n_q == self.eos_at:
+            if self.eos_at is not None and pos - self.n_q == self.eos_at and not ignore_eos:
                 eos = True
                 break
             out.append(1000 * pos + ((doc_id if doc_id is not None else -1) + 1))
