@@ -6,6 +6,7 @@
     ralmspec serve                                   start the HTTP server (OpenAI-compatible + native API)
     ralmspec served-bench ...                        served throughput/latency benchmark
     ralmspec bench-gen ...                           doc-KV reuse and drafting benchmark
+    ralmspec bench-knn ...                           KNN-LM speculation benchmark
     ralmspec eval     --questions FILE ...           resumable batch evaluation (local or `ray job submit`)
     ralmspec k8s                                     regenerate KubeRay manifests from serve_config.yaml
     ralmspec assets   corpus|questions|train|fixtures  rebuild the shipped demo assets
@@ -156,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     pgb = sub.add_parser("bench-gen", help="generation-side benchmark: doc-KV reuse, n-gram vs dense drafting")
     add_gen_bench_args(pgb)
     pgb.set_defaults(func=gen_bench_main)
+
+    from cluster.knn_bench import add_knn_bench_args, knn_bench_main
+    pkb = sub.add_parser("bench-knn", help="KNN-LM benchmark: per-token retrieval baseline vs speculation")
+    add_knn_bench_args(pkb)
+    pkb.set_defaults(func=knn_bench_main)
 
     from cluster.eval_job import add_eval_args, eval_main
     pe = sub.add_parser("eval", help="resumable batch evaluation, RaLMSeq vs RaLMSpec (also under `ray job submit`)")

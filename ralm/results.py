@@ -65,6 +65,8 @@ class RequestStats:
         self.prefill_time_s += g("prefill_s")
         self.decode_time_s += g("decode_s")
         self.low_confidence_stops += int(bool(g("low_confidence")))
+    resumed_tokens: int = 0              # tokens taken from a verified prefix (a resumed request)
+    resumed_steps: int = 0
     knn_k: int = 0                       # KNN-LM: neighbours per token (0: a document-level request)
     cache_entries: int = 0               # KNN-LM: speculative cache size at the end of the request
 
@@ -80,6 +82,27 @@ class RequestStats:
         d["acceptance_rate"] = self.acceptance_rate
         d["tokens_per_forward"] = self.tokens_per_forward
         return d
+
+
+@dataclass
+class VerifiedPrefix:
+    """A request's verified prefix, to resume it from (e.g. a checkpoint of a coordinator that died).
+
+    ``tokens``: the generated tokens already verified (after the question, EOS excluded), ending
+    at a step boundary; ``doc_ids``: the KB document of each of those steps; ``eos``: the last
+    step ended with EOS. Steps are deterministic, so resuming from a verified prefix returns
+    exactly the tokens of a run from scratch.
+    """
+
+    tokens: list[int]
+    doc_ids: list
+    eos: bool = False
+
+    def check(self, max_new_tokens: int) -> None:
+        if len(self.tokens) > max_new_tokens:
+            raise ValueError(f"verified prefix has {len(self.tokens)} tokens, more than max_new_tokens={max_new_tokens}")
+        if self.tokens and not self.doc_ids:
+            raise ValueError("verified prefix has tokens but no steps")
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 from ralm.config import RequestConfig
 from ralm.generator import Generator
-from ralm.results import RalmResult, RequestStats
+from ralm.results import RalmResult, RequestStats, VerifiedPrefix
 from ralm.retrieval.base import Retriever
 from ralm.workloads import call_step, doc_from_hits, make_query_fn, retrieval_depth, step_budget
 
@@ -28,11 +28,15 @@ def finish(gen: Generator, question_len: int, tokens: list[int], eos: bool, stat
 
 
 def run_seq(question: str, gen: Generator, kb: Retriever, req: RequestConfig | None = None,
-            on_commit: Optional[Callable[[list[int]], None]] = None) -> RalmResult:
+            on_commit: Optional[Callable[[list[int]], None]] = None,
+            resume: Optional[VerifiedPrefix] = None,
+            on_verified: Optional[Callable[[list[int], list, bool], None]] = None) -> RalmResult:
     """Answer ``question`` with RaLMSeq: one KB retrieval before every ``k`` tokens.
 
     ``on_commit(tokens)``, if given, is called with each step's tokens as soon as they
-    are final (used to stream a response).
+    are final (used to stream a response). ``on_verified(generated, doc_ids, eos)``, if
+    given, is called after each step with the whole verified prefix (to checkpoint it);
+    ``resume`` starts from such a prefix instead of from the question alone.
     """
     req = req or RequestConfig()
     t_start = time.perf_counter()
@@ -42,6 +46,13 @@ def run_seq(question: str, gen: Generator, kb: Retriever, req: RequestConfig | N
                          drafting=req.drafting)
     query = make_query_fn(gen, req, n_q)          # workload's query (default: last query_window tokens)
     eos = False
+    if resume is not None:
+        resume.check(req.max_new_tokens)
+        X = X + [int(t) for t in resume.tokens]
+        eos = bool(resume.eos)
+        stats.steps = stats.resumed_steps = len(resume.doc_ids)
+        stats.doc_ids = list(resume.doc_ids)
+        stats.resumed_tokens = len(resume.tokens)
     while not eos and len(X) - n_q < req.max_new_tokens:
         hits = kb.search(query(X), retrieval_depth(req))
         stats.kb_calls += 1
@@ -59,4 +70,6 @@ def run_seq(question: str, gen: Generator, kb: Retriever, req: RequestConfig | N
         eos = out.eos
         if on_commit is not None and out.tokens:
             on_commit(list(out.tokens))
+        if on_verified is not None:
+            on_verified(X[n_q:], list(stats.doc_ids), eos)
     return finish(gen, n_q, X, eos, stats, t_start)

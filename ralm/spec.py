@@ -24,7 +24,7 @@ from cache.speculative import SpeculativeCache
 from ralm.config import RequestConfig, SpecConfig
 from ralm.generator import Generator
 from ralm.os3 import StrideScheduler
-from ralm.results import RalmResult, RequestStats
+from ralm.results import RalmResult, RequestStats, VerifiedPrefix
 from ralm.retrieval.base import Hit, Retriever
 from ralm.seq import finish
 from ralm.workloads import call_step, doc_from_hits, make_query_fn, retrieval_depth, step_budget
@@ -58,9 +58,12 @@ class _SpecRun:
 
     def __init__(self, question: str, gen: Generator, kb: Retriever, req: RequestConfig,
                  spec: SpecConfig, cache: SpeculativeCache | None,
-                 on_commit: Optional[Callable[[list[int]], None]] = None):
+                 on_commit: Optional[Callable[[list[int]], None]] = None,
+                 resume: Optional[VerifiedPrefix] = None,
+                 on_verified: Optional[Callable[[list[int], list, bool], None]] = None):
         self.gen, self.kb, self.req, self.spec = gen, kb, req, spec
         self.on_commit = on_commit
+        self.on_verified = on_verified
         self.t_start = time.perf_counter()
         self.X: list[int] = gen.encode_question(question)
         self.n_q = len(self.X)
@@ -76,6 +79,14 @@ class _SpecRun:
                                          ("A", spec.async_verify)) if on) or "base"
         self.stats = RequestStats(method=f"spec[{name}]", retriever=getattr(kb, "name", ""),
                                   workload=req.workload, drafting=req.drafting)
+        if resume is not None:               # start from a verified prefix (steps are deterministic)
+            resume.check(req.max_new_tokens)
+            self.X = self.X + [int(t) for t in resume.tokens]
+            self.emitted = len(self.X)
+            self.eos = bool(resume.eos)
+            self.stats.steps = self.stats.resumed_steps = len(resume.doc_ids)
+            self.stats.doc_ids = list(resume.doc_ids)
+            self.stats.resumed_tokens = len(resume.tokens)
 
     # ---- helpers
     @property
@@ -112,14 +123,19 @@ class _SpecRun:
         return _Step(q, doc_id, mark, eos)
 
     def emit_verified(self, pending: "_Step | None") -> None:
-        """Pass newly verified tokens to ``on_commit`` (all of X except a pending async step)."""
-        if self.on_commit is None:
+        """Pass newly verified tokens to ``on_commit`` (all of X except a pending async step),
+        and the whole verified prefix to ``on_verified``."""
+        if self.on_commit is None and self.on_verified is None:
             return
         upto = pending.mark if pending is not None else len(self.X)
         if upto > self.emitted:
             chunk = self.X[self.emitted:upto]
             self.emitted = upto
-            self.on_commit(list(chunk))
+            if self.on_commit is not None:
+                self.on_commit(list(chunk))
+            if self.on_verified is not None:
+                self.on_verified(self.X[self.n_q:upto], list(self.stats.doc_ids),
+                                 self.eos and pending is None)
 
     def direct_step(self) -> None:
         """s = 0: a plain RaLMSeq step (KB top-1, then f), with the cache's guess recorded."""
@@ -148,10 +164,11 @@ class _SpecRun:
     def run(self, executor: Executor) -> RalmResult:
         st = self.stats
         # Warm the cache with the KB's answer for the first query.
-        first = self.kb.search(self.query(self.X), self.p)
-        st.kb_calls += 1
-        st.kb_queries += 1
-        self._add_to_cache([first])
+        if not self.finished:                 # (a resumed request may already be complete)
+            first = self.kb.search(self.query(self.X), self.p)
+            st.kb_calls += 1
+            st.kb_queries += 1
+            self._add_to_cache([first])
         pending: _Step | None = None          # an async step waiting to open the next window
         while not self.finished or pending is not None:
             s = self.sched.next_stride()
@@ -209,14 +226,19 @@ class _SpecRun:
 def run_spec(question: str, gen: Generator, kb: Retriever, req: RequestConfig | None = None,
              spec: SpecConfig | None = None, cache: SpeculativeCache | None = None,
              executor: Executor | None = None,
-             on_commit: Optional[Callable[[list[int]], None]] = None) -> RalmResult:
+             on_commit: Optional[Callable[[list[int]], None]] = None,
+             resume: Optional[VerifiedPrefix] = None,
+             on_verified: Optional[Callable[[list[int], list, bool], None]] = None) -> RalmResult:
     """Answer ``question`` with RaLMSpec; the tokens equal :func:`ralm.seq.run_seq`'s.
 
     ``on_commit(tokens)``, if given, is called with tokens once they are verified (they
     can no longer be rolled back), in order; used to stream a response.
+    ``on_verified(generated, doc_ids, eos)``, if given, is called with the whole verified
+    prefix whenever it grows (to checkpoint it); ``resume`` (a
+    :class:`~ralm.results.VerifiedPrefix`) starts from such a prefix.
     """
     req, spec = req or RequestConfig(), spec or SpecConfig()
-    run = _SpecRun(question, gen, kb, req, spec, cache, on_commit)
+    run = _SpecRun(question, gen, kb, req, spec, cache, on_commit, resume, on_verified)
     try:
         return run.run(executor or _default_pool())
     finally:

@@ -152,6 +152,11 @@ def _native_bf16() -> bool:
         return False
 
 
+def _rel(path: Path) -> str:
+    path = Path(path).resolve()
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
 def _command(ap: argparse.ArgumentParser, args: argparse.Namespace, steps: int) -> str:
     """The command that reproduces this run exactly (``--steps`` instead of ``--minutes``)."""
     parts = ["python -m cluster.assets.train_generator", f"--steps {steps}"]
@@ -179,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-positions", type=int, default=1024)
     ap.add_argument("--block-size", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--warmup-steps", type=int, default=50)
     ap.add_argument("--grad-clip", type=float, default=1.0)
@@ -323,11 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     tail = losses[-max(1, min(50, len(losses))):]
     report = {
         "model": "GPT-2 (transformers.GPT2LMHeadModel)",
-        "corpus": str(args.corpus.relative_to(REPO_ROOT)) if args.corpus.is_relative_to(REPO_ROOT)
-        else str(args.corpus),
+        "corpus": _rel(args.corpus),
         "corpus_sha256": hashlib.sha256(args.corpus.read_bytes()).hexdigest(),
         "command": _command(ap, args, step),
-        "hyperparameters": {k: (str(v) if isinstance(v, Path) else v)
+        "hyperparameters": {k: (_rel(v) if isinstance(v, Path) else v)
                             for k, v in vars(args).items()},
         "config": {"vocab_size": config.vocab_size, "n_positions": config.n_positions,
                    "n_embd": config.n_embd, "n_layer": config.n_layer, "n_head": config.n_head,

@@ -15,6 +15,8 @@ summation order of a row with the matrix shape.)
 """
 from __future__ import annotations
 
+import threading
+
 import logging
 from typing import Any, Sequence
 
@@ -97,6 +99,9 @@ class DenseScorer:
 
     def score_ids(self, query_rep: np.ndarray, doc_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         return dense_scores(self.key_matrix(doc_ids), query_rep)
+
+
+_BLAS_LOCK = threading.Lock()
 
 
 def _pad_rows(n_rows: int, dim: int, seed: int = PAD_SEED):
@@ -188,8 +193,22 @@ class DenseRetriever:
 
     # ------------------------------------------------------------------ search
     def _faiss_search(self, Q: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        D, I = self.index.search(np.ascontiguousarray(Q, dtype=np.float32), int(n))
-        return D, I
+        Q = np.ascontiguousarray(Q, dtype=np.float32)
+        if self.kind == "edr" and Q.shape[0] > 1:
+            # Batches go through FAISS's BLAS kernel, which streams the index once for all
+            # queries (its cost is nearly flat in the batch size); single queries keep the
+            # faster one-pass scan. Which kernel ran never changes a result: candidates are
+            # re-scored exactly (see module docstring). Measured on 1M x 384, 1 thread:
+            # scan 154 ms for 1 query but 2481 ms for 8; BLAS ~380-480 ms for 1-16.
+            with _BLAS_LOCK:
+                import faiss
+                old = faiss.cvar.distance_compute_blas_threshold
+                faiss.cvar.distance_compute_blas_threshold = 1
+                try:
+                    return self.index.search(Q, int(n))
+                finally:
+                    faiss.cvar.distance_compute_blas_threshold = old
+        return self.index.search(Q, int(n))
 
     def _candidates(self, D: np.ndarray, I: np.ndarray, n: int) -> Candidates:
         valid = I >= 0
