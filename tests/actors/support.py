@@ -7,8 +7,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def start_ray(num_cpus: int = 2) -> None:
-    """One local Ray for a test module: 2 CPUs, no dashboard; workers import from the repo."""
+def start_ray(num_cpus: int = 2, metrics_export_port: int | None = None) -> None:
+    """One local Ray for a test module: 2 CPUs, no dashboard; workers import from the repo.
+    ``metrics_export_port``: where Ray serves its Prometheus metrics (default: Ray picks)."""
     import ray
 
     if ray.is_initialized():
@@ -18,8 +19,9 @@ def start_ray(num_cpus: int = 2) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    extra = {"_metrics_export_port": metrics_export_port} if metrics_export_port else {}
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+             configure_logging=False, **extra)
 
 
 def stop_ray() -> None:

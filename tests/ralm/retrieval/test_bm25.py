@@ -138,3 +138,30 @@ def test_concurrent_searches_from_threads(sr, sample_queries):
     with ThreadPoolExecutor(4) as ex:
         got = list(ex.map(lambda q: sr.search(q, 5), queries * 2))
     assert got == expected * 2
+
+
+def test_java_map_parse_falls_back_on_ambiguous_text():
+    from ralm.retrieval.bm25 import _parse_java_map
+
+    assert _parse_java_map("{copi=2, tree=1}", 2) == {"copi": 2, "tree": 1}
+    assert _parse_java_map("{}", 0) == {}
+    assert _parse_java_map("{a, b=2}", 1) is None          # a term containing ", "
+    assert _parse_java_map("{x=y=1}", 1) == {"x=y": 1}      # rpartition keeps '=' in the term
+    assert _parse_java_map("{a=1, a=2}", 2) is None
+
+
+def test_fast_doc_keys_equal_walking_the_lucene_map(retrievers, fixture_corpus):
+    from ralm.retrieval.bm25 import JVM_LOCK
+
+    sc = retrievers["sr"].scorer
+    for d in range(0, len(fixture_corpus), 7):
+        fast = sc._fetch_key(d)
+        with JVM_LOCK:
+            jmap = sc.reader.object.getDocumentVector(sc.reader.reader, sc._string_id(d))
+            slow = {}
+            if jmap is not None:
+                it = jmap.entrySet().iterator()
+                while it.hasNext():
+                    e = it.next()
+                    slow[e.getKey()] = int(e.getValue())
+        assert fast.tf == slow

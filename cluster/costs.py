@@ -1,0 +1,100 @@
+"""``ralmspec costs``: measured unit costs of the parts on the demo corpus.
+
+Retrieval per batch of 1 and of 16 queries for EDR, ADR and SR (query encoding/analysis
+reported separately from the search itself), and the generator's prefill and per-token
+decode. Medians over repeated runs with fresh queries, so no memo is hit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from statistics import median
+
+import numpy as np
+
+
+def add_costs_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reps", type=int, default=7, help="repetitions per measurement (median reported)")
+    p.add_argument("--retrievers", default="edr,adr,sr")
+    p.add_argument("--out", type=Path, default=Path("bench-out"), help="writes costs.json and costs.md here")
+
+
+def _queries(corpus, n: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    out = []
+    while len(out) < n:
+        words = corpus.text(int(rng.integers(len(corpus)))).split()
+        if len(words) >= 24:
+            s = int(rng.integers(0, len(words) - 24))
+            out.append(" ".join(words[s:s + 24]))
+    return out
+
+
+def measure_retriever(kb, corpus, reps: int, salt: int = 0) -> dict:
+    res = {}
+    for bs in (1, 16):
+        enc_t, search_t = [], []
+        for r in range(reps):
+            qs = _queries(corpus, bs, seed=100_000 * salt + 1000 * bs + r)
+            t0 = time.perf_counter()
+            reps_ = kb.scorer.encode(qs)                     # memoised afterwards
+            t1 = time.perf_counter()
+            kb.batch_search(qs, 20)                          # encoding now a memo hit
+            t2 = time.perf_counter()
+            enc_t.append(t1 - t0)
+            search_t.append(t2 - t1)
+            del reps_
+        res[f"batch{bs}"] = {"encode_ms": median(enc_t) * 1000, "search_ms": median(search_t) * 1000,
+                             "per_query_ms": (median(enc_t) + median(search_t)) * 1000 / bs}
+    return res
+
+
+def measure_generator(engine, corpus, reps: int) -> dict:
+    doc = corpus.text(0)
+    ctx = engine.encode_question("What does json.dumps do with a dictionary of lists and tuples?")
+    ctx = (ctx * 8)[:100]
+    pre, dec = [], []
+    for r in range(reps):
+        engine.doc_kv.clear()
+        out = engine.step(corpus.text(r + 1), ctx, 16, ignore_eos=True)
+        pre.append(out.prefill_s)
+        dec.append(out.decode_s / 15)
+    engine.doc_kv.clear()
+    engine.step(doc, ctx, 1)
+    warm = [engine.step(doc, ctx, 1).prefill_s for _ in range(reps)]
+    n_doc = len(engine.doc_tokens(corpus.text(1)))
+    return {"prefill_doc_and_context_ms": median(pre) * 1000, "prefill_context_only_ms": median(warm) * 1000,
+            "decode_per_token_ms": median(dec) * 1000, "doc_tokens": n_doc, "context_tokens": len(ctx)}
+
+
+def costs_main(args) -> int:
+    from cluster.cli import load_config
+    from ralm.pipeline import Pipeline, check_kind
+
+    cfg = load_config(args)
+    kinds = tuple(check_kind(k.strip()) for k in args.retrievers.split(",") if k.strip())
+    pipe = Pipeline.from_config(cfg, kinds=kinds)
+    out = {"corpus_passages": len(pipe.corpus), "pad_to": cfg.retriever.pad_to,
+           "retrievers": {k: measure_retriever(pipe.retriever(k), pipe.corpus, args.reps, salt=i)
+                          for i, k in enumerate(kinds)},
+           "generator": measure_generator(pipe.engine, pipe.corpus, args.reps),
+           "model": cfg.generator.model, "torch_threads": cfg.generator.torch_threads}
+    lines = [f"Costs on {len(pipe.corpus)} passages (median of {args.reps}):", "",
+             "| part | batch 1: encode / search ms | batch 16: encode / search ms | per query at 16 |",
+             "|---|---|---|---|"]
+    for k, r in out["retrievers"].items():
+        b1, b16 = r["batch1"], r["batch16"]
+        lines.append(f"| {k.upper()} | {b1['encode_ms']:.1f} / {b1['search_ms']:.1f} | "
+                     f"{b16['encode_ms']:.1f} / {b16['search_ms']:.1f} | {b16['per_query_ms']:.1f} ms |")
+    g = out["generator"]
+    lines += ["", f"Generator: prefill of {g['doc_tokens']} doc + {g['context_tokens']} context tokens "
+              f"{g['prefill_doc_and_context_ms']:.1f} ms (context only, doc KV reused: "
+              f"{g['prefill_context_only_ms']:.1f} ms); decode {g['decode_per_token_ms']:.1f} ms/token."]
+    md = "\n".join(lines) + "\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "costs.json").write_text(json.dumps(out, indent=1))
+    (args.out / "costs.md").write_text(md)
+    print(md)
+    return 0

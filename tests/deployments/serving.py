@@ -1,0 +1,46 @@
+"""Starting the ralmspec Serve app for a test module (shared by the metrics, security and state tests)."""
+from __future__ import annotations
+
+import socket
+
+from ralm.config import RequestConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def app_args(work, index_dirs, fixture_corpus, gen_model_dir, kinds, req: RequestConfig, **extra) -> dict:
+    (work / "indexes").mkdir(exist_ok=True)
+    for kind in kinds:
+        link = work / "indexes" / kind
+        if not link.exists():
+            link.symlink_to(index_dirs[kind], target_is_directory=True)
+    args = {
+        "ralm": {"corpus": fixture_corpus.path, "work_dir": str(work),
+                 "generator": {"model": gen_model_dir}, "request": req.model_dump()},
+        "retrievers": list(kinds),
+        "generator_deployment": {"num_cpus": 0.2},
+        "sharding": {"n_shards": 2, "num_cpus": 0.05},
+        "verifier": {"window_ms": 10.0},
+        "pool": {"size": 2, "max_size": 4},
+        "build_indexes": True,
+    }
+    args.update(extra)
+    return args
+
+
+def serve_app(args: dict, metrics_export_port: int | None = None) -> str:
+    """Start Ray (if needed), Serve on a free 127.0.0.1 port and the app; returns the base URL."""
+    from ray import serve
+
+    from deployments.app import build_app
+    from tests.actors.support import start_ray
+
+    start_ray(metrics_export_port=metrics_export_port)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(args), name="ralmspec", route_prefix="/")
+    return f"http://127.0.0.1:{port}"
