@@ -30,7 +30,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--num-questions", type=int, default=20)
     p.add_argument("--retrievers", default="edr,adr,sr", help="comma-separated subset of edr,adr,sr")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help="comma-separated: base, any of P/S/A, or s=N for a fixed stride")
+                   help="comma-separated: base, any of P/S/A, s=N for a fixed stride; append @G to set OS3's gamma cap (e.g. PSA@0.9)")
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up questions")
@@ -39,10 +39,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def parse_config(name: str) -> SpecConfig:
-    """'PSA' -> SpecConfig(P,S,A); 's=4' -> fixed stride 4 without P/S/A."""
-    if name.startswith("s="):
-        return SpecConfig(stride=int(name[2:]))
-    return SpecConfig.named(name)
+    """'PSA' -> SpecConfig(P,S,A); 's=4' -> fixed stride 4 without P/S/A;
+    'PSA@0.9' -> PSA with OS3's gamma cap raised from the paper's 0.6 to 0.9."""
+    base, _, cap = name.partition("@")
+    extra = {"gamma_max": float(cap)} if cap else {}
+    if base.startswith("s="):
+        return SpecConfig(stride=int(base[2:]), **extra)
+    return SpecConfig.named(base, **extra)
 
 
 @dataclass

@@ -30,6 +30,7 @@ class RetrieverConfig(_Strict):
     bm25_b: float = Field(C.BM25_B, ge=0, le=1, description="BM25 b (sr).")
     pad_to: int = Field(0, ge=0, description="edr only: pad the flat index with random vectors up to this many rows to emulate Wikipedia-scale search cost (results unchanged; reported wherever used).")
     rerank_margin: int = Field(C.RERANK_MARGIN, ge=1, description="Extra candidates fetched before exact float64 re-scoring.")
+    faiss_threads: int = Field(C.FAISS_THREADS, ge=0, description="OpenMP threads FAISS may use (process-wide; 0 keeps FAISS's default of one per core). 1 avoids oversubscription when generation and asynchronous verification share the cores.")
 
 
 class GeneratorConfig(_Strict):

@@ -30,6 +30,7 @@ HNSW_EF_CONSTRUCTION = 200
 HNSW_EF_SEARCH = 128
 BM25_K1 = 0.9                 # pyserini/Anserini defaults
 BM25_B = 0.4
+FAISS_THREADS = 1             # OpenMP threads for FAISS; more oversubscribes a 2-core box (measured 10x slower under load)
 PAD_VECTOR_NORM = 1e-3        # norm of padding vectors: they cost a scan but (almost) never rank
 
 # ---- engine ----

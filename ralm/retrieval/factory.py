@@ -66,6 +66,9 @@ def load_retriever(cfg: RetrieverConfig, corpus: Corpus, index_dir: str | Path |
     if kind in DENSE_KINDS:
         import faiss
 
+        if cfg.faiss_threads:
+            faiss.omp_set_num_threads(int(cfg.faiss_threads))
+
         from ralm.retrieval.dense import DenseRetriever
 
         enc = encoder if encoder is not None else get_encoder(cfg.encoder)

@@ -153,9 +153,14 @@ def test_question_builder_is_deterministic():
 def model_and_tokenizer():
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    # One thread: a 4M-parameter model gains nothing from more, and on a busy 2-core
+    # machine a second thread makes each tiny forward pass wait (100x slower).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(MODEL)
-    return model, tok
+    yield model, tok
+    torch.set_num_threads(threads)
 
 
 def test_model_loads_and_is_small(model_and_tokenizer):
