@@ -153,7 +153,7 @@ class DenseRetriever:
     def __init__(self, kind: str, encoder: Any, vectors: np.ndarray, index: Any = None, *,
                  hnsw_m: int = C.HNSW_M, ef_construction: int = C.HNSW_EF_CONSTRUCTION,
                  ef_search: int = C.HNSW_EF_SEARCH, pad_to: int = 0,
-                 rerank_margin: int = C.RERANK_MARGIN):
+                 rerank_margin: int = C.RERANK_MARGIN, faiss_threads: int = C.FAISS_THREADS):
         import faiss
 
         if kind not in ("edr", "adr"):
@@ -163,6 +163,7 @@ class DenseRetriever:
         self.scorer = DenseScorer(encoder, vectors)
         self.encoder = encoder
         self.rerank_margin = int(rerank_margin)
+        self.faiss_threads = int(faiss_threads)
         self.n_docs = len(self.scorer)
         if index is None:
             index = build_faiss_index(kind, self.scorer.vectors, hnsw_m, ef_construction)
@@ -194,6 +195,13 @@ class DenseRetriever:
     # ------------------------------------------------------------------ search
     def _faiss_search(self, Q: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         Q = np.ascontiguousarray(Q, dtype=np.float32)
+        if self.faiss_threads:
+            # OpenMP's thread count is per calling thread: set it in *this* thread, which
+            # may be an asynchronous-verification worker (else it would use one thread per
+            # core next to the generator, and oversubscribed spin-waiting made searches ~6x
+            # slower in our measurements).
+            import faiss
+            faiss.omp_set_num_threads(self.faiss_threads)
         if self.kind == "edr" and Q.shape[0] > 1:
             # Batches go through FAISS's BLAS kernel, which streams the index once for all
             # queries (its cost is nearly flat in the batch size); single queries keep the

@@ -66,8 +66,6 @@ def load_retriever(cfg: RetrieverConfig, corpus: Corpus, index_dir: str | Path |
     if kind in DENSE_KINDS:
         import faiss
 
-        if cfg.faiss_threads:
-            faiss.omp_set_num_threads(int(cfg.faiss_threads))
 
         from ralm.retrieval.dense import DenseRetriever
 
@@ -86,7 +84,8 @@ def load_retriever(cfg: RetrieverConfig, corpus: Corpus, index_dir: str | Path |
                                     f"expected {len(corpus)}; {hint}")
         return DenseRetriever(kind, enc, vectors, index, hnsw_m=cfg.hnsw_m,
                               ef_construction=cfg.hnsw_ef_construction, ef_search=cfg.hnsw_ef_search,
-                              pad_to=cfg.pad_to if kind == "edr" else 0, rerank_margin=cfg.rerank_margin)
+                              pad_to=cfg.pad_to if kind == "edr" else 0, rerank_margin=cfg.rerank_margin,
+                              faiss_threads=cfg.faiss_threads)
 
     from ralm.retrieval.bm25 import SparseRetriever
 
