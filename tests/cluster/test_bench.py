@@ -15,6 +15,7 @@ def test_parse_config_names():
     assert parse_config("s=4").stride == 4 and not parse_config("s=4").adaptive_stride
     psa = parse_config("PSA")
     assert psa.prefetch and psa.adaptive_stride and psa.async_verify
+    assert parse_config("PSA@0.9").gamma_max == 0.9 and parse_config("PSA").gamma_max == 0.6
     with pytest.raises(ValueError):
         parse_config("XYZ")
 
