@@ -147,7 +147,10 @@ class Coordinator:
     """Runs requests one at a time (body of the coordinator actor)."""
 
     def __init__(self, generator: Any, verifiers: dict[str, Any], request_defaults: dict | None = None,
-                 spec_defaults: dict | None = None, verify_threads: int = 4):
+                 spec_defaults: dict | None = None, verify_threads: int = 4, state: dict | None = None):
+        """``state`` (optional): ``{"store": StateStoreConfig dict, "checkpoints": bool,
+        "kb_cache": {kind: index_version}}`` - where to checkpoint requests (durable stores
+        only) and which retrievers' verified KB results to cache across requests."""
         self.generator_handle = generator
         self.verifiers = dict(verifiers)
         self.request_defaults = RequestConfig.model_validate(request_defaults or {})
@@ -158,14 +161,31 @@ class Coordinator:
         self._caches: dict[str, Any] = {}
         self.served = 0
         self.busy = False
+        self.state = dict(state or {})
+        self._store_obj = None
+        self.resumed = 0
+
+    def _store(self):
+        """The state store, opened on first use (None when none is configured)."""
+        if self._store_obj is None and self.state.get("store"):
+            from cache.state import StateStoreConfig, open_state_store
+
+            self._store_obj = open_state_store(StateStoreConfig.model_validate(self.state["store"]))
+        return self._store_obj
+
+    @property
+    def checkpoints(self) -> bool:
+        store = self._store()
+        return bool(store is not None and self.state.get("checkpoints", True) and store.durable)
 
     # ---------------------------------------------------------------- set-up
     def ready(self) -> dict:
         """Fetch the tokenizer and the scorers now, so the first request does not wait."""
         self._generator()
+        self._store()                    # a missing Redis or a wrong password fails at startup
         for kind in self.verifiers:
             self._kb(kind)
-        return {"pid": os.getpid(), "kinds": sorted(self.verifiers)}
+        return {"pid": os.getpid(), "kinds": sorted(self.verifiers), "checkpoints": self.checkpoints}
 
     def _generator(self) -> RemoteGenerator:
         if self._gen is None:
@@ -185,7 +205,13 @@ class Coordinator:
 
             v = self.verifiers[kind]
             scorer = RemoteScorer(v, _get(v.score_function.remote()))
-            self._kbs[kind] = VerifierKB(kind, v, scorer)
+            kb: Any = VerifierKB(kind, v, scorer)
+            version = (self.state.get("kb_cache") or {}).get(kind)
+            if version and self._store() is not None:
+                from cache.state import StoreCachedRetriever
+
+                kb = StoreCachedRetriever(kb, self._store(), version)   # exact: verified results only
+            self._kbs[kind] = kb
             self._caches[kind] = SpeculativeCache(scorer)
         return self._kbs[kind]
 
@@ -201,19 +227,83 @@ class Coordinator:
         spec = SpecConfig.model_validate(spec.model_dump())
         return kind, method, req, spec
 
+    # ---------------------------------------------------------------- checkpoints
+    @staticmethod
+    def _job_digest(request: dict) -> str:
+        import hashlib
+        import json
+
+        job = {k: v for k, v in request.items() if k != "request_id"}
+        return hashlib.sha256(json.dumps(job, sort_keys=True, default=str).encode()).hexdigest()
+
+    def _resume_point(self, rid: str, digest: str, q_tokens: list[int]):
+        """The verified prefix checkpointed for request ``rid`` (same job), or None."""
+        from ralm.results import VerifiedPrefix
+
+        try:
+            cp = self._store().load_checkpoint(rid)
+        except Exception as e:
+            log.warning("cannot load the checkpoint of request %s: %s", rid, e)
+            return None
+        if cp is None or cp.meta.get("job") != digest or cp.prompt_len != len(q_tokens) \
+                or cp.tokens[:cp.prompt_len] != q_tokens or not cp.steps:
+            return None
+        return VerifiedPrefix(cp.tokens[cp.prompt_len:], list(cp.doc_ids), bool(cp.meta.get("eos")))
+
+    def _checkpointer(self, rid: str, digest: str, q_tokens: list[int]):
+        from cache.state import RequestCheckpoint
+
+        store = self._store()
+        try:
+            import ray
+            me = ray.get_runtime_context().get_actor_name() or ""
+        except Exception:
+            me = ""
+
+        def save(generated: list[int], doc_ids: list, eos: bool) -> None:
+            cp = RequestCheckpoint(request_id=rid, tokens=list(q_tokens) + list(generated), doc_ids=list(doc_ids),
+                                   steps=len(doc_ids), prompt_len=len(q_tokens),
+                                   meta={"job": digest, "eos": bool(eos), "coordinator": me})
+            try:
+                store.save_checkpoint(cp)
+            except Exception as e:          # a checkpoint is an optimisation: never fail the request
+                log.warning("cannot save the checkpoint of request %s: %s", rid, e)
+        return save
+
     def _run(self, request: dict, on_commit=None) -> RalmResult:
+        from actors.metrics import record_request
         from ralm.seq import run_seq
         from ralm.spec import run_spec
 
         kind, method, req, spec = self._configs(request)
         gen, kb = self._generator(), self._kb(kind)
+        rid = request.get("request_id")
+        resume = on_verified = None
+        if rid and self.checkpoints:
+            digest = self._job_digest(request)
+            q_tokens = gen.encode_question(request["question"])
+            resume = self._resume_point(rid, digest, q_tokens)
+            if resume is not None:
+                self.resumed += 1
+                log.info("request %s resumes from a checkpoint of %d tokens", rid, len(resume.tokens))
+            on_verified = self._checkpointer(rid, digest, q_tokens)
         self.busy = True
         try:
             if method == "seq":
-                return run_seq(request["question"], gen, kb, req, on_commit=on_commit)
-            cache = self._caches[kind]
-            return run_spec(request["question"], gen, kb, req, spec, cache=cache,
-                            executor=self.executor, on_commit=on_commit)
+                res = run_seq(request["question"], gen, kb, req, on_commit=on_commit, resume=resume,
+                              on_verified=on_verified)
+            else:
+                cache = self._caches[kind]
+                res = run_spec(request["question"], gen, kb, req, spec, cache=cache,
+                               executor=self.executor, on_commit=on_commit, resume=resume,
+                               on_verified=on_verified)
+            if on_verified is not None:
+                try:
+                    self._store().delete_checkpoint(rid)
+                except Exception as e:
+                    log.warning("cannot delete the checkpoint of request %s: %s", rid, e)
+            record_request(res.stats)
+            return res
         finally:
             for c in self._caches.values():
                 c.clear()
@@ -263,8 +353,10 @@ class Coordinator:
         yield {"delta": tail, "tokens": [], "done": True, "result": out}
 
     def info(self) -> dict:
+        kb_cache = {k: {"hits": kb.hits, "misses": kb.misses} for k, kb in self._kbs.items() if hasattr(kb, "hits")}
         return {"pid": os.getpid(), "served": self.served, "busy": self.busy,
-                "generator_calls": self._gen.calls if self._gen else 0}
+                "generator_calls": self._gen.calls if self._gen else 0, "resumed": self.resumed,
+                "checkpoints": self.checkpoints, "kb_cache": kb_cache}
 
 
 def coordinator_actor_class(num_cpus: float = 0.05, max_concurrency: int = 4):

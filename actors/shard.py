@@ -237,8 +237,11 @@ class RetrievalShard:
         self.calls += 1
         self.stats["searches"] += 1
         self.stats["queries"] += len(reps)
+        t0 = time.perf_counter()
         res = self.local.search_vectors(list(reps), min(int(k), self.n_docs))
-        return [[(d + self.lo, s) for d, s in hits] for hits in res]
+        out = [[(d + self.lo, s) for d, s in hits] for hits in res]
+        self._observe(time.perf_counter() - t0)
+        return out
 
     # ---- sparse: global statistics (dfs phase) and search with global weights
     def term_stats(self, terms: Sequence[str]) -> dict:
@@ -255,6 +258,7 @@ class RetrievalShard:
         self.calls += 1
         self.stats["searches"] += 1
         self.stats["queries"] += len(texts)
+        t0 = time.perf_counter()
         loc = self.local
         sc = loc.scorer
         k = min(int(k), self.n_docs)
@@ -277,7 +281,12 @@ class RetrievalShard:
 
             hits, _ = exact_top_k(k, k + loc.rerank_margin, self.n_docs, candidates, rescore, self.stats)
             out.append(self._globalize(loc._zero_fill(hits, k)))
+        self._observe(time.perf_counter() - t0)
         return out
+
+    def _observe(self, seconds: float) -> None:
+        from actors.metrics import record_shard_search
+        record_shard_search(self.kind, self.spec.index, seconds)
 
     def _globalize(self, hits: list[Hit]) -> list[Hit]:
         return [(d + self.lo, s) for d, s in hits]

@@ -74,6 +74,7 @@ class VerificationBatcher:
         self.max_batch = int(max_batch)
         self.enabled = bool(enabled)
         self.stats = BatchStats()
+        self.on_batch: Callable[[int], None] | None = None    # called with each flushed batch's size
         self._pending: list[_Item] = []
         self._n_pending = 0
         self._wake: asyncio.Event | None = None
@@ -111,6 +112,8 @@ class VerificationBatcher:
         self.stats.sizes[n] += 1
         self.stats.max_batch_queries = max(self.stats.max_batch_queries, n)
         self.stats.max_batch_submissions = max(self.stats.max_batch_submissions, n_items)
+        if self.on_batch is not None:
+            self.on_batch(n)
 
     async def _flush_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -174,7 +177,12 @@ class Verifier:
         self.kind = kind
         self.router = ShardedRetriever(kind, shards, bounds, RetrieverConfig.model_validate(retriever))
         self.batcher = VerificationBatcher(self._search, window_ms, max_batch, batching, max_inflight)
+        self.batcher.on_batch = self._observe_batch
         self.kb_time_s = 0.0
+
+    def _observe_batch(self, n: int) -> None:
+        from actors.metrics import record_batch
+        record_batch(self.kind, n)
 
     async def _search(self, queries: list[str], k: int) -> list[list[Hit]]:
         t0 = time.perf_counter()

@@ -16,6 +16,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cache.state.config import StateStoreConfig
 from deployments.generator import PRESETS, GeneratorDeploymentOptions, preset
 from ralm import constants as C
 from ralm.config import GeneratorConfig, RalmConfig, RetrieverKind
@@ -59,10 +60,28 @@ class IngressOptions(_Opts):
     max_ongoing_requests: int = Field(256, ge=1, description="Concurrent HTTP requests the ingress accepts (beyond the pool they wait).")
     max_prompt_chars: int = Field(20_000, ge=1, description="Prompts longer than this are rejected before tokenisation.")
     admin: bool = Field(False, description="Enable POST /v1/ralm/admin/verifier (change batching at run time; for benchmarks).")
+    max_body_bytes: int = Field(1_048_576, ge=1, description="Request bodies larger than this are rejected with 413 before they are parsed.")
+
+
+class StateOptions(_Opts):
+    # a rejected store config may hold a password: never echo it in errors
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), hide_input_in_errors=True)
+
+    store: Optional[StateStoreConfig] = Field(
+        None, description="State store for request checkpoints and the verified-KB cache (cache.state.StateStoreConfig; "
+        "no secrets: the Redis password comes from RALMSPEC_REDIS_PASSWORD or RALMSPEC_REDIS_PASSWORD_FILE). "
+        "None: the URL in RALMSPEC_STATE_URL if set, else no store (checkpoints and the KB cache are off).")
+    checkpoints: bool = Field(True, description="With a durable store (Redis, SQLite): save each request's verified prefix as "
+                              "it commits, so a request whose coordinator died resumes from it on a replacement.")
+    kb_cache: list[RetrieverKind] = Field(default_factory=list, description="Retrievers whose verified KB results are "
+                                          "cached across requests in the store (exact; keyed by index version).")
 
 
 class AppConfig(_Opts):
     """Everything the served application needs. Every field has a default: ``{}`` is the demo."""
+
+    # state.store may hold a (rejected) password: errors name fields, never echo input values
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), hide_input_in_errors=True)
 
     ralm: RalmConfig = Field(default_factory=RalmConfig, description="Corpus, work dir, retriever, generator, speculation and request defaults (ralm.config.RalmConfig).")
     retrievers: list[RetrieverKind] = Field(default_factory=lambda: ["edr", "adr", "sr"], min_length=1,
@@ -76,12 +95,16 @@ class AppConfig(_Opts):
     verifier: VerifierOptions = Field(default_factory=VerifierOptions, description="Cross-request verification batching.")
     pool: PoolOptions = Field(default_factory=PoolOptions, description="Pre-started coordinator actors.")
     ingress: IngressOptions = Field(default_factory=IngressOptions, description="HTTP front end.")
+    state: StateOptions = Field(default_factory=StateOptions, description="Request checkpoints and the cross-request "
+                                "verified-KB cache (off unless a store is configured).")
     build_indexes: bool = Field(True, description="Build missing indexes and shards on start (else a missing index is an error).")
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":
         if len(set(self.retrievers)) != len(self.retrievers):
             raise ValueError("retrievers lists a kind twice")
+        if set(self.state.kb_cache) - set(self.retrievers):
+            raise ValueError("state.kb_cache names a retriever that is not served")
         return self
 
     def resolved(self) -> "AppConfig":

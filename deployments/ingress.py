@@ -19,18 +19,27 @@ than their greedy values are rejected. Every invalid request gets a 4xx answer w
 OpenAI-style error body ``{"error": {"message", "type", "param", "code"}}``, and the
 server keeps serving.
 
+Security: when ``RALMSPEC_API_KEY`` (or a file named by ``RALMSPEC_API_KEY_FILE``, e.g. a
+mounted Kubernetes Secret) is set in the ingress's environment, every endpoint except
+``/healthz`` needs ``Authorization: Bearer <key>`` (401 otherwise); the key is never read
+from the config file. Bodies above ``ingress.max_body_bytes`` get 413 before they are
+parsed.
+
 Each request leases a coordinator from the pool (:mod:`actors.pool`), which runs the
 core loop; the ingress only validates, routes and formats.
 """
 # no "from __future__ import annotations": FastAPI must see the body models as classes
 import asyncio
+import hmac
 import json
 import logging
+import os
+import re
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
@@ -71,6 +80,126 @@ def _message(e: BaseException) -> str:
 @app.exception_handler(ApiError)
 async def _api_error(_: Request, e: ApiError):
     return JSONResponse(_error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+
+
+# ------------------------------------------------------------------ API key and body size
+API_KEY_ENV = "RALMSPEC_API_KEY"
+API_KEY_FILE_ENV = "RALMSPEC_API_KEY_FILE"
+OPEN_PATHS = frozenset({"/healthz"})
+
+
+def read_api_key(environ=None) -> Optional[str]:
+    """The API key from ``RALMSPEC_API_KEY`` or the file named by ``RALMSPEC_API_KEY_FILE``
+    (None: no key, the API is open). Never from a config file."""
+    env = os.environ if environ is None else environ
+    key, path = env.get(API_KEY_ENV), env.get(API_KEY_FILE_ENV)
+    if key and path:
+        raise ValueError(f"both {API_KEY_ENV} and {API_KEY_FILE_ENV} are set; set only one")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                key = fh.read().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read the API key file named by {API_KEY_FILE_ENV} ({path}): {e.strerror}") from None
+        if not key:
+            raise ValueError(f"the API key file {path} is empty")
+    return key.strip() if key else None
+
+
+class _Guard:
+    """Settings of :class:`GuardMiddleware`, set by the ingress replica at start."""
+
+    api_key: Optional[str] = None
+    max_body_bytes: int = 1_048_576
+
+
+GUARD = _Guard()
+
+
+class GuardMiddleware:
+    """ASGI middleware: bearer-token check (when a key is set) and a request body size limit
+    (checked on Content-Length and while reading, before the JSON is parsed)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    @staticmethod
+    async def _reply(send, status: int, message: str, code: str, headers: list | None = None) -> None:
+        body = json.dumps(_error_body(message, "invalid_request_error", None, code)).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())] + (headers or [])})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):] or "/"
+        headers = {k.lower(): v for k, v in scope.get("headers") or []}
+        key = GUARD.api_key
+        if key and path not in OPEN_PATHS:
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = auth.partition(" ")
+            if not auth:
+                return await self._reply(send, 401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                                         "missing_api_key", [(b"www-authenticate", b"Bearer")])
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+                return await self._reply(send, 401, "invalid API key", "invalid_api_key",
+                                         [(b"www-authenticate", b'Bearer error="invalid_token"')])
+        limit = GUARD.max_body_bytes
+        too_big = (f"request body is larger than the limit of {limit} bytes", "request_too_large")
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                n = int(length)
+            except ValueError:
+                return await self._reply(send, 400, "invalid Content-Length header", "invalid_request")
+            if n > limit:
+                return await self._reply(send, 413, *too_big)
+        if scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        # read the body (at most limit bytes), then hand it on in one message
+        chunks, total = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return await self.app(scope, _replay([msg], receive), send)
+            body = msg.get("body", b"")
+            total += len(body)
+            if total > limit:
+                return await self._reply(send, 413, *too_big)
+            chunks.append(body)
+            if not msg.get("more_body", False):
+                break
+        first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        return await self.app(scope, _replay([first], receive), send)
+
+
+def _replay(messages: list, receive):
+    pending = list(messages)
+
+    async def replay():
+        if pending:
+            return pending.pop(0)
+        return await receive()
+    return replay
+
+
+app.add_middleware(GuardMiddleware)
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def _request_id(value: Optional[str]) -> str:
+    """The client's ``X-Request-ID`` (it names the request's checkpoint), or a fresh one."""
+    if value is None or value == "":
+        return uuid.uuid4().hex
+    if not _REQUEST_ID.match(value):
+        raise ApiError(400, "X-Request-ID must be 1-128 characters of letters, digits and ._:-", param="X-Request-ID")
+    return value
 
 
 def _is_union_tag(part: str) -> bool:
@@ -180,8 +309,12 @@ def _prepare_shards_task(rcfg: dict, corpus_path: str, index_dir: str, n_shards:
     if missing:
         print(f"ralmspec: no {cfg.kind} index at {index_dir}: building it (first start; progress below)",
               flush=True)
-    return prepare_shards(cfg, Corpus.load(corpus_path), index_dir, n_shards, progress=missing,
-                          vectors_from=vectors_from)
+    specs = prepare_shards(cfg, Corpus.load(corpus_path), index_dir, n_shards, progress=missing,
+                           vectors_from=vectors_from)
+    import hashlib
+    with open(os.path.join(index_dir, MANIFEST), "rb") as fh:     # identifies the index build
+        version = hashlib.sha256(fh.read()).hexdigest()
+    return specs, version
 
 
 @serve.deployment(name="Ingress")
@@ -196,6 +329,14 @@ class Ingress:
         from actors.verifier import verifier_actor_class
 
         self.cfg = cfg = AppConfig.model_validate(config)
+        import deployments.ingress as this     # the module's GUARD (this class may be pickled by value)
+
+        guard = this.GUARD
+        guard.api_key = read_api_key()
+        guard.max_body_bytes = cfg.ingress.max_body_bytes
+        if guard.api_key:
+            log.info("ralmspec ingress: API key required (from %s)",
+                     API_KEY_FILE_ENV if os.environ.get(API_KEY_FILE_ENV) else API_KEY_ENV)
         self.generator = generator
         self.model_name = cfg.model_name
         self.kinds = list(cfg.retrievers)
@@ -209,6 +350,7 @@ class Ingress:
         self.shards: dict[str, list] = {}
         self.shard_names: dict[str, list[str]] = {}
         self.verifiers: dict[str, Any] = {}
+        self.index_versions: dict[str, str] = {}
         vcls = verifier_actor_class(cfg.verifier.num_cpus)
         build_order = sorted(self.kinds, key=lambda k: {"edr": 0, "sr": 1, "adr": 2}[k])   # adr reuses edr's vectors
         for kind in build_order:
@@ -216,7 +358,7 @@ class Ingress:
             if kind != "edr":
                 rcfg = rcfg.model_copy(update={"pad_to": 0})
             index_dir = cfg.ralm.index_dir(kind)
-            specs = await prep.remote(rcfg.model_dump(mode="json"), str(cfg.ralm.corpus), str(index_dir),
+            specs, self.index_versions[kind] = await prep.remote(rcfg.model_dump(mode="json"), str(cfg.ralm.corpus), str(index_dir),
                                       cfg.sharding.n_shards, cfg.build_indexes, str(cfg.ralm.index_dir("edr")))
             sh = cfg.sharding
             prefix = f"shard-{kind}-{uuid.uuid4().hex[:8]}"
@@ -234,8 +376,21 @@ class Ingress:
         req_defaults = cfg.ralm.request.model_dump(mode="json")
         spec_defaults = cfg.ralm.spec.model_dump(mode="json")
 
+        from cache.state import STATE_URL_ENV, StateStoreConfig, redact_url
+
+        store_cfg = cfg.state.store
+        if store_cfg is None and os.environ.get(STATE_URL_ENV):
+            store_cfg = StateStoreConfig.from_env()
+        state = {"store": store_cfg.model_dump(mode="json") if store_cfg is not None else None,
+                 "checkpoints": cfg.state.checkpoints,
+                 "kb_cache": {k: self.index_versions[k] for k in cfg.state.kb_cache} if store_cfg else {}}
+        self.state_info = {"store": redact_url(store_cfg.url) if store_cfg else None,
+                           "checkpoints": bool(store_cfg and cfg.state.checkpoints and store_cfg.scheme != "memory"),
+                           "kb_cache": sorted(state["kb_cache"])}
+
         def factory():
-            return coord_cls.remote(generator, self.verifiers, req_defaults, spec_defaults)
+            return coord_cls.options(name=f"coordinator-{uuid.uuid4().hex[:12]}", namespace="ralmspec").remote(
+                generator, self.verifiers, req_defaults, spec_defaults, state=state)
 
         async def ready(h):
             await h.ready.remote()
@@ -266,7 +421,8 @@ class Ingress:
         except RalmInputError as e:
             raise ApiError(400, f"{param}: {e}", param=param) from None
 
-    def _job(self, question: str, opts: RalmOptions, max_new: int | None, max_param: str) -> dict:
+    def _job(self, question: str, opts: RalmOptions, max_new: int | None, max_param: str,
+             request_id: str | None = None) -> dict:
         kind = opts.retriever or self.kinds[0]
         if kind not in self.kinds:
             raise ApiError(400, f"unknown retriever {kind!r}: this server serves {', '.join(self.kinds)}",
@@ -303,7 +459,7 @@ class Ingress:
             msg, param = _describe([{**err, "loc": tuple(err.get("loc", ()))} for err in e.errors()])
             raise ApiError(400, msg, param=param) from None
         return {"question": question, "retriever": kind, "method": method,
-                "spec": spec.model_dump(), "request": req.model_dump()}
+                "spec": spec.model_dump(), "request": req.model_dump(), "request_id": _request_id(request_id)}
 
     @staticmethod
     def _check_greedy(body: CompletionRequest) -> None:
@@ -368,7 +524,8 @@ class Ingress:
         ginfo = await self.generator.info.remote()
         return {"requests": self.requests, "errors": self.errors, "pool": self.pool.stats.as_dict(),
                 "verifiers": dict(zip(self.verifiers, vstats)), "generator": ginfo,
-                "shards": {k: {"namespace": "ralmspec", "names": v} for k, v in self.shard_names.items()}}
+                "shards": {k: {"namespace": "ralmspec", "names": v} for k, v in self.shard_names.items()},
+                "state": self.state_info}
 
     @app.post("/v1/ralm/admin/verifier")
     async def admin_verifier(self, request: Request):
@@ -388,15 +545,16 @@ class Ingress:
         return out
 
     @app.post("/v1/ralm/generate")
-    async def generate(self, body: GenerateRequest):
+    async def generate(self, body: GenerateRequest, x_request_id: Optional[str] = Header(None)):
         n_prompt = self._validate_prompt(body.question, "question")
-        job = self._job(body.question, body, body.max_new_tokens, "max_new_tokens")
+        job = self._job(body.question, body, body.max_new_tokens, "max_new_tokens", x_request_id)
         res = await self._run(job)
         res["prompt_tokens"] = n_prompt
-        return {"model": self.model_name, "retriever": job["retriever"], "method": job["method"], **res}
+        return {"model": self.model_name, "retriever": job["retriever"], "method": job["method"],
+                "request_id": job["request_id"], **res}
 
     @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, x_request_id: Optional[str] = Header(None)):
         self._check_model(body.model)
         self._check_greedy(body)
         prompt = body.prompt
@@ -406,7 +564,7 @@ class Ingress:
                                param="prompt")
             prompt = prompt[0]
         n_prompt = self._validate_prompt(prompt, "prompt")
-        job = self._job(prompt, body, body.max_tokens, "max_tokens")
+        job = self._job(prompt, body, body.max_tokens, "max_tokens", x_request_id)
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if body.stream:

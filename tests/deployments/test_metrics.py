@@ -72,9 +72,10 @@ def metrics(served):
             fams = _scrape(served["metrics_port"])
         except OSError:
             fams = {}
-        lat = sum(v for n, _, v in fams.get("ray_ralmspec_request_latency_seconds", []) if n.endswith("_count"))
-        if set(EXPECTED) <= set(fams) and lat >= want_latency:
-            break
+        lat = sum(_values(fams, "ray_ralmspec_request_latency_seconds", "_count"))
+        shards = [sum(_values(fams, "ray_ralmspec_shard_latency_seconds", "_count", shard=i)) for i in ("0", "1")]
+        if set(EXPECTED) <= set(fams) and lat >= want_latency and min(shards) >= 1:
+            break         # (each process exports on its own schedule: wait for all of them)
         time.sleep(2)
     return fams
 
