@@ -1,7 +1,8 @@
 """``ralmspec bench``: RaLMSeq against RaLMSpec configurations, side by side in one process.
 
 For every question, every configuration runs back to back (interleaved, so machine
-noise hits them alike), each request starting with a cold doc-KV cache. Every RaLMSpec
+noise hits them alike), each request starting cold: empty doc-KV cache, no memoised
+query encodings or BM25 document vectors left by another configuration's run. Every RaLMSpec
 output is compared token by token with RaLMSeq's; any difference makes the command exit
 non-zero. Writes ``bench.json``, ``bench.md`` and ``bench.png`` (stacked generation /
 retrieval bars, like the RaLMSpec paper's Figure 4).
@@ -97,14 +98,20 @@ def run_retriever(pipe, kind: str, questions: list[str], configs: list[str], war
     base = ConfigRuns("RaLMSeq")
     runs = {c: ConfigRuns(c) for c in configs}
     per_request: list[dict] = []
-    for q in tqdm(questions[warmup:], desc=f"bench {kind}", disable=not progress):
+    def cold() -> None:
+        # every request starts cold: no doc KV, no memoised query encodings or BM25
+        # document vectors from an earlier configuration's run of the same question
         pipe.engine.doc_kv.clear()
+        getattr(kb.scorer, "clear_caches", lambda: None)()
+
+    for q in tqdm(questions[warmup:], desc=f"bench {kind}", disable=not progress):
+        cold()
         b = run_seq(q, gen, kb, req)
         base.results.append(b)
         base.identical.append(True)
         row = {"retriever": kind, "question": q, "seq": b.stats.as_dict(), "seq_tokens": len(b.tokens)}
         for c in configs:
-            pipe.engine.doc_kv.clear()
+            cold()
             r = run_spec(q, gen, kb, req, specs[c])
             same = r.tokens == b.tokens
             runs[c].results.append(r)

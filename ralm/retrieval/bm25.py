@@ -269,6 +269,11 @@ class BM25Scorer:
                     tf[e.getKey()] = int(e.getValue())
         return BM25DocKey(tf=tf, dl=lucene_length(sum(tf.values())))
 
+    def clear_caches(self) -> None:
+        """Forget cached document term vectors (benchmarks start every request cold)."""
+        with self._lock:
+            self._keys.clear()
+
     def doc_keys(self, doc_ids: Sequence[int]) -> list[BM25DocKey]:
         out = []
         for d in doc_ids:

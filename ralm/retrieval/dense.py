@@ -73,6 +73,12 @@ class DenseScorer:
         vectors.setflags(write=False)
         self.vectors = vectors
 
+    def clear_caches(self) -> None:
+        """Forget memoised query encodings."""
+        clear = getattr(self.encoder, "clear_memo", None)
+        if clear is not None:
+            clear()
+
     @property
     def dim(self) -> int:
         return int(self.vectors.shape[1])

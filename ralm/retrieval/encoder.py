@@ -199,6 +199,11 @@ class DenseEncoder:
                     initializer=lambda: self._torch.set_num_threads(n))
             return self._query_pool
 
+    def clear_memo(self) -> None:
+        """Forget memoised query vectors (benchmarks start every request cold)."""
+        with self._lock:
+            self._memo.clear()
+
     def encode_query(self, text: str) -> np.ndarray:
         """Encode one query alone (no batch padding): a read-only float32 vector (dim,)."""
         with self._lock:
