@@ -115,6 +115,25 @@ def cmd_assets(args) -> int:
     return importlib.import_module(f"cluster.assets.{mod}").main(args.rest) or 0
 
 
+# (command, module, add-arguments function, entry point, takes the common flags, help)
+_PLUGGED_COMMANDS = [
+    ("serve", "cluster.serve", "add_serve_args", "serve_main", True,
+     "start the HTTP server (Ray Serve) from serve_config.yaml"),
+    ("served-bench", "cluster.served_bench", "add_served_bench_args", "served_bench_main", False,
+     "served throughput/latency benchmark at several concurrencies"),
+    ("bench-gen", "cluster.gen_bench", "add_gen_bench_args", "gen_bench_main", False,
+     "generation-side benchmark: doc-KV reuse, n-gram vs dense drafting"),
+    ("costs", "cluster.costs", "add_costs_args", "costs_main", True,
+     "measured unit costs: retrieval at batch 1 and 16, prefill, decode"),
+    ("bench-knn", "cluster.knn_bench", "add_knn_bench_args", "knn_bench_main", False,
+     "KNN-LM benchmark: per-token retrieval baseline vs speculation"),
+    ("eval", "cluster.eval_job", "add_eval_args", "eval_main", True,
+     "resumable batch evaluation, RaLMSeq vs RaLMSpec (also under `ray job submit`)"),
+    ("k8s", "cluster.k8s_gen", "add_k8s_args", "k8s_main", False,
+     "regenerate the KubeRay manifests in k8s/ from serve_config.yaml"),
+]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ralmspec", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -143,43 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(pb)
     pb.set_defaults(func=cmd_bench)
 
-    from cluster.serve import add_serve_args, serve_main
-    ps = sub.add_parser("serve", help="start the HTTP server (Ray Serve) from serve_config.yaml")
-    _base_parser(ps)
-    add_serve_args(ps)
-    ps.set_defaults(func=serve_main)
-
-    from cluster.served_bench import add_served_bench_args, served_bench_main
-    psb = sub.add_parser("served-bench", help="served throughput/latency benchmark at several concurrencies")
-    add_served_bench_args(psb)
-    psb.set_defaults(func=served_bench_main)
-
-    from cluster.gen_bench import add_gen_bench_args, gen_bench_main
-    pgb = sub.add_parser("bench-gen", help="generation-side benchmark: doc-KV reuse, n-gram vs dense drafting")
-    add_gen_bench_args(pgb)
-    pgb.set_defaults(func=gen_bench_main)
-
-    from cluster.costs import add_costs_args, costs_main
-    pc = sub.add_parser("costs", help="measured unit costs: retrieval at batch 1 and 16, prefill, decode")
-    _base_parser(pc)
-    add_costs_args(pc)
-    pc.set_defaults(func=costs_main)
-
-    from cluster.knn_bench import add_knn_bench_args, knn_bench_main
-    pkb = sub.add_parser("bench-knn", help="KNN-LM benchmark: per-token retrieval baseline vs speculation")
-    add_knn_bench_args(pkb)
-    pkb.set_defaults(func=knn_bench_main)
-
-    from cluster.eval_job import add_eval_args, eval_main
-    pe = sub.add_parser("eval", help="resumable batch evaluation, RaLMSeq vs RaLMSpec (also under `ray job submit`)")
-    _base_parser(pe)
-    add_eval_args(pe)
-    pe.set_defaults(func=eval_main)
-
-    from cluster.k8s_gen import add_k8s_args, k8s_main
-    pk = sub.add_parser("k8s", help="regenerate the KubeRay manifests in k8s/ from serve_config.yaml")
-    add_k8s_args(pk)
-    pk.set_defaults(func=k8s_main)
+    import importlib
+    for name, module, add_args, entry, with_base, help_ in _PLUGGED_COMMANDS:
+        mod = importlib.import_module(module)
+        sp = sub.add_parser(name, help=help_)
+        if with_base:
+            _base_parser(sp)
+        getattr(mod, add_args)(sp)
+        sp.set_defaults(func=getattr(mod, entry))
 
     pa = sub.add_parser("assets", help="rebuild shipped demo assets")
     pa.add_argument("what", choices=["corpus", "questions", "train", "fixtures"])

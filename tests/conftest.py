@@ -84,3 +84,31 @@ def sample_queries(fixture_corpus, fixture_questions) -> list[str]:
         s = int(rng.integers(0, max(1, len(words) - n)))
         out.append(" ".join(words[s:s + n]))
     return out + list(fixture_questions)
+
+
+# ---------------------------------------------------------------- Ray tests (actors/, deployments/)
+@pytest.fixture(scope="module")
+def ray_local():
+    """One local Ray (2 CPUs) per test module."""
+    from tests.actors.support import start_ray, stop_ray
+
+    start_ray()
+    yield
+    stop_ray()
+
+
+@pytest.fixture(scope="session")
+def gen_model_dir(tmp_path_factory) -> str:
+    from tests.actors.support import model_dir
+
+    return model_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="session")
+def local_generator(gen_model_dir, fixture_corpus):
+    """In-process generator over the fixture corpus: the reference the Ray paths must match."""
+    from ralm.config import GeneratorConfig
+    from ralm.engine import LMEngine
+    from ralm.generator import LocalGenerator
+
+    return LocalGenerator(LMEngine.from_config(GeneratorConfig(model=gen_model_dir)), fixture_corpus)

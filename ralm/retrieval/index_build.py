@@ -18,7 +18,6 @@ Layout of ``out_dir``:
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ import numpy as np
 
 from ralm.config import RetrieverConfig
 from ralm.corpus import Corpus
+from ralm.retrieval.encoder import sha256_file  # noqa: F401  (re-exported for callers)
 from ralm.retrieval.errors import (CorruptIndexError, IndexMismatchError, IndexNotFoundError,
                                    UnknownRetrieverError)
 
@@ -68,17 +68,6 @@ def build_hint(kind: str, corpus: Corpus | None = None, out_dir: str | Path | No
     if out_dir is not None:
         parts.append(f"--index-dir {out_dir}")
     return " ".join(parts)
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while True:
-            b = fh.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
 
 
 def _index_files(out_dir: Path, kind: str) -> list[Path]:
