@@ -34,6 +34,8 @@ this invocation computed and skipped). Exit status 1 if any output differs.
 """
 from __future__ import annotations
 
+from ralm.signals import preserve_fatal_signal_handlers
+
 import argparse
 import dataclasses
 import hashlib
@@ -205,9 +207,11 @@ class RayBackend:
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS") or None
             if address:                   # a Ray job's driver, or an explicit cluster
-                ray.init(address=address)
+                with preserve_fatal_signal_handlers():  # keep the JVM's handlers (ralm/signals.py)
+                    ray.init(address=address)
             else:                         # no cluster: start a local Ray instance
-                ray.init(include_dashboard=False)
+                with preserve_fatal_signal_handlers():  # keep the JVM's handlers (ralm/signals.py)
+                    ray.init(include_dashboard=False)
         # a worker that dies is restarted once and its item retried there
         opts: dict[str, Any] = {"num_cpus": num_cpus, "max_restarts": 1, "max_task_retries": 1}
         if num_gpus:

@@ -12,6 +12,8 @@ application's ``args`` as :class:`deployments.app.AppConfig` before anything sta
 """
 from __future__ import annotations
 
+from ralm.signals import preserve_fatal_signal_handlers
+
 import argparse
 import copy
 import logging
@@ -143,9 +145,11 @@ def start_local_app(data: dict, address: str | None = None, num_cpus: int | None
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if not ray.is_initialized():
         if address:
-            ray.init(address=address)
+            with preserve_fatal_signal_handlers():  # keep the JVM's handlers (ralm/signals.py)
+                ray.init(address=address)
         else:
-            ray.init(num_cpus=num_cpus, include_dashboard=False)
+            with preserve_fatal_signal_handlers():  # keep the JVM's handlers (ralm/signals.py)
+                ray.init(num_cpus=num_cpus, include_dashboard=False)
     http = dict(data.get("http_options") or {})
     serve.start(http_options={k: v for k, v in http.items() if k in ("host", "port", "request_timeout_s",
                                                                        "keep_alive_timeout_s", "root_path")},

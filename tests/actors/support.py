@@ -20,19 +20,25 @@ def start_ray(num_cpus: int = 2, metrics_export_port: int | None = None) -> None
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     extra = {"_metrics_export_port": metrics_export_port} if metrics_export_port else {}
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, **extra)
+    from ralm.signals import preserve_fatal_signal_handlers
+
+    with preserve_fatal_signal_handlers():
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False, **extra)
 
 
 def stop_ray() -> None:
     import ray
 
-    try:
-        from ray import serve
-        serve.shutdown()
-    except Exception:
-        pass
-    ray.shutdown()
+    from ralm.signals import preserve_fatal_signal_handlers
+
+    with preserve_fatal_signal_handlers():
+        try:
+            from ray import serve
+            serve.shutdown()
+        except Exception:
+            pass
+        ray.shutdown()
 
 
 def model_dir(tmp_root: Path) -> str:

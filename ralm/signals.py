@@ -1,0 +1,64 @@
+"""Keep the JVM's fatal-signal handlers when Ray starts or stops in the same process.
+
+The JVM (pyserini/Lucene) uses SIGSEGV internally (implicit null checks, safepoint
+polls) and handles it in its own handler. ``ray.init`` installs Ray's failure handler
+for these signals and ``ray.shutdown`` resets them to the default, so a process that
+started the JVM and then ran a Ray driver is killed (exit 139) the next time the JIT
+takes one of its ordinary faults. Measured: handler address JVM -> Ray -> SIG_DFL.
+
+:func:`preserve_fatal_signal_handlers` saves the handlers (``sigaction``) on entry and
+restores them on exit; it is a no-op where ``sigaction`` is unavailable.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import signal
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
+
+
+class _SigAction(ctypes.Structure):
+    # glibc's struct sigaction on Linux: handler, 1024-bit mask, int flags, restorer
+    _fields_ = [("handler", ctypes.c_void_p), ("mask", ctypes.c_ulong * 16),
+                ("flags", ctypes.c_int), ("restorer", ctypes.c_void_p)]
+
+
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name, use_errno=True) if name else None
+
+
+def save_fatal_signal_handlers() -> dict[int, _SigAction]:
+    libc = _libc()
+    saved: dict[int, _SigAction] = {}
+    if libc is None:
+        return saved
+    for sig in _SIGNALS:
+        sa = _SigAction()
+        if libc.sigaction(int(sig), None, ctypes.byref(sa)) == 0:
+            saved[int(sig)] = sa
+    return saved
+
+
+def restore_fatal_signal_handlers(saved: dict[int, _SigAction]) -> None:
+    libc = _libc()
+    if libc is None:
+        return
+    for sig, sa in saved.items():
+        libc.sigaction(sig, ctypes.byref(sa), None)
+
+
+@contextmanager
+def preserve_fatal_signal_handlers() -> Iterator[None]:
+    """Run a block (``ray.init``, ``ray.shutdown``) without losing the current handlers."""
+    saved = save_fatal_signal_handlers()
+    try:
+        yield
+    finally:
+        restore_fatal_signal_handlers(saved)
