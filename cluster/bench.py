@@ -126,6 +126,17 @@ def run_retriever(pipe, kind: str, questions: list[str], configs: list[str], war
     return rows, per_request
 
 
+def run_notes(tool: str, n_questions: int, cfg, kinds, corpus_desc: str) -> list[str]:
+    """Header lines of a benchmark/evaluation report, with the padding disclosure when used."""
+    notes = [f"# ralmspec {tool}: {n_questions} questions, corpus {corpus_desc}, generator {cfg.generator.model}, "
+             f"k={cfg.request.generation_stride}, max_new_tokens={cfg.request.max_new_tokens}"]
+    if "edr" in kinds and cfg.retriever.pad_to:
+        notes.append(f"Note: the EDR flat index is padded to {cfg.retriever.pad_to:,} rows with random "
+                     f"vectors that never outrank a real passage, to emulate Wikipedia-scale search cost; "
+                     f"results are unchanged.")
+    return notes
+
+
 def markdown_table(rows: list[dict], notes: list[str]) -> str:
     head = ("| retriever | config | latency ms | G ms | R ms | R share | speed-up | E | gamma | "
             "spec acc | KB calls | rollbacks | regen tok | mean s | identical |")
@@ -182,13 +193,7 @@ def bench_main(args) -> int:
     if not timed:
         timed, warm = questions, []
     pipe = Pipeline.from_config(cfg, kinds=kinds)
-    notes = [f"# ralmspec bench: {len(timed)} questions, corpus {cfg.corpus} ({len(pipe.corpus)} passages), "
-             f"generator {cfg.generator.model}, k={cfg.request.generation_stride}, "
-             f"max_new_tokens={cfg.request.max_new_tokens}"]
-    if "edr" in kinds and cfg.retriever.pad_to:
-        notes.append(f"Note: the EDR flat index is padded to {cfg.retriever.pad_to:,} rows with random "
-                     f"vectors that never outrank a real passage, to emulate Wikipedia-scale search cost; "
-                     f"results are unchanged.")
+    notes = run_notes("bench", len(timed), cfg, kinds, f"{cfg.corpus} ({len(pipe.corpus)} passages)")
     all_rows, all_req = [], []
     t0 = time.perf_counter()
     for kind in kinds:

@@ -555,13 +555,8 @@ def eval_main(args: argparse.Namespace) -> int:
                     report = run_items(store, job_id, run_id, items, backend, progress=progress)
                 finally:
                     backend.close()
-            notes = [f"# ralmspec eval: {len(questions)} questions from {qpath}, corpus {cfg.corpus}, "
-                     f"generator {cfg.generator.model}, k={cfg.request.generation_stride}, "
-                     f"max_new_tokens={cfg.request.max_new_tokens}"]
-            if "edr" in kinds and cfg.retriever.pad_to:
-                notes.append(f"Note: the EDR flat index is padded to {cfg.retriever.pad_to:,} rows with random "
-                             f"vectors that never outrank a real passage, to emulate Wikipedia-scale search "
-                             f"cost; results are unchanged.")
+            from cluster.bench import run_notes
+            notes = run_notes("eval", len(questions), cfg, kinds, f"{cfg.corpus} (questions from {qpath})")
             res = write_outputs(out, job_id, store, items, configs, kinds, notes)
         except StateStoreError as e:
             print(f"error: {e}", file=sys.stderr)
