@@ -34,6 +34,8 @@ def _base_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="generator: local path or Hugging Face name")
     p.add_argument("--encoder", help="dense encoder: local:all-MiniLM-L6-v2, a path or a HF name")
     p.add_argument("--pad-to", type=int, help="pad the EDR flat index to N rows (cost emulation; results unchanged)")
+    p.add_argument("--dense-scan", choices=["auto", "faiss", "bf16"],
+                   help="EDR candidate scan: bf16 (bounded, exact after re-scoring), faiss, or auto")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -50,6 +52,8 @@ def load_config(args: argparse.Namespace) -> RalmConfig:
         data["retriever"]["encoder"] = args.encoder
     if getattr(args, "pad_to", None) is not None:
         data["retriever"]["pad_to"] = args.pad_to
+    if getattr(args, "dense_scan", None) is not None:
+        data["retriever"]["dense_scan"] = args.dense_scan
     if getattr(args, "max_new_tokens", None):
         data["request"]["max_new_tokens"] = args.max_new_tokens
     return RalmConfig.model_validate(data)

@@ -30,6 +30,7 @@ class RetrieverConfig(_Strict):
     bm25_b: float = Field(C.BM25_B, ge=0, le=1, description="BM25 b (sr).")
     pad_to: int = Field(0, ge=0, description="edr only: pad the flat index with random vectors up to this many rows to emulate Wikipedia-scale search cost (results unchanged; reported wherever used).")
     rerank_margin: int = Field(C.RERANK_MARGIN, ge=1, description="Extra candidates fetched before exact float64 re-scoring.")
+    dense_scan: Literal["auto", "faiss", "bf16"] = Field("auto", description="edr only: candidate scan of the flat index. 'bf16': a bfloat16 copy scanned with torch (one pass per verification batch, cost nearly flat in the batch size) and a proven error bound, so the exact re-scoring still returns exactly the float64 top-k; 'faiss': FAISS's float32 kernels; 'auto': bf16 when the CPU has bf16 instructions (AMX/AVX512-BF16) and the kernel passes its accumulation probe. Never changes results.")
     faiss_threads: int = Field(C.FAISS_THREADS, ge=0, description="OpenMP threads FAISS may use (process-wide; 0 keeps FAISS's default of one per core). 1 avoids oversubscription when generation and asynchronous verification share the cores.")
 
 
@@ -74,18 +75,30 @@ class RequestConfig(_Strict):
     # ---- generation-side acceleration (DESIGN.md: IDR2, DReSD); exact unless stated ----
     num_docs: int = Field(C.NUM_DOCS, ge=1, le=8, description="Documents per prompt: [doc1]..[docn][context] with the KB's top-n in rank order. Their KV is reused through the doc-KV prefix tree (longest cached prefix of the document sequence); exact.")
     drafting: Literal["none", "ngram", "dense"] = Field("none", description="Draft tokens inside a step and verify them in one forward pass: 'ngram' (IGPG: copy from the documents/question), 'dense' (DReSD: hidden-state datastore attached to the engine). Same greedy tokens as 'none' up to float32 near-ties (a multi-token forward rounds differently).")
-    ngram_n: int = Field(C.NGRAM_N, ge=1, description="n-gram drafting: match the last N tokens of the context.")
-    ngram_min_n: int = Field(C.NGRAM_MIN_N, ge=1, description="n-gram drafting: back off to matches down to this length.")
-    ngram_m: int = Field(C.NGRAM_M, ge=1, description="n-gram drafting: tokens proposed per draft.")
-    dense_num_drafts: int = Field(C.DENSE_NUM_DRAFTS, ge=1, description="dense drafting: drafts verified together in one batched forward pass.")
-    dense_draft_len: int = Field(C.DENSE_DRAFT_LEN, ge=1, description="dense drafting: tokens per draft.")
-    dense_candidates: int = Field(C.DENSE_CANDIDATES, ge=1, description="dense drafting: datastore neighbours fetched before keeping those whose first token is the model's next token.")
+    ngram_n: int = Field(C.NGRAM_N, ge=1, le=64, description="n-gram drafting: match the last N tokens of the context.")
+    ngram_min_n: int = Field(C.NGRAM_MIN_N, ge=1, le=64, description="n-gram drafting: back off to matches down to this length.")
+    ngram_m: int = Field(C.NGRAM_M, ge=1, le=256, description="n-gram drafting: tokens proposed per draft.")
+    dense_num_drafts: int = Field(C.DENSE_NUM_DRAFTS, ge=1, le=32, description="dense drafting: drafts verified together in one batched forward pass.")
+    dense_draft_len: int = Field(C.DENSE_DRAFT_LEN, ge=1, le=256, description="dense drafting: tokens per draft.")
+    dense_candidates: int = Field(C.DENSE_CANDIDATES, ge=1, le=1024, description="dense drafting: datastore neighbours fetched before keeping those whose first token is the model's next token.")
     workload: Literal["fixed", "flare", "iter_retgen"] = Field("fixed", description="Retrieval trigger/query: 'fixed' (every generation_stride tokens, query = last query_window tokens), 'flare' (a step ends before the first low-confidence token, then re-retrieve; generation_stride caps a step), 'iter_retgen' (iter_retgen_iterations iterations; query = question + the previous iteration's whole generation). All exact under RaLMSpec.")
     flare_threshold: float = Field(C.FLARE_THRESHOLD, gt=0, lt=1, description="FLARE: a token whose greedy probability is below this ends the step (it is regenerated after a new retrieval).")
-    iter_retgen_iterations: int = Field(C.ITER_RETGEN_ITERATIONS, ge=1, description="Iter-RetGen: number of iterations; each generates ceil(max_new_tokens / iterations) tokens.")
+    iter_retgen_iterations: int = Field(C.ITER_RETGEN_ITERATIONS, ge=1, le=1024, description="Iter-RetGen: number of iterations; each generates ceil(max_new_tokens / iterations) tokens.")
     idgr: bool = Field(False, description="IDGR instruction block (IDR2) listing related and unrelated doc ids and their relevance rank before the context. CHANGES OUTPUTS (a different prompt); off by default.")
-    idgr_unrelated: int = Field(C.IDGR_UNRELATED, ge=0, description="IDGR: lower-ranked retrieved doc ids listed as unrelated.")
+    idgr_unrelated: int = Field(C.IDGR_UNRELATED, ge=0, le=64, description="IDGR: lower-ranked retrieved doc ids listed as unrelated.")
     allow_inexact_shifted_reuse: bool = Field(False, description="IDR2 position-shifted doc-KV reuse: reuse a document's stand-alone KV at a later position in a multi-document prompt without recomputation. INEXACT: CHANGES OUTPUTS; off by default.")
+
+    @property
+    def inexact_options(self) -> list[str]:
+        """The options on that make the output differ from plain RaLMSeq's (IDGR: another prompt;
+        shifted reuse: approximate KV). Empty: the request is exact."""
+        return [name for name in ("idgr", "allow_inexact_shifted_reuse") if getattr(self, name)]
+
+    @property
+    def exact(self) -> bool:
+        """True when the output is, by construction, the plain RaLMSeq output of this request
+        (drafting included: it changes how a step computes, not what it means)."""
+        return not self.inexact_options
 
 
 class KnnLMConfig(_Strict):

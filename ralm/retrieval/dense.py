@@ -159,11 +159,15 @@ class DenseRetriever:
     def __init__(self, kind: str, encoder: Any, vectors: np.ndarray, index: Any = None, *,
                  hnsw_m: int = C.HNSW_M, ef_construction: int = C.HNSW_EF_CONSTRUCTION,
                  ef_search: int = C.HNSW_EF_SEARCH, pad_to: int = 0,
-                 rerank_margin: int = C.RERANK_MARGIN, faiss_threads: int = C.FAISS_THREADS):
+                 rerank_margin: int = C.RERANK_MARGIN, faiss_threads: int = C.FAISS_THREADS,
+                 dense_scan: str = "auto"):
         import faiss
+        from ralm.retrieval import bf16_scan
 
         if kind not in ("edr", "adr"):
             raise ValueError(f"not a dense retriever kind: {kind!r}")
+        if dense_scan not in ("auto", "faiss", "bf16"):
+            raise ValueError(f"dense_scan must be 'auto', 'faiss' or 'bf16', not {dense_scan!r}")
         self.name = kind
         self.kind = kind
         self.scorer = DenseScorer(encoder, vectors)
@@ -177,7 +181,17 @@ class DenseRetriever:
             raise ValueError(f"FAISS index has {index.ntotal} rows of dim {index.d}, "
                              f"vectors are {self.n_docs} x {self.scorer.dim}")
         self.padded_rows = 0
-        if kind == "adr":
+        self.scan = None
+        if kind == "edr" and bf16_scan.available(dense_scan):
+            extra = max(0, int(pad_to) - self.n_docs) if pad_to else 0
+            self.scan = bf16_scan.Bf16Scan(self.scorer.vectors, _pad_rows(extra, self.scorer.dim),
+                                           pad_rows=extra)
+            if extra:
+                self.padded_rows = int(pad_to)
+                log.warning("EDR bf16 scan padded to %d rows to emulate a larger knowledge base "
+                            "(%d real passages + %d random vectors of norm %g; results unchanged)",
+                            pad_to, self.n_docs, extra, C.PAD_VECTOR_NORM)
+        elif kind == "adr":
             faiss.downcast_index(index).hnsw.efSearch = int(ef_search)
             self.ef_search = int(ef_search)
             if pad_to:
@@ -191,7 +205,8 @@ class DenseRetriever:
                         "(%d real passages + %d random vectors of norm %g; results unchanged)",
                         pad_to, self.n_docs, extra, C.PAD_VECTOR_NORM)
         self.index = index
-        self.n_rows = int(index.ntotal)
+        self.n_rows = self.scan.n_rows if self.scan is not None else int(index.ntotal)
+        self.dense_scan = "bf16" if self.scan is not None else "faiss"
         self.stats = {"searches": 0, "expansions": 0}
 
     def __repr__(self) -> str:
@@ -258,6 +273,13 @@ class DenseRetriever:
         if k <= 0 or len(query_reps) == 0:
             return [[] for _ in query_reps]
         Q = np.stack([np.asarray(q, dtype=np.float32) for q in query_reps])
+        if self.scan is not None:
+            # one bf16 pass for the whole batch; its candidate sets provably contain the
+            # exact top-k, which the float64 re-scoring then ranks (see bf16_scan)
+            cands = self.scan.candidates(Q, k)
+            self.stats["searches"] += len(query_reps)
+            self.stats["candidates"] = self.stats.get("candidates", 0) + int(sum(c.size for c in cands))
+            return [rank_hits(ids, self.scorer.score_ids(Q[i], ids), k) for i, ids in enumerate(cands)]
         n_first = min(k + self.rerank_margin, self.n_rows)
         D, I = self._faiss_search(Q, n_first)
         self.stats["searches"] += len(query_reps)

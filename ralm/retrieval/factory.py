@@ -85,7 +85,7 @@ def load_retriever(cfg: RetrieverConfig, corpus: Corpus, index_dir: str | Path |
         return DenseRetriever(kind, enc, vectors, index, hnsw_m=cfg.hnsw_m,
                               ef_construction=cfg.hnsw_ef_construction, ef_search=cfg.hnsw_ef_search,
                               pad_to=cfg.pad_to if kind == "edr" else 0, rerank_margin=cfg.rerank_margin,
-                              faiss_threads=cfg.faiss_threads)
+                              faiss_threads=cfg.faiss_threads, dense_scan=cfg.dense_scan)
 
     from ralm.retrieval.bm25 import SparseRetriever
 

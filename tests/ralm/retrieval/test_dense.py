@@ -103,8 +103,8 @@ def test_dense_scores_do_not_depend_on_layout():
     np.testing.assert_allclose(dense_scores(V[:, :7], q[:7]), V[:, :7].astype(np.float64) @ q[:7], atol=1e-12)
 
 
-@pytest.mark.parametrize("kind", DENSE)
-def test_ties_break_by_doc_id_with_boundary_expansion(kind):
+@pytest.mark.parametrize("kind,scan", [("edr", "faiss"), ("edr", "bf16"), ("adr", "auto")])
+def test_ties_break_by_doc_id_with_boundary_expansion(kind, scan):
     """A group of 40 identical vectors straddles the top-k boundary: the candidate set must
     grow until the lowest ids of the group are in, whatever FAISS returns first."""
     rng = np.random.default_rng(7)
@@ -117,14 +117,17 @@ def test_ties_break_by_doc_id_with_boundary_expansion(kind):
     q = (dup + 0.05 * rng.standard_normal(dim)).astype(np.float32)
     q /= np.linalg.norm(q)
     r = DenseRetriever(kind, StubEncoder([q]), V, hnsw_m=16, ef_construction=200, ef_search=400,
-                       rerank_margin=2)
+                       rerank_margin=2, dense_scan=scan)
     hits = r.search("q0", 10)
     exact = dense_scores(V, q)
     assert hits == rank_hits(np.arange(400), exact, 10)
     group = sorted([0, *tied])
     assert [d for d, _ in hits] == group[:10]          # the whole top-10 is tied: lowest ids win
     assert len({s for _, s in hits}) == 1
-    assert r.stats["expansions"] >= 1
+    if scan == "bf16":      # the bounded scan takes every row the bound cannot exclude
+        assert r.stats["candidates"] >= 41
+    else:
+        assert r.stats["expansions"] >= 1
 
 
 def test_k_larger_than_corpus_returns_everything(retrievers, fixture_corpus):
@@ -138,7 +141,7 @@ def test_k_larger_than_corpus_returns_everything(retrievers, fixture_corpus):
 def test_padding_gives_identical_results(retrievers, index_dirs, dense_encoder, retriever_configs,
                                          fixture_corpus, sample_queries, caplog):
     edr = retrievers["edr"]
-    cfg = retriever_configs["edr"].model_copy(update={"pad_to": 20000})
+    cfg = retriever_configs["edr"].model_copy(update={"pad_to": 20000, "dense_scan": "faiss"})
     with caplog.at_level(logging.WARNING):
         padded = load_retriever(cfg, fixture_corpus, index_dirs["edr"], encoder=dense_encoder)
     assert padded.padded_rows == 20000 and padded.index.ntotal == 20000
@@ -162,9 +165,10 @@ def test_padding_rows_dropped_even_when_they_outrank_real_ones():
     V /= np.linalg.norm(V, axis=1, keepdims=True)
     q = -V.mean(axis=0)
     q = (q / np.linalg.norm(q)).astype(np.float32)
-    plain = DenseRetriever("edr", StubEncoder([q]), V, rerank_margin=1)
-    padded = DenseRetriever("edr", StubEncoder([q]), V, pad_to=5000, rerank_margin=1)
-    assert padded.search("q0", 30) == plain.search("q0", 30) == rank_hits(np.arange(30), dense_scores(V, q), 30)
+    for scan in ("faiss", "bf16"):
+        plain = DenseRetriever("edr", StubEncoder([q]), V, rerank_margin=1, dense_scan=scan)
+        padded = DenseRetriever("edr", StubEncoder([q]), V, pad_to=5000, rerank_margin=1, dense_scan=scan)
+        assert padded.search("q0", 30) == plain.search("q0", 30) == rank_hits(np.arange(30), dense_scores(V, q), 30)
 
 
 def test_adr_with_k_beyond_what_hnsw_returns():
