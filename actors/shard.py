@@ -208,7 +208,8 @@ class RetrievalShard:
                                  f"expected {self.n_docs}; delete {d.parent} to rebuild the shards")
             pad = -(-rcfg.pad_to // spec.n_shards) if (self.kind == "edr" and rcfg.pad_to) else 0
             self.local = DenseRetriever(self.kind, None, vectors, index, ef_search=rcfg.hnsw_ef_search,
-                                        pad_to=pad, rerank_margin=rcfg.rerank_margin)
+                                        pad_to=pad, rerank_margin=rcfg.rerank_margin,
+                                        faiss_threads=rcfg.faiss_threads, dense_scan=rcfg.dense_scan)
         else:
             from ralm.retrieval.bm25 import SparseRetriever
             from ralm.retrieval.index_build import LUCENE_SUBDIR
