@@ -1,7 +1,12 @@
 """Coordinator actor: runs one request at a time with the core loops, over Ray.
 
 A coordinator is a thin shell around :func:`ralm.seq.run_seq` and
-:func:`ralm.spec.run_spec` (called as they are, not copied). It gives them:
+:func:`ralm.spec.run_spec` (called as they are, not copied, with the request's
+:class:`~ralm.config.RequestConfig`: every generation-side mode - drafting, several
+documents, FLARE, Iter-RetGen, IDGR - reaches the generator as the step's options).
+KNN-LM requests (``knnlm-seq``/``knnlm-spec``) are a token-level loop that needs the model's
+hidden states, so they are handed to the generator deployment, which runs
+:mod:`ralm.knnlm`'s loops next to the model. For the document-level loops it gives:
 
 - a :class:`RemoteGenerator` (the :class:`~ralm.generator.Generator` protocol): tokenising
   and decoding happen locally with the generator's own tokenizer (fetched once), and
@@ -36,6 +41,9 @@ from ralm.retrieval.base import Hit
 
 log = logging.getLogger(__name__)
 
+KNN_METHODS = ("knnlm-seq", "knnlm-spec")
+METHODS = ("seq", "spec") + KNN_METHODS
+
 
 def _get(ref_or_response, timeout: float | None = None):
     """Value of an ObjectRef or a Serve DeploymentResponse (blocking)."""
@@ -62,8 +70,13 @@ class RemoteGenerator:
     def decode(self, tokens: Sequence[int]) -> str:
         return LMEngine.decode(self, tokens)
 
-    def step(self, doc_id: int | None, context: Sequence[int], k: int, ignore_eos: bool = False) -> StepOutput:
+    def step(self, doc_id: Any, context: Sequence[int], k: int, ignore_eos: bool = False,
+             options: Any = None) -> StepOutput:
+        """``f`` on the generator deployment; ``doc_id`` may be a tuple of ranked ids and
+        ``options`` a :class:`ralm.drafting.StepOptions` (drafting, FLARE, several documents)."""
         self.calls += 1
+        if options is not None:
+            return _get(self.handle.step.remote(doc_id, list(context), int(k), bool(ignore_eos), options))
         if ignore_eos:
             return _get(self.handle.step.remote(doc_id, list(context), int(k), True))
         return _get(self.handle.step.remote(doc_id, list(context), int(k)))
@@ -219,8 +232,8 @@ class Coordinator:
     def _configs(self, request: dict) -> tuple[str, str, RequestConfig, SpecConfig]:
         kind = request.get("retriever") or next(iter(self.verifiers))
         method = request.get("method", "spec")
-        if method not in ("seq", "spec"):
-            raise RalmInputError(f"unknown method {method!r}: use 'seq' or 'spec'")
+        if method not in METHODS:
+            raise RalmInputError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
         req = self.request_defaults.model_copy(update=request.get("request") or {})
         req = RequestConfig.model_validate(req.model_dump())
         spec = self.spec_defaults.model_copy(update=request.get("spec") or {})
@@ -276,6 +289,8 @@ class Coordinator:
         from ralm.spec import run_spec
 
         kind, method, req, spec = self._configs(request)
+        if method in KNN_METHODS:
+            return self._run_knn(request, method, req, spec, on_commit)
         gen, kb = self._generator(), self._kb(kind)
         rid = request.get("request_id")
         resume = on_verified = None
@@ -307,6 +322,23 @@ class Coordinator:
         finally:
             for c in self._caches.values():
                 c.clear()
+            self.busy = False
+            self.served += 1
+
+    def _run_knn(self, request: dict, method: str, req: RequestConfig, spec: SpecConfig, on_commit=None) -> RalmResult:
+        """A KNN-LM request: the token-level loop runs in a generator replica, next to the model
+        and the token datastore (:class:`deployments.modes.KnnServer`); not checkpointed."""
+        from actors.metrics import record_request
+
+        self.busy = True
+        try:
+            res = _get(self.generator_handle.knn_generate.remote(
+                request["question"], method, request.get("knn") or {}, req.model_dump(), spec.model_dump()))
+            if on_commit is not None and res.tokens:
+                on_commit(list(res.tokens))
+            record_request(res.stats)
+            return res
+        finally:
             self.busy = False
             self.served += 1
 

@@ -6,7 +6,9 @@ same ``n`` questions through HTTP (``POST /v1/ralm/generate``) with that many re
 flight and reports throughput (requests/s, tokens/s) and p50/p95 latency, plus the
 verifier's batching (queries per KB search). Every answer is compared token by token
 with the server's RaLMSeq answer for the same question; a difference makes the command
-exit non-zero.
+exit non-zero. ``--options`` adds request fields to every request (a generation-side
+mode: drafting, several documents, FLARE, ...); rows then also report tokens per forward
+pass, drafting acceptance and the doc-KV hit rate.
 
 Runs against a server (``--url``) or starts the app of ``serve_config.yaml`` in-process.
 Switching batching needs the admin API (``ingress.admin: true``, always on for the
@@ -43,6 +45,11 @@ def add_served_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batching", default="on,off", help="cross-request batching settings to measure: on,off")
     p.add_argument("--window-ms", type=float, help="verifier batching window (default: the server's)")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--options", type=_options, default=None,
+                   help="JSON object of extra request fields sent with every request (the RaLMSeq reference "
+                        "included), to measure a generation-side mode, e.g. '{\"drafting\": \"ngram\", "
+                        "\"num_docs\": 2}' (any option of POST /v1/ralm/generate but question, retriever, "
+                        "method, spec and max_new_tokens)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up (0: none); it runs at the highest concurrency")
     p.add_argument("--timeout", type=float, default=900.0, help="HTTP timeout per request (s)")
     p.add_argument("--out", type=Path, default=Path("bench-out/served"), help="output directory")
@@ -57,6 +64,38 @@ def percentile(values: list[float], p: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+RESERVED = ("question", "retriever", "method", "spec", "max_new_tokens")
+
+
+def _options(text: str) -> dict:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"--options is not valid JSON: {e.msg}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError("--options must be a JSON object")
+    bad = sorted(set(obj) & set(RESERVED))
+    if bad:
+        raise argparse.ArgumentTypeError(f"--options may not set {', '.join(bad)} (the benchmark sets them)")
+    return obj
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def mode_stats(outs: list[dict]) -> dict:
+    """Generation-side statistics of a row's answers (pooled over the requests)."""
+    st = [o["stats"] for o in outs]
+    g = lambda name: sum(s.get(name, 0) or 0 for s in st)  # noqa: E731
+    return {"tokens_per_forward": _ratio(g("generated_tokens"), g("forward_passes")),
+            "acceptance_rate": _ratio(g("accepted_tokens"), g("drafted_tokens")),
+            "accepted_per_verify_pass": _ratio(g("accepted_tokens"), g("draft_rounds")),
+            "doc_kv_hit_rate": _ratio(g("doc_kv_docs_reused"), g("doc_kv_docs_reused") + g("doc_kv_misses")),
+            "doc_kv_bytes_reused_per_request": g("doc_kv_bytes_reused") / len(st) if st else 0.0,
+            "exact": all(o.get("exact", True) for o in outs)}
 
 
 def _parse_methods(spec: str) -> list[tuple[str, str | None]]:
@@ -124,8 +163,12 @@ def _measure(client: Client, bodies: list[dict], concurrency: int) -> tuple[list
 
 def run_served_bench(client: Client, questions: list[str], kinds: list[str], methods: list[tuple[str, str | None]],
                      levels: list[int], batching: list[bool], max_new: int, warmup: int,
-                     window_ms: float | None = None, progress: bool = True) -> tuple[list[dict], list[str]]:
+                     window_ms: float | None = None, progress: bool = True,
+                     options: dict | None = None) -> tuple[list[dict], list[str]]:
     notes: list[str] = []
+    extra = dict(options or {})
+    if extra:
+        notes.append(f"every request (the RaLMSeq reference too) carried the options {json.dumps(extra, sort_keys=True)}")
     can_switch = client.admin({}) is not None
     if not can_switch:
         notes.append("the server's admin API is off: batching was measured at its current setting only")
@@ -137,11 +180,12 @@ def run_served_bench(client: Client, questions: list[str], kinds: list[str], met
     for kind in kinds:
         if warmup:      # untimed; at the highest concurrency, so the coordinator pool has grown
             wq = (questions * max(levels))[:max(warmup, max(levels))]
-            _measure(client, [{"question": q, "retriever": kind, "method": "seq", "max_new_tokens": max_new}
-                              for q in wq], max(levels))
+            _measure(client, [{"question": q, "retriever": kind, "method": "seq", "max_new_tokens": max_new,
+                               **extra} for q in wq], max(levels))
         ref: dict[str, list[int]] = {}
         for q in questions:        # RaLMSeq reference answers (untimed)
-            out, _ = client.generate({"question": q, "retriever": kind, "method": "seq", "max_new_tokens": max_new})
+            out, _ = client.generate({"question": q, "retriever": kind, "method": "seq", "max_new_tokens": max_new,
+                                      **extra})
             ref[q] = out["tokens"]
         for b in batching:
             if can_switch:
@@ -149,7 +193,7 @@ def run_served_bench(client: Client, questions: list[str], kinds: list[str], met
             for method, spec in methods:
                 for c in levels:
                     bodies = [{"question": q, "retriever": kind, "method": method, "max_new_tokens": max_new,
-                               **({"spec": spec} if spec else {})} for q in questions]
+                               **({"spec": spec} if spec else {}), **extra} for q in questions]
                     if can_switch:
                         client.admin({"reset_stats": True})
                     outs, lats, wall = _measure(client, bodies, c)
@@ -166,6 +210,7 @@ def run_served_bench(client: Client, questions: list[str], kinds: list[str], met
                         "kb_searches": vst.get("searches"),
                         "queries_per_search": (vst["searched_queries"] / vst["searches"]) if vst.get("searches") else None,
                         "requests_per_batch": vst.get("mean_submissions_per_batch"),
+                        "options": extra, **mode_stats(outs),
                     }
                     rows.append(row)
                     if progress:
@@ -187,15 +232,19 @@ def to_markdown(rows: list[dict], meta: dict, notes: list[str]) -> str:
              ""]
     lines += [f"> {n}" for n in notes] + ([""] if notes else [])
     lines.append("| retriever | method | batching | concurrency | req/s | tokens/s | p50 (s) | p95 (s) | "
-                 "mean (s) | q/search | req/batch | identical |")
-    lines.append("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                 "mean (s) | q/search | req/batch | tok/fwd | accept | doc-KV hit | identical |")
+    lines.append("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def f2(v):
+        return f"{v:.2f}" if v is not None else "-"
     for r in rows:
         name = "RaLMSeq" if r["method"] == "seq" else "RaLMSpec " + r["method"][5:-1]
         qps = f"{r['queries_per_search']:.2f}" if r["queries_per_search"] else "-"
         rpb = f"{r['requests_per_batch']:.2f}" if r["requests_per_batch"] else "-"
         lines.append(f"| {r['retriever']} | {name} | {'on' if r['batching'] else 'off'} | {r['concurrency']} | "
                      f"{r['throughput_rps']:.2f} | {r['tokens_per_s']:.1f} | {r['p50_s']:.2f} | {r['p95_s']:.2f} | "
-                     f"{r['mean_s']:.2f} | {qps} | {rpb} | {r['identical']}/{r['requests']} |")
+                     f"{r['mean_s']:.2f} | {qps} | {rpb} | {f2(r.get('tokens_per_forward'))} | "
+                     f"{f2(r.get('acceptance_rate'))} | {f2(r.get('doc_kv_hit_rate'))} | {r['identical']}/{r['requests']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -228,7 +277,8 @@ def served_bench_main(args: argparse.Namespace) -> int:
     try:
         model = client.http.get("/v1/models").json()["data"][0]["id"]
         rows, notes = run_served_bench(client, questions, kinds, methods, levels, batching,
-                                       args.max_new_tokens, args.warmup, args.window_ms)
+                                       args.max_new_tokens, args.warmup, args.window_ms,
+                                       options=getattr(args, "options", None))
         if started_here and args.pad_to:
             notes.append(f"the EDR index was padded to {args.pad_to} rows with random vectors of norm "
                          f"1e-3 (search cost of a Wikipedia-scale KB; results unchanged)")
@@ -238,6 +288,7 @@ def served_bench_main(args: argparse.Namespace) -> int:
             serve.shutdown()
     meta = {"url": url, "model": model, "requests": len(questions), "max_new_tokens": args.max_new_tokens,
             "concurrency": levels, "retrievers": kinds, "methods": [m for m, _ in methods],
+            "options": getattr(args, "options", None) or {},
             "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

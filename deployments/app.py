@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cache.state.config import StateStoreConfig
 from deployments.generator import PRESETS, GeneratorDeploymentOptions, preset
+from deployments.modes import DenseDraftingOptions, KnnServeOptions
 from ralm import constants as C
 from ralm.config import GeneratorConfig, RalmConfig, RetrieverKind
 
@@ -86,7 +87,8 @@ class AppConfig(_Opts):
     ralm: RalmConfig = Field(default_factory=RalmConfig, description="Corpus, work dir, retriever, generator, speculation and request defaults (ralm.config.RalmConfig).")
     retrievers: list[RetrieverKind] = Field(default_factory=lambda: ["edr", "adr", "sr"], min_length=1,
                                             description="Retriever kinds served; the first is the default of a request.")
-    default_method: Literal["seq", "spec"] = Field("spec", description="Method of a request that names none.")
+    default_method: Literal["seq", "spec", "knnlm-seq", "knnlm-spec"] = Field(
+        "spec", description="Method of a request that names none (knnlm-*: needs knnlm.enabled).")
     generator_preset: Optional[Literal["cpu", "gpu", "llama2-70b-4gpu"]] = Field(
         None, description="Generator preset; fills generator settings not given explicitly (see deployments.generator.preset).")
     generator_deployment: GeneratorDeploymentOptions = Field(default_factory=GeneratorDeploymentOptions,
@@ -98,6 +100,10 @@ class AppConfig(_Opts):
     state: StateOptions = Field(default_factory=StateOptions, description="Request checkpoints and the cross-request "
                                 "verified-KB cache (off unless a store is configured).")
     build_indexes: bool = Field(True, description="Build missing indexes and shards on start (else a missing index is an error).")
+    dense_drafting: DenseDraftingOptions = Field(default_factory=DenseDraftingOptions, description="DReSD datastore "
+                                                 "for requests with drafting='dense' (off unless a datastore is given).")
+    knnlm: KnnServeOptions = Field(default_factory=KnnServeOptions, description="KNN-LM requests (method knnlm-seq / "
+                                   "knnlm-spec), run in the generator replicas over a token datastore (off by default).")
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":
@@ -105,6 +111,10 @@ class AppConfig(_Opts):
             raise ValueError("retrievers lists a kind twice")
         if set(self.state.kb_cache) - set(self.retrievers):
             raise ValueError("state.kb_cache names a retriever that is not served")
+        if self.ralm.request.drafting == "dense" and not self.dense_drafting.enabled:
+            raise ValueError("ralm.request.drafting is 'dense' but no dense_drafting.datastore is configured")
+        if self.default_method in ("knnlm-seq", "knnlm-spec") and not self.knnlm.enabled:
+            raise ValueError(f"default_method is {self.default_method!r} but knnlm.enabled is false")
         return self
 
     def resolved(self) -> "AppConfig":
@@ -135,6 +145,11 @@ class AppConfig(_Opts):
                 "index_dir": _abs(ralm.retriever.index_dir) if ralm.retriever.index_dir else None}),
         })
         upd["ralm"] = ralm
+        if self.dense_drafting.datastore is not None:
+            upd["dense_drafting"] = self.dense_drafting.model_copy(update={"datastore": _abs(self.dense_drafting.datastore)})
+        knn = self.knnlm.config
+        upd["knnlm"] = self.knnlm.model_copy(update={"config": knn.model_copy(update={
+            "datastore_dir": _abs(knn.datastore_dir) if knn.datastore_dir else Path(ralm.work_dir) / "knn-datastore"})})
         return self.model_copy(update=upd)
 
     @property
@@ -166,7 +181,8 @@ def build_app(args: dict | None = None):
     cfg = AppConfig.model_validate(dict(args or {})).resolved()
     gen = generator_deployment(cfg.generator_deployment).bind(
         cfg.ralm.generator.model_dump(mode="json"), str(cfg.ralm.corpus),
-        cfg.generator_deployment.serialize_steps)
+        cfg.generator_deployment.serialize_steps,
+        cfg.dense_drafting.model_dump(mode="json"), cfg.knnlm.model_dump(mode="json"))
     ingress = Ingress.options(
         ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,

@@ -172,7 +172,12 @@ def load_engine(cfg: GeneratorConfig) -> LMEngine:
 class GeneratorServer:
     """Body of the generator deployment (also usable in-process, e.g. in tests)."""
 
-    def __init__(self, generator: dict, corpus: str, serialize_steps: bool = True):
+    def __init__(self, generator: dict, corpus: str, serialize_steps: bool = True,
+                 dense_drafting: Optional[dict] = None, knnlm: Optional[dict] = None):
+        """``dense_drafting`` / ``knnlm``: :class:`deployments.modes.DenseDraftingOptions` /
+        :class:`~deployments.modes.KnnServeOptions` as dicts (None: the mode is off)."""
+        from deployments.modes import knn_server, load_dense_datastore
+
         self._probes, self.gpu_ids = claim_placement_group_gpus()
         self.cfg = GeneratorConfig.model_validate(generator)
         self.engine = load_engine(self.cfg)
@@ -180,12 +185,33 @@ class GeneratorServer:
         self.local = LocalGenerator(self.engine, self.corpus)
         self._lock: Any = threading.Lock() if serialize_steps else contextlib.nullcontext()
         self.steps = 0
+        self.dense = load_dense_datastore(dense_drafting, self.engine, self.corpus)
+        self.knn = knn_server(knnlm, self.engine, self.corpus, self._lock)
 
-    def step(self, doc_id: Optional[int], context: Sequence[int], k: int, ignore_eos: bool = False) -> StepOutput:
-        """``f(doc_id, context, k)`` on this replica's engine."""
+    def step(self, doc_id: Any, context: Sequence[int], k: int, ignore_eos: bool = False,
+             options: Any = None) -> StepOutput:
+        """``f(doc_id, context, k)`` on this replica's engine. ``doc_id``: an id, None, or a tuple of
+        ranked ids (several documents, IDGR); ``options``: :class:`ralm.drafting.StepOptions`
+        (drafting, FLARE, ...; None: the plain step)."""
         with self._lock:
             self.steps += 1
-            return self.local.step(doc_id, list(context), int(k), ignore_eos=bool(ignore_eos))
+            if options is None:
+                return self.local.step(doc_id, list(context), int(k), ignore_eos=bool(ignore_eos))
+            return self.local.step(doc_id, list(context), int(k), ignore_eos=bool(ignore_eos), options=options)
+
+    def knn_generate(self, question: str, method: str, knn: Optional[dict] = None, request: Optional[dict] = None,
+                     spec: Optional[dict] = None):
+        """One KNN-LM request (``method`` knnlm-seq or knnlm-spec) on this replica; a
+        :class:`~ralm.results.RalmResult`. Each forward pass takes the step lock."""
+        from ralm.errors import RalmInputError
+
+        if self.knn is None:
+            raise RalmInputError("knnlm is not enabled on this server (app config: knnlm.enabled)")
+        return self.knn.run(question, method, knn, request, spec)
+
+    def features(self) -> dict:
+        """The optional modes this replica serves."""
+        return {"dense_drafting": self.dense is not None, "knnlm": self.knn is not None}
 
     def tokenizer(self):
         """The engine's tokenizer (coordinators tokenise and decode locally with it)."""
@@ -200,6 +226,8 @@ class GeneratorServer:
             "max_prompt_tokens": self.cfg.max_prompt_tokens, "max_new_tokens": self.cfg.max_new_tokens,
             "corpus_size": len(self.corpus), "corpus_sha256": self.corpus.sha256, "steps": self.steps,
             "doc_kv": self.engine.doc_kv.stats.as_dict() if hasattr(self.engine.doc_kv, "stats") else None,
+            "features": self.features(), "dense_drafting": self.dense,
+            "knnlm": self.knn.info() if self.knn is not None else None,
             "pid": os.getpid(),
         }
 

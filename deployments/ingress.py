@@ -4,13 +4,18 @@ Endpoints:
 
 - ``POST /v1/completions`` - OpenAI-compatible completions (``prompt``, ``max_tokens``,
   ``stream`` with server-sent events, ``echo``). Retrieval options are extra fields:
-  ``retriever`` (edr|adr|sr), ``method`` (seq|spec), ``spec`` (a configuration name such
-  as ``"PSA"``/``"base"``, or an object of :class:`~ralm.config.SpecConfig` fields),
-  ``stride``, ``prefetch_size``, ``generation_stride``, ``query_window``. The response
-  carries the request's statistics under ``ralm``.
-- ``GET /v1/models`` - the served model.
+  ``retriever`` (edr|adr|sr), ``method`` (seq|spec|knnlm-seq|knnlm-spec), ``spec`` (a
+  configuration name such as ``"PSA"``/``"base"``, or an object of
+  :class:`~ralm.config.SpecConfig` fields), ``stride``, ``prefetch_size``, and the
+  generation-side modes of :class:`~ralm.config.RequestConfig` (``num_docs``, ``drafting``
+  and its ``ngram_*``/``dense_*`` knobs, ``workload`` with ``flare_threshold`` /
+  ``iter_retgen_iterations``, ``idgr``, ``allow_inexact_shifted_reuse``, ...) and ``knn``
+  (KNN-LM options); see :class:`deployments.api.RalmOptions`. The response carries the
+  request's statistics and ``exact`` under ``ralm``.
+- ``GET /v1/models`` - the served model (and the optional modes it serves, ``features``).
 - ``POST /v1/ralm/generate`` - native: ``question`` + the same options, returns text,
-  tokens, finish reason and :meth:`~ralm.results.RequestStats.as_dict`.
+  tokens, finish reason, ``exact`` (false when an inexact option - IDGR, shifted doc-KV
+  reuse - was on) and :meth:`~ralm.results.RequestStats.as_dict`.
 - ``GET /v1/ralm/stats`` - coordinator pool, verifiers (batching) and generator.
 - ``GET /healthz``.
 
@@ -34,19 +39,19 @@ import hmac
 import json
 import logging
 import os
-import re
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from ray import serve
 
+from deployments.api import (ApiError, CompletionRequest, GenerateRequest, RalmOptions, build_job, describe,
+                             error_body, message_of, request_id)
 from deployments.app import AppConfig
-from ralm.config import GeneratorConfig, RequestConfig, SpecConfig
+from ralm.config import GeneratorConfig
 from ralm.errors import ConfigError, RalmInputError
 
 log = logging.getLogger(__name__)
@@ -55,26 +60,8 @@ app = FastAPI(title="ralmspec", version="0.1.0",
               description="Iterative retrieval-augmented LM serving with exact speculative retrieval.")
 
 
-# ------------------------------------------------------------------ errors
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
-
-
-def _error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-                code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def _message(e: BaseException) -> str:
-    """A user-facing message: the original error of a Ray task error, without its traceback."""
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, BaseException) and cause is not e:
-        return _message(cause)
-    text = str(e).strip()
-    return text.splitlines()[-1] if text else type(e).__name__
+# ------------------------------------------------------------------ errors (deployments.api)
+_error_body, _message = error_body, message_of
 
 
 @app.exception_handler(ApiError)
@@ -190,100 +177,13 @@ def _replay(messages: list, receive):
 
 app.add_middleware(GuardMiddleware)
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-
-
-def _request_id(value: Optional[str]) -> str:
-    """The client's ``X-Request-ID`` (it names the request's checkpoint), or a fresh one."""
-    if value is None or value == "":
-        return uuid.uuid4().hex
-    if not _REQUEST_ID.match(value):
-        raise ApiError(400, "X-Request-ID must be 1-128 characters of letters, digits and ._:-", param="X-Request-ID")
-    return value
-
-
-def _is_union_tag(part: str) -> bool:
-    """pydantic puts the union member tried into an error's location (``str``, ``SpecOptions``...)."""
-    return part in ("str", "int", "float", "bool", "dict", "list", "SpecOptions") or "[" in part
-
-
-def _describe(errors: list[dict]) -> tuple[str, str | None]:
-    parts, param = [], None
-    for err in errors[:5]:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_union_tag(str(x))]
-        name = ".".join(loc)
-        param = param or (loc[0] if loc else None)
-        typ = err.get("type", "")
-        if typ == "json_invalid":
-            ctx = err.get("ctx", {}).get("error", "")
-            return f"request body is not valid JSON ({ctx})" if ctx else "request body is not valid JSON", None
-        if typ == "extra_forbidden":
-            parts.append(f"unknown field {name!r}")
-        elif typ == "missing":
-            parts.append(f"field {name!r} is required")
-        else:
-            got = err.get("input")
-            got_s = json.dumps(got)[:60] if isinstance(got, (str, int, float, bool, type(None))) else type(got).__name__
-            parts.append(f"{name or 'body'}: {err.get('msg', 'invalid')} (got {got_s})")
-    return "invalid request: " + "; ".join(parts), param
+_request_id, _describe = request_id, describe
 
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, e: RequestValidationError):
     msg, param = _describe(list(e.errors()))
     return JSONResponse(_error_body(msg, param=param), status_code=400)
-
-
-# ------------------------------------------------------------------ request bodies
-class SpecOptions(BaseModel):
-    """RaLMSpec options (any subset of :class:`~ralm.config.SpecConfig` fields)."""
-
-    model_config = ConfigDict(extra="forbid")
-    prefetch: Optional[StrictBool] = None
-    prefetch_size: Optional[StrictInt] = None
-    adaptive_stride: Optional[StrictBool] = None
-    async_verify: Optional[StrictBool] = None
-    stride: Optional[StrictInt] = None
-    os3_window: Optional[StrictInt] = None
-    gamma_max: Optional[float] = None
-    max_stride: Optional[StrictInt] = None
-
-
-class RalmOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    retriever: Optional[StrictStr] = Field(None, description="edr, adr or sr (default: the server's first).")
-    method: Optional[Literal["seq", "spec"]] = Field(None, description="seq: RaLMSeq; spec: RaLMSpec.")
-    spec: Optional[Union[StrictStr, SpecOptions]] = Field(None, description="'base', any of P/S/A (e.g. 'PSA'), or an object of SpecConfig fields.")
-    stride: Optional[StrictInt] = Field(None, description="Fixed speculation stride s.")
-    prefetch_size: Optional[StrictInt] = Field(None, description="p, documents prefetched per query (with P).")
-    generation_stride: Optional[StrictInt] = Field(None, description="k, tokens generated per retrieval.")
-    query_window: Optional[StrictInt] = Field(None, description="Query = last N tokens.")
-
-
-class CompletionRequest(RalmOptions):
-    model: Optional[StrictStr] = None
-    prompt: Union[StrictStr, list[StrictStr]]
-    max_tokens: Optional[StrictInt] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    n: Optional[StrictInt] = None
-    best_of: Optional[StrictInt] = None
-    stream: StrictBool = False
-    stream_options: Optional[dict] = None
-    logprobs: Optional[StrictInt] = None
-    echo: StrictBool = False
-    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
-    suffix: Optional[StrictStr] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict] = None
-    user: Optional[StrictStr] = None
-    seed: Optional[StrictInt] = None
-
-
-class GenerateRequest(RalmOptions):
-    question: StrictStr
-    max_new_tokens: Optional[StrictInt] = None
 
 
 # ------------------------------------------------------------------ the deployment
@@ -343,6 +243,7 @@ class Ingress:
         info = await generator.info.remote()
         tok = await generator.tokenizer.remote()
         self.gen_info = info
+        self.features = dict(info.get("features") or {})     # optional modes: dense drafting, KNN-LM
         self.codec = RemoteGenerator(None, tok, GeneratorConfig(max_prompt_tokens=info["max_prompt_tokens"],
                                                                 max_new_tokens=info["max_new_tokens"]),
                                      info["eos_token_id"])
@@ -421,45 +322,12 @@ class Ingress:
         except RalmInputError as e:
             raise ApiError(400, f"{param}: {e}", param=param) from None
 
-    def _job(self, question: str, opts: RalmOptions, max_new: int | None, max_param: str,
-             request_id: str | None = None) -> dict:
-        kind = opts.retriever or self.kinds[0]
-        if kind not in self.kinds:
-            raise ApiError(400, f"unknown retriever {kind!r}: this server serves {', '.join(self.kinds)}",
-                           param="retriever")
-        method = opts.method or self.cfg.default_method
-        spec_upd: dict = {}
-        if isinstance(opts.spec, str):
-            try:
-                named = SpecConfig.named(opts.spec)
-            except ValueError as e:
-                raise ApiError(400, str(e), param="spec") from None
-            spec_upd.update(prefetch=named.prefetch, adaptive_stride=named.adaptive_stride,
-                            async_verify=named.async_verify)
-        elif opts.spec is not None:
-            spec_upd.update(opts.spec.model_dump(exclude_none=True))
-        if opts.stride is not None:
-            spec_upd["stride"] = opts.stride
-        if opts.prefetch_size is not None:
-            spec_upd["prefetch_size"] = opts.prefetch_size
-        req_upd: dict = {}
-        if max_new is not None:
-            limit = self.codec.cfg.max_new_tokens
-            if max_new < 1 or max_new > limit:
-                raise ApiError(400, f"{max_param} must be between 1 and {limit}, got {max_new}", param=max_param)
-            req_upd["max_new_tokens"] = max_new
-        if opts.generation_stride is not None:
-            req_upd["generation_stride"] = opts.generation_stride
-        if opts.query_window is not None:
-            req_upd["query_window"] = opts.query_window
-        try:
-            spec = SpecConfig.model_validate({**self.cfg.ralm.spec.model_dump(), **spec_upd})
-            req = RequestConfig.model_validate({**self.cfg.ralm.request.model_dump(), **req_upd})
-        except ValidationError as e:
-            msg, param = _describe([{**err, "loc": tuple(err.get("loc", ()))} for err in e.errors()])
-            raise ApiError(400, msg, param=param) from None
-        return {"question": question, "retriever": kind, "method": method,
-                "spec": spec.model_dump(), "request": req.model_dump(), "request_id": _request_id(request_id)}
+    def _job(self, question: str, opts: RalmOptions, max_new: Optional[int], max_param: str,
+             rid: Optional[str] = None) -> dict:
+        return build_job(opts, question, max_new, max_param, rid, kinds=self.kinds,
+                         default_method=self.cfg.default_method, spec_defaults=self.cfg.ralm.spec,
+                         request_defaults=self.cfg.ralm.request, max_new_limit=self.codec.cfg.max_new_tokens,
+                         features=self.features, knn_defaults=self.cfg.knnlm.config)
 
     @staticmethod
     def _check_greedy(body: CompletionRequest) -> None:
@@ -516,7 +384,7 @@ class Ingress:
     async def models(self):
         return {"object": "list", "data": [{"id": self.model_name, "object": "model",
                                             "created": int(self.started), "owned_by": "ralmspec",
-                                            "retrievers": self.kinds}]}
+                                            "retrievers": self.kinds, "features": self.features}]}
 
     @app.get("/v1/ralm/stats")
     async def stats(self):
@@ -525,7 +393,7 @@ class Ingress:
         return {"requests": self.requests, "errors": self.errors, "pool": self.pool.stats.as_dict(),
                 "verifiers": dict(zip(self.verifiers, vstats)), "generator": ginfo,
                 "shards": {k: {"namespace": "ralmspec", "names": v} for k, v in self.shard_names.items()},
-                "state": self.state_info}
+                "state": self.state_info, "features": self.features}
 
     @app.post("/v1/ralm/admin/verifier")
     async def admin_verifier(self, request: Request):
@@ -579,8 +447,13 @@ class Ingress:
         return {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": res["finish_reason"]}],
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
-                "ralm": {"retriever": job["retriever"], "method": job["method"], "tokens": res["tokens"],
-                         "stats": res["stats"]}}
+                "ralm": self._ralm_block(job, res)}
+
+    @staticmethod
+    def _ralm_block(job: dict, res: dict) -> dict:
+        """The ``ralm`` part of an OpenAI-style response: method, tokens, exactness and statistics."""
+        return {"retriever": job["retriever"], "method": job["method"], "tokens": res["tokens"],
+                "exact": res.get("exact", True), "stats": res["stats"]}
 
     def _chunk(self, cid: str, created: int, text: str, finish: str | None, **extra) -> str:
         obj = {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
@@ -604,8 +477,7 @@ class Ingress:
                     if chunk["delta"]:
                         yield self._chunk(cid, created, chunk["delta"], None)
                     n_out = len(res["tokens"])
-                    extra = {"ralm": {"retriever": job["retriever"], "method": job["method"],
-                                      "tokens": res["tokens"], "stats": res["stats"]}}
+                    extra = {"ralm": self._ralm_block(job, res)}
                     if include_usage:
                         extra["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": n_out,
                                           "total_tokens": n_prompt + n_out}

@@ -41,6 +41,17 @@ class RequestStats:
     prefill_time_s: float = 0.0          # doc KV (misses) + context prefill
     decode_time_s: float = 0.0
     low_confidence_stops: int = 0        # FLARE: steps ended by a low-probability token
+    gen_steps: int = 0                   # generator steps run (committed, speculative, discarded, corrections)
+    num_docs: int = 1                    # documents per prompt
+    exact: bool = True                   # output is, by construction, plain RaLMSeq's (False: an inexact option is on)
+    inexact_options: list[str] = field(default_factory=list)   # the options that made it inexact
+
+    def set_request(self, req) -> "RequestStats":
+        """Record the request's generation-side modes (a :class:`~ralm.config.RequestConfig`)."""
+        self.workload, self.drafting, self.num_docs = req.workload, req.drafting, req.num_docs
+        self.inexact_options = list(req.inexact_options)
+        self.exact = not self.inexact_options
+        return self
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -49,11 +60,24 @@ class RequestStats:
 
     @property
     def tokens_per_forward(self) -> float | None:
+        """Generated tokens per model forward pass (1.0 for plain decoding; > 1 when drafts are accepted)."""
         return self.generated_tokens / self.forward_passes if self.forward_passes else None
+
+    @property
+    def accepted_per_verify_pass(self) -> float | None:
+        """Draft tokens accepted per verifying forward pass (drafting only)."""
+        return self.accepted_tokens / self.draft_rounds if self.draft_rounds else None
+
+    @property
+    def doc_kv_hit_rate(self) -> float | None:
+        """Fraction of prompt documents whose KV came from the doc-KV cache."""
+        n = self.doc_kv_docs_reused + self.doc_kv_misses
+        return self.doc_kv_docs_reused / n if n else None
 
     def record_step(self, out) -> None:
         """Add one step's generation statistics (any StepOutput; missing fields count 0)."""
         g = lambda name: getattr(out, name, 0) or 0  # noqa: E731
+        self.gen_steps += 1
         self.forward_passes += g("forward_passes")
         self.generated_tokens += len(out.tokens)
         self.draft_rounds += g("draft_rounds")
@@ -81,6 +105,8 @@ class RequestStats:
         d["speculation_accuracy"] = self.speculation_accuracy
         d["acceptance_rate"] = self.acceptance_rate
         d["tokens_per_forward"] = self.tokens_per_forward
+        d["accepted_per_verify_pass"] = self.accepted_per_verify_pass
+        d["doc_kv_hit_rate"] = self.doc_kv_hit_rate
         return d
 
 
@@ -114,4 +140,4 @@ class RalmResult:
 
     def as_dict(self) -> dict:
         return {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
-                "stats": self.stats.as_dict()}
+                "exact": self.stats.exact, "stats": self.stats.as_dict()}

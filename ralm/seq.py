@@ -42,8 +42,7 @@ def run_seq(question: str, gen: Generator, kb: Retriever, req: RequestConfig | N
     t_start = time.perf_counter()
     X = gen.encode_question(question)
     n_q = len(X)
-    stats = RequestStats(method="seq", retriever=getattr(kb, "name", ""), workload=req.workload,
-                         drafting=req.drafting)
+    stats = RequestStats(method="seq", retriever=getattr(kb, "name", "")).set_request(req)
     query = make_query_fn(gen, req, n_q)          # workload's query (default: last query_window tokens)
     eos = False
     if resume is not None:

@@ -77,8 +77,7 @@ class _SpecRun:
         self.sched = StrideScheduler(spec)
         name = "".join(c for c, on in (("P", spec.prefetch), ("S", spec.adaptive_stride),
                                          ("A", spec.async_verify)) if on) or "base"
-        self.stats = RequestStats(method=f"spec[{name}]", retriever=getattr(kb, "name", ""),
-                                  workload=req.workload, drafting=req.drafting)
+        self.stats = RequestStats(method=f"spec[{name}]", retriever=getattr(kb, "name", "")).set_request(req)
         if resume is not None:               # start from a verified prefix (steps are deterministic)
             resume.check(req.max_new_tokens)
             self.X = self.X + [int(t) for t in resume.tokens]

@@ -96,6 +96,7 @@ class KnnStepper:
         self.length = 0
         self.h: np.ndarray | None = None
         self.p_lm: np.ndarray | None = None
+        self.forwards = 0                  # model forward passes run (prefill + one per token fed)
 
     @torch.inference_mode()
     def _run(self, ids: list[int]) -> None:
@@ -106,6 +107,7 @@ class KnnStepper:
         out = self.model(input_ids=x, past_key_values=past, use_cache=True, output_hidden_states=True)
         self.past = out.past_key_values
         self.length += len(ids)
+        self.forwards += 1
         self.h = out.hidden_states[-1][0, -1].detach().to("cpu", torch.float32).numpy().copy()
         self.p_lm = lm_probs(out.logits[0, -1])
 
@@ -199,6 +201,7 @@ def run_knn_seq(prompt: str, lm: Any, kb: KnnRetriever, knn: KnnLMConfig | None 
         t0 = time.perf_counter()
         lm_step.feed(y)
         st.gen_time_s += time.perf_counter() - t0
+    st.forward_passes, st.generated_tokens = lm_step.forwards, len(X) - n_q
     return _finish(lm, X, n_q, eos, st, t_start)
 
 
@@ -348,6 +351,8 @@ class _KnnSpecRun:
             self._emit()
         st.gamma = self.sched.gamma
         st.cache_entries = len(self.cache)
+        st.forward_passes = self.step_lm.forwards
+        st.generated_tokens = len(self.X) - self.n_q + st.regenerated_tokens    # rolled-back tokens included
         return _finish(self.lm, self.X, self.n_q, self.eos, st, self.t_start)
 
 

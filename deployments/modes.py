@@ -1,0 +1,218 @@
+"""Server-side support for the per-request generation modes that need state in the generator.
+
+Most modes (n-gram drafting, several documents per prompt, FLARE, Iter-RetGen, IDGR,
+shifted doc-KV reuse) need nothing but the request's :class:`~ralm.config.RequestConfig`:
+the coordinator runs :func:`ralm.seq.run_seq` / :func:`ralm.spec.run_spec` with it and
+each step carries its :class:`~ralm.drafting.StepOptions` to the generator. Two need data
+that lives in every generator replica, and are switched on in the app config:
+
+- **dense drafting** (DReSD) needs a datastore of hidden states
+  (:class:`DenseDraftingOptions`; :func:`load_dense_datastore` attaches it to the engine);
+- **KNN-LM** is a different, token-level loop (:mod:`ralm.knnlm`): it needs the model's
+  hidden state at every token, so a KNN-LM request runs *inside* a generator replica
+  (:class:`KnnServer`, calling :func:`ralm.knnlm.run_knn_seq` / :func:`~ralm.knnlm.run_knn_spec`
+  as they are), with the token datastore loaded there. Its forward passes take the
+  replica's step lock one at a time, so RaLM steps of other requests interleave with it.
+
+A request asking for a mode the server has not enabled gets a 400 from the ingress.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
+from ralm.errors import RalmInputError
+
+log = logging.getLogger(__name__)
+
+KNN_METHODS = ("knnlm-seq", "knnlm-spec")
+# KnnLMConfig fields a request may set (the rest describe the datastore and its index)
+KNN_REQUEST_FIELDS = ("k", "temperature", "lmbda", "spatial_next", "cache_max_entries")
+
+
+class _Opts(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class DenseDraftingOptions(_Opts):
+    datastore: Optional[Path] = Field(
+        None, description="DReSD datastore file (.npz written by ralm.drafting.dense.DenseDatastore.save), loaded "
+        "by every generator replica. None: dense drafting is off and requests with drafting='dense' get 400.")
+    build_passages: int = Field(
+        0, ge=0, description="When the datastore file is missing: build one at replica start from the first N "
+        "corpus passages (teacher-forced hidden states) and save it there. 0: a missing file is a start-up error.")
+
+    @field_validator("datastore")
+    @classmethod
+    def _npz(cls, v: Optional[Path]) -> Optional[Path]:
+        if v is not None and Path(v).suffix != ".npz":
+            raise ValueError("dense_drafting.datastore must be a .npz file")
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        return self.datastore is not None
+
+
+class KnnServeOptions(_Opts):
+    enabled: bool = Field(False, description="Serve KNN-LM requests (method 'knnlm-seq' or 'knnlm-spec'). Off: they get 400.")
+    config: KnnLMConfig = Field(default_factory=KnnLMConfig, description="The token datastore, its index and the "
+                                "request defaults (k, temperature, lmbda, spatial_next); datastore_dir None: "
+                                "<work_dir>/knn-datastore.")
+    build: bool = Field(True, description="Build a missing (or stale) datastore when a generator replica starts "
+                        "(else that is a start-up error).")
+    n_passages: Optional[int] = Field(None, ge=1, description="Corpus passages in a datastore built at start (None: all).")
+
+
+# ------------------------------------------------------------------ dense drafting
+def load_dense_datastore(opts: dict | DenseDraftingOptions | None, engine, corpus) -> dict | None:
+    """Attach the configured DReSD datastore to ``engine`` (building it if allowed); returns
+    a description for ``info()`` (None when dense drafting is off)."""
+    from ralm.drafting.dense import DenseDatastore, build_datastore, collect_corpus
+
+    opts = DenseDraftingOptions.model_validate(opts or {}) if not isinstance(opts, DenseDraftingOptions) else opts
+    if not opts.enabled:
+        return None
+    path = Path(opts.datastore).expanduser()
+    built = False
+    if not path.is_file():
+        if not opts.build_passages:
+            raise RalmInputError(f"dense_drafting.datastore {path} does not exist (set dense_drafting.build_passages "
+                                 f"to build it at start, or build it with ralm.drafting.dense)")
+        n = min(opts.build_passages, len(corpus))
+        log.info("building a dense drafting datastore from %d passages into %s", n, path)
+        keys, values = collect_corpus(engine, (corpus.text(i) for i in range(n)))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.stem}-{uuid.uuid4().hex[:8]}.npz")
+        build_datastore(keys, values).save(tmp)
+        os.replace(tmp, path)                        # atomic: replicas may build at the same time
+        built = True
+    try:
+        store = DenseDatastore.load(path)
+    except Exception as e:
+        raise RalmInputError(f"cannot load the dense drafting datastore {path}: {e}") from None
+    hidden = engine.model.config.hidden_size if hasattr(engine.model.config, "hidden_size") else None
+    if hidden is not None and store.mean is not None and len(store.mean) != hidden:
+        raise RalmInputError(f"dense drafting datastore {path} has {len(store.mean)}-dim keys; "
+                             f"this model's hidden size is {hidden}: rebuild it with this model")
+    engine.attach_dense_datastore(store)
+    return {"datastore": str(path), "entries": len(store), "built": built}
+
+
+# ------------------------------------------------------------------ KNN-LM
+class _LockedModel:
+    """The engine's model with each forward pass under the replica's step lock."""
+
+    def __init__(self, model, lock):
+        self.model, self.lock = model, lock
+        self.config = model.config
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def __call__(self, *args, **kwargs):
+        with self.lock:
+            return self.model(*args, **kwargs)
+
+
+class _KnnLM:
+    """What the KNN-LM loops need of an LM (:class:`~ralm.engine.LMEngine`'s interface), locked."""
+
+    def __init__(self, engine, lock):
+        self.engine = engine
+        self.model = _LockedModel(engine.model, lock)
+        self.tokenizer = engine.tokenizer
+        self.eos_token_id = engine.eos_token_id
+        self.max_positions = engine.max_positions
+
+    def encode_question(self, question: str) -> list[int]:
+        return self.engine.encode_question(question)
+
+    def decode(self, tokens) -> str:
+        return self.engine.decode(tokens)
+
+
+def _load_or_build_knn(opts: KnnServeOptions, engine, corpus):
+    from ralm.knnlm import Datastore, DatastoreError, build_datastore, model_fingerprint
+
+    cfg = opts.config
+    d = Path(cfg.datastore_dir).expanduser()
+    fp = model_fingerprint(engine)
+    want = min(opts.n_passages or len(corpus), len(corpus))
+    try:
+        ds = Datastore.load(d, corpus=corpus, fingerprint=fp)
+        if opts.build and (ds.manifest.get("n_passages") != want
+                           or ds.manifest.get("max_passage_tokens") != min(cfg.max_passage_tokens, engine.max_positions)):
+            raise DatastoreError(f"datastore at {d} has another size than configured")
+        return ds, False
+    except DatastoreError as e:
+        if not opts.build:
+            raise
+        log.info("building the KNN-LM datastore (%s)", e)
+    ds = build_datastore(engine, corpus, n_passages=want, max_passage_tokens=cfg.max_passage_tokens,
+                         hnsw=cfg.index == "hnsw", hnsw_m=cfg.hnsw_m, hnsw_ef_construction=cfg.hnsw_ef_construction,
+                         progress=False)
+    tmp = d.with_name(f".{d.name}-{uuid.uuid4().hex[:8]}")
+    ds.save(tmp)
+    try:
+        if d.exists():
+            shutil.rmtree(d)
+        os.replace(tmp, d)
+    except OSError:                                  # another replica was faster: use ours in memory
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ds, True
+
+
+class KnnServer:
+    """The KNN-LM datastore and retriever of one generator replica; runs KNN-LM requests."""
+
+    def __init__(self, opts: dict | KnnServeOptions, engine, corpus, lock):
+        from ralm.knnlm import load_knn_retriever
+
+        self.opts = KnnServeOptions.model_validate(opts) if not isinstance(opts, KnnServeOptions) else opts
+        if self.opts.config.datastore_dir is None:
+            raise ValueError("knnlm.config.datastore_dir must be resolved before the replica starts")
+        self.ds, self.built = _load_or_build_knn(self.opts, engine, corpus)
+        self.kb = load_knn_retriever(self.ds, self.opts.config)
+        self.lm = _KnnLM(engine, lock)
+        self.requests = 0
+
+    def config_for(self, overrides: dict | None) -> KnnLMConfig:
+        bad = sorted(set(overrides or {}) - set(KNN_REQUEST_FIELDS))
+        if bad:
+            raise RalmInputError(f"knn options {bad} cannot be set per request (only {', '.join(KNN_REQUEST_FIELDS)})")
+        return KnnLMConfig.model_validate({**self.opts.config.model_dump(), **(overrides or {})})
+
+    def run(self, question: str, method: str, knn: dict | None, request: dict | None, spec: dict | None):
+        from ralm.knnlm import run_knn_seq, run_knn_spec
+
+        if method not in KNN_METHODS:
+            raise RalmInputError(f"unknown KNN-LM method {method!r}: use {' or '.join(KNN_METHODS)}")
+        cfg = self.config_for(knn)
+        req = RequestConfig.model_validate(request or {})
+        self.requests += 1
+        if method == "knnlm-seq":
+            return run_knn_seq(question, self.lm, self.kb, cfg, req)
+        return run_knn_spec(question, self.lm, self.kb, cfg, req, SpecConfig.model_validate(spec or {}))
+
+    def info(self) -> dict:
+        return {"entries": len(self.ds), "index": self.kb.name, "datastore": str(self.opts.config.datastore_dir),
+                "built": self.built, "requests": self.requests,
+                "defaults": {k: getattr(self.opts.config, k) for k in KNN_REQUEST_FIELDS}}
+
+
+def knn_server(opts: dict | None, engine, corpus, lock) -> Optional[KnnServer]:
+    """A :class:`KnnServer` when KNN-LM is enabled in ``opts``, else None."""
+    o = KnnServeOptions.model_validate(opts or {})
+    return KnnServer(o, engine, corpus, lock) if o.enabled else None
+
+
+__all__ = ["DenseDraftingOptions", "KnnServeOptions", "KnnServer", "KNN_METHODS", "KNN_REQUEST_FIELDS",
+           "knn_server", "load_dense_datastore"]
