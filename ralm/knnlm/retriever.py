@@ -1,4 +1,17 @@
-"""KB search of the KNN-LM datastore: FAISS candidates + exact float64 re-scoring.
+"""KB search of the KNN-LM datastore: a candidate stage + exact float64 re-scoring.
+
+Flat index, ``scan='bf16'`` (``'auto'`` picks it when the CPU has bf16 instructions and
+torch's bf16 kernel accumulates in float32, :func:`ralm.retrieval.bf16_scan.available`):
+a bfloat16 copy of the keys (and of the padding rows, generated straight into it - no
+float32 copy of the padding) is scanned once per batch by
+:class:`~ralm.retrieval.bf16_scan.Bf16Scan` (metric 'l2'), whose candidate set per query
+provably contains the exact top-k (its error bound uses each row's own norm; the
+keys are hidden states, norms about 13-17 for the demo model, not unit vectors). The
+candidates are then narrowed with float32 direct-form distances and a proven relative
+error bound (:func:`narrow_candidates`) and the survivors re-scored with the exact
+distance. A batch of s queries costs about one pass over the rows, so verification is
+nearly flat in s. The rest of this docstring is the FAISS path (``scan='faiss'``, or
+no bf16 kernel), which is also the candidate stage of HNSW.
 
 The same approach as :mod:`ralm.retrieval.rerank`: FAISS (IndexFlatL2 or HNSW, L2)
 proposes ``k + margin`` candidates, they are re-scored with the exact distance
@@ -35,6 +48,40 @@ from ralm.knnlm.metric import Hit, l2_distances, rank_by_distance, tolerance
 
 log = logging.getLogger(__name__)
 _GEMM_BLOCK = 1 << 16
+SCANS = ("auto", "faiss", "bf16")
+_F32_U = 2.0 ** -24
+
+
+def narrow_candidates(keys: np.ndarray, ids: np.ndarray, q: np.ndarray, k: int) -> np.ndarray:
+    """The rows of ``ids`` that can be in the top-``k`` of ``ids`` by the exact distance.
+
+    A cheap float32 pass before the float64 re-scoring. ``d32 = sum((x - q)^2)`` in float32
+    (any summation order) is within ``(d + 2) u`` (u = 2^-24) relative of the real squared
+    distance R (each term is non-negative: the difference and the square are rounded once
+    each, the sum adds at most (d - 1) u of the sum), and the float64 tree distance D of
+    :func:`~ralm.knnlm.metric.l2_distances` is within ~1e-15 relative of R; ``eps`` below
+    covers both, plus an absolute term for float32 underflow (denormals, or flushed to 0).
+    So ``lo = d32 (1 - eps) - a <= D <= d32 (1 + eps) + a = hi``. The k-th smallest
+    ``hi`` bounds the k-th exact distance from above, and every row whose ``lo`` exceeds
+    it is strictly farther than k other rows: dropping it cannot change the top-k by
+    (D asc, id asc). Ties at the k-th distance are kept (their ``lo`` <= D <= bound).
+
+    Example: k = 1, d32 = [4.0, 4.00001, 9.0], eps = 1.6e-5: hi_1 = 4.00007, lo = [3.99994,
+    3.99995, 8.9999] -> rows 0 and 1 stay (either may be nearest in float64), row 2 goes.
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size <= k:
+        return ids
+    X = keys[ids]                                                    # (n, d) float32
+    diff = X - np.asarray(q, dtype=np.float32)[None, :]
+    d32 = np.einsum("ij,ij->i", diff, diff).astype(np.float64)
+    if not np.all(np.isfinite(d32)):
+        return ids                                                   # no bound: keep them all
+    d = X.shape[1]
+    eps = 1.25 * (d + 4) * _F32_U
+    a = (d + 1) * 2.0 ** -120
+    hi_k = np.partition(d32, k - 1)[k - 1] * (1 + eps) + a
+    return ids[d32 * (1 - eps) - a <= hi_k]
 
 
 def margin_for(k: int, margin: int) -> int:
@@ -67,22 +114,35 @@ class KnnRetriever:
 
     def __init__(self, datastore: Datastore, index: str = "flat", *, pad_to: int = 0,
                  hnsw_ef_search: int = C.HNSW_EF_SEARCH, rerank_margin: int = C.KNN_RERANK_MARGIN,
-                 blas_min_batch: int = 2):
+                 blas_min_batch: int = 2, scan: str = "auto"):
         import faiss
 
+        from ralm.retrieval import bf16_scan
+
+        if scan not in SCANS:
+            raise ValueError(f"KNN scan must be one of {SCANS}, not {scan!r}")
         self.ds = datastore
         self.kind = index
         self.rerank_margin = int(rerank_margin)
         self.blas_min_batch = int(blas_min_batch)
         self.n_entries = len(datastore)
         self.padded_rows = 0
+        self.scan = None                     # Bf16Scan (flat, bf16) or None (FAISS)
+        self.scan_kind = "faiss"
+        self.index = None
         if index == "flat":
-            self.index = datastore.flat_index(pad_to)
-            if pad_to and pad_to > self.n_entries:
+            extra = max(0, int(pad_to) - self.n_entries) if pad_to else 0
+            if bf16_scan.available(scan):
+                self.scan = bf16_scan.Bf16Scan(datastore.keys, datastore.pad_chunks(extra),
+                                               metric="l2", pad_rows=extra)
+                self.scan_kind = "bf16"
+            else:
+                self.index = datastore.flat_index(pad_to)
+            if extra:
                 self.padded_rows = int(pad_to)
-                log.warning("KNN flat index padded to %d rows (%d entries + %d far-away random vectors; "
+                log.warning("KNN flat %s scan padded to %d rows (%d entries + %d far-away random vectors; "
                             "never returned, results unchanged) to emulate a large datastore",
-                            pad_to, self.n_entries, pad_to - self.n_entries)
+                            self.scan_kind, pad_to, self.n_entries, extra)
         elif index == "hnsw":
             if datastore.hnsw is None:
                 raise ValueError("the datastore has no HNSW index: build it with build_hnsw() or hnsw=True")
@@ -93,14 +153,16 @@ class KnnRetriever:
             self.ef_search = int(hnsw_ef_search)
         else:
             raise ValueError(f"KNN index must be 'flat' or 'hnsw', not {index!r}")
-        self.n_rows = int(self.index.ntotal)
-        self.name = f"knn-{index}" + (f"(padded to {self.padded_rows:,})" if self.padded_rows else "")
-        self.stats = {"searches": 0, "batches": 0, "expansions": 0, "exhaustive": 0}
+        self.n_rows = self.scan.n_rows if self.scan is not None else int(self.index.ntotal)
+        self.name = f"knn-{index}" + ("/bf16" if self.scan is not None else "") + \
+            (f"(padded to {self.padded_rows:,})" if self.padded_rows else "")
+        self.stats = {"searches": 0, "batches": 0, "expansions": 0, "exhaustive": 0,
+                      "candidates": 0, "rescored": 0}
         self._key_scale = datastore.max_norm ** 2
         self._xb = None                      # torch view of the flat index rows (batched search)
 
     def __repr__(self) -> str:
-        return f"KnnRetriever({self.kind!r}, entries={self.n_entries}, rows={self.n_rows})"
+        return f"KnnRetriever({self.kind!r}, scan={self.scan_kind!r}, entries={self.n_entries}, rows={self.n_rows})"
 
     # ------------------------------------------------------------------ FAISS
     def _faiss(self, Q: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -191,11 +253,27 @@ class KnnRetriever:
         Q = np.stack([np.asarray(q, dtype=np.float32).reshape(-1) for q in queries])
         if Q.shape[1] != self.ds.dim:
             raise ValueError(f"query dimension {Q.shape[1]} != datastore dimension {self.ds.dim}")
+        if self.scan is not None:
+            return self._scan_search(Q, k)
         n_first = min(k + margin_for(k, self.rerank_margin), self.n_rows)
         D, I = self._faiss(Q, n_first)
         self.stats["searches"] += len(Q)
         self.stats["batches"] += 1
         return [self._resolve(Q[i], k, (D[i], I[i])) for i in range(len(Q))]
+
+    def _scan_search(self, Q: np.ndarray, k: int) -> list[list[Hit]]:
+        """bf16 scan (one pass for the batch; candidates provably contain the exact top-k),
+        float32 narrowing, float64 re-scoring and (distance, id) ranking per query."""
+        cands = self.scan.candidates(Q, k)
+        self.stats["searches"] += len(Q)
+        self.stats["batches"] += 1
+        out = []
+        for q, ids in zip(Q, cands):
+            self.stats["candidates"] += int(ids.size)
+            ids = narrow_candidates(self.ds.keys, ids, q, k)
+            self.stats["rescored"] += int(ids.size)
+            out.append(rank_by_distance(ids, l2_distances(self.ds.keys[ids], q) if ids.size else np.zeros(0), k))
+        return out
 
     def search(self, query: np.ndarray, k: int) -> list[Hit]:
         return self.search_vectors([query], k)[0]
@@ -211,4 +289,4 @@ def load_knn_retriever(datastore: Datastore, cfg) -> KnnRetriever:
     if cfg.index == "hnsw" and datastore.hnsw is None:
         datastore.build_hnsw(cfg.hnsw_m, cfg.hnsw_ef_construction)
     return KnnRetriever(datastore, cfg.index, pad_to=cfg.pad_to, hnsw_ef_search=cfg.hnsw_ef_search,
-                        rerank_margin=cfg.rerank_margin)
+                        rerank_margin=cfg.rerank_margin, scan=cfg.scan)

@@ -57,3 +57,69 @@ def test_choose_token_ties_go_to_lowest_id():
     assert choose_token(p_lm, [(1, 0.5), (2, 0.5)], vals, KnnLMConfig(lmbda=0.5)) == 1
     assert choose_token(p_lm, [(0, 0.1), (2, 0.5)], vals, KnnLMConfig(lmbda=0.5, temperature=1.0)) == 3
     assert choose_token(p_lm, [(0, 0.1)], vals, KnnLMConfig(lmbda=0.5), mask_token=3) == 1
+
+
+def _bf16_or_skip():
+    from ralm.retrieval import bf16_scan
+
+    if not bf16_scan.probe_kernel():
+        pytest.skip("torch's bf16 matrix product does not accumulate in float32 here")
+
+
+@pytest.mark.parametrize("model", ["tiny-gpt2", "pydocs-gpt"])
+def test_bf16_scan_equals_faiss_scan(knn_setups, model):
+    """The flat KB gives the same hits with the bf16 candidate scan as with FAISS, for the
+    datastore's own queries (keys, and keys moved a little), alone and in batches, padded."""
+    _bf16_or_skip()
+    lm, ds, _ = knn_setups[model]
+    pad = 2 * len(ds) + 12345                    # padding rows in mixed and padding-only blocks
+    bf = KnnRetriever(ds, "flat", pad_to=pad, scan="bf16")
+    fa = KnnRetriever(ds, "flat", pad_to=pad, scan="faiss")
+    assert (bf.scan_kind, fa.scan_kind) == ("bf16", "faiss") and bf.scan is not None and fa.scan is None
+    assert bf.n_rows == fa.n_rows == pad and bf.padded_rows == fa.padded_rows == pad
+    assert bf.index is None                      # no float32 copy of the padding
+    Q = _queries(ds, n=24, seed=3)
+    for k in (1, 16, 256, 1024):
+        want = fa.search_vectors(Q, k)
+        assert bf.search_vectors(Q, k) == want, k                               # one batch of 24
+        assert [bf.search(q, k) for q in Q[:6]] == want[:6], k                 # alone
+        assert bf.search_vectors(Q[10:13], k) == want[10:13], k                # a batch of 3
+        for i in (0, 17):
+            assert want[i] == rank_by_distance(np.arange(len(ds)), l2_distances(ds.keys, Q[i]), k)
+    assert bf.stats["rescored"] <= bf.stats["candidates"]
+
+
+def test_bf16_scan_ties_and_near_ties():
+    """Duplicate keys and keys one float32 ulp apart: the bf16 path ranks them exactly."""
+    _bf16_or_skip()
+    rng = np.random.default_rng(5)
+    base = (rng.standard_normal((300, 32)) * 4 + 10).astype(np.float32)     # not unit, not centred
+    near = base.copy()
+    near[:, 7] = np.nextafter(near[:, 7], np.float32(np.inf))
+    keys = np.concatenate([base, near, base])
+    ds = Datastore(keys, np.arange(len(keys)) % 11, np.repeat(np.arange(3), 300), {"n_passages": 3})
+    bf = KnnRetriever(ds, "flat", pad_to=40000, scan="bf16")
+    fa = KnnRetriever(ds, "flat", pad_to=40000, scan="faiss")
+    Q = np.concatenate([base[:20], base[20:40] + np.float32(1e-3)])
+    for k in (1, 2, 3, 16, 256):
+        got = bf.search_vectors(Q, k)
+        assert got == fa.search_vectors(Q, k)
+        for i in (0, 25):
+            assert got[i] == rank_by_distance(np.arange(len(ds)), l2_distances(keys, Q[i]), k)
+    assert [e for e, _ in bf.search(base[4], 3)] == [4, 604, 304]
+
+
+def test_narrow_candidates_keeps_the_exact_top_k():
+    from ralm.knnlm.retriever import narrow_candidates
+
+    rng = np.random.default_rng(2)
+    keys = rng.standard_normal((5000, 64)).astype(np.float32)
+    keys[100:200] = keys[0]                                  # exact ties
+    keys[200:300] = keys[0] * np.float32(1 + 2 ** -23)       # near-ties
+    for q in (keys[0], keys[0] + np.float32(1e-4), keys[500]):
+        ids = np.arange(len(keys))
+        for k in (1, 50, 150, 1000):
+            kept = narrow_candidates(keys, ids, q, k)
+            assert kept.size < len(keys)
+            assert rank_by_distance(kept, l2_distances(keys[kept], q), k) == \
+                rank_by_distance(ids, l2_distances(keys, q), k)
