@@ -53,6 +53,10 @@ def add_served_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up (0: none); it runs at the highest concurrency")
     p.add_argument("--timeout", type=float, default=900.0, help="HTTP timeout per request (s)")
     p.add_argument("--out", type=Path, default=Path("bench-out/served"), help="output directory")
+    p.add_argument("--no-in-process", dest="in_process", action="store_false",
+                   help="skip the in-process reference (by default, when the server is started here, the same "
+                        "requests first run one at a time through the in-process engine with the same config, "
+                        "and the 1-request served latency is reported against it)")
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -222,7 +226,57 @@ def run_served_bench(client: Client, questions: list[str], kinds: list[str], met
     return rows, notes
 
 
-def to_markdown(rows: list[dict], meta: dict, notes: list[str]) -> str:
+def in_process_latencies(ralm: dict, questions: list[str], kinds: list[str],
+                         methods: list[tuple[str, str | None]], max_new: int,
+                         options: dict | None = None) -> dict[tuple[str, str], dict]:
+    """Mean latency of each (retriever, method) answering ``questions`` one at a time with
+    the in-process engine (:class:`ralm.pipeline.Pipeline`) and the server's RalmConfig:
+    the reference for "served latency at 1 request is close to in-process"."""
+    import gc
+
+    from ralm.config import RalmConfig, SpecConfig
+    from ralm.pipeline import Pipeline
+
+    cfg = RalmConfig.model_validate(ralm)
+    req = cfg.request.model_copy(update={"max_new_tokens": max_new, **(options or {})})
+    pipe = Pipeline.from_config(cfg, kinds=tuple(kinds), progress=False)
+    out: dict[tuple[str, str], dict] = {}
+    try:
+        for kind in kinds:
+            pipe.answer(questions[0], kind, "seq", req=req)                  # warm-up, untimed
+            for method, spec in methods:
+                sc = SpecConfig.named(spec, **{k: v for k, v in cfg.spec.model_dump().items()
+                                                if k not in ("prefetch", "adaptive_stride", "async_verify")}) \
+                    if method == "spec" else None
+                lats, toks = [], []
+                for q in questions:
+                    kb = pipe.retriever(kind)
+                    getattr(kb.scorer, "clear_caches", lambda: None)()
+                    t0 = time.perf_counter()
+                    r = pipe.answer(q, kind, method, spec=sc, req=req)
+                    lats.append(time.perf_counter() - t0)
+                    toks.append(list(r.tokens))
+                out[(kind, _label(method, spec))] = {"mean_s": fmean(lats), "tokens": toks}
+    finally:
+        del pipe
+        gc.collect()
+    return out
+
+
+def one_request_rows(rows: list[dict], ref: dict[tuple[str, str], dict], questions: list[str]) -> list[dict]:
+    """Served (1 in flight, batching on) against in-process mean latency, per (retriever, method)."""
+    out = []
+    for r in rows:
+        key = (r["retriever"], r["method"])
+        if r["concurrency"] != 1 or not r["batching"] or key not in ref:
+            continue
+        ip = ref[key]["mean_s"]
+        out.append({"retriever": r["retriever"], "method": r["method"], "served_mean_s": r["mean_s"],
+                    "in_process_mean_s": ip, "served_over_in_process": r["mean_s"] / ip if ip else None})
+    return out
+
+
+def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] | None = None) -> str:
     lines = ["# Served benchmark: RaLMSeq vs RaLMSpec under concurrent load",
              "",
              f"Server {meta['url']}, model `{meta['model']}`, {meta['requests']} requests per row, "
@@ -245,6 +299,14 @@ def to_markdown(rows: list[dict], meta: dict, notes: list[str]) -> str:
                      f"{r['throughput_rps']:.2f} | {r['tokens_per_s']:.1f} | {r['p50_s']:.2f} | {r['p95_s']:.2f} | "
                      f"{r['mean_s']:.2f} | {qps} | {rpb} | {f2(r.get('tokens_per_forward'))} | "
                      f"{f2(r.get('acceptance_rate'))} | {f2(r.get('doc_kv_hit_rate'))} | {r['identical']}/{r['requests']} |")
+    if one:
+        lines += ["", "## One request in flight: served against the in-process engine", "",
+                  "| retriever | method | served mean (s) | in-process mean (s) | served / in-process |",
+                  "|---|---|---:|---:|---:|"]
+        for o in one:
+            name = "RaLMSeq" if o["method"] == "seq" else "RaLMSpec " + o["method"][5:-1]
+            lines.append(f"| {o['retriever']} | {name} | {o['served_mean_s']:.2f} | {o['in_process_mean_s']:.2f} | "
+                         f"{o['served_over_in_process']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -264,12 +326,18 @@ def served_bench_main(args: argparse.Namespace) -> int:
     batching = [{"on": True, "off": False}[x.strip()] for x in args.batching.split(",") if x.strip()]
     url = args.url
     started_here = False
+    ref: dict = {}
     if not url:
         from cluster.serve import DEFAULT_SERVE_CONFIG, apply_overrides, load_serve_config, start_local_app
 
         ns = argparse.Namespace(port=args.port, admin=True, pad_to=args.pad_to,
                                 retrievers=",".join(dict.fromkeys(kinds)))
         data = apply_overrides(load_serve_config(args.serve_config or DEFAULT_SERVE_CONFIG), ns)
+        if getattr(args, "in_process", True) and 1 in levels:
+            from cluster.serve import app_entry
+            print("in-process reference (same config, one request at a time)...", file=sys.stderr)
+            ref = in_process_latencies(app_entry(data)["args"].get("ralm", {}), questions, kinds, methods,
+                                       args.max_new_tokens, getattr(args, "options", None))
         print("starting the server in-process...", file=sys.stderr)
         url = start_local_app(data)
         started_here = True
@@ -292,8 +360,10 @@ def served_bench_main(args: argparse.Namespace) -> int:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "served_bench.json").write_text(json.dumps({"meta": meta, "notes": notes, "rows": rows}, indent=2))
-    md = to_markdown(rows, meta, notes)
+    (out / "served_bench.json").write_text(json.dumps({"meta": meta, "notes": notes, "rows": rows,
+                                                       "one_request_vs_in_process": one}, indent=2))
+    one = one_request_rows(rows, ref, questions)
+    md = to_markdown(rows, meta, notes, one)
     (out / "served_bench.md").write_text(md)
     print(md)
     bad = [r for r in rows if r["identical"] != r["requests"]]

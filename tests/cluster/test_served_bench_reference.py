@@ -1,0 +1,33 @@
+"""The served benchmark's in-process reference: same config, one request at a time, and
+the 1-request served-vs-in-process rows built from it."""
+from __future__ import annotations
+
+from cluster.served_bench import in_process_latencies, one_request_rows, to_markdown
+from ralm.config import RalmConfig, RequestConfig, SpecConfig
+from ralm.pipeline import Pipeline
+from tests.conftest import FIXTURE_CORPUS
+
+
+def test_in_process_reference_runs_the_same_requests(tmp_path, gen_model_dir, fixture_questions):
+    ralm = RalmConfig(corpus=FIXTURE_CORPUS, work_dir=tmp_path,
+                      generator={"model": gen_model_dir}).model_dump(mode="json")
+    questions = fixture_questions[:2]
+    methods = [("seq", None), ("spec", "PS")]
+    ref = in_process_latencies(ralm, questions, ["edr"], methods, max_new=12)
+    assert set(ref) == {("edr", "seq"), ("edr", "spec[PS]")}
+    assert all(v["mean_s"] > 0 for v in ref.values())
+    # RaLMSpec's tokens equal RaLMSeq's, and both equal a fresh pipeline's answers
+    assert ref[("edr", "spec[PS]")]["tokens"] == ref[("edr", "seq")]["tokens"]
+    pipe = Pipeline.from_config(RalmConfig.model_validate(ralm), progress=False)
+    req = RequestConfig(max_new_tokens=12)
+    assert [list(pipe.answer(q, "edr", "seq", req=req).tokens) for q in questions] == ref[("edr", "seq")]["tokens"]
+    assert SpecConfig.named("PS").prefetch
+
+    rows = [{"retriever": "edr", "method": "seq", "concurrency": 1, "batching": True, "mean_s": 2.0},
+            {"retriever": "edr", "method": "seq", "concurrency": 4, "batching": True, "mean_s": 9.0},
+            {"retriever": "edr", "method": "spec[PS]", "concurrency": 1, "batching": False, "mean_s": 9.0}]
+    fake = {("edr", "seq"): {"mean_s": 1.6}}
+    one = one_request_rows(rows, fake, questions)
+    assert len(one) == 1 and abs(one[0]["served_over_in_process"] - 1.25) < 1e-12
+    md = to_markdown([], {"url": "u", "model": "m", "requests": 2, "max_new_tokens": 12}, [], one)
+    assert "| edr | RaLMSeq | 2.00 | 1.60 | 1.25x |" in md
