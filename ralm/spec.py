@@ -142,7 +142,10 @@ class _SpecRun:
         q = self.query(self.X)
         t0 = time.perf_counter()
         guess = doc_from_hits(self.cache.search(self.kb.scorer.encode([q])[0], self.depth), self.req)
-        hits = self.kb.search(q, self.p)
+        # only the documents the step uses: prefetching top-p here would cost cache
+        # insertions (e.g. BM25 term vectors) on every step of a regime chosen precisely
+        # because retrieval is cheap; the next verification prefetches again
+        hits = self.kb.search(q, self.depth)
         b = time.perf_counter() - t0
         st.kb_calls += 1
         st.kb_queries += 1
