@@ -3,7 +3,10 @@
 A replica owns one :class:`~ralm.engine.LMEngine` (model, tokenizer, doc-KV cache) and
 the corpus text, and serves the deterministic step ``f(doc, context, k)`` to the
 coordinators (:class:`ralm.generator.LocalGenerator` is the code that runs; this class
-only loads it and takes calls).
+only loads it and takes calls). Steps carry the request's generation options
+(:class:`ralm.drafting.StepOptions`: drafting, FLARE, several documents, IDGR). When the app
+config enables them, a replica also holds a DReSD datastore for dense drafting and a KNN-LM
+token datastore, and runs KNN-LM requests (:mod:`deployments.modes`).
 
 Placement. :class:`GeneratorDeploymentOptions` turns the config into Serve deployment
 options: replicas or autoscaling, ``num_cpus``/``num_gpus`` per replica and, for models
