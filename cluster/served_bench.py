@@ -360,9 +360,9 @@ def served_bench_main(args: argparse.Namespace) -> int:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    one = one_request_rows(rows, ref, questions)
     (out / "served_bench.json").write_text(json.dumps({"meta": meta, "notes": notes, "rows": rows,
                                                        "one_request_vs_in_process": one}, indent=2))
-    one = one_request_rows(rows, ref, questions)
     md = to_markdown(rows, meta, notes, one)
     (out / "served_bench.md").write_text(md)
     print(md)
