@@ -6,7 +6,9 @@ through the doc-KV prefix tree, :mod:`ralm.drafting.kv`). A step
 
 1. takes the document's KV, computed from the document tokens alone and reused by
    token ids from a byte-bounded LRU (exact: the document is the prefix);
-2. prefills the whole context (question + generated) on top of it in one forward pass;
+2. prefills the whole context (question + generated) on top of it in one forward pass,
+   computing the logits of its last position only (``logits_to_keep=1``, as Hugging
+   Face's ``generate`` does; the other positions' logits are never used);
 3. decodes up to ``k`` tokens greedily (argmax; ties go to the lowest token id, which is
    what ``torch.argmax`` returns), stopping at EOS (EOS itself is not returned).
 
@@ -27,7 +29,7 @@ import torch
 from cache.doc_kv import DocPrefixTree
 from ralm.config import GeneratorConfig
 from ralm.drafting import DEFAULT_OPTIONS, StepOptions
-from ralm.drafting.kv import docs_past, segment_bytes
+from ralm.drafting.kv import docs_past, last_logits_kwargs, segment_bytes
 from ralm.errors import RalmInputError
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -197,7 +199,7 @@ class LMEngine:
                               low_confidence=r.low_confidence, **kv)
         hit = info.hit
         ids = torch.tensor([list(context)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
+        out = self.model(input_ids=ids, past_key_values=past, use_cache=True, **last_logits_kwargs(self.model))
         t1 = time.perf_counter()
         tokens: list[int] = []
         eos = False

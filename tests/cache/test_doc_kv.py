@@ -109,3 +109,103 @@ def test_shifted_reuse_is_opt_in_and_counted(engine):
     engine.step(DOCS[1], ctx, 2)
     inexact = engine.step([DOCS[0], DOCS[1]], ctx, 4, options=StepOptions(allow_inexact_shifted_reuse=True))
     assert inexact.docs_computed == 1 and engine.doc_kv.stats.shifted_reuses == 1
+
+
+# ------------------------------------------------------------- no copies, never written
+def _clones(seg):
+    return [(k.clone(), v.clone(), k.data_ptr(), v.data_ptr()) for k, v in seg]
+
+
+def _unchanged(tree, snap):
+    checked = 0
+    for path, seg in snap.items():
+        if path not in tree:
+            continue
+        for (k, v), (k0, v0, pk, pv) in zip(tree._nodes[path][0], seg):
+            assert k.data_ptr() == pk and v.data_ptr() == pv          # the same storage ...
+            assert torch.equal(k, k0) and torch.equal(v, v0)          # ... never written into
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt", "llama"])
+def test_stored_segments_are_shared_and_never_written(family):
+    """A hit hands the stored tensors to the model without copying them, and nothing -- the
+    context prefill right after a miss stored them, later hits, n-gram drafting, FLARE,
+    several documents, a crop -- ever writes into them (compared with their value when
+    they were inserted)."""
+    from ralm.drafting.kv import docs_past
+
+    eng = tiny_engine(family, seed=2)
+    at_insert: dict = {}
+    insert = eng.doc_kv.insert
+
+    def recording_insert(docs, seg):
+        at_insert[tuple(docs)] = _clones(seg)
+        insert(docs, seg)
+
+    eng.doc_kv.insert = recording_insert
+    ctx = eng.encode_question("how do I copy a tree of files?")
+    for opts in (None, StepOptions(drafting="ngram", ngram_n=1, ngram_min_n=1), StepOptions(flare_threshold=0.5)):
+        for docs in (DOCS[3], DOCS[:3], DOCS[:2], [DOCS[0], DOCS[1], DOCS[5]], DOCS[3]):
+            for c in (ctx, ctx + [5, 6, 7]):
+                eng.step(docs, c, 6, ignore_eos=True, options=opts)
+                assert _unchanged(eng.doc_kv, at_insert) == len(eng.doc_kv)
+    assert len(at_insert) == 5             # (d3), (d0), (d0 d1), (d0 d1 d2), (d0 d1 d5)
+    past, info = docs_past(eng, [eng.doc_tokens(DOCS[3])])
+    assert info.hit
+    assert past.layers[0].keys is eng.doc_kv._nodes[(eng.doc_tokens(DOCS[3]),)][0][0][0]   # no copy
+    past, _ = docs_past(eng, [eng.doc_tokens(d) for d in DOCS[:3]])
+    past.crop(-3)                                                     # crop before any update
+    assert past.get_seq_length() == sum(len(eng.doc_tokens(d)) for d in DOCS[:3]) - 3
+    assert _unchanged(eng.doc_kv, at_insert) == 5
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_reused_kv_and_logits_are_bit_identical(engine, n):
+    """Not just the tokens: the KV (hit, prefix hit, miss, no cache) and the logits on top
+    of it are the same bits."""
+    from ralm.drafting.kv import docs_past
+
+    nocache = type(engine)(engine.model, engine.tokenizer, engine.cfg.model_copy(update={"doc_kv_cache_bytes": 0}))
+    docs = [engine.doc_tokens(d) for d in DOCS[:n]]
+    ids = torch.tensor([engine.encode_question("what does json do?")])
+
+    def kv_and_logits(eng):
+        past, info = docs_past(eng, docs)
+        pre = [(layer.keys.clone(), layer.values.clone()) for layer in past.layers]
+        with torch.inference_mode():
+            logits = eng.model(input_ids=ids, past_key_values=past, use_cache=True).logits
+        return pre, logits, info
+
+    engine.doc_kv.clear()
+    ref_kv, ref_logits, _ = kv_and_logits(nocache)
+    for expect_hit in (False, True):
+        kv, logits, info = kv_and_logits(engine)
+        assert info.hit == expect_hit
+        assert torch.equal(logits, ref_logits)
+        for (k, v), (k0, v0) in zip(kv, ref_kv):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+    if n > 1:                                                         # a prefix hit, the last doc computed
+        engine.doc_kv.clear()
+        docs_past(engine, docs[:-1])
+        kv, logits, info = kv_and_logits(engine)
+        assert info.docs_reused == n - 1 and info.docs_computed == 1
+        assert torch.equal(logits, ref_logits)
+
+
+def test_segments_layer_reads_and_lengths():
+    from ralm.drafting.kv import cache_from_segments
+
+    a = [(torch.arange(24.).view(1, 2, 3, 4), -torch.arange(24.).view(1, 2, 3, 4))]
+    b = [(torch.ones(1, 2, 2, 4), torch.zeros(1, 2, 2, 4))]
+    cache = cache_from_segments([a, b])
+    assert cache.get_seq_length() == 5
+    layer = cache.layers[0]
+    assert torch.equal(layer.keys, torch.cat([a[0][0], b[0][0]], dim=-2))      # read: concatenated
+    k, v = cache.update(torch.full((1, 2, 1, 4), 7.), torch.full((1, 2, 1, 4), 8.), 0)
+    assert k.shape[-2] == 6 and torch.equal(k[..., :3, :], a[0][0]) and float(v[0, 0, -1, 0]) == 8.
+    cache = cache_from_segments([a, b])
+    k, v = cache.update(torch.full((1, 2, 1, 4), 7.), torch.full((1, 2, 1, 4), 8.), 0)   # update first
+    assert k.shape[-2] == 6 and torch.equal(k[..., 3:5, :], b[0][0]) and torch.equal(v[..., :3, :], a[0][1])
+    assert torch.equal(a[0][0], torch.arange(24.).view(1, 2, 3, 4))                      # untouched

@@ -53,7 +53,8 @@ def test_step_equals_plain_greedy_reference(engine):
     with torch.inference_mode():
         m = engine.model
         past = m(input_ids=torch.tensor([doc]), use_cache=True).past_key_values
-        o = m(input_ids=torch.tensor([ctx]), past_key_values=past, use_cache=True)
+        # the step asks for the last position's logits only (as HF generate's prefill does)
+        o = m(input_ids=torch.tensor([ctx]), past_key_values=past, use_cache=True, logits_to_keep=1)
         ref = []
         for _ in range(6):
             t = int(torch.argmax(o.logits[0, -1]))
