@@ -1,13 +1,17 @@
 """``ralmspec bench-gen``: generation-side acceleration, measured (DESIGN.md: IDR2, DReSD).
 
 (a) prefill time per step with and without doc-KV reuse (CICS, prefix tree) on the
-    iterative RaLMSeq workload, for 1 and 3 documents per prompt;
+    iterative RaLMSeq workload, for 1 and 3 documents per prompt: every step of every
+    request timed, both arms in the same run and interleaved (alternating order), after
+    a warm-up request, the median of ``--prefill-reps`` repetitions per step; the cache is
+    cold at the start of every request (reuse across iterations only) and, in a second
+    scope, warm across the run's requests (cleared once per repetition);
 (b) decode: forward passes per generated token and draft acceptance, n-gram (IGPG) vs
     dense (DReSD, datastore from the model's own greedy generations on *other* questions);
 (c) end to end: RaLMSeq plain vs RaLMSpec + doc-KV reuse + drafting;
 (d) identical-output counts against plain RaLMSeq, and every drafting divergence with
     its top-2 logit gap (a float32 near-tie is < DIVERGENCE_GAP).
-Writes gen_bench.json and gen_bench.md.
+Writes gen_bench.json and gen_bench.md. ``--parts a`` runs only (a).
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
-from statistics import fmean
+from statistics import fmean, median
 
 from ralm import constants as C
 
@@ -35,6 +39,13 @@ def add_gen_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-stride", type=int, default=16, help="k for the decode / end-to-end measurement")
     p.add_argument("--spec", default="PSA", help="RaLMSpec configuration for (c)")
     p.add_argument("--out", type=Path, default=Path("gen-bench-out"))
+    p.add_argument("--index-dir", type=Path, default=None,
+                   help="an already built index of --corpus for --retriever (validated); default: build one in a temp dir")
+    p.add_argument("--parts", default="abcd", help="which parts to run: a (prefill), b+d (decode), c (end to end)")
+    p.add_argument("--prefill-docs", default="1,3", help="documents per prompt measured in (a)")
+    p.add_argument("--prefill-reps", type=int, default=3, help="(a): repetitions per request and arm (median per step)")
+    p.add_argument("--prefill-scopes", default="request,run",
+                   help="(a): doc-KV cache cleared per 'request' (across iterations) and/or per 'run' (across requests)")
 
 
 def _setup(args):
@@ -49,8 +60,10 @@ def _setup(args):
     questions = load_questions(args.questions)
     rcfg = RetrieverConfig(kind=args.retriever)
     enc = get_encoder(rcfg.encoder) if args.retriever != "sr" else None
-    idx = Path(tempfile.mkdtemp(prefix="gen-bench-idx-"))
-    build_index(args.retriever, corpus, idx, rcfg, progress=False, encoder=enc)
+    idx = getattr(args, "index_dir", None)
+    if idx is None:
+        idx = Path(tempfile.mkdtemp(prefix="gen-bench-idx-"))
+        build_index(args.retriever, corpus, idx, rcfg, progress=False, encoder=enc)
     kb = load_retriever(rcfg, corpus, idx, encoder=enc)
     eng = LMEngine.from_config(GeneratorConfig())
     nocache = LMEngine(eng.model, eng.tokenizer, eng.cfg.model_copy(update={"doc_kv_cache_bytes": 0}))
@@ -75,6 +88,135 @@ def _dense_store(gen, kb, questions, req):
     return build_datastore(keys, vals), len(keys)
 
 
+class StepLog:
+    """A generator that records every step's StepOutput, context and document lengths. With
+    ``one_forward`` it first times the step's whole prompt as one forward pass
+    (:func:`one_forward_s`), then runs the step (for its tokens; that step's time is not used)."""
+
+    def __init__(self, gen, one_forward: bool = False):
+        self.gen = gen
+        self.one_forward = one_forward
+        self.engine = gen.engine
+        self.corpus = gen.corpus
+        self.eos_token_id = gen.eos_token_id
+        self.steps: list[tuple] = []
+
+    def encode_question(self, question):
+        return self.gen.encode_question(question)
+
+    def decode(self, tokens):
+        return self.gen.decode(tokens)
+
+    def step(self, doc_id, context, k, ignore_eos=False, options=None):
+        ids = [] if doc_id is None else ([doc_id] if not hasattr(doc_id, "__len__") else list(doc_id))
+        n = options.num_docs if options is not None else len(ids)
+        docs = [self.engine.doc_tokens(self.corpus.text(d)) for d in ids[:n]]
+        one = one_forward_s(self.engine, [t for d in docs for t in d] + list(context)) if self.one_forward else None
+        out = self.gen.step(doc_id, context, k, ignore_eos=ignore_eos, options=options)
+        self.steps.append((out, len(context), sum(len(d) for d in docs), one))
+        return out
+
+
+def one_forward_s(eng, prompt: list[int]) -> float:
+    """Wall time of one forward pass over the whole prompt ``[docs][context]`` (last position's
+    logits only): what a server without doc-KV reuse would run. Not the engine's canonical
+    computation (documents first, each on its own), so not bit-identical to it."""
+    import torch
+
+    from ralm.drafting.kv import last_logits_kwargs
+
+    ids = torch.tensor([prompt], dtype=torch.long, device=eng.device)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        eng.model(input_ids=ids, use_cache=True, **last_logits_kwargs(eng.model))
+        return time.perf_counter() - t0
+
+
+def forward_overhead_ms(eng, reps: int = 30) -> float:
+    """Median wall time of a one-token forward pass without a past: the fixed cost of a call."""
+    import torch
+
+    ids = torch.tensor([[1]], dtype=torch.long, device=eng.device)
+    ts = []
+    with torch.inference_mode():
+        for _ in range(reps + 3):
+            t0 = time.perf_counter()
+            eng.model(input_ids=ids, use_cache=True)
+            ts.append(time.perf_counter() - t0)
+    return 1e3 * median(ts[3:])
+
+
+def measure_prefill(gen, gen_nc, kb, questions, req, reps: int = 3, scope: str = "request") -> dict:
+    """Prefill time per step of RaLMSeq with doc-KV reuse (``gen``) and without (``gen_nc``,
+    same model, cache capacity 0), every step of every request timed.
+
+    The arms run in the same process, request by request, in rotating order, after one
+    untimed warm-up request each; every request is repeated ``reps`` times per arm and each
+    step's time is the median of its repetitions. Retrieval is real in every arm (as in the
+    workload, between the steps; it is not part of the prefill time). ``scope='request'``: the doc-KV cache is
+    cleared before every request (reuse across iterations only); ``'run'``: once per
+    repetition, before the first request (reuse across iterations and requests; every
+    repetition sees the same cache states). Speed-up = sum of the steps' times without /
+    with. Exactness: the tokens of every request must be the same in both arms. A third arm,
+    for reference, times each step's prompt as one forward pass (:func:`one_forward_s`) at
+    the same point of the same loop."""
+    from ralm.seq import run_seq
+
+    if scope not in ("request", "run"):
+        raise ValueError(f"unknown scope {scope!r}: 'request' or 'run'")
+    eng = gen.engine
+    arms = [("with", StepLog(gen)), ("without", StepLog(gen_nc)), ("one", StepLog(gen_nc, one_forward=True))]
+    eng.doc_kv.clear()
+    for _, g in arms:                                 # warm-up, every arm, not recorded
+        run_seq(questions[0], g, kb, req)
+    steps: dict = {}                                  # (request, step) -> {arm: [records of the repetitions]}
+    identical = [True] * len(questions)
+    t0 = time.perf_counter()
+    for r in range(reps):
+        if scope == "run":
+            eng.doc_kv.clear()
+        for qi, q in enumerate(questions):
+            toks = {}
+            for j in range(len(arms)):                # rotate the order of the arms
+                arm, g = arms[(r + qi + j) % len(arms)]
+                if arm == "with" and scope == "request":
+                    eng.doc_kv.clear()
+                g.steps = []
+                toks[arm] = run_seq(q, g, kb, req).tokens
+                for i, rec in enumerate(g.steps):
+                    steps.setdefault((qi, i), {a: [] for a, _ in arms})[arm].append(rec)
+            identical[qi] = identical[qi] and toks["with"] == toks["without"] == toks["one"]
+    wall = time.perf_counter() - t0
+    rows = []
+    for key in sorted(steps):
+        a, b = steps[key]["with"], steps[key]["without"]
+        o = a[0][0]
+        rows.append(dict(with_s=median(x[0].prefill_s for x in a), without_s=median(x[0].prefill_s for x in b),
+                         one_s=median(x[3] for x in steps[key]["one"]),
+                         reused=o.docs_reused, computed=o.docs_computed, hit=bool(o.doc_kv_hit),
+                         kv_bytes=o.kv_bytes_reused,
+                         ctx=a[0][1], doc=a[0][2]))
+    n = len(rows)
+    sw, swo = sum(x["with_s"] for x in rows), sum(x["without_s"] for x in rows)
+    hit = [x for x in rows if x["hit"]]
+    miss = [x for x in rows if not x["hit"]]
+    ms = lambda xs, key: 1e3 * fmean(x[key] for x in xs) if xs else None  # noqa: E731
+    return {
+        "scope": scope, "reps": reps, "requests": len(questions), "steps": n,
+        "prefill_ms_per_step_with": 1e3 * sw / n, "prefill_ms_per_step_without": 1e3 * swo / n,
+        "speedup": swo / sw,
+        "prefill_ms_per_step_one_forward": 1e3 * sum(x["one_s"] for x in rows) / n,
+        "speedup_vs_one_forward": sum(x["one_s"] for x in rows) / sw,
+        "doc_tokens_per_step": fmean(x["doc"] for x in rows), "context_tokens_per_step": fmean(x["ctx"] for x in rows),
+        "token_ratio": sum(x["doc"] + x["ctx"] for x in rows) / sum(x["ctx"] for x in rows),
+        "docs_reused": sum(x["reused"] for x in rows), "docs_computed": sum(x["computed"] for x in rows),
+        "kv_mib_reused": sum(x["kv_bytes"] for x in rows) / 2**20, "full_hit_steps": len(hit),
+        "hit_steps_ms_with": ms(hit, "with_s"), "hit_steps_ms_without": ms(hit, "without_s"),
+        "miss_steps_ms_with": ms(miss, "with_s"), "miss_steps_ms_without": ms(miss, "without_s"),
+        "identical": sum(identical), "wall_s": wall,
+    }
+
+
 def gen_bench_main(args) -> int:
     from ralm.config import RequestConfig, SpecConfig
     from ralm.drafting.exactness import first_divergence, first_index
@@ -88,27 +230,18 @@ def gen_bench_main(args) -> int:
     out: dict = {"args": {k: str(v) for k, v in vars(args).items() if k != "func"}}
 
     # (a) prefill per step with vs without doc-KV reuse
-    pre = {}
-    for nd in (1, 3):
-        req = RequestConfig(max_new_tokens=args.max_new_tokens, generation_stride=args.stride,
-                            ignore_eos=True, num_docs=nd)
-        row = {"with_reuse": [], "without_reuse": [], "identical": 0, "docs_reused": 0, "docs_computed": 0,
-               "bytes_reused": 0}
-        for q in evalq:
-            eng.doc_kv.clear()                      # cold at the start of every request
-            a = run_seq(q, gen, kb, req)
-            b = run_seq(q, gen_nc, kb, req)
-            row["with_reuse"].append(a.stats.prefill_time_s / a.stats.steps)
-            row["without_reuse"].append(b.stats.prefill_time_s / b.stats.steps)
-            row["identical"] += int(a.tokens == b.tokens)
-            row["docs_reused"] += a.stats.doc_kv_docs_reused
-            row["docs_computed"] += a.stats.doc_kv_misses
-            row["bytes_reused"] += a.stats.doc_kv_bytes_reused
-        w, wo = fmean(row.pop("with_reuse")), fmean(row.pop("without_reuse"))
-        row.update(prefill_ms_per_step_with=1e3 * w, prefill_ms_per_step_without=1e3 * wo, speedup=wo / w,
-                   requests=len(evalq))
-        pre[f"{nd}_docs"] = row
-    out["prefill"] = pre
+    parts = set(getattr(args, "parts", "abcd"))
+    if "a" in parts:
+        pre = {"forward_overhead_ms": forward_overhead_ms(eng)}
+        for nd in (int(x) for x in str(getattr(args, "prefill_docs", "1,3")).split(",") if x.strip()):
+            req = RequestConfig(max_new_tokens=args.max_new_tokens, generation_stride=args.stride,
+                                ignore_eos=True, num_docs=nd)
+            for scope in (x.strip() for x in str(getattr(args, "prefill_scopes", "request")).split(",") if x.strip()):
+                pre[f"{nd}_docs/{scope}"] = measure_prefill(gen, gen_nc, kb, evalq, req,
+                                                            reps=getattr(args, "prefill_reps", 3), scope=scope)
+        out["prefill"] = pre
+    if not parts & set("bcd"):
+        return _write(args, out, t_all)
 
     # (b) decode: forward passes per token, n-gram vs dense (in-distribution)
     req0 = RequestConfig(max_new_tokens=args.max_new_tokens, generation_stride=args.decode_stride, ignore_eos=True)
@@ -173,23 +306,51 @@ def gen_bench_main(args) -> int:
                                                   "identical_to_seq": same, "requests": len(evalq)}
     out["end_to_end"] = e2e
     out["identical"] = ident
-    out["total_s"] = time.perf_counter() - t_all
+    return _write(args, out, t_all)
 
+
+def _write(args, out: dict, t_all: float) -> int:
+    out["total_s"] = time.perf_counter() - t_all
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gen_bench.json").write_text(json.dumps(out, indent=2, default=str))
     (args.out / "gen_bench.md").write_text(_markdown(out))
     print(_markdown(out))
-    return 0
+    ok = all(r["identical"] == r["requests"] for k, r in out.get("prefill", {}).items() if isinstance(r, dict))
+    return 0 if ok else 1
 
 
 def _markdown(o: dict) -> str:
     f = lambda x: "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))  # noqa: E731
-    L = ["# bench-gen", "", "## (a) prefill per step, doc-KV reuse", "",
-         "| docs | with reuse ms | without ms | speed-up | docs reused/computed | identical |", "|---|---|---|---|---|---|"]
-    for k, r in o["prefill"].items():
-        L.append(f"| {k} | {f(r['prefill_ms_per_step_with'])} | {f(r['prefill_ms_per_step_without'])} | "
-                 f"{f(r['speedup'])} | {r['docs_reused']}/{r['docs_computed']} | {r['identical']}/{r['requests']} |")
-    L += ["", f"## (b) decode (dense datastore: {o['dense_datastore']})", "",
+    L = ["# bench-gen", ""]
+    if "prefill" in o:
+        p = o["prefill"]
+        L += ["## (a) prefill per step, doc-KV reuse (RaLMSeq loop, every step timed, median of repetitions)", "",
+              f"One-token forward (fixed cost of a forward pass): {f(p['forward_overhead_ms'])} ms. Without reuse a "
+              "step runs one forward per document and one for the context; a full hit runs only the context's.", "",
+              "| docs / cache scope | steps | doc + ctx tokens/step | with reuse ms | without ms | **speed-up** | "
+              "one forward ms (speed-up) | token ratio | docs reused/computed | full-hit steps | "
+              "hit steps: with / without ms | miss steps: with / without ms | identical |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for k, r in p.items():
+            if not isinstance(r, dict):
+                continue
+            L.append(f"| {k} | {r['steps']} | {r['doc_tokens_per_step']:.0f} + {r['context_tokens_per_step']:.0f} | "
+                     f"{f(r['prefill_ms_per_step_with'])} | {f(r['prefill_ms_per_step_without'])} | "
+                     f"**{r['speedup']:.2f}x** | {f(r.get('prefill_ms_per_step_one_forward'))} "
+                     f"({f(r.get('speedup_vs_one_forward'))}x) | {r['token_ratio']:.2f}x | "
+                     f"{r['docs_reused']}/{r['docs_computed']} | "
+                     f"{r['full_hit_steps']} | {f(r['hit_steps_ms_with'])} / {f(r['hit_steps_ms_without'])} | "
+                     f"{f(r['miss_steps_ms_with'])} / {f(r['miss_steps_ms_without'])} | "
+                     f"{r['identical']}/{r['requests']} |")
+        L += ["", "Without: the engine's exact computation without the cache (each document, then the context, "
+              "one forward each). One forward: the same prompt in a single forward pass, what a server without "
+              "reuse would run (not bit-identical to the engine's computation). Token ratio: (document + context "
+              "tokens) / context tokens, the ceiling of a compute-bound prefill if every step were a full hit. "
+              "Scope `request`: the doc-KV cache is cleared before every request (reuse across iterations only); "
+              "`run`: cleared once per repetition, reused across the run's requests.", ""]
+    if "decode" not in o:
+        return "\n".join(L) + "\n"
+    L += [f"## (b) decode (dense datastore: {o['dense_datastore']})", "",
           "| drafting | fwd/token | fewer fwd x | acceptance | accepted/verify | decode s/token |", "|---|---|---|---|---|---|"]
     for k, r in o["decode"].items():
         L.append(f"| {k} | {f(r['forward_passes_per_token'])} | {f(r.get('fewer_forwards_x'))} | "
