@@ -39,7 +39,15 @@ def add_knn_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--ks", default="1,16,256,1024", help="comma-separated k values (1..1024)")
     p.add_argument("--indexes", default="flat,hnsw", help="comma-separated subset of flat,hnsw")
-    p.add_argument("--configs", default="s=4,s=8,S", help="comma-separated: s=N (fixed stride) or S (OS3)")
+    p.add_argument("--configs", default="s=4,s=8,S",
+                   help="comma-separated: s=N (fixed stride) or S (OS3); prefix P to prefetch (e.g. Ps=8, PS); "
+                        "append @G to set OS3's gamma cap (e.g. S@0.9)")
+    p.add_argument("--prefetch-size", type=int, default=256,
+                   help="p for P configs: every KB search fetches the top-max(k, p) into the cache (<= 1024)")
+    p.add_argument("--cache-entries", type=int, default=0,
+                   help="speculative cache capacity in entries (0: the default, see KnnLMConfig.cache_max_entries)")
+    p.add_argument("--scan", choices=("auto", "faiss", "bf16"), default="auto",
+                   help="flat index candidate scan (KnnLMConfig.scan)")
     p.add_argument("--pad-to", type=int, default=0,
                    help="pad the flat index to this many rows with far-away random vectors (never returned) "
                         "to emulate a large datastore's search cost")
@@ -57,14 +65,22 @@ def add_knn_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("knn-bench-out"), help="output directory")
 
 
-def _spec(name: str, gamma_max: float = 0.6, max_stride: int = 16):
+def _spec(name: str, gamma_max: float = 0.6, max_stride: int = 16, prefetch_size: int = 256):
+    """'s=8' fixed stride, 'S' OS3, 'P' prefix: prefetching, '@G' suffix: OS3 gamma cap.
+
+    'PS@0.9' -> OS3 with prefetching and OS3's gamma cap raised from 0.6 to 0.9."""
     from ralm.config import SpecConfig
 
-    if name.startswith("s="):
-        return SpecConfig(stride=int(name[2:]))
-    if name.upper() == "S":
-        return SpecConfig(adaptive_stride=True, gamma_max=gamma_max, max_stride=max_stride)
-    raise ValueError(f"unknown KNN-LM speculation config {name!r}: use s=N or S")
+    base, _, cap = name.partition("@")
+    pre = base[:1].upper() == "P"
+    body = base[1:] if pre else base
+    extra = {"prefetch": True, "prefetch_size": prefetch_size} if pre else {}
+    if body.startswith("s=") and not cap:
+        return SpecConfig(stride=int(body[2:]), **extra)
+    if body.upper() == "S":
+        return SpecConfig(adaptive_stride=True, gamma_max=float(cap) if cap else gamma_max,
+                          max_stride=max_stride, **extra)
+    raise ValueError(f"unknown KNN-LM speculation config {name!r}: use [P]s=N or [P]S[@G]")
 
 
 def _load_or_build(args, engine, corpus):
@@ -92,7 +108,7 @@ def _load_or_build(args, engine, corpus):
     return ds, d, True
 
 
-def _summarize(base_results, results, identical, name: str) -> dict:
+def _summarize(base_results, results, identical, name: str, lookups=None) -> dict:
     from statistics import fmean
 
     T = fmean(r.stats.total_time_s for r in results)
@@ -115,6 +131,9 @@ def _summarize(base_results, results, identical, name: str) -> dict:
         "direct_steps": fmean(r.stats.direct_steps for r in results),
         "mean_stride": fmean(strides) if strides else None,
         "tokens": fmean(len(r.tokens) for r in results),
+        "cache_entries": fmean(r.stats.cache_entries for r in results) if gammas or accs else None,
+        "lookup_ms": (1000 * sum(c.lookup_s for c in lookups) / max(1, sum(c.lookups for c in lookups))
+                      if lookups else None),
         "identical": sum(identical), "requests": len(results),
     }
 
@@ -122,13 +141,13 @@ def _summarize(base_results, results, identical, name: str) -> dict:
 def markdown(rows: list[dict], notes: list[str]) -> str:
     f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"   # noqa: E731
     out = ["| index | k | config | latency ms | G ms | R ms | R share | speed-up | E | gamma | "
-           "spec acc | KB calls | rollbacks | direct | mean s | identical |", "|" + "---|" * 16]
+           "spec acc | KB calls | rollbacks | direct | mean s | cache lookup ms | identical |", "|" + "---|" * 17]
     for r in rows:
         out.append(f"| {r['index']} | {r['k']} | {r['config']} | {r['latency_s']*1000:.0f} | "
                    f"{r['gen_s']*1000:.0f} | {r['retrieval_s']*1000:.0f} | {r['retrieval_share']:.0%} | "
                    f"{r['speedup']:.2f}x | {f(r['E'])} | {f(r['gamma'])} | {f(r['spec_accuracy'])} | "
                    f"{r['kb_calls']:.1f} | {r['rollbacks']:.1f} | {r['direct_steps']:.1f} | "
-                   f"{f(r['mean_stride'], 1)} | {r['identical']}/{r['requests']} |")
+                   f"{f(r['mean_stride'], 1)} | {f(r.get('lookup_ms'))} | {r['identical']}/{r['requests']} |")
     return "\n".join(notes + [""] + out) + "\n"
 
 
@@ -141,7 +160,7 @@ def knn_bench_main(args) -> int:
     from ralm.config import GeneratorConfig, KnnLMConfig, RequestConfig
     from ralm.corpus import Corpus, load_questions
     from ralm.engine import LMEngine
-    from ralm.knnlm import KnnRetriever, run_knn_seq, run_knn_spec
+    from ralm.knnlm import KnnRetriever, new_cache, run_knn_seq, run_knn_spec
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
@@ -155,7 +174,7 @@ def knn_bench_main(args) -> int:
         if kind not in ("flat", "hnsw"):
             raise SystemExit(f"unknown index {kind!r}: use flat or hnsw")
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    specs = {c: _spec(c, args.gamma_max, args.max_stride) for c in configs}
+    specs = {c: _spec(c, args.gamma_max, args.max_stride, args.prefetch_size) for c in configs}
     args.out.mkdir(parents=True, exist_ok=True)
 
     engine = LMEngine.from_config(GeneratorConfig(model=args.model, torch_threads=args.threads))
@@ -169,12 +188,16 @@ def knn_bench_main(args) -> int:
     notes = [f"# ralmspec bench-knn: {len(timed)} prompts x {args.max_new_tokens} tokens (EOS ignored), "
              f"generator {args.model}, datastore {len(ds):,} entries x {ds.dim} dims from "
              f"{ds.manifest['n_passages']} passages of {args.corpus}, lambda={args.lmbda}, T={args.temperature}, "
-             f"n={args.spatial_next}, OS3 gamma_max={args.gamma_max}, threads={args.threads}"]
+             f"n={args.spatial_next}, OS3 gamma_max={args.gamma_max} (S@G: cap G), max stride {args.max_stride}, "
+             f"P prefetch size {args.prefetch_size}, cache capacity "
+             f"{args.cache_entries or 'default (max(4096, 2 p (n + 1)), p = entries fetched per query)'}, "
+             f"threads={args.threads}"]
     rows, per_request = [], []
     t_all = time.perf_counter()
     for kind in kinds:
         kb = KnnRetriever(ds, kind, pad_to=args.pad_to if kind == "flat" else 0,
-                          hnsw_ef_search=args.hnsw_ef_search)
+                          hnsw_ef_search=args.hnsw_ef_search, scan=args.scan)
+        notes.append(f"KB {kind}: {kb!r}")
         if kb.padded_rows:
             notes.append(f"Note: the flat index is padded to {kb.padded_rows:,} rows ({len(ds):,} entries + "
                          f"{kb.padded_rows - len(ds):,} random vectors of norm {C.KNN_PAD_NORM_FACTOR:g} x the "
@@ -182,19 +205,24 @@ def knn_bench_main(args) -> int:
                          f"results are unchanged.")
         for k in ks:
             knn = KnnLMConfig(k=k, lmbda=args.lmbda, temperature=args.temperature, index=kind,
-                              spatial_next=args.spatial_next, pad_to=args.pad_to if kind == "flat" else 0)
+                              spatial_next=args.spatial_next, pad_to=args.pad_to if kind == "flat" else 0,
+                              cache_max_entries=args.cache_entries, scan=args.scan)
             for p in warm:
                 run_knn_seq(p, engine, kb, knn, req)
                 for c in configs:
                     run_knn_spec(p, engine, kb, knn, req, specs[c])
             base, res = [], {c: [] for c in configs}
             same = {c: [] for c in configs}
+            caches = {c: [] for c in configs}
+            kb.batch_s.clear()
             for p in tqdm(timed, desc=f"{kind} k={k}"):
                 b = run_knn_seq(p, engine, kb, knn, req)
                 base.append(b)
                 row = {"index": kind, "k": k, "prompt": p, "seq": b.stats.as_dict(), "seq_tokens": b.tokens}
                 for c in configs:
-                    r = run_knn_spec(p, engine, kb, knn, req, specs[c])
+                    cache = new_cache(kb, knn, specs[c])
+                    r = run_knn_spec(p, engine, kb, knn, req, specs[c], cache=cache)
+                    caches[c].append(cache)
                     ok = r.tokens == b.tokens
                     res[c].append(r)
                     same[c].append(ok)
@@ -203,10 +231,17 @@ def knn_bench_main(args) -> int:
                         log.error("OUTPUT DIFFERS: index=%s k=%d config=%s prompt=%r", kind, k, c, p)
                 per_request.append(row)
             block = [_summarize(base, base, [True] * len(base), "baseline")]
-            block += [_summarize(base, res[c], same[c], c) for c in configs]
+            block += [_summarize(base, res[c], same[c], c, caches[c]) for c in configs]
             for r in block:
                 r.update(index=kind + (f"(pad {kb.padded_rows:,})" if kb.padded_rows else ""), k=k)
             rows += block
+            notes.append(f"{kind} k={k}: KB latency by batch size (ms, mean over calls): " + ", ".join(
+                f"{b}: {1000 * t / n:.0f} ({n})" for b, (n, t) in sorted(kb.batch_s.items())))
+            for c in configs:
+                strides = [x for r in res[c] for x in r.stats.strides]
+                if specs[c].adaptive_stride and strides:
+                    hist = {x: strides.count(x) for x in sorted(set(strides))}
+                    notes.append(f"{kind} k={k} {c}: strides chosen (size: windows) {hist}")
             log.info("%s k=%d: %s", kind, k, ", ".join(f"{r['config']} {r['speedup']:.2f}x" for r in block))
         notes.append(f"KB stats {kind}: {kb.stats}")
     share = [r for r in rows if r["config"] == "baseline" and r["index"].startswith("flat")]

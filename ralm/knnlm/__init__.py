@@ -7,8 +7,8 @@
 """
 from ralm.knnlm.cache import KnnEntryCache
 from ralm.knnlm.datastore import Datastore, DatastoreError, build_datastore, model_fingerprint
-from ralm.knnlm.loop import KnnStepper, choose_token, run_knn_seq, run_knn_spec
+from ralm.knnlm.loop import KnnStepper, choose_token, new_cache, run_knn_seq, run_knn_spec
 from ralm.knnlm.retriever import KnnRetriever, load_knn_retriever
 
 __all__ = ["Datastore", "DatastoreError", "KnnEntryCache", "KnnRetriever", "KnnStepper", "build_datastore",
-           "choose_token", "load_knn_retriever", "model_fingerprint", "run_knn_seq", "run_knn_spec"]
+           "choose_token", "load_knn_retriever", "model_fingerprint", "new_cache", "run_knn_seq", "run_knn_spec"]

@@ -14,6 +14,7 @@ expansion as the KB (:func:`ralm.knnlm.retriever.exact_knn`).
 """
 from __future__ import annotations
 
+import time
 from typing import Iterable
 
 import numpy as np
@@ -41,6 +42,8 @@ class KnnEntryCache:
         self._pos = 0                       # next ring slot
         self._filled = 0
         self.inserted = 0                   # entries ever added
+        self.lookups = 0                    # searches run, and their total wall time
+        self.lookup_s = 0.0
         self._key_scale = datastore.max_norm ** 2
 
     def __len__(self) -> int:
@@ -99,6 +102,14 @@ class KnnEntryCache:
     # ------------------------------------------------------------------ search
     def search(self, query: np.ndarray, k: int) -> list[Hit]:
         """The ``k`` nearest cached entries by (exact distance asc, entry id asc)."""
+        t0 = time.perf_counter()
+        try:
+            return self._search(query, k)
+        finally:
+            self.lookups += 1
+            self.lookup_s += time.perf_counter() - t0
+
+    def _search(self, query: np.ndarray, k: int) -> list[Hit]:
         import faiss
 
         n_rows = self._filled

@@ -18,7 +18,8 @@ search; a step is correct when the token chosen with the KB's neighbours equals 
 speculated token (the paper's relaxed criterion). At the first mismatch the KV cache is
 cropped to that position (``DynamicCache.crop``), the KB's token is taken and decoding
 continues from the cropped cache exactly as the baseline would. The KB results and the
-``n`` entries after each go into the cache. ``s`` is fixed or chosen by OS3
+``n`` entries after each go into the cache (with prefetching, P: the KB's top-p, p > k,
+of which the top-k is the prefix on the exact index; HNSW is asked for both). ``s`` is fixed or chosen by OS3
 (:class:`ralm.os3.StrideScheduler`: a = speculative step latency, b = verification
 latency; s = 0 is a direct KB step with the cache's guess recorded).
 
@@ -37,6 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from ralm import constants as C
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 from ralm.errors import RalmInputError
 from ralm.knnlm.cache import KnnEntryCache, default_capacity
@@ -206,6 +208,18 @@ def run_knn_seq(prompt: str, lm: Any, kb: KnnRetriever, knn: KnnLMConfig | None 
 
 
 # ---------------------------------------------------------------------------- speculation
+def fetch_size(knn: KnnLMConfig, spec: SpecConfig) -> int:
+    """Entries fetched from the KB per query: k, or max(k, p) with prefetching (at most 1024)."""
+    return min(max(knn.k, spec.prefetch_size), C.KNN_MAX_K) if spec.prefetch else knn.k
+
+
+def new_cache(kb: KnnRetriever, knn: KnnLMConfig, spec: SpecConfig | None = None) -> KnnEntryCache:
+    """A request's empty speculative cache: ``knn.cache_max_entries`` entries, or by default
+    room for :func:`~ralm.knnlm.cache.default_capacity` of the entries fetched per query."""
+    cap = knn.cache_max_entries or default_capacity(fetch_size(knn, spec or SpecConfig()), knn.spatial_next)
+    return KnnEntryCache(kb.ds, knn.spatial_next, cap, knn.rerank_margin)
+
+
 @dataclass
 class _Step:
     query: np.ndarray        # h at the step (float32)
@@ -230,11 +244,12 @@ class _KnnSpecRun:
         self.stop_tok, self.mask_tok = _eos_setup(lm, req)
         self.values = kb.ds.values
         self.eos = False
-        cap = knn.cache_max_entries or default_capacity(knn.k, knn.spatial_next)
-        self.cache = cache if cache is not None else KnnEntryCache(
-            kb.ds, knn.spatial_next, cap, knn.rerank_margin)
+        # prefetching (P): every KB search fetches the top-p (p >= k) and caches them all;
+        # the step's token still uses the top-k, the first k of that list on an exact index
+        self.fetch_k = fetch_size(knn, spec)
+        self.cache = cache if cache is not None else new_cache(kb, knn, spec)
         self.sched = StrideScheduler(spec)
-        name = f"s={spec.stride}" if not spec.adaptive_stride else "S"
+        name = ("P," if self.fetch_k > knn.k else "") + (f"s={spec.stride}" if not spec.adaptive_stride else "S")
         self.stats = RequestStats(method=f"knn-spec[{name}]", retriever=kb.name, knn_k=knn.k)
         self.step_lm = KnnStepper(_model_of(lm))
 
@@ -269,6 +284,26 @@ class _KnnSpecRun:
     def _choose(self, p_lm: np.ndarray, hits: Sequence[Hit]) -> int:
         return choose_token(p_lm, hits, self.values, self.knn, self.mask_tok)
 
+    def _kb_search(self, queries: list[np.ndarray]) -> tuple[list[list[Hit]], float]:
+        """KB top-k of each query (exactly the baseline's answer), inserting the top-p
+        (prefetching) or top-k into the cache; returns (top-k lists, search seconds)."""
+        k = self.knn.k
+        t0 = time.perf_counter()
+        if self.fetch_k == k:
+            truth = fetched = self.kb.search_vectors(queries, k)
+        elif self.kb.exact:
+            # an exact index ranks every entry by (distance, id): its top-k is the prefix of its top-p
+            fetched = self.kb.search_vectors(queries, self.fetch_k)
+            truth = [h[:k] for h in fetched]
+        else:
+            # approximate (HNSW): top-k and top-p are separate searches (a larger search may
+            # find other neighbours), so the top-k is asked exactly as the baseline asks it
+            truth = self.kb.search_vectors(queries, k)
+            fetched = self.kb.search_vectors(queries, self.fetch_k)
+        dt = time.perf_counter() - t0
+        self.cache.insert_hits(fetched)
+        return truth, dt
+
     # ---- steps
     def direct_step(self, shadow: bool = True) -> None:
         """One plain KB step (s = 0, and the first token); the cache's guess is recorded."""
@@ -279,11 +314,12 @@ class _KnnSpecRun:
         if shadow:
             guess = self._choose(p, self.cache.search(h, self.knn.k))
             st.cache_lookups += 1
-        hits = self.kb.search_vectors([h], self.knn.k)[0]
-        b = time.perf_counter() - t0
+        t_guess = time.perf_counter() - t0
+        truth, b = self._kb_search([h])
+        b += t_guess                      # the direct step's retrieval latency includes the guess
+        hits = truth[0]
         st.kb_calls += 1
         st.kb_queries += 1
-        self.cache.insert_hits([hits])
         y = self._choose(p, hits)
         if shadow:
             st.direct_steps += 1
@@ -320,12 +356,11 @@ class _KnnSpecRun:
             window: list[_Step] = []
             while len(window) < s and not self.finished:
                 window.append(self.speculative_step())
-            truth, b = self.kb.timed_search([w.query for w in window], self.knn.k)
+            truth, b = self._kb_search([w.query for w in window])
             st.kb_calls += 1
             st.kb_queries += len(window)
             st.verifications += 1
             st.strides.append(len(window))
-            self.cache.insert_hits(truth)
             mismatch, right = None, None
             for i, (w, t) in enumerate(zip(window, truth)):
                 y = self._choose(w.p_lm, t)
@@ -362,8 +397,9 @@ def run_knn_spec(prompt: str, lm: Any, kb: KnnRetriever, knn: KnnLMConfig | None
                  on_commit: Optional[Callable[[list[int]], None]] = None) -> RalmResult:
     """KNN-LM with speculative retrieval; the tokens equal :func:`run_knn_seq`'s.
 
-    ``spec``: stride (fixed) or ``adaptive_stride`` (OS3); ``prefetch`` has no effect
-    (the spatial-locality insertion is KNN-LM's form of it); async is rejected.
+    ``spec``: stride (fixed) or ``adaptive_stride`` (OS3); ``prefetch`` (P) makes every KB
+    search fetch the top-``prefetch_size`` (when larger than k) and cache them all with
+    their successors, while tokens still use the top-k; async is rejected.
     ``on_commit(tokens)`` receives tokens once verified.
     """
     knn, req, spec = knn or KnnLMConfig(), req or RequestConfig(), spec or SpecConfig()

@@ -153,11 +153,15 @@ class KnnRetriever:
             self.ef_search = int(hnsw_ef_search)
         else:
             raise ValueError(f"KNN index must be 'flat' or 'hnsw', not {index!r}")
+        # exact: the answer is the top-k of every entry by (distance, id), so a top-k is the
+        # prefix of any larger top-p (flat); HNSW's answer depends on how many it is asked for
+        self.exact = index == "flat"
         self.n_rows = self.scan.n_rows if self.scan is not None else int(self.index.ntotal)
         self.name = f"knn-{index}" + ("/bf16" if self.scan is not None else "") + \
             (f"(padded to {self.padded_rows:,})" if self.padded_rows else "")
         self.stats = {"searches": 0, "batches": 0, "expansions": 0, "exhaustive": 0,
                       "candidates": 0, "rescored": 0}
+        self.batch_s: dict[int, list] = {}
         self._key_scale = datastore.max_norm ** 2
         self._xb = None                      # torch view of the flat index rows (batched search)
 
@@ -244,8 +248,17 @@ class KnnRetriever:
 
     # ------------------------------------------------------------------ search
     def search_vectors(self, queries: Sequence[np.ndarray] | np.ndarray, k: int) -> list[list[Hit]]:
-        """Top-``k`` entries for each query vector (one batched FAISS call + exact re-scoring);
-        each query's answer is independent of the batch it is in."""
+        """Top-``k`` entries for each query vector (one batched candidate scan + exact
+        re-scoring); each query's answer is independent of the batch it is in.
+        ``batch_s[b] = [calls, seconds]`` accumulates the latency by batch size ``b``."""
+        t0 = time.perf_counter()
+        out = self._search_vectors(queries, k)
+        rec = self.batch_s.setdefault(len(out), [0, 0.0])
+        rec[0] += 1
+        rec[1] += time.perf_counter() - t0
+        return out
+
+    def _search_vectors(self, queries: Sequence[np.ndarray] | np.ndarray, k: int) -> list[list[Hit]]:
         if len(queries) == 0:
             return []
         if not 1 <= k <= C.KNN_MAX_K:

@@ -81,3 +81,23 @@ def test_async_is_rejected(knn_setups, knn_prompts):
     with pytest.raises(RalmInputError, match="asynchronous"):
         run_knn_spec(knn_prompts[0], lm, kbs["flat"], KnnLMConfig(), RequestConfig(max_new_tokens=4),
                      SpecConfig(async_verify=True))
+
+
+@pytest.mark.parametrize("k", [1, 16])
+@pytest.mark.parametrize("index", ["flat", "hnsw"])
+def test_prefetch_spec_equals_seq(knn_setups, knn_prompts, index, k):
+    """P (prefetching): the KB's top-p (p > k) goes into the cache; tokens still equal the
+    baseline's (flat: the top-k is the prefix of the top-p; HNSW: asked separately)."""
+    lm, ds, kbs = knn_setups["pydocs-gpt"]
+    kb = kbs[index]
+    knn = KnnLMConfig(k=k, lmbda=LAMBDA["pydocs-gpt"], index=index)
+    req = RequestConfig(max_new_tokens=MAX_NEW["pydocs-gpt"], ignore_eos=True)
+    specs = {"P,s=3": SpecConfig(stride=3, prefetch=True, prefetch_size=64),
+             "P,S": SpecConfig(adaptive_stride=True, prefetch=True, prefetch_size=64)}
+    for prompt in knn_prompts[:3]:
+        base = run_knn_seq(prompt, lm, kb, knn, req)
+        for name, spec in specs.items():
+            got = run_knn_spec(prompt, lm, kb, knn, req, spec)
+            assert got.tokens == base.tokens, (index, k, name, prompt)
+            assert got.stats.method == f"knn-spec[{name}]"
+            assert got.stats.cache_entries > 0
