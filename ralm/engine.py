@@ -143,7 +143,8 @@ class LMEngine:
         return self.model(input_ids=ids, use_cache=True).past_key_values
 
     def doc_past(self, doc: tuple[int, ...]):
-        """A private copy of the document's KV (cache hit or fresh), and whether it hit."""
+        """The document's KV (on a hit it shares the stored tensors, which the model's cache
+        replaces on update and never writes into), and whether it hit."""
         if not doc:
             return None, False
         past, info = docs_past(self, [doc])
