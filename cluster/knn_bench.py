@@ -45,7 +45,9 @@ def add_knn_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch-size", type=int, default=256,
                    help="p for P configs: every KB search fetches the top-max(k, p) into the cache (<= 1024)")
     p.add_argument("--cache-entries", type=int, default=0,
-                   help="speculative cache capacity in entries (0: the default, see KnnLMConfig.cache_max_entries)")
+                   help="speculative cache capacity in entries (0: --cache-retrievals KB answers)")
+    p.add_argument("--cache-retrievals", type=int, default=8,
+                   help="default cache capacity in KB answers, each p (n + 1) entries (KnnLMConfig.cache_retrievals)")
     p.add_argument("--scan", choices=("auto", "faiss", "bf16"), default="auto",
                    help="flat index candidate scan (KnnLMConfig.scan)")
     p.add_argument("--pad-to", type=int, default=0,
@@ -190,7 +192,7 @@ def knn_bench_main(args) -> int:
              f"{ds.manifest['n_passages']} passages of {args.corpus}, lambda={args.lmbda}, T={args.temperature}, "
              f"n={args.spatial_next}, OS3 gamma_max={args.gamma_max} (S@G: cap G), max stride {args.max_stride}, "
              f"P prefetch size {args.prefetch_size}, cache capacity "
-             f"{args.cache_entries or 'default (max(4096, 2 p (n + 1)), p = entries fetched per query)'}, "
+             f"{args.cache_entries or f'max(4096, {args.cache_retrievals} p (n + 1)), p = entries fetched per query'}, "
              f"threads={args.threads}"]
     rows, per_request = [], []
     t_all = time.perf_counter()
@@ -206,7 +208,8 @@ def knn_bench_main(args) -> int:
         for k in ks:
             knn = KnnLMConfig(k=k, lmbda=args.lmbda, temperature=args.temperature, index=kind,
                               spatial_next=args.spatial_next, pad_to=args.pad_to if kind == "flat" else 0,
-                              cache_max_entries=args.cache_entries, scan=args.scan)
+                              cache_max_entries=args.cache_entries, cache_retrievals=args.cache_retrievals,
+                              scan=args.scan)
             for p in warm:
                 run_knn_seq(p, engine, kb, knn, req)
                 for c in configs:

@@ -114,7 +114,8 @@ class KnnLMConfig(_Strict):
     scan: Literal["auto", "faiss", "bf16"] = Field("auto", description="index=flat only: candidate scan. 'bf16': a bfloat16 copy of the keys (and padding) scanned with torch, one pass per verification batch (cost nearly flat in the batch size), with a proven error bound (each row's own norm), so the exact float64 re-scoring still returns exactly the top-k; 'faiss': FAISS IndexFlatL2; 'auto': bf16 when the CPU has bf16 instructions (AMX/AVX512-BF16) and the kernel passes its accumulation probe. Never changes results.")
     rerank_margin: int = Field(C.KNN_RERANK_MARGIN, ge=1, description="Extra candidates (at least; k/8 for large k) fetched from FAISS before exact float64 re-scoring.")
     spatial_next: int = Field(C.KNN_SPATIAL_NEXT, ge=0, description="n: after each KB retrieval, the retrieved entries and the n entries after each (same passage) go into the speculative cache.")
-    cache_max_entries: int = Field(0, ge=0, description="Speculative cache capacity in entries (oldest evicted first); 0: max(KNN_CACHE_MIN_ENTRIES, 2 k (n + 1)).")
+    cache_max_entries: int = Field(0, ge=0, description="Speculative cache capacity in entries (oldest evicted first); 0: max(KNN_CACHE_MIN_ENTRIES, cache_retrievals p (n + 1)), p = entries fetched per query (k, or the prefetch size with P).")
+    cache_retrievals: int = Field(8, ge=1, description="Default cache capacity in KB answers (each p (n + 1) entries); a verification inserts a whole window's answers at once, so this should not be below the usual stride. Used when cache_max_entries is 0.")
     max_passage_tokens: int = Field(C.KNN_MAX_PASSAGE_TOKENS, ge=2, description="Datastore build: each passage is truncated to this many tokens.")
     datastore_dir: Optional[Path] = Field(None, description="Directory of a built datastore (with manifest.json). None: <work_dir>/knn-datastore.")
 

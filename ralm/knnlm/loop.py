@@ -17,9 +17,10 @@ chooses a token. Every ``s`` steps the ``s`` queries are verified in one batched
 search; a step is correct when the token chosen with the KB's neighbours equals the
 speculated token (the paper's relaxed criterion). At the first mismatch the KV cache is
 cropped to that position (``DynamicCache.crop``), the KB's token is taken and decoding
-continues from the cropped cache exactly as the baseline would. The KB results and the
-``n`` entries after each go into the cache (with prefetching, P: the KB's top-p, p > k,
-of which the top-k is the prefix on the exact index; HNSW is asked for both). ``s`` is fixed or chosen by OS3
+continues from the cropped cache exactly as the baseline would. The KB results of the
+committed steps (up to and including the first mismatch; the rest were on a discarded
+path) and the ``n`` entries after each go into the cache (with prefetching, P: the KB's
+top-p, p > k, of which the top-k is the prefix on the exact index; HNSW is asked for both). ``s`` is fixed or chosen by OS3
 (:class:`ralm.os3.StrideScheduler`: a = speculative step latency, b = verification
 latency; s = 0 is a direct KB step with the cache's guess recorded).
 
@@ -215,8 +216,10 @@ def fetch_size(knn: KnnLMConfig, spec: SpecConfig) -> int:
 
 def new_cache(kb: KnnRetriever, knn: KnnLMConfig, spec: SpecConfig | None = None) -> KnnEntryCache:
     """A request's empty speculative cache: ``knn.cache_max_entries`` entries, or by default
-    room for :func:`~ralm.knnlm.cache.default_capacity` of the entries fetched per query."""
-    cap = knn.cache_max_entries or default_capacity(fetch_size(knn, spec or SpecConfig()), knn.spatial_next)
+    room for ``knn.cache_retrievals`` KB answers (:func:`~ralm.knnlm.cache.default_capacity`
+    of the entries fetched per query)."""
+    cap = knn.cache_max_entries or default_capacity(fetch_size(knn, spec or SpecConfig()), knn.spatial_next,
+                                                    knn.cache_retrievals)
     return KnnEntryCache(kb.ds, knn.spatial_next, cap, knn.rerank_margin)
 
 
@@ -284,9 +287,9 @@ class _KnnSpecRun:
     def _choose(self, p_lm: np.ndarray, hits: Sequence[Hit]) -> int:
         return choose_token(p_lm, hits, self.values, self.knn, self.mask_tok)
 
-    def _kb_search(self, queries: list[np.ndarray]) -> tuple[list[list[Hit]], float]:
-        """KB top-k of each query (exactly the baseline's answer), inserting the top-p
-        (prefetching) or top-k into the cache; returns (top-k lists, search seconds)."""
+    def _kb_search(self, queries: list[np.ndarray]) -> tuple[list[list[Hit]], list[list[Hit]], float]:
+        """(top-k of each query, exactly the baseline's answer; what to cache: the top-p
+        with prefetching, else the same top-k; search seconds)."""
         k = self.knn.k
         t0 = time.perf_counter()
         if self.fetch_k == k:
@@ -300,9 +303,7 @@ class _KnnSpecRun:
             # find other neighbours), so the top-k is asked exactly as the baseline asks it
             truth = self.kb.search_vectors(queries, k)
             fetched = self.kb.search_vectors(queries, self.fetch_k)
-        dt = time.perf_counter() - t0
-        self.cache.insert_hits(fetched)
-        return truth, dt
+        return truth, fetched, time.perf_counter() - t0
 
     # ---- steps
     def direct_step(self, shadow: bool = True) -> None:
@@ -315,8 +316,9 @@ class _KnnSpecRun:
             guess = self._choose(p, self.cache.search(h, self.knn.k))
             st.cache_lookups += 1
         t_guess = time.perf_counter() - t0
-        truth, b = self._kb_search([h])
+        truth, fetched, b = self._kb_search([h])
         b += t_guess                      # the direct step's retrieval latency includes the guess
+        self.cache.insert_hits(fetched)
         hits = truth[0]
         st.kb_calls += 1
         st.kb_queries += 1
@@ -356,7 +358,7 @@ class _KnnSpecRun:
             window: list[_Step] = []
             while len(window) < s and not self.finished:
                 window.append(self.speculative_step())
-            truth, b = self._kb_search([w.query for w in window])
+            truth, fetched, b = self._kb_search([w.query for w in window])
             st.kb_calls += 1
             st.kb_queries += len(window)
             st.verifications += 1
@@ -367,6 +369,10 @@ class _KnnSpecRun:
                 if y != w.token:
                     mismatch, right = i, y
                     break
+            # cache the KB answers of the committed trajectory only (the steps up to and
+            # including the first mismatch), newest last: the steps after a mismatch were on
+            # a path that is thrown away, and their entries would evict the useful ones
+            self.cache.insert_hits(fetched if mismatch is None else fetched[: mismatch + 1])
             if mismatch is None:
                 matched = len(window)
                 st.matched_steps += matched

@@ -60,3 +60,19 @@ def test_cache_ranks_like_the_kb(knn_setups):
             ids = cache.entry_ids()
             q = queries[0] * 0.5
             assert cache.search(q, k) == rank_by_distance(ids, l2_distances(ds.keys[ids], q), k)
+
+
+def test_default_capacity_holds_several_answers(knn_setups):
+    from ralm.config import KnnLMConfig, SpecConfig
+    from ralm.knnlm import new_cache
+    from ralm.knnlm.cache import default_capacity
+
+    assert default_capacity(16, 10) == 4096                       # the minimum
+    assert default_capacity(1024, 10) == 8 * 1024 * 11            # 8 KB answers with successors
+    assert default_capacity(1024, 10, retrievals=2) == 2 * 1024 * 11
+    lm, ds, kbs = knn_setups["tiny-gpt2"]
+    knn = KnnLMConfig(k=256)
+    assert new_cache(kbs["flat"], knn).capacity == 8 * 256 * 11
+    assert new_cache(kbs["flat"], knn, SpecConfig(prefetch=True, prefetch_size=512)).capacity == 8 * 512 * 11
+    assert new_cache(kbs["flat"], KnnLMConfig(k=256, cache_retrievals=3)).capacity == 3 * 256 * 11
+    assert new_cache(kbs["flat"], KnnLMConfig(k=256, cache_max_entries=777)).capacity == 777
