@@ -22,7 +22,8 @@ committed steps (up to and including the first mismatch; the rest were on a disc
 path) and the ``n`` entries after each go into the cache (with prefetching, P: the KB's
 top-p, p > k, of which the top-k is the prefix on the exact index; HNSW is asked for both). ``s`` is fixed or chosen by OS3
 (:class:`ralm.os3.StrideScheduler`: a = speculative step latency, b = verification
-latency; s = 0 is a direct KB step with the cache's guess recorded).
+latency, fed per batch size; s = 0 is a direct KB step, with the cache's guess recorded
+on every ``SHADOW_EVERY``-th step of a run of them).
 
 Exactness: a committed token at position i is always chosen from (logits_i, KB top-k
 of h_i); logits_i and h_i are functions of the committed tokens before i computed by
@@ -209,6 +210,9 @@ def run_knn_seq(prompt: str, lm: Any, kb: KnnRetriever, knn: KnnLMConfig | None 
 
 
 # ---------------------------------------------------------------------------- speculation
+SHADOW_EVERY = 8       # in a run of OS3 direct steps, the cache guesses on every 8th step
+
+
 def fetch_size(knn: KnnLMConfig, spec: SpecConfig) -> int:
     """Entries fetched from the KB per query: k, or max(k, p) with prefetching (at most 1024)."""
     return min(max(knn.k, spec.prefetch_size), C.KNN_MAX_K) if spec.prefetch else knn.k
@@ -255,6 +259,7 @@ class _KnnSpecRun:
         name = ("P," if self.fetch_k > knn.k else "") + (f"s={spec.stride}" if not spec.adaptive_stride else "S")
         self.stats = RequestStats(method=f"knn-spec[{name}]", retriever=kb.name, knn_k=knn.k)
         self.step_lm = KnnStepper(_model_of(lm))
+        self._direct_run = 0               # consecutive direct (s = 0) steps so far
 
     @property
     def finished(self) -> bool:
@@ -307,24 +312,35 @@ class _KnnSpecRun:
 
     # ---- steps
     def direct_step(self, shadow: bool = True) -> None:
-        """One plain KB step (s = 0, and the first token); the cache's guess is recorded."""
+        """One plain KB step (s = 0; ``shadow=False``: the first token).
+
+        In a run of direct steps the cache guesses (and OS3 records the guess and the KB
+        latency) on every ``SHADOW_EVERY``-th step only, and is filled on that step and the
+        one before it: OS3 chooses s = 0 when the KB is cheap, and a guess plus an insertion
+        on every step (a k = 1024 cache lookup: several ms) cost more than the KB itself."""
         st = self.stats
         h, p = self.step_lm.h, self.step_lm.p_lm
+        run = self._direct_run
+        self._direct_run += 1
+        probe = shadow and run % SHADOW_EVERY == 0
+        fill = not shadow or probe or (run + 1) % SHADOW_EVERY == 0
         t0 = time.perf_counter()
         guess = None
-        if shadow:
+        if probe:
             guess = self._choose(p, self.cache.search(h, self.knn.k))
             st.cache_lookups += 1
         t_guess = time.perf_counter() - t0
         truth, fetched, b = self._kb_search([h])
         b += t_guess                      # the direct step's retrieval latency includes the guess
-        self.cache.insert_hits(fetched)
+        if fill:
+            self.cache.insert_hits(fetched)
         hits = truth[0]
         st.kb_calls += 1
         st.kb_queries += 1
         y = self._choose(p, hits)
         if shadow:
             st.direct_steps += 1
+        if probe:
             self.sched.record_direct(guess == y, b)
         st.steps += 1
         self._commit_token(y)
@@ -355,6 +371,7 @@ class _KnnSpecRun:
                 self.direct_step()
                 self._emit()
                 continue
+            self._direct_run = 0
             window: list[_Step] = []
             while len(window) < s and not self.finished:
                 window.append(self.speculative_step())
