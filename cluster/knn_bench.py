@@ -1,16 +1,21 @@
 """``ralmspec bench-knn``: KNN-LM baseline against speculative retrieval, side by side.
 
-For each datastore index (exact: FAISS IndexFlatL2, optionally padded with far-away
+For each datastore index (exact: the flat index, scanned in bf16 with a proven error
+bound where the CPU allows it, else FAISS IndexFlatL2, optionally padded with far-away
 random vectors to emulate a large datastore's search cost; approximate: HNSW) and each
 ``k``, every prompt runs the baseline (:func:`ralm.knnlm.run_knn_seq`, one KB retrieval
-per token) and then each speculative configuration (fixed strides ``s=N`` and ``S`` for
-OS3) back to back. Every speculative output is compared token by token with the
-baseline's; any difference makes the command exit non-zero. Writes ``knn_bench.json``
+per token) and then each speculative configuration (fixed strides ``s=N``, ``S`` for
+OS3, ``S@G`` for OS3 with gamma cap G, a ``P`` prefix for prefetching) back to back.
+Every speculative output is compared token by token with the baseline's; any difference
+makes the command exit non-zero. The notes give the KB latency by batch size (is
+verification flat in the batch?) and the strides OS3 chose. Writes ``knn_bench.json``
 and ``knn_bench.md``.
 
-Example (the numbers in the KNN-LM section of the docs):
+Example (the numbers in the README's KNN-LM line; the datastore of 2,000 passages is
+built once into DIR and reused):
 
-    ralmspec bench-knn --passages 400 -n 5 --max-new-tokens 32 --pad-to 400000
+    ralmspec bench-knn --passages 2000 --datastore-dir DIR -n 3 --max-new-tokens 64 \
+        --pad-to 2000000 --ks 1,16,256,1024 --configs s=4,s=8,s=16,S,S@0.9
 """
 from __future__ import annotations
 
