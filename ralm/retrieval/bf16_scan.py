@@ -62,10 +62,15 @@ def bound_constant(dim: int) -> float:
     return SAFETY * (3 * u + 4 * u * u + (dim + 2) * U_FP32)
 
 
-def _scores(rows, queries):
-    """bf16 (B, d) x (b, d) -> (B, b) float32 scan scores (the one kernel used)."""
+def _raw_scores(rows, queries):
+    """bf16 (B, d) x (b, d) -> (B, b) bf16 scan scores (the one kernel used)."""
     import torch
-    return torch.nn.functional.linear(rows, queries).float()
+    return torch.nn.functional.linear(rows, queries)
+
+
+def _scores(rows, queries):
+    """:func:`_raw_scores` as float32 (exact conversion)."""
+    return _raw_scores(rows, queries).float()
 
 
 def probe_kernel() -> bool:
@@ -162,6 +167,11 @@ class Bf16Scan:
         # per block: the largest real-row norm (padding rows are never candidates)
         self.block_norm = [float(self.row_norm[s: s + self.block_rows].max()) if s < self.n_real else 0.0
                            for s in range(0, self.n_rows, self.block_rows)]
+        sq = norms ** 2
+        self.block_sqmin = [float(sq[s: s + self.block_rows].min()) if s < self.n_real else 0.0
+                            for s in range(0, self.n_rows, self.block_rows)]
+        self.block_sqmax = [float(sq[s: s + self.block_rows].max()) if s < self.n_real else 0.0
+                            for s in range(0, self.n_rows, self.block_rows)]
 
     @property
     def nbytes(self) -> int:
@@ -200,30 +210,55 @@ class Bf16Scan:
         found_up: list[list[np.ndarray]] = [[] for _ in range(b)]
         for bi, start in enumerate(range(0, self.n_rows, self.block_rows)):
             stop = min(start + self.block_rows, self.n_rows)
-            S = _scores(self.data[start:stop], Qb)[:, :b]                   # (B, b) float32
+            raw = _raw_scores(self.data[start:stop], Qb)                      # (B, b') bf16
             real = max(0, min(stop, self.n_real) - start)
             if real == 0:
                 # padding only: it can never be a candidate (its ids are not returned)
                 continue
-            S = S[:real]
-            if beta:
-                S = alpha * S - self.sq_norm[start:start + real, None]
+            raw = raw[:real, :b]
             eps_blk = self._eps(qn, self.block_norm[bi])                        # (b,) float64
-            if bi == 0:
-                # initialise L from this block's k best lower bounds (real rows only)
-                kk = min(k, real)
-                if kk == k:
-                    top = torch.topk(S, kk, dim=0).values.double().numpy()   # (k, b)
-                    L = np.maximum(L, top[-1] - eps_blk)
-            thr = torch.from_numpy((L - eps_blk).astype(np.float32))            # (b,)
-            if not bool((S.amax(0) >= thr).any()):
-                continue
-            rows_i, cols_i = torch.nonzero(S >= thr, as_tuple=True)
-            if rows_i.numel() == 0:
-                continue
+            if bi > 0 and np.isfinite(L).all():
+                # Fast path: select on the bf16 scores, convert only the survivors (on
+                # real rows, converting and testing whole blocks in float32 cost as much
+                # as the product). A row can pass the exact test below only if
+                # alpha s^ - |x|^2 >= L - eps, i.e. s^ >= (L - eps + beta min|x|^2) / alpha;
+                # the limit is lowered by a margin covering its bf16 rounding (2^-9
+                # relative) and the float32 arithmetic of the exact test, so no row that
+                # the exact test would keep is skipped.
+                lim = (L - eps_blk + beta * self.block_sqmin[bi]) / alpha
+                lim = lim - 2.0 ** -7 * (np.abs(lim) + np.abs(L) + beta * self.block_sqmax[bi] + 1e-30)
+                lim_b = torch.from_numpy(lim.astype(np.float32)).to(torch.bfloat16)
+                rows_i, cols_i = torch.nonzero(raw >= lim_b, as_tuple=True)
+                if rows_i.numel() == 0:
+                    continue
+                v = raw[rows_i, cols_i].float()                                 # (m,) float32
+                if beta:
+                    v = alpha * v - self.sq_norm[start + rows_i]
+                thr = torch.from_numpy((L - eps_blk).astype(np.float32))        # (b,)
+                ok = v >= thr[cols_i]                      # the same float32 test as below
+                rows_i, cols_i, v = rows_i[ok], cols_i[ok], v[ok]
+                if rows_i.numel() == 0:
+                    continue
+            else:
+                S = raw.float()                                                 # (real, b) float32
+                if beta:
+                    S = alpha * S - self.sq_norm[start:start + real, None]
+                if bi == 0:
+                    # initialise L from this block's k best lower bounds (real rows only)
+                    kk = min(k, real)
+                    if kk == k:
+                        top = torch.topk(S, kk, dim=0).values.double().numpy()   # (k, b)
+                        L = np.maximum(L, top[-1] - eps_blk)
+                thr = torch.from_numpy((L - eps_blk).astype(np.float32))        # (b,)
+                if not bool((S.amax(0) >= thr).any()):
+                    continue
+                rows_i, cols_i = torch.nonzero(S >= thr, as_tuple=True)
+                if rows_i.numel() == 0:
+                    continue
+                v = S[rows_i, cols_i]
             rows_np = rows_i.numpy().astype(np.int64) + start
             cols_np = cols_i.numpy()
-            vals = S[rows_i, cols_i].double().numpy()
+            vals = v.double().numpy()
             eps_rows = self._eps(qn[cols_np], self.row_norm[rows_np])
             for j in np.unique(cols_np):
                 sel = cols_np == j
