@@ -407,7 +407,8 @@ class Ingress:
             raise ApiError(400, "expected an object with batching, window_ms, max_batch, reset_stats")
         out = {}
         for kind, v in self.verifiers.items():
-            out[kind] = await v.configure.remote(body.get("batching"), body.get("window_ms"), body.get("max_batch"))
+            out[kind] = await v.configure.remote(window_ms=body.get("window_ms"), max_batch=body.get("max_batch"),
+                                                 batching=body.get("batching"))
             if body.get("reset_stats"):
                 await v.stats.remote(True)
         return out

@@ -278,8 +278,21 @@ def test_served_bench_tiny_run(server, tmp_path, questions):
     assert {r["concurrency"] for r in rows} == {1, 2}
     assert all(r["identical"] == r["requests"] == 2 for r in rows)
     assert all(r["p50_s"] > 0 and r["p95_s"] >= r["p50_s"] and r["throughput_rps"] > 0 for r in rows)
+    # with batching off every RaLMSeq submission (one query) is searched on its own
+    assert all(r["queries_per_search"] == 1.0 for r in rows if r["method"] == "seq" and not r["batching"])
     md = (tmp_path / "out" / "served_bench.md").read_text()
     assert "p95" in md and "RaLMSpec" in md
+
+
+def test_admin_switches_batching(server):
+    """The admin API sets each field it is given (and only those) on every verifier."""
+    with httpx.Client(base_url=server["url"], timeout=60) as c:
+        off = c.post("/v1/ralm/admin/verifier", json={"batching": False}).json()
+        assert off and all(v["batching"] is False for v in off.values())
+        on = c.post("/v1/ralm/admin/verifier", json={"batching": True, "window_ms": 3.0}).json()
+        assert all(v["batching"] is True and v["window_ms"] == 3.0 for v in on.values())
+        assert all(v["max_batch"] == off[k]["max_batch"] for k, v in on.items())
+        assert c.post("/v1/ralm/admin/verifier", json={"bogus": 1}).status_code == 400
 
 
 @pytest.mark.slow
