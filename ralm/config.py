@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import field_validator, BaseModel, ConfigDict, Field, model_validator
 
 from ralm import constants as C
 
@@ -22,6 +22,12 @@ class _Strict(BaseModel):
 class RetrieverConfig(_Strict):
     kind: RetrieverKind = Field("edr", description="edr: exact dense (FAISS flat IP); adr: approximate dense (FAISS HNSW); sr: sparse BM25 (pyserini Lucene).")
     index_dir: Optional[Path] = Field(None, description="Directory of a built index (with manifest.json). None: <work_dir>/indexes/<kind>.")
+
+    @field_validator("index_dir", mode="after")
+    @classmethod
+    def _expand_user(cls, p: Optional[Path]) -> Optional[Path]:
+        return None if p is None else Path(p).expanduser()
+
     encoder: str = Field("local:all-MiniLM-L6-v2", description="Dense query/passage encoder: 'local:all-MiniLM-L6-v2' (the offline pip package, sha256-checked), a local path, or any Hugging Face model name.")
     hnsw_m: int = Field(C.HNSW_M, ge=4, le=256, description="HNSW graph degree M (adr).")
     hnsw_ef_construction: int = Field(C.HNSW_EF_CONSTRUCTION, ge=8, description="HNSW efConstruction (adr).")
@@ -133,6 +139,13 @@ class RalmConfig(_Strict):
         if self.request.max_new_tokens > self.generator.max_new_tokens:
             raise ValueError("request.max_new_tokens exceeds generator.max_new_tokens")
         return self
+
+    @field_validator("corpus", "work_dir", mode="after")
+    @classmethod
+    def _expand_user(cls, p: Path) -> Path:
+        # "~/.cache/ralmspec" from YAML must mean the home directory in every entry point
+        # (the served app, the CLI and Python), never a directory literally named "~"
+        return Path(p).expanduser()
 
     def index_dir(self, kind: str | None = None) -> Path:
         kind = kind or self.retriever.kind
