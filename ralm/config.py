@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import yaml
-from pydantic import field_validator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ralm import constants as C
 
@@ -19,14 +19,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
+def _expand_user(p: Optional[Path]) -> Optional[Path]:
+    """"~/.cache/ralmspec" from YAML must mean the home directory in every entry point (the
+    served app, the CLI and Python), never a directory literally named "~"."""
+    return None if p is None else Path(p).expanduser()
+
+
 class RetrieverConfig(_Strict):
     kind: RetrieverKind = Field("edr", description="edr: exact dense (FAISS flat IP); adr: approximate dense (FAISS HNSW); sr: sparse BM25 (pyserini Lucene).")
     index_dir: Optional[Path] = Field(None, description="Directory of a built index (with manifest.json). None: <work_dir>/indexes/<kind>.")
-
-    @field_validator("index_dir", mode="after")
-    @classmethod
-    def _expand_user(cls, p: Optional[Path]) -> Optional[Path]:
-        return None if p is None else Path(p).expanduser()
 
     encoder: str = Field("local:all-MiniLM-L6-v2", description="Dense query/passage encoder: 'local:all-MiniLM-L6-v2' (the offline pip package, sha256-checked), a local path, or any Hugging Face model name.")
     hnsw_m: int = Field(C.HNSW_M, ge=4, le=256, description="HNSW graph degree M (adr).")
@@ -38,6 +39,8 @@ class RetrieverConfig(_Strict):
     rerank_margin: int = Field(C.RERANK_MARGIN, ge=1, description="Extra candidates fetched before exact float64 re-scoring.")
     dense_scan: Literal["auto", "faiss", "bf16"] = Field("auto", description="edr only: candidate scan of the flat index. 'bf16': a bfloat16 copy scanned with torch (one pass per verification batch, cost nearly flat in the batch size) and a proven error bound, so the exact re-scoring still returns exactly the float64 top-k; 'faiss': FAISS's float32 kernels; 'auto': bf16 when the CPU has bf16 instructions (AMX/AVX512-BF16) and the kernel passes its accumulation probe. Never changes results.")
     faiss_threads: int = Field(C.FAISS_THREADS, ge=0, description="OpenMP threads FAISS may use (process-wide; 0 keeps FAISS's default of one per core). 1 avoids oversubscription when generation and asynchronous verification share the cores.")
+
+    _expand_index_dir = field_validator("index_dir", mode="after")(_expand_user)
 
 
 class GeneratorConfig(_Strict):
@@ -140,12 +143,7 @@ class RalmConfig(_Strict):
             raise ValueError("request.max_new_tokens exceeds generator.max_new_tokens")
         return self
 
-    @field_validator("corpus", "work_dir", mode="after")
-    @classmethod
-    def _expand_user(cls, p: Path) -> Path:
-        # "~/.cache/ralmspec" from YAML must mean the home directory in every entry point
-        # (the served app, the CLI and Python), never a directory literally named "~"
-        return Path(p).expanduser()
+    _expand_paths = field_validator("corpus", "work_dir", mode="after")(_expand_user)
 
     def index_dir(self, kind: str | None = None) -> Path:
         kind = kind or self.retriever.kind

@@ -130,19 +130,12 @@ class Datastore:
 
     def pad_chunks(self, n_rows: int, chunk: int = 1 << 16):
         """The padding rows, ``n_rows`` in chunks of at most ``chunk`` (float32 (m, d)):
-        random directions of norm ``KNN_PAD_NORM_FACTOR`` x the largest key norm (fixed
-        seed, so every index padded to the same size holds the same rows). Generated
-        lazily, so a bf16 scan can be padded without a float32 copy of the padding."""
-        rng = np.random.default_rng(PAD_SEED)
-        norm = np.float32(C.KNN_PAD_NORM_FACTOR * max(self.max_norm, 1.0))
-        left = int(n_rows)
-        while left > 0:
-            m = min(left, int(chunk))
-            x = rng.standard_normal((m, self.dim), dtype=np.float32)
-            x /= np.linalg.norm(x, axis=1, keepdims=True)
-            x *= norm
-            yield x
-            left -= m
+        random directions of norm ``KNN_PAD_NORM_FACTOR`` x the largest key norm
+        (:func:`ralm.retrieval.dense._pad_rows` with this datastore's seed and norm)."""
+        from ralm.retrieval.dense import _pad_rows
+
+        norm = C.KNN_PAD_NORM_FACTOR * max(self.max_norm, 1.0)
+        return _pad_rows(int(n_rows), self.dim, seed=PAD_SEED, norm=norm, chunk=chunk)
 
     # ------------------------------------------------------------------ save / load
     def save(self, directory: str | Path) -> Path:

@@ -128,14 +128,12 @@ class KnnRetriever:
         self.n_entries = len(datastore)
         self.padded_rows = 0
         self.scan = None                     # Bf16Scan (flat, bf16) or None (FAISS)
-        self.scan_kind = "faiss"
         self.index = None
         if index == "flat":
             extra = max(0, int(pad_to) - self.n_entries) if pad_to else 0
             if bf16_scan.available(scan):
                 self.scan = bf16_scan.Bf16Scan(datastore.keys, datastore.pad_chunks(extra),
                                                metric="l2", pad_rows=extra)
-                self.scan_kind = "bf16"
             else:
                 self.index = datastore.flat_index(pad_to)
             if extra:
@@ -164,6 +162,11 @@ class KnnRetriever:
         self.batch_s: dict[int, list] = {}
         self._key_scale = datastore.max_norm ** 2
         self._xb = None                      # torch view of the flat index rows (batched search)
+
+    @property
+    def scan_kind(self) -> str:
+        """The candidate scan in use: 'bf16' or 'faiss' (FAISS also for HNSW)."""
+        return "bf16" if self.scan is not None else "faiss"
 
     def __repr__(self) -> str:
         return f"KnnRetriever({self.kind!r}, scan={self.scan_kind!r}, entries={self.n_entries}, rows={self.n_rows})"

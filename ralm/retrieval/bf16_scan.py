@@ -164,14 +164,14 @@ class Bf16Scan:
         norms = np.sqrt(np.einsum("ij,ij->i", rows.astype(np.float64), rows.astype(np.float64)))
         self.row_norm = norms * (1 + 1e-6)                          # (n_real,) float64, rounded up
         self.sq_norm = torch.from_numpy((norms ** 2).astype(np.float32))   # (n_real,) |x|^2
-        # per block: the largest real-row norm (padding rows are never candidates)
-        self.block_norm = [float(self.row_norm[s: s + self.block_rows].max()) if s < self.n_real else 0.0
-                           for s in range(0, self.n_rows, self.block_rows)]
+        # per block, over its real rows (padding rows are never candidates): the largest
+        # norm (the block's error bound) and the smallest/largest |x|^2 (the l2 fast path)
         sq = norms ** 2
-        self.block_sqmin = [float(sq[s: s + self.block_rows].min()) if s < self.n_real else 0.0
-                            for s in range(0, self.n_rows, self.block_rows)]
-        self.block_sqmax = [float(sq[s: s + self.block_rows].max()) if s < self.n_real else 0.0
-                            for s in range(0, self.n_rows, self.block_rows)]
+        starts = range(0, self.n_rows, self.block_rows)
+        real = [(s, min(s + self.block_rows, self.n_real)) for s in starts]
+        self.block_norm = [float(self.row_norm[a:b].max()) if a < b else 0.0 for a, b in real]
+        self.block_sqmin = [float(sq[a:b].min()) if a < b else 0.0 for a, b in real]
+        self.block_sqmax = [float(sq[a:b].max()) if a < b else 0.0 for a, b in real]
 
     @property
     def nbytes(self) -> int:
@@ -250,8 +250,6 @@ class Bf16Scan:
                         top = torch.topk(S, kk, dim=0).values.double().numpy()   # (k, b)
                         L = np.maximum(L, top[-1] - eps_blk)
                 thr = torch.from_numpy((L - eps_blk).astype(np.float32))        # (b,)
-                if not bool((S.amax(0) >= thr).any()):
-                    continue
                 rows_i, cols_i = torch.nonzero(S >= thr, as_tuple=True)
                 if rows_i.numel() == 0:
                     continue

@@ -110,15 +110,18 @@ class DenseScorer:
 _BLAS_LOCK = threading.Lock()
 
 
-def _pad_rows(n_rows: int, dim: int, seed: int = PAD_SEED):
-    """Yield float32 chunks of random-direction vectors of norm PAD_VECTOR_NORM."""
+def _pad_rows(n_rows: int, dim: int, seed: int = PAD_SEED, norm: float = C.PAD_VECTOR_NORM,
+              chunk: int = _PAD_CHUNK):
+    """Yield float32 chunks (at most ``chunk`` rows) of random-direction vectors of norm
+    ``norm``: the padding rows of a flat KB (fixed seed, so every index padded to the same
+    size holds the same rows; lazy, so a bf16 scan needs no float32 copy of them)."""
     rng = np.random.default_rng(seed)
     done = 0
     while done < n_rows:
-        m = min(_PAD_CHUNK, n_rows - done)
+        m = min(int(chunk), n_rows - done)
         x = rng.standard_normal((m, dim), dtype=np.float32)
         x /= np.linalg.norm(x, axis=1, keepdims=True)
-        x *= np.float32(C.PAD_VECTOR_NORM)
+        x *= np.float32(norm)
         yield x
         done += m
 
@@ -182,32 +185,32 @@ class DenseRetriever:
                              f"vectors are {self.n_docs} x {self.scorer.dim}")
         self.padded_rows = 0
         self.scan = None
+        extra = max(0, int(pad_to) - self.n_docs) if (pad_to and kind == "edr") else 0
         if kind == "edr" and bf16_scan.available(dense_scan):
-            extra = max(0, int(pad_to) - self.n_docs) if pad_to else 0
             self.scan = bf16_scan.Bf16Scan(self.scorer.vectors, _pad_rows(extra, self.scorer.dim),
                                            pad_rows=extra)
-            if extra:
-                self.padded_rows = int(pad_to)
-                log.warning("EDR bf16 scan padded to %d rows to emulate a larger knowledge base "
-                            "(%d real passages + %d random vectors of norm %g; results unchanged)",
-                            pad_to, self.n_docs, extra, C.PAD_VECTOR_NORM)
         elif kind == "adr":
             faiss.downcast_index(index).hnsw.efSearch = int(ef_search)
             self.ef_search = int(ef_search)
             if pad_to:
                 log.warning("pad_to=%d ignored: padding only applies to the edr retriever", pad_to)
-        elif pad_to and pad_to > self.n_docs:
-            extra = int(pad_to) - self.n_docs
+        else:
             for chunk in _pad_rows(extra, self.scorer.dim):
                 index.add(chunk)
+        if extra:
             self.padded_rows = int(pad_to)
-            log.warning("EDR index padded to %d rows to emulate a larger knowledge base "
+            log.warning("EDR %s padded to %d rows to emulate a larger knowledge base "
                         "(%d real passages + %d random vectors of norm %g; results unchanged)",
-                        pad_to, self.n_docs, extra, C.PAD_VECTOR_NORM)
+                        "bf16 scan" if self.scan is not None else "index", pad_to, self.n_docs, extra,
+                        C.PAD_VECTOR_NORM)
         self.index = index
         self.n_rows = self.scan.n_rows if self.scan is not None else int(index.ntotal)
-        self.dense_scan = "bf16" if self.scan is not None else "faiss"
         self.stats = {"searches": 0, "expansions": 0}
+
+    @property
+    def dense_scan(self) -> str:
+        """The candidate scan in use: 'bf16' or 'faiss'."""
+        return "bf16" if self.scan is not None else "faiss"
 
     def __repr__(self) -> str:
         pad = f", padded_rows={self.padded_rows}" if self.padded_rows else ""

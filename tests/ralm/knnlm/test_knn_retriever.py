@@ -59,18 +59,10 @@ def test_choose_token_ties_go_to_lowest_id():
     assert choose_token(p_lm, [(0, 0.1)], vals, KnnLMConfig(lmbda=0.5), mask_token=3) == 1
 
 
-def _bf16_or_skip():
-    from ralm.retrieval import bf16_scan
-
-    if not bf16_scan.probe_kernel():
-        pytest.skip("torch's bf16 matrix product does not accumulate in float32 here")
-
-
 @pytest.mark.parametrize("model", ["tiny-gpt2", "pydocs-gpt"])
 def test_bf16_scan_equals_faiss_scan(knn_setups, model):
     """The flat KB gives the same hits with the bf16 candidate scan as with FAISS, for the
     datastore's own queries (keys, and keys moved a little), alone and in batches, padded."""
-    _bf16_or_skip()
     lm, ds, _ = knn_setups[model]
     pad = 2 * len(ds) + 12345                    # padding rows in mixed and padding-only blocks
     bf = KnnRetriever(ds, "flat", pad_to=pad, scan="bf16")
@@ -91,7 +83,6 @@ def test_bf16_scan_equals_faiss_scan(knn_setups, model):
 
 def test_bf16_scan_ties_and_near_ties():
     """Duplicate keys and keys one float32 ulp apart: the bf16 path ranks them exactly."""
-    _bf16_or_skip()
     rng = np.random.default_rng(5)
     base = (rng.standard_normal((300, 32)) * 4 + 10).astype(np.float32)     # not unit, not centred
     near = base.copy()
