@@ -83,6 +83,10 @@ class StrideScheduler:
         self._windows.append((s, matched))
         self._verify_lat.append((s, latency_s))
 
+    def record_kb_latency(self, s: int, latency_s: float) -> None:
+        """A KB call of ``s`` queries that verified nothing (the first step's): b(s) only."""
+        self._verify_lat.append((s, latency_s))
+
     def record_direct(self, cache_was_right: bool, retrieval_s: float) -> None:
         """A direct (s = 0) step: its KB latency and whether the cache's guess was right."""
         self._windows.append((1, int(cache_was_right)))

@@ -136,6 +136,33 @@ class _SpecRun:
                 self.on_verified(self.X[self.n_q:upto], list(self.stats.doc_ids),
                                  self.eos and pending is None)
 
+    def _commit_kb_step(self, hits: Sequence[Hit]) -> int:
+        """Run a step on the KB's own ranking ``hits`` for the current query (already a
+        verified step: nothing to speculate, nothing to re-check). Returns its document."""
+        doc_id = doc_from_hits(hits, self.req)
+        self._generate(doc_id)
+        self.stats.steps += 1
+        self.stats.doc_ids.append(doc_id)
+        return doc_id
+
+    def first_step(self) -> None:
+        """Step 0 on the KB's answer for the question, which also warms the cache.
+
+        Algorithm 1 warms the cache with ``KB.search(query(X))`` and then speculates
+        step 0 from it. That query is step 0's query, so its top-1 *is* step 0's document:
+        speculating it could only ever match, and re-sending it in the first verification
+        costs a whole KB call (the first window has s = 1). So step 0 commits straight
+        away. Its latency is a real b(1) sample for OS3; it is not a gamma observation
+        (the cache could not have been wrong)."""
+        st = self.stats
+        t0 = time.perf_counter()
+        first = self.kb.search(self.query(self.X), self.p)
+        self.sched.record_kb_latency(1, time.perf_counter() - t0)
+        st.kb_calls += 1
+        st.kb_queries += 1
+        self._add_to_cache([first])
+        self._commit_kb_step(first)
+
     def direct_step(self) -> None:
         """s = 0: a plain RaLMSeq step (KB top-1, then f), with the cache's guess recorded."""
         st = self.stats
@@ -151,11 +178,8 @@ class _SpecRun:
         st.kb_queries += 1
         st.direct_steps += 1
         self._add_to_cache([hits])
-        doc_id = doc_from_hits(hits, self.req)
-        self.sched.record_direct(guess == doc_id, b)
-        self._generate(doc_id)
-        st.steps += 1
-        st.doc_ids.append(doc_id)
+        self.sched.record_direct(guess == doc_from_hits(hits, self.req), b)
+        self._commit_kb_step(hits)
 
     def rollback_to(self, step: _Step) -> None:
         self.stats.regenerated_tokens += len(self.X) - step.mark
@@ -165,12 +189,9 @@ class _SpecRun:
     # ---- the loop
     def run(self, executor: Executor) -> RalmResult:
         st = self.stats
-        # Warm the cache with the KB's answer for the first query.
         if not self.finished:                 # (a resumed request may already be complete)
-            first = self.kb.search(self.query(self.X), self.p)
-            st.kb_calls += 1
-            st.kb_queries += 1
-            self._add_to_cache([first])
+            self.first_step()
+            self.emit_verified(None)
         pending: _Step | None = None          # an async step waiting to open the next window
         while not self.finished or pending is not None:
             s = self.sched.next_stride()

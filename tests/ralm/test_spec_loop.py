@@ -39,17 +39,18 @@ def test_baseline_follows_schedule():
 
 @pytest.mark.parametrize("pos", [0, 1, 2], ids=["first", "middle", "last"])
 def test_mismatch_position_in_window(pos):
-    # window of s=3 starting at step 3 (steps 0..2 form the first window). The cache only
-    # holds doc 0, so a new doc at step 3+pos is a guaranteed mismatch at that position.
+    # window of s=3 starting at step 4 (step 0 runs on the warm-up retrieval, steps 1..3
+    # form the first window). The cache only holds doc 0, so a new doc at step 4+pos is a
+    # guaranteed mismatch at that position.
     spec = SpecConfig(stride=3)
-    base, out, gen, kb = both({3 + pos: 9}, spec)
+    base, out, gen, kb = both({4 + pos: 9}, spec)
     assert out.tokens == base.tokens
     assert out.stats.doc_ids == base.stats.doc_ids
     assert out.stats.rollbacks == 1
     # tokens after the mismatch position inside the window were regenerated
     assert out.stats.regenerated_tokens == (3 - pos) * K
     # the correction step used the KB's document 9
-    assert (9, 6 + (3 + pos) * K, K) in gen.calls
+    assert (9, 6 + (4 + pos) * K, K) in gen.calls
 
 
 def test_no_mismatch_means_one_kb_call_per_window():
@@ -57,8 +58,20 @@ def test_no_mismatch_means_one_kb_call_per_window():
     base, out, _, kb = both({}, spec)
     assert out.tokens == base.tokens
     assert out.stats.rollbacks == 0
-    # 12 steps in windows of 4 -> 3 verifications + the initial retrieval
-    assert kb.calls == [1, 4, 4, 4]
+    # 12 steps: step 0 on the initial retrieval (never re-verified), then windows of
+    # 4, 4 and 3 -> 3 verifications
+    assert kb.calls == [1, 4, 4, 3]
+    assert out.stats.kb_queries == 12 and out.stats.spec_steps == 11
+
+
+def test_first_step_uses_the_warm_up_retrieval():
+    # the warm-up KB call answers step 0's own query, so step 0 is never speculated and
+    # its query is never sent again; with s=1 and no mismatch that is one call per step
+    spec = SpecConfig(stride=1)
+    base, out, gen, kb = both({}, spec)
+    assert out.tokens == base.tokens
+    assert kb.calls == [1] * 12 and out.stats.kb_calls == base.stats.kb_calls == 12
+    assert out.stats.spec_steps == 11 and out.stats.cache_lookups == 11
 
 
 def test_eos_inside_window():
