@@ -68,6 +68,7 @@ class StrideScheduler:
         self._gen_lat: deque[float] = deque(maxlen=history)                     # generation only, s
         self._verify_lat: deque[tuple[int, float]] = deque(maxlen=history)     # (batch size, s)
         self._direct_lat: deque[float] = deque(maxlen=history)                  # direct retrieval, s
+        self._lookup_lat: deque[float] = deque(maxlen=history)                  # query + cache lookup, s
         self.decisions: list[int] = []
 
     # ---- measurements
@@ -87,10 +88,18 @@ class StrideScheduler:
         """A KB call of ``s`` queries that verified nothing (the first step's): b(s) only."""
         self._verify_lat.append((s, latency_s))
 
-    def record_direct(self, cache_was_right: bool, retrieval_s: float) -> None:
-        """A direct (s = 0) step: its KB latency and whether the cache's guess was right."""
+    def record_direct(self, cache_was_right: bool, retrieval_s: float, lookup_s: float | None = None) -> None:
+        """A direct (s = 0) step: its KB latency, whether the cache's guess was right and,
+        if given, what the guess cost (query encoding and cache lookup)."""
         self._windows.append((1, int(cache_was_right)))
         self._direct_lat.append(retrieval_s)
+        if lookup_s is not None:
+            self.record_lookup(lookup_s)
+
+    def record_lookup(self, latency_s: float) -> None:
+        """The non-generation part of a speculative step (query encoding, cache lookup),
+        measured outside one: it estimates ``a`` before any speculative step ran."""
+        self._lookup_lat.append(latency_s)
 
     # ---- estimates
     @property
@@ -105,7 +114,13 @@ class StrideScheduler:
         return min(m / (m + fails), self.cfg.gamma_max)
 
     def step_latency(self) -> float | None:
-        return fmean(self._step_lat) if self._step_lat else None
+        """a: measured speculative steps; before any, generation plus the cache lookups
+        measured in direct steps (a speculative step is exactly those two parts)."""
+        if self._step_lat:
+            return fmean(self._step_lat)
+        if not self._gen_lat:
+            return None
+        return fmean(self._gen_lat) + (fmean(self._lookup_lat) if self._lookup_lat else 0.0)
 
     def verify_latency(self, s: int) -> float | None:
         """b(s): least-squares line over recent (s, latency) when several sizes were seen,
@@ -140,10 +155,17 @@ class StrideScheduler:
         if not cfg.adaptive_stride:
             return cfg.stride
         g, a = self.gamma, self.step_latency()
-        if g is None or a is None or not self._verify_lat:
+        if a is None or not self._verify_lat:
             s = 1                        # start at s = 1 until there is something to estimate
         else:
-            s, rate = self.best_stride(g, a)
+            start = g is None
+            # No accuracy observed yet: the paper starts at s = 1. With the s = 0 extension,
+            # first ask whether speculation could pay at all, at the optimistic prior
+            # gamma = gamma_max; where even that loses to direct steps (cheap retrieval),
+            # start with direct steps, whose shadow guesses then measure gamma.
+            s, rate = self.best_stride(cfg.gamma_max if start else g, a)
+            if start:
+                s = 1
             if cfg.allow_direct and self._gen_lat:
                 gen = fmean(self._gen_lat)
                 # a direct step costs generation + one KB retrieval (measured, or b(1) plus

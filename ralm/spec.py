@@ -152,12 +152,18 @@ class _SpecRun:
         step 0 from it. That query is step 0's query, so its top-1 *is* step 0's document:
         speculating it could only ever match, and re-sending it in the first verification
         costs a whole KB call (the first window has s = 1). So step 0 commits straight
-        away. Its latency is a real b(1) sample for OS3; it is not a gamma observation
-        (the cache could not have been wrong)."""
+        away. It gives OS3 its first measurements, split the way a speculative window
+        spends them: the query encoding (a speculative step pays it; the KB search then
+        reuses the memoised vector) and the search itself, a b(1) sample. It is not a
+        gamma observation (the cache could not have been wrong)."""
         st = self.stats
+        q = self.query(self.X)
         t0 = time.perf_counter()
-        first = self.kb.search(self.query(self.X), self.p)
-        self.sched.record_kb_latency(1, time.perf_counter() - t0)
+        self.kb.scorer.encode([q])
+        t1 = time.perf_counter()
+        first = self.kb.search(q, self.p)
+        self.sched.record_lookup(t1 - t0)
+        self.sched.record_kb_latency(1, time.perf_counter() - t1)
         st.kb_calls += 1
         st.kb_queries += 1
         self._add_to_cache([first])
@@ -169,6 +175,7 @@ class _SpecRun:
         q = self.query(self.X)
         t0 = time.perf_counter()
         guess = doc_from_hits(self.cache.search(self.kb.scorer.encode([q])[0], self.depth), self.req)
+        lookup = time.perf_counter() - t0
         # only the documents the step uses: prefetching top-p here would cost cache
         # insertions (e.g. BM25 term vectors) on every step of a regime chosen precisely
         # because retrieval is cheap; the next verification prefetches again
@@ -178,7 +185,7 @@ class _SpecRun:
         st.kb_queries += 1
         st.direct_steps += 1
         self._add_to_cache([hits])
-        self.sched.record_direct(guess == doc_from_hits(hits, self.req), b)
+        self.sched.record_direct(guess == doc_from_hits(hits, self.req), b, lookup)
         self._commit_kb_step(hits)
 
     def rollback_to(self, step: _Step) -> None:

@@ -107,3 +107,52 @@ def test_direct_disabled_by_config():
 def test_correction_cost_counts_in_rate():
     a, b, g = 0.04, 0.001, 0.6
     assert objective(2, g, a, b, False, correction=a) < objective(2, g, a, b, False)
+
+
+def test_first_decision_after_warm_up_is_direct_when_retrieval_is_cheap():
+    # after step 0 there is a KB latency (the warm-up call) and a generation time but no
+    # accuracy yet: even at the optimistic prior gamma = gamma_max, speculation cannot pay
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True))
+    sch.record_kb_latency(1, 0.001)
+    sch.record_generation(0.040)
+    assert sch.gamma is None and sch.next_stride() == 0
+
+
+def test_first_decision_after_warm_up_starts_at_one_when_retrieval_is_expensive():
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True))
+    sch.record_kb_latency(1, 0.400)
+    sch.record_generation(0.040)
+    assert sch.next_stride() == 1          # the paper's start, not the optimum at the prior
+
+
+def test_first_decision_without_direct_extension_is_one():
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True, allow_direct=False))
+    sch.record_kb_latency(1, 0.001)
+    sch.record_generation(0.040)
+    assert sch.next_stride() == 1
+
+
+def test_step_latency_before_any_speculative_step_is_generation_plus_lookup():
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True))
+    assert sch.step_latency() is None
+    sch.record_generation(0.030)
+    sch.record_direct(True, 0.002, lookup_s=0.010)
+    assert sch.step_latency() == pytest.approx(0.040)
+    sch.record_step(0.050)                  # a measured speculative step takes over
+    assert sch.step_latency() == pytest.approx(0.050)
+
+
+def test_lookup_measured_at_warm_up_counts_in_step_latency_and_decides_start():
+    # ADR-like costs: the query encoding (12 ms) dominates retrieval, the search is 2 ms.
+    # Counting the encoding in a (a speculative step pays it) makes direct steps win at the
+    # start; without it, the same numbers would start speculating.
+    def sched(lookup):
+        s = StrideScheduler(SpecConfig.named("PSA"))
+        s.record_generation(0.018)
+        if lookup:
+            s.record_lookup(0.012)
+        s.record_kb_latency(1, 0.002 if lookup else 0.014)
+        return s
+    assert sched(True).step_latency() == pytest.approx(0.030)
+    assert sched(True).next_stride() == 0
+    assert sched(False).next_stride() == 1

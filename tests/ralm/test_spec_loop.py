@@ -156,3 +156,16 @@ def test_direct_steps_are_exact_and_counted():
     out = run_spec(Q, gen2, kb2, req2, SpecConfig(adaptive_stride=True))
     assert out.tokens == base.tokens and out.stats.doc_ids == base.stats.doc_ids
     assert out.stats.direct_steps > 0
+
+
+def test_cheap_retrieval_never_speculates_so_never_rolls_back():
+    # With retrieval far cheaper than a generation step, OS3 decides on direct steps from
+    # the first decision (after the warm-up call), so no speculative step is ever thrown
+    # away: PSA does RaLMSeq's work plus shadow guesses, one KB call per step.
+    schedule = {1: 3, 2: 3, 5: 8, 6: 1, 7: 8, 9: 2}
+    gen, kb, req = pipeline(schedule)
+    gen.step_sleep = 0.01
+    out = run_spec(Q, gen, kb, req, SpecConfig.named("PSA"))
+    assert out.stats.spec_steps == 0 and out.stats.rollbacks == 0
+    assert out.stats.regenerated_tokens == 0 and out.stats.async_steps_discarded == 0
+    assert out.stats.kb_calls == out.stats.steps == 12 and out.stats.direct_steps == 11
