@@ -25,6 +25,15 @@ counting the correction, ``E(s) / (L(s) + (1-g^s) g)``, with the rate of a direc
 RaLMSeq step, so outputs do not change; the loop still asks the cache for its guess and
 records whether it was right, so gamma stays current and speculation resumes when it
 pays.
+
+**Start.** The paper starts at s = 1. Here the loop's step 0 runs on the warm-up KB call
+(:mod:`ralm.spec`), which measures b(1), the query encoding and a generation step before
+the first decision. With ``allow_direct``, that decision compares direct steps with the
+best stride at the optimistic prior gamma = gamma_max: if even that loses, the request
+starts with direct steps (no rollback is ever paid on a KB cheaper than a step), else it
+starts speculating at s = 1 as the paper does. Before any speculative step, ``a`` is
+estimated as generation plus the measured lookup (encoding + cache search), the two
+parts a speculative step consists of.
 """
 from __future__ import annotations
 

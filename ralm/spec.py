@@ -10,6 +10,9 @@ rolled back and regenerated with the KB's document. Options, independent of each
   release the GIL), run the next speculative step. If the window verifies, that step
   becomes the first step of the next window; otherwise it is discarded.
 
+Step 0 runs on the warm-up KB answer (its own query's top-1), so it is never speculated
+or re-verified (see :meth:`_SpecRun.first_step`).
+
 Exactness: every committed step's document is the KB's top-1 for its query, and every
 step is ``f(doc, X, k)`` over the same ``X`` RaLMSeq would have, so the tokens are equal.
 """
