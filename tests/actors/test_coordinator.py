@@ -133,10 +133,14 @@ def test_coordinator_equals_in_process_seq(stack, baselines, method, spec):
         assert res["tokens"] == b.tokens, q
         assert res["stats"]["doc_ids"] == b.stats.doc_ids
         assert res["text"] == b.text
-        if spec is not None and spec.async_verify:
+        st = res["stats"]
+        if spec is not None and spec.async_verify and not spec.adaptive_stride:
             # a speculative step ran while the verifier call was in flight (thread + ObjectRef)
-            st = res["stats"]
             assert st["async_steps_kept"] + st["async_steps_discarded"] > 0
+        if spec is not None and spec.adaptive_stride:
+            # the fixture KB is far cheaper than a generation step: OS3 (with the s = 0
+            # extension) runs direct steps from its first decision and never rolls back
+            assert st["direct_steps"] > 0 and st["rollbacks"] == 0
     info = ray.get(stack["coord"].info.remote())
     assert info["busy"] is False
 
