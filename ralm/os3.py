@@ -91,7 +91,7 @@ class StrideScheduler:
 
     def record_verification(self, s: int, matched: int, latency_s: float) -> None:
         self._windows.append((s, matched))
-        self._verify_lat.append((s, latency_s))
+        self.record_kb_latency(s, latency_s)
 
     def record_kb_latency(self, s: int, latency_s: float) -> None:
         """A KB call of ``s`` queries that verified nothing (the first step's): b(s) only."""

@@ -164,7 +164,7 @@ class _SpecRun:
         t0 = time.perf_counter()
         self.kb.scorer.encode([q])
         t1 = time.perf_counter()
-        first = self.kb.search(q, self.p)
+        first = self.kb.search(q, self.p)    # reuses the memoised vector (dense)
         self.sched.record_lookup(t1 - t0)
         self.sched.record_kb_latency(1, time.perf_counter() - t1)
         st.kb_calls += 1
@@ -188,8 +188,8 @@ class _SpecRun:
         st.kb_queries += 1
         st.direct_steps += 1
         self._add_to_cache([hits])
-        self.sched.record_direct(guess == doc_from_hits(hits, self.req), b, lookup)
-        self._commit_kb_step(hits)
+        doc_id = self._commit_kb_step(hits)
+        self.sched.record_direct(guess == doc_id, b, lookup)
 
     def rollback_to(self, step: _Step) -> None:
         self.stats.regenerated_tokens += len(self.X) - step.mark
