@@ -53,6 +53,9 @@ def add_knn_bench_args(p: argparse.ArgumentParser) -> None:
                    help="speculative cache capacity in entries (0: --cache-retrievals KB answers)")
     p.add_argument("--cache-retrievals", type=int, default=8,
                    help="default cache capacity in KB answers, each p (n + 1) entries (KnnLMConfig.cache_retrievals)")
+    p.add_argument("--cache-project-dims", type=int, default=C.KNN_CACHE_PROJECT_DIMS,
+                   help="speculative cache scans PCA-projected keys of this many dims (0: full keys; "
+                        "KnnLMConfig.cache_project_dims; never changes results)")
     p.add_argument("--scan", choices=("auto", "faiss", "bf16"), default="auto",
                    help="flat index candidate scan (KnnLMConfig.scan)")
     p.add_argument("--pad-to", type=int, default=0,
@@ -198,7 +201,7 @@ def knn_bench_main(args) -> int:
              f"n={args.spatial_next}, OS3 gamma_max={args.gamma_max} (S@G: cap G), max stride {args.max_stride}, "
              f"P prefetch size {args.prefetch_size}, cache capacity "
              f"{args.cache_entries or f'max(4096, {args.cache_retrievals} p (n + 1)), p = entries fetched per query'}, "
-             f"threads={args.threads}"]
+             f"cache scan {args.cache_project_dims or 'full'} dims, threads={args.threads}"]
     rows, per_request = [], []
     t_all = time.perf_counter()
     for kind in kinds:
@@ -214,6 +217,7 @@ def knn_bench_main(args) -> int:
             knn = KnnLMConfig(k=k, lmbda=args.lmbda, temperature=args.temperature, index=kind,
                               spatial_next=args.spatial_next, pad_to=args.pad_to if kind == "flat" else 0,
                               cache_max_entries=args.cache_entries, cache_retrievals=args.cache_retrievals,
+                              cache_project_dims=args.cache_project_dims,
                               scan=args.scan)
             for p in warm:
                 run_knn_seq(p, engine, kb, knn, req)

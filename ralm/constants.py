@@ -59,6 +59,11 @@ KNN_SPATIAL_NEXT = 10         # n: entries after each retrieved one inserted int
 KNN_CACHE_MIN_ENTRIES = 4096  # speculative cache capacity = max(this, 2 k (n + 1)) unless set
 KNN_MAX_PASSAGE_TOKENS = 256  # datastore: a passage is truncated to this many tokens
 KNN_PAD_NORM_FACTOR = 1e3     # L2 padding vectors: norm = this x the largest key norm (never in a top-k)
+KNN_CACHE_PROJECT_DIMS = 64   # speculative cache scans keys PCA-projected to this many dims (0: full keys)
+KNN_PROJECTED_MIN_CANDIDATES = 256  # first candidate count of a projected cache scan: at least this,
+KNN_PROJECTED_CANDIDATE_FACTOR = 4  # and this many times k + margin (then doubled while the bound says so)
+KNN_PROJECTED_MAX_K = 256     # above this k a request's cache scans the full keys (projection slower there)
+KNN_PROJECTION_SAMPLE = 65536 # keys sampled (evenly strided) to fit that PCA basis
 KNN_RERANK_MARGIN = 16        # extra candidates (at least; k/8 for large k) before exact re-scoring
 
 # ---- paths ----

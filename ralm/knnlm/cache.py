@@ -10,9 +10,12 @@ are all cached, the cache returns the KB's list exactly.
 Storage: a ring buffer of at most ``capacity`` entries (first in, first out; a
 re-inserted entry keeps its place), keys copied once at insertion. Search: FAISS brute
 force L2 over the buffer for candidates, then the same exact re-scoring and boundary
-expansion as the KB (:func:`ralm.knnlm.retriever.exact_knn`). (A bf16 ring with
-bf16_scan's bound was tried: no faster here - 5.5 vs 6.7 ms at 90K entries, slower
-below 20K - so the cache stays float32.)
+expansion as the KB (:func:`ralm.knnlm.retriever.exact_knn`). With ``project_dims`` = r
+(``KnnLMConfig.cache_project_dims``, default 64) the ring holds the keys' PCA projection
+(:mod:`ralm.knnlm.projection`): the scan reads d / r times less, and since a projected
+distance is a lower bound of the real one, the re-scoring and expansion still return
+exactly the top-k of the cached entries. (A bf16 ring with bf16_scan's bound was tried:
+no faster here - 5.5 vs 6.7 ms at 90K entries, slower below 20K.)
 
 Capacity (:func:`default_capacity`): room for the entries of ``retrievals`` (default
 ``KNN_CACHE_RETRIEVALS`` = 8, ``KnnLMConfig.cache_retrievals``) KB answers (each ``p (n + 1)`` entries, p = entries fetched per query), at least
@@ -29,6 +32,7 @@ import numpy as np
 from ralm import constants as C
 from ralm.knnlm.datastore import Datastore
 from ralm.knnlm.metric import Hit, l2_distances
+from ralm.knnlm.projection import projection_for, projection_tolerance
 from ralm.knnlm.retriever import exact_knn, margin_for
 
 
@@ -42,12 +46,16 @@ def default_capacity(k: int, n_next: int, retrievals: int = KNN_CACHE_RETRIEVALS
 
 class KnnEntryCache:
     def __init__(self, datastore: Datastore, n_next: int = C.KNN_SPATIAL_NEXT,
-                 capacity: int = C.KNN_CACHE_MIN_ENTRIES, rerank_margin: int = C.KNN_RERANK_MARGIN):
+                 capacity: int = C.KNN_CACHE_MIN_ENTRIES, rerank_margin: int = C.KNN_RERANK_MARGIN,
+                 project_dims: int = 0):
         self.ds = datastore
         self.n_next = int(n_next)
         self.capacity = int(capacity)
         self.rerank_margin = int(rerank_margin)
-        self._keys = np.empty((self.capacity, datastore.dim), dtype=np.float32)
+        # scanned key rows: the PCA projection (r dims) or the keys themselves (d dims)
+        self.proj = projection_for(datastore, int(project_dims)) if 0 < int(project_dims) < datastore.dim else None
+        self._rows = self.proj.reduced if self.proj is not None else datastore.keys
+        self._keys = np.empty((self.capacity, self._rows.shape[1]), dtype=np.float32)
         self._ids = np.full(self.capacity, -1, dtype=np.int64)
         self._slot_of = np.full(len(datastore), -1, dtype=np.int64)   # entry id -> ring slot
         self._pos = 0                       # next ring slot
@@ -103,7 +111,7 @@ class KnnEntryCache:
         old = self._ids[slots]
         self._slot_of[old[old >= 0]] = -1
         self._ids[slots] = new_arr
-        self._keys[slots] = self.ds.keys[new_arr]
+        self._keys[slots] = self._rows[new_arr]
         self._slot_of[new_arr] = slots
         self._pos = int((self._pos + len(new_arr)) % self.capacity)
         self._filled = min(self.capacity, self._filled + len(new_arr))
@@ -130,11 +138,20 @@ class KnnEntryCache:
         keys = self._keys[:n_rows]
         ids_all = self._ids[:n_rows]
         scale = float(np.dot(q[0].astype(np.float64), q[0].astype(np.float64))) + self._key_scale
+        margin = margin_for(k, self.rerank_margin)
+        if self.proj is None:
+            q_scan, extra_tol, n_first = q, 0.0, k + margin
+        else:
+            # projected distances bound the real ones from below but rank more loosely:
+            # start with more candidates so that one scan usually suffices
+            q_scan = self.proj.project(q[0])
+            extra_tol = projection_tolerance(self.ds.dim, self.proj.dims, scale)
+            n_first = max(C.KNN_PROJECTED_MIN_CANDIDATES, C.KNN_PROJECTED_CANDIDATE_FACTOR * (k + margin))
 
         def candidates(n: int):
             if n >= n_rows:
                 return ids_all, None, True
-            D, I = faiss.knn(q, keys, int(n), metric=faiss.METRIC_L2)
+            D, I = faiss.knn(q_scan, keys, int(n), metric=faiss.METRIC_L2)
             D, I = D[0], I[0]
             valid = I >= 0
             return ids_all[I[valid]], (float(D[valid][-1]) if valid.any() else None), int(valid.sum()) < n
@@ -142,6 +159,5 @@ class KnnEntryCache:
         def rescore(ids):
             return l2_distances(self.ds.keys[ids], q[0])
 
-        n_first = min(k + margin_for(k, self.rerank_margin), n_rows)
-        hits, _ = exact_knn(k, n_first, n_rows, candidates, rescore, scale)
+        hits, _ = exact_knn(k, min(n_first, n_rows), n_rows, candidates, rescore, scale, extra_tol=extra_tol)
         return hits

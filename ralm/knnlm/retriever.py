@@ -89,11 +89,13 @@ def margin_for(k: int, margin: int) -> int:
 
 
 def exact_knn(k: int, n_first: int, n_max: int, candidates, rescore, scale: float,
-              stats: dict | None = None) -> tuple[list[Hit], bool]:
+              stats: dict | None = None, extra_tol: float = 0.0) -> tuple[list[Hit], bool]:
     """Candidate / exact re-score / boundary-expansion loop for one query.
 
     ``candidates(n) -> (ids, bound, complete)`` with ``bound`` the largest candidate-stage
-    distance among the rows returned (None if none). Returns (hits, complete).
+    distance among the rows returned (None if none): every row not returned has a
+    candidate-stage distance >= bound that is (up to the tolerance, plus ``extra_tol``)
+    a lower bound of its exact distance. Returns (hits, complete).
     """
     n = max(1, min(n_first, n_max))
     while True:
@@ -102,7 +104,7 @@ def exact_knn(k: int, n_first: int, n_max: int, candidates, rescore, scale: floa
         hits = rank_by_distance(ids, rescore(ids) if ids.size else np.zeros(0), k)
         if complete or n >= n_max:
             return hits, complete
-        if len(hits) >= k and bound is not None and hits[-1][1] + tolerance(bound, scale) < bound:
+        if len(hits) >= k and bound is not None and hits[-1][1] + tolerance(bound, scale) + extra_tol < bound:
             return hits, False
         if stats is not None:
             stats["expansions"] = stats.get("expansions", 0) + 1
