@@ -138,9 +138,13 @@ def test_coordinator_equals_in_process_seq(stack, baselines, method, spec):
             # a speculative step ran while the verifier call was in flight (thread + ObjectRef)
             assert st["async_steps_kept"] + st["async_steps_discarded"] > 0
         if spec is not None and spec.adaptive_stride:
-            # the fixture KB is far cheaper than a generation step: OS3 (with the s = 0
-            # extension) runs direct steps from its first decision and never rolls back
-            assert st["direct_steps"] > 0 and st["rollbacks"] == 0
+            # OS3's choice between direct steps and speculation follows measured latencies,
+            # which vary with the machine's load (a loaded CI run once chose speculation and no
+            # direct step here, with identical tokens), so only the accounting is asserted: every
+            # committed step has its document, and a rollback needs a verification
+            assert len(st["doc_ids"]) == st["steps"] == len(b.stats.doc_ids)
+            assert st["rollbacks"] <= st["verifications"]
+            assert st["direct_steps"] + st["verifications"] > 0
     info = ray.get(stack["coord"].info.remote())
     assert info["busy"] is False
 
