@@ -181,10 +181,8 @@ class KnnServer:
             raise ValueError("knnlm.config.datastore_dir must be resolved before the replica starts")
         self.ds, self.built = _load_or_build_knn(self.opts, engine, corpus)
         self.kb = load_knn_retriever(self.ds, self.opts.config)
-        dims = self.opts.config.cache_project_dims
-        if 0 < dims < self.ds.dim:              # fit the cache's projection now, not in the first request
-            from ralm.knnlm.projection import projection_for
-            projection_for(self.ds, dims)
+        from ralm.knnlm.projection import projection_for
+        projection_for(self.ds, self.opts.config.cache_project_dims)   # fit it now, not in the first request
         self.lm = _KnnLM(engine, lock)
         self.requests = 0
 

@@ -53,7 +53,7 @@ class KnnEntryCache:
         self.capacity = int(capacity)
         self.rerank_margin = int(rerank_margin)
         # scanned key rows: the PCA projection (r dims) or the keys themselves (d dims)
-        self.proj = projection_for(datastore, int(project_dims)) if 0 < int(project_dims) < datastore.dim else None
+        self.proj = projection_for(datastore, project_dims)
         self._rows = self.proj.reduced if self.proj is not None else datastore.keys
         self._keys = np.empty((self.capacity, self._rows.shape[1]), dtype=np.float32)
         self._ids = np.full(self.capacity, -1, dtype=np.int64)

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ralm import constants as C
+from ralm.retrieval.bf16_scan import U_FP32
 
-_F32_U = 2.0 ** -24
 _LOCK = threading.Lock()
 
 
@@ -53,7 +53,7 @@ class KeyProjection:
 
     def project(self, q: np.ndarray) -> np.ndarray:
         """(d,) query -> (1, r) float32 row, ready for a FAISS scan."""
-        return (np.asarray(q, dtype=np.float32).reshape(1, -1) @ self.basis.T).astype(np.float32)
+        return np.asarray(q, dtype=np.float32).reshape(1, -1) @ self.basis.T
 
 
 def projection_tolerance(d: int, r: int, scale: float) -> float:
@@ -62,7 +62,7 @@ def projection_tolerance(d: int, r: int, scale: float) -> float:
     Each projected coordinate is a float32 dot product over ``d`` terms (error <= d u |x|
     with the unit basis row), the difference and squares add a few u, and the sum over
     ``r`` coordinates r u; 4 (d + r) u scale covers them with room."""
-    return 4.0 * (d + r) * _F32_U * float(scale)
+    return 4.0 * (d + r) * U_FP32 * float(scale)
 
 
 def fit_projection(keys: np.ndarray, dims: int, sample: int = C.KNN_PROJECTION_SAMPLE,
@@ -85,14 +85,15 @@ def fit_projection(keys: np.ndarray, dims: int, sample: int = C.KNN_PROJECTION_S
     return KeyProjection(basis, reduced)
 
 
-def projection_for(datastore, dims: int) -> KeyProjection:
+def projection_for(datastore, dims: int) -> KeyProjection | None:
     """The datastore's projection to ``dims`` dimensions, computed once and kept on it
-    (every request's cache shares it)."""
-    memo = getattr(datastore, "_projections", None)
-    if memo is None:
-        memo = {}
-        datastore._projections = memo
+    (every request's cache shares it); None when ``dims`` is 0 or not below the key
+    dimension (the full keys are scanned)."""
+    dims = int(dims)
+    if not 0 < dims < datastore.dim:
+        return None
     with _LOCK:
+        memo = datastore.__dict__.setdefault("_projections", {})
         if dims not in memo:
             memo[dims] = fit_projection(datastore.keys, dims)
         return memo[dims]

@@ -45,11 +45,11 @@ import numpy as np
 from ralm import constants as C
 from ralm.knnlm.datastore import Datastore
 from ralm.knnlm.metric import Hit, l2_distances, rank_by_distance, tolerance
+from ralm.retrieval.bf16_scan import U_FP32
 
 log = logging.getLogger(__name__)
 _GEMM_BLOCK = 1 << 16
 SCANS = ("auto", "faiss", "bf16")
-_F32_U = 2.0 ** -24
 
 
 def narrow_candidates(keys: np.ndarray, ids: np.ndarray, q: np.ndarray, k: int) -> np.ndarray:
@@ -78,7 +78,7 @@ def narrow_candidates(keys: np.ndarray, ids: np.ndarray, q: np.ndarray, k: int) 
     if not np.all(np.isfinite(d32)):
         return ids                                                   # no bound: keep them all
     d = X.shape[1]
-    eps = 1.25 * (d + 4) * _F32_U
+    eps = 1.25 * (d + 4) * U_FP32
     a = (d + 1) * 2.0 ** -120
     hi_k = np.partition(d32, k - 1)[k - 1] * (1 + eps) + a
     return ids[d32 * (1 - eps) - a <= hi_k]
