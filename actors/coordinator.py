@@ -29,6 +29,7 @@ import logging
 import os
 import queue
 import threading
+import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Sequence
@@ -129,12 +130,24 @@ class VerifierKB:
         self.name = name
         self.verifier = verifier
         self.scorer = scorer
+        self.requester: str | None = None    # the request in flight, announced to the verifier
 
     def search(self, query: str, k: int) -> list[Hit]:
         return self.batch_search([query], k)[0]
 
     def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
-        return _get(self.verifier.verify.remote(list(queries), int(k)))
+        return _get(self.verifier.verify.remote(list(queries), int(k), self.requester))
+
+    def begin(self, requester: str) -> None:
+        """Announce a request (the verifier may then send a batch as soon as every announced
+        request is waiting); fire and forget: batching never changes a result."""
+        self.requester = requester
+        self.verifier.begin.remote(requester)
+
+    def end(self) -> None:
+        if self.requester is not None:
+            self.verifier.end.remote(self.requester)
+            self.requester = None
 
 
 class StreamDecoder:
@@ -170,8 +183,10 @@ class Coordinator:
         self.spec_defaults = SpecConfig.model_validate(spec_defaults or {})
         self.executor = ThreadPoolExecutor(max_workers=verify_threads, thread_name_prefix="coord-verify")
         self._gen: RemoteGenerator | None = None
-        self._kbs: dict[str, VerifierKB] = {}
+        self._kbs: dict[str, Any] = {}             # the retriever each request uses (maybe store-cached)
+        self._vkbs: dict[str, VerifierKB] = {}      # the verifier-backed one underneath
         self._caches: dict[str, Any] = {}
+        self._me = uuid.uuid4().hex[:12]             # tags this coordinator's requests at the verifiers
         self.served = 0
         self.busy = False
         self.state = dict(state or {})
@@ -219,6 +234,7 @@ class Coordinator:
             v = self.verifiers[kind]
             scorer = RemoteScorer(v, _get(v.score_function.remote()))
             kb: Any = VerifierKB(kind, v, scorer)
+            self._vkbs[kind] = kb
             version = (self.state.get("kb_cache") or {}).get(kind)
             if version and self._store() is not None:
                 from cache.state import StoreCachedRetriever
@@ -303,6 +319,8 @@ class Coordinator:
                 log.info("request %s resumes from a checkpoint of %d tokens", rid, len(resume.tokens))
             on_verified = self._checkpointer(rid, digest, q_tokens)
         self.busy = True
+        vkb = self._vkbs[kind]
+        vkb.begin(f"{self._me}:{self.served}")
         try:
             if method == "seq":
                 res = run_seq(request["question"], gen, kb, req, on_commit=on_commit, resume=resume,
@@ -320,6 +338,7 @@ class Coordinator:
             record_request(res.stats)
             return res
         finally:
+            vkb.end()
             for c in self._caches.values():
                 c.clear()
             self.busy = False

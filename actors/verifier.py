@@ -2,9 +2,22 @@
 
 One :class:`Verifier` actor per retriever kind takes the KB calls of every in-flight
 request - RaLMSpec's verifications and first retrievals, RaLMSeq's per-step searches.
-It collects them for a short window (``window_ms``) or until ``max_batch`` queries are
-waiting, then sends **one** batched search to each shard (through its
-:class:`~actors.shard.ShardedRetriever`) and routes each request's rows back.
+It collects them for a window (``window_ms``), until ``max_batch`` queries are waiting, or
+until every request in flight is waiting on it, then sends **one** batched search to each
+shard (through its :class:`~actors.shard.ShardedRetriever`) and routes each request's rows
+back.
+
+"Every request in flight is waiting" is what makes a long window cheap: coordinators
+announce their requests (:meth:`Verifier.begin` / :meth:`Verifier.end`) and tag their KB
+calls with them. A request has at most one KB call outstanding, so once each announced
+request has a call queued, no further call can come and waiting longer only adds latency.
+One request alone is therefore searched at once whatever the window; sixteen share one
+search. Requests whose call is being searched do *not* count as waiting: counting them
+splits the requests into groups that alternate on the KB forever (measured: exactly 4
+queries per search at 16 in flight), while waiting for them (bounded by the window) merges
+the groups into one. Requests that stopped calling
+(a coordinator that died before ``end``) are forgotten after ``ACTIVE_TTL_S``; the window
+always bounds the wait.
 
 Batching never changes a result: each query's KB result is independent of the batch it
 arrives in (every retriever re-scores exactly and ranks by (score desc, doc id asc)).
@@ -31,6 +44,19 @@ log = logging.getLogger(__name__)
 
 SearchFn = Callable[[list[str], int], Awaitable[list[list[Hit]]]]
 
+ACTIVE_TTL_S = 120.0     # an announced request that has not called for this long is forgotten
+# Server defaults (deployments/app.py VerifierOptions). The window only bounds the wait: with
+# every in-flight request announced, a batch leaves as soon as all of them wait, so one request
+# alone is never delayed. It must cover one round of generation steps of all requests in
+# flight, or the latest ones miss the batch and the requests split into groups that take turns
+# on the KB: 16 requests through one CPU generator replica take 16 x 30-50 ms (served
+# benchmark, 16 RaLMSeq requests in flight: 5.8 queries per search at 400 ms, 7.6 at 1 s;
+# RaLMSpec PSA 7.2 and 11.3). One batch in
+# flight lets the next one fill up while it is searched (two halve each batch and compete for
+# the same cores).
+DEFAULT_WINDOW_MS = 1000.0
+DEFAULT_MAX_INFLIGHT = 1
+
 
 @dataclass
 class _Item:
@@ -38,6 +64,7 @@ class _Item:
     k: int
     future: asyncio.Future
     t: float
+    requester: str | None = None
 
 
 @dataclass
@@ -45,6 +72,7 @@ class BatchStats:
     submissions: int = 0
     queries: int = 0
     batches: int = 0                 # flushes
+    early_flushes: int = 0           # flushes because every announced request was waiting
     searches: int = 0                # KB searches sent (one per distinct k per flush)
     searched_queries: int = 0        # after de-duplication
     max_batch_queries: int = 0
@@ -62,11 +90,13 @@ class VerificationBatcher:
     """Async batcher: ``await submit(queries, k)`` returns exactly ``search(queries, k)``.
 
     ``search(queries, k)`` is an async function doing one batched KB search. With
-    ``enabled=False`` every submission is searched on its own, immediately.
+    ``enabled=False`` every submission is searched on its own, immediately. With
+    ``flush_when_all_waiting``, a batch also goes as soon as every request announced with
+    :meth:`begin` has a submission pending or being searched.
     """
 
-    def __init__(self, search: SearchFn, window_ms: float = 2.0, max_batch: int = 64,
-                 enabled: bool = True, max_inflight: int = 2):
+    def __init__(self, search: SearchFn, window_ms: float = DEFAULT_WINDOW_MS, max_batch: int = 64,
+                 enabled: bool = True, max_inflight: int = DEFAULT_MAX_INFLIGHT, flush_when_all_waiting: bool = True):
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         self.search = search
@@ -82,11 +112,44 @@ class VerificationBatcher:
         self._sem: asyncio.Semaphore | None = None
         self._max_inflight = max(1, int(max_inflight))
         self._tasks: set[asyncio.Task] = set()
+        self.flush_when_all_waiting = bool(flush_when_all_waiting)
+        self._active: dict[str, float] = {}        # announced request -> time of its last call (monotonic s)
 
-    async def submit(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+    # ---- requests in flight
+    def begin(self, requester: str) -> None:
+        """A request that will submit KB calls (tagged ``requester``) is in flight."""
+        self._active[str(requester)] = time.monotonic()
+        self._poke()
+
+    def end(self, requester: str) -> None:
+        """That request finished: the others need not wait for it."""
+        self._active.pop(str(requester), None)
+        self._poke()
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._active)
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _all_waiting(self) -> bool:
+        """Every announced request has a submission queued."""
+        if not (self.flush_when_all_waiting and self._active and self._pending):
+            return False
+        now = time.monotonic()
+        for r in [r for r, t in self._active.items() if now - t > ACTIVE_TTL_S]:
+            del self._active[r]
+        waiting = {it.requester for it in self._pending}
+        return bool(self._active) and all(r in waiting for r in self._active)
+
+    async def submit(self, queries: Sequence[str], k: int, requester: str | None = None) -> list[list[Hit]]:
         queries = list(queries)
         if not queries:
             return []
+        if requester is not None and requester in self._active:
+            self._active[requester] = time.monotonic()
         self.stats.submissions += 1
         self.stats.queries += len(queries)
         if not self.enabled:
@@ -98,7 +161,7 @@ class VerificationBatcher:
         if self._wake is None:
             self._wake = asyncio.Event()
             self._sem = asyncio.Semaphore(self._max_inflight)
-        item = _Item(queries, int(k), loop.create_future(), loop.time())
+        item = _Item(queries, int(k), loop.create_future(), loop.time(), requester)
         self._pending.append(item)
         self._n_pending += len(queries)
         self._wake.set()
@@ -120,7 +183,11 @@ class VerificationBatcher:
         assert self._wake is not None and self._sem is not None
         while self._pending:
             deadline = self._pending[0].t + self.window_s
+            early = False
             while self._n_pending < self.max_batch:
+                if self._all_waiting():
+                    early = True
+                    break
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
@@ -129,19 +196,20 @@ class VerificationBatcher:
                     await asyncio.wait_for(self._wake.wait(), remaining)
                 except asyncio.TimeoutError:
                     break
-            await self._sem.acquire()            # at most max_inflight batches in flight;
+            sem = self._sem                      # (configure may swap it between batches)
+            await sem.acquire()                  # at most max_inflight batches in flight;
             batch, total = [], 0                 # meanwhile more submissions accumulate
             while self._pending and (not batch or total + len(self._pending[0].queries) <= self.max_batch):
                 it = self._pending.pop(0)
                 batch.append(it)
                 total += len(it.queries)
             self._n_pending -= total
-            task = asyncio.ensure_future(self._execute(batch))
+            self.stats.early_flushes += int(early)
+            task = asyncio.ensure_future(self._execute(batch, sem))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _execute(self, batch: list[_Item]) -> None:
-        assert self._sem is not None
+    async def _execute(self, batch: list[_Item], sem: asyncio.Semaphore) -> None:
         try:
             self._record([len(it.queries) for it in batch], len(batch))
             by_k: dict[int, list[_Item]] = {}
@@ -163,20 +231,35 @@ class VerificationBatcher:
                     if not it.future.done():
                         it.future.set_result([list(row[q]) for q in it.queries])
         finally:
-            self._sem.release()
+            sem.release()
+
+    @property
+    def max_inflight(self) -> int:
+        return self._max_inflight
+
+    def set_max_inflight(self, n: int) -> None:
+        """Allow ``n`` batches in flight from the next batch on (batches already sent finish
+        under the old limit)."""
+        if int(n) < 1:
+            raise ValueError("max_inflight must be >= 1")
+        self._max_inflight = int(n)
+        if self._sem is not None:
+            self._sem = asyncio.Semaphore(self._max_inflight)
 
 
 class Verifier:
     """Body of the verifier actor of one retriever kind (an async actor)."""
 
     def __init__(self, kind: str, shards: Sequence[Any], bounds: Sequence[tuple[int, int]], retriever: dict,
-                 window_ms: float = 2.0, max_batch: int = 64, batching: bool = True, max_inflight: int = 2):
+                 window_ms: float = DEFAULT_WINDOW_MS, max_batch: int = 64, batching: bool = True,
+                 max_inflight: int = DEFAULT_MAX_INFLIGHT, flush_when_all_waiting: bool = True):
         from actors.shard import ShardedRetriever
         from ralm.config import RetrieverConfig
 
         self.kind = kind
         self.router = ShardedRetriever(kind, shards, bounds, RetrieverConfig.model_validate(retriever))
-        self.batcher = VerificationBatcher(self._search, window_ms, max_batch, batching, max_inflight)
+        self.batcher = VerificationBatcher(self._search, window_ms, max_batch, batching, max_inflight,
+                                           flush_when_all_waiting)
         self.batcher.on_batch = self._observe_batch
         self.kb_time_s = 0.0
 
@@ -191,9 +274,18 @@ class Verifier:
         finally:
             self.kb_time_s += time.perf_counter() - t0
 
-    async def verify(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
-        """KB top-``k`` of each query (batched with other requests' calls)."""
-        return await self.batcher.submit(list(queries), int(k))
+    async def verify(self, queries: Sequence[str], k: int, requester: str | None = None) -> list[list[Hit]]:
+        """KB top-``k`` of each query (batched with other requests' calls); ``requester`` tags
+        the call with a request announced by :meth:`begin`."""
+        return await self.batcher.submit(list(queries), int(k), requester)
+
+    async def begin(self, requester: str) -> None:
+        """A request that will tag its calls ``requester`` is in flight (see the module docstring)."""
+        self.batcher.begin(requester)
+
+    async def end(self, requester: str) -> None:
+        """That request finished."""
+        self.batcher.end(requester)
 
     async def search(self, query: str, k: int) -> list[Hit]:
         return (await self.batcher.submit([query], int(k)))[0]
@@ -211,7 +303,8 @@ class Verifier:
         return self.router.scorer.score_function()
 
     def configure(self, window_ms: float | None = None, max_batch: int | None = None,
-                  batching: bool | None = None) -> dict:
+                  batching: bool | None = None, max_inflight: int | None = None,
+                  flush_when_all_waiting: bool | None = None) -> dict:
         """Change the batching policy at run time (e.g. for a benchmark)."""
         b = self.batcher
         if window_ms is not None:
@@ -220,15 +313,21 @@ class Verifier:
             b.max_batch = int(max_batch)
         if batching is not None:
             b.enabled = bool(batching)
+        if max_inflight is not None:
+            b.set_max_inflight(max_inflight)
+        if flush_when_all_waiting is not None:
+            b.flush_when_all_waiting = bool(flush_when_all_waiting)
         return self.policy()
 
     def policy(self) -> dict:
         b = self.batcher
-        return {"window_ms": b.window_s * 1000.0, "max_batch": b.max_batch, "batching": b.enabled}
+        return {"window_ms": b.window_s * 1000.0, "max_batch": b.max_batch, "batching": b.enabled,
+                "max_inflight": b.max_inflight, "flush_when_all_waiting": b.flush_when_all_waiting}
 
     def stats(self, reset: bool = False) -> dict:
         out = {"kind": self.kind, **self.policy(), **self.batcher.stats.as_dict(),
-               "kb_time_s": self.kb_time_s, "shard_retries": self.router.retries}
+               "kb_time_s": self.kb_time_s, "shard_retries": self.router.retries,
+               "active_requests": self.batcher.active_requests}
         if reset:
             self.batcher.stats = BatchStats()
             self.kb_time_s = 0.0

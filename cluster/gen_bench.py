@@ -36,6 +36,8 @@ def add_gen_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retriever", default="edr", choices=["edr", "adr", "sr"])
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--stride", type=int, default=4, help="k for the prefill measurement")
+    p.add_argument("--query-window", type=int, default=None,
+                   help="(a): query = last N tokens of question + generated text (default: the library's 32)")
     p.add_argument("--decode-stride", type=int, default=16, help="k for the decode / end-to-end measurement")
     p.add_argument("--spec", default="PSA", help="RaLMSpec configuration for (c)")
     p.add_argument("--out", type=Path, default=Path("gen-bench-out"))
@@ -234,7 +236,9 @@ def gen_bench_main(args) -> int:
     if "a" in parts:
         pre = {"forward_overhead_ms": forward_overhead_ms(eng)}
         for nd in (int(x) for x in str(getattr(args, "prefill_docs", "1,3")).split(",") if x.strip()):
+            qw = getattr(args, "query_window", None)
             req = RequestConfig(max_new_tokens=args.max_new_tokens, generation_stride=args.stride,
+                                **({"query_window": qw} if qw else {}),
                                 ignore_eos=True, num_docs=nd)
             for scope in (x.strip() for x in str(getattr(args, "prefill_scopes", "request")).split(",") if x.strip()):
                 pre[f"{nd}_docs/{scope}"] = measure_prefill(gen, gen_nc, kb, evalq, req,

@@ -41,9 +41,11 @@ def add_served_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of requests in flight")
     p.add_argument("--retrievers", default="edr", help="comma-separated retriever kinds")
     p.add_argument("--methods", default="seq,spec:PSA",
-                   help="comma-separated: seq, or spec:<config> (base or any of P/S/A)")
+                   help="comma-separated: seq, or spec:<config> (base or any of P/S/A; append @G to set "
+                        "OS3's gamma cap, e.g. spec:PSA@0.9)")
     p.add_argument("--batching", default="on,off", help="cross-request batching settings to measure: on,off")
     p.add_argument("--window-ms", type=float, help="verifier batching window (default: the server's)")
+    p.add_argument("--max-inflight", type=int, help="verifier batches in flight per retriever (default: the server's)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--options", type=_options, default=None,
                    help="JSON object of extra request fields sent with every request (the RaLMSeq reference "
@@ -118,8 +120,27 @@ def _parse_methods(spec: str) -> list[tuple[str, str | None]]:
 def _label(method: str, spec: str | None) -> str:
     if method == "seq":
         return "seq"
-    name = "".join(c for c in "PSA" if c in (spec or "").upper()) or "base"
-    return f"spec[{name}]"
+    base, _, cap = (spec or "").partition("@")
+    name = "".join(c for c in "PSA" if c in base.upper()) or "base"
+    return f"spec[{name}{'@' + cap if cap else ''}]"
+
+
+def _spec_config(spec: str, **defaults):
+    """'PSA' -> SpecConfig.named('PSA', **defaults); 'PSA@0.9' -> the same with OS3's gamma cap 0.9."""
+    from ralm.config import SpecConfig
+
+    base, _, cap = spec.partition("@")
+    return SpecConfig.named(base, **{**defaults, **({"gamma_max": float(cap)} if cap else {})})
+
+
+def _spec_body(spec: str) -> str | dict:
+    """The request's ``spec`` field: the name itself, or with ``@G`` an object of SpecConfig fields
+    (the name's P/S/A flags and ``gamma_max``)."""
+    if "@" not in spec:
+        return spec
+    sc = _spec_config(spec)
+    return {"prefetch": sc.prefetch, "adaptive_stride": sc.adaptive_stride, "async_verify": sc.async_verify,
+            "gamma_max": sc.gamma_max}
 
 
 class Client:
@@ -168,7 +189,7 @@ def _measure(client: Client, bodies: list[dict], concurrency: int) -> tuple[list
 def run_served_bench(client: Client, questions: list[str], kinds: list[str], methods: list[tuple[str, str | None]],
                      levels: list[int], batching: list[bool], max_new: int, warmup: int,
                      window_ms: float | None = None, progress: bool = True,
-                     options: dict | None = None) -> tuple[list[dict], list[str]]:
+                     options: dict | None = None, max_inflight: int | None = None) -> tuple[list[dict], list[str]]:
     notes: list[str] = []
     extra = dict(options or {})
     if extra:
@@ -178,8 +199,14 @@ def run_served_bench(client: Client, questions: list[str], kinds: list[str], met
         notes.append("the server's admin API is off: batching was measured at its current setting only")
         current = next(iter(client.stats()["verifiers"].values()))["batching"]
         batching = [current]
-    if window_ms is not None and can_switch:
-        client.admin({"window_ms": window_ms})
+    policy = {k: v for k, v in (("window_ms", window_ms), ("max_inflight", max_inflight)) if v is not None}
+    if policy and can_switch:
+        client.admin(policy)
+    if can_switch:
+        current = client.admin({}).get(kinds[0], {})
+        notes.append("verifier policy when batching is on: " + ", ".join(
+            f"{k} {current[k]}" for k in ("window_ms", "max_batch", "max_inflight", "flush_when_all_waiting")
+            if k in current))
     rows = []
     for kind in kinds:
         if warmup:      # untimed; at the highest concurrency, so the coordinator pool has grown
@@ -197,7 +224,7 @@ def run_served_bench(client: Client, questions: list[str], kinds: list[str], met
             for method, spec in methods:
                 for c in levels:
                     bodies = [{"question": q, "retriever": kind, "method": method, "max_new_tokens": max_new,
-                               **({"spec": spec} if spec else {}), **extra} for q in questions]
+                               **({"spec": _spec_body(spec)} if spec else {}), **extra} for q in questions]
                     if can_switch:
                         client.admin({"reset_stats": True})
                     outs, lats, wall = _measure(client, bodies, c)
@@ -234,7 +261,7 @@ def in_process_latencies(ralm: dict, questions: list[str], kinds: list[str],
     the reference for "served latency at 1 request is close to in-process"."""
     import gc
 
-    from ralm.config import RalmConfig, SpecConfig
+    from ralm.config import RalmConfig
     from ralm.pipeline import Pipeline
 
     cfg = RalmConfig.model_validate(ralm)
@@ -245,8 +272,8 @@ def in_process_latencies(ralm: dict, questions: list[str], kinds: list[str],
         for kind in kinds:
             pipe.answer(questions[0], kind, "seq", req=req)                  # warm-up, untimed
             for method, spec in methods:
-                sc = SpecConfig.named(spec, **{k: v for k, v in cfg.spec.model_dump().items()
-                                                if k not in ("prefetch", "adaptive_stride", "async_verify")}) \
+                sc = _spec_config(spec, **{k: v for k, v in cfg.spec.model_dump().items()
+                                           if k not in ("prefetch", "adaptive_stride", "async_verify")}) \
                     if method == "spec" else None
                 lats, toks = [], []
                 for q in questions:
@@ -346,7 +373,8 @@ def served_bench_main(args: argparse.Namespace) -> int:
         model = client.http.get("/v1/models").json()["data"][0]["id"]
         rows, notes = run_served_bench(client, questions, kinds, methods, levels, batching,
                                        args.max_new_tokens, args.warmup, args.window_ms,
-                                       options=getattr(args, "options", None))
+                                       options=getattr(args, "options", None),
+                                       max_inflight=getattr(args, "max_inflight", None))
         if started_here and args.pad_to:
             notes.append(f"the EDR index was padded to {args.pad_to} rows with random vectors of norm "
                          f"1e-3 (search cost of a Wikipedia-scale KB; results unchanged)")

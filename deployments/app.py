@@ -16,6 +16,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from actors.verifier import DEFAULT_MAX_INFLIGHT, DEFAULT_WINDOW_MS
 from cache.state.config import StateStoreConfig
 from deployments.generator import PRESETS, GeneratorDeploymentOptions, preset
 from deployments.modes import DenseDraftingOptions, KnnServeOptions
@@ -37,9 +38,10 @@ class ShardingOptions(_Opts):
 
 class VerifierOptions(_Opts):
     batching: bool = Field(True, description="Batch KB calls across in-flight requests (off: each call is searched on its own).")
-    window_ms: float = Field(2.0, ge=0, le=1000, description="How long the verifier waits to fill a batch after its first query.")
+    window_ms: float = Field(DEFAULT_WINDOW_MS, ge=0, le=5000, description="Longest wait to fill a batch after its first query (a batch leaves earlier when every request in flight is waiting, see flush_when_all_waiting).")
     max_batch: int = Field(64, ge=1, description="A batch is sent as soon as this many queries wait.")
-    max_inflight: int = Field(2, ge=1, description="Batches in flight at once per retriever.")
+    max_inflight: int = Field(DEFAULT_MAX_INFLIGHT, ge=1, description="Batches in flight at once per retriever.")
+    flush_when_all_waiting: bool = Field(True, description="Send a batch before the window ends as soon as every request in flight is waiting on the verifier (one request alone never waits for the window).")
     num_cpus: float = Field(0.1, ge=0, description="CPUs reserved per verifier actor (it encodes queries).")
 
 

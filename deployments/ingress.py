@@ -270,7 +270,7 @@ class Ingress:
             v = cfg.verifier
             self.verifiers[kind] = vcls.remote(kind, actors, [(s.lo, s.hi) for s in specs],
                                                rcfg.model_dump(mode="json"), v.window_ms, v.max_batch,
-                                               v.batching, v.max_inflight)
+                                               v.batching, v.max_inflight, v.flush_when_all_waiting)
         await asyncio.gather(*(v.ping.remote() for v in self.verifiers.values()))
 
         coord_cls = coordinator_actor_class(cfg.pool.num_cpus)
@@ -403,12 +403,23 @@ class Ingress:
             body = await request.json()
         except Exception:
             raise ApiError(400, "request body is not valid JSON") from None
-        if not isinstance(body, dict) or set(body) - {"batching", "window_ms", "max_batch", "reset_stats"}:
-            raise ApiError(400, "expected an object with batching, window_ms, max_batch, reset_stats")
+        fields = ("batching", "window_ms", "max_batch", "max_inflight", "flush_when_all_waiting", "reset_stats")
+        if not isinstance(body, dict) or set(body) - set(fields):
+            raise ApiError(400, f"expected an object with {', '.join(fields)}")
+        for name in ("batching", "flush_when_all_waiting"):
+            v = body.get(name)
+            if v is not None and not isinstance(v, bool):
+                raise ApiError(400, f"{name} must be true or false, got {v!r}", param=name)
+        for name in ("max_batch", "max_inflight"):
+            v = body.get(name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ApiError(400, f"{name} must be an integer >= 1, got {v!r}", param=name)
         out = {}
         for kind, v in self.verifiers.items():
             out[kind] = await v.configure.remote(window_ms=body.get("window_ms"), max_batch=body.get("max_batch"),
-                                                 batching=body.get("batching"))
+                                                 batching=body.get("batching"),
+                                                 max_inflight=body.get("max_inflight"),
+                                                 flush_when_all_waiting=body.get("flush_when_all_waiting"))
             if body.get("reset_stats"):
                 await v.stats.remote(True)
         return out

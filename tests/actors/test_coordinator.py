@@ -6,6 +6,7 @@ and the coordinator pool grows, queues, and replaces a dead coordinator.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -147,6 +148,32 @@ def test_coordinator_equals_in_process_seq(stack, baselines, method, spec):
             assert st["direct_steps"] + st["verifications"] > 0
     info = ray.get(stack["coord"].info.remote())
     assert info["busy"] is False
+
+
+@pytest.mark.parametrize("method,spec", [("seq", None), ("spec", SpecConfig.named("PSA"))], ids=["seq", "PSA"])
+def test_coordinator_announces_its_request_so_a_long_window_never_delays_it(stack, baselines, method, spec):
+    """With a 3 s batching window, a request alone is still searched at once: the coordinator
+    announces it at the verifier, which sends a batch as soon as every announced request waits
+    (every batch is an early flush, none waits out the window), and forgets it afterwards."""
+    import ray
+
+    ver = stack["verifier"]
+    qs, base = baselines
+    ray.get(ver.configure.remote(window_ms=3000.0))
+    try:
+        ray.get(ver.stats.remote(True))
+        res = ray.get(stack["coord"].run.remote(_job(qs[0], method, spec)))
+        st = ray.get(ver.stats.remote())
+    finally:
+        ray.get(ver.configure.remote(window_ms=2.0))
+    assert res["tokens"] == base[0].tokens
+    assert st["submissions"] == res["stats"]["kb_calls"] > 0
+    assert st["early_flushes"] == st["batches"] > 0
+    # the coordinator's end() is fire-and-forget: it reaches the verifier shortly after
+    deadline = time.monotonic() + 10
+    while ray.get(ver.stats.remote())["active_requests"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ray.get(ver.stats.remote())["active_requests"] == 0
 
 
 def test_coordinator_stream(stack, baselines):

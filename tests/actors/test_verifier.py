@@ -116,6 +116,128 @@ def test_errors_reach_every_waiting_request_and_the_batcher_recovers():
     assert ok == [[(1, 1.0)]]
 
 
+def test_max_inflight_bounds_concurrent_searches_and_can_change_between_batches():
+    """At most max_inflight searches run at once; lowering it to 1 serialises the next batches
+    (so the waiting submissions pool into bigger batches); results are unchanged either way."""
+    state = {"now": 0, "peak": 0}
+
+    async def search(queries, k):
+        state["now"] += 1
+        state["peak"] = max(state["peak"], state["now"])
+        await asyncio.sleep(0.02)
+        state["now"] -= 1
+        return await fake_kb()[0](queries, k)
+
+    b = VerificationBatcher(search, window_ms=0, max_batch=1, max_inflight=3)
+
+    async def burst(tag):
+        return await asyncio.gather(*(b.submit([f"{tag}{i}"], 2) for i in range(8)))
+
+    async def main():
+        first = await burst("a")
+        peak3 = state["peak"]
+        state["peak"] = 0
+        b.set_max_inflight(1)
+        second = await burst("b")
+        return first, peak3, second
+
+    first, peak3, second = run(main())
+    assert peak3 == 3 and state["peak"] == 1 and b.max_inflight == 1
+    ref = fake_kb()[0]
+    assert first == [run(ref([f"a{i}"], 2)) for i in range(8)]
+    assert second == [run(ref([f"b{i}"], 2)) for i in range(8)]
+    with pytest.raises(ValueError, match="max_inflight"):
+        b.set_max_inflight(0)
+
+
+def test_a_batch_goes_as_soon_as_every_announced_request_is_waiting():
+    """Window 5 s: announced requests are searched as soon as all of them have a call queued,
+    a lone announced request at once, and a request that ends stops being waited for. Without
+    announcements (or with the rule off) the window applies. Results never change."""
+    search, calls = fake_kb()
+    ref = fake_kb()[0]
+    b = VerificationBatcher(search, window_ms=5000, max_batch=64)
+
+    async def timed(coro):
+        t0 = time.perf_counter()
+        res = await coro
+        return res, time.perf_counter() - t0
+
+    async def main():
+        b.begin("r1")
+        alone = await timed(b.submit(["solo"], 2, "r1"))
+        b.begin("r2")
+
+        async def later():
+            await asyncio.sleep(0.05)
+            return await b.submit(["two"], 2, "r2")
+        pair = await timed(asyncio.gather(b.submit(["one"], 2, "r1"), later()))
+        n_pair = len(calls)
+        waiting = asyncio.ensure_future(b.submit(["left"], 2, "r1"))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()            # r2 is still in flight: wait for it
+        b.end("r2")
+        left = await timed(waiting)
+        b.end("r1")
+        return alone, pair, n_pair, left
+
+    alone, pair, n_pair, left = run(main())
+    assert alone[0] == run(ref(["solo"], 2)) and alone[1] < 1.0
+    assert pair[0] == [run(ref(["one"], 2)), run(ref(["two"], 2))] and pair[1] < 1.0
+    assert n_pair == 2 and calls[1][0] == ("one", "two")   # one search for both requests
+    assert left[0] == run(ref(["left"], 2)) and left[1] < 1.0
+    assert b.stats.early_flushes == 3 and b.active_requests == 0
+
+    anon = VerificationBatcher(fake_kb()[0], window_ms=150, max_batch=64)
+    off = VerificationBatcher(fake_kb()[0], window_ms=150, max_batch=64, flush_when_all_waiting=False)
+
+    async def unannounced_and_off():
+        a = await timed(anon.submit(["anon"], 1))               # nobody announced: the window
+        off.begin("r1")
+        o = await timed(off.submit(["x"], 1, "r1"))             # rule off: the window
+        return a, o
+
+    a, o = run(unannounced_and_off())
+    assert a[1] >= 0.14 and o[1] >= 0.14
+
+
+def test_requests_split_across_batches_merge_into_one_batch():
+    """r1 starts alone and is searched at once; r2 arrives during that search. A request being
+    searched is not waiting, so r2 waits for r1's next call (not for the window) and from then
+    on both share every batch; counting r1 as waiting would make them alternate forever."""
+    sizes: list[int] = []
+
+    async def search(queries, k):
+        sizes.append(len(queries))
+        await asyncio.sleep(0.03)
+        return await fake_kb()[0](queries, k)
+
+    b = VerificationBatcher(search, window_ms=2000, max_batch=64, max_inflight=1)
+    rounds = 6
+
+    async def client(tag, delay):
+        await asyncio.sleep(delay)
+        b.begin(tag)
+        out = []
+        for i in range(rounds):
+            out.append(await b.submit([f"{tag}-{i}"], 1, tag))
+            await asyncio.sleep(0.005)             # "generation" between two KB calls
+        b.end(tag)
+        return out
+
+    async def main():
+        t0 = time.perf_counter()
+        res = await asyncio.gather(client("r1", 0.0), client("r2", 0.01))
+        return res, time.perf_counter() - t0
+
+    (r1, r2), dt = run(main())
+    ref = fake_kb()[0]
+    assert r1 == [run(ref([f"r1-{i}"], 1)) for i in range(rounds)]
+    assert r2 == [run(ref([f"r2-{i}"], 1)) for i in range(rounds)]
+    assert sizes[0] == 1 and sizes[1:rounds] == [2] * (rounds - 1)   # merged after r1's first call
+    assert dt < 1.5                                                  # no batch waited out the 2 s window
+
+
 # --------------------------------------------------------------------------- the actor
 @pytest.fixture(scope="module")
 def verifier(ray_local, index_dirs, fixture_corpus, retriever_configs):

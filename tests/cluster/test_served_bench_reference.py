@@ -2,7 +2,7 @@
 the 1-request served-vs-in-process rows built from it."""
 from __future__ import annotations
 
-from cluster.served_bench import in_process_latencies, one_request_rows, to_markdown
+from cluster.served_bench import _label, _parse_methods, _spec_body, in_process_latencies, one_request_rows, to_markdown
 from ralm.config import RalmConfig, RequestConfig, SpecConfig
 from ralm.pipeline import Pipeline
 from tests.conftest import FIXTURE_CORPUS
@@ -31,3 +31,13 @@ def test_in_process_reference_runs_the_same_requests(tmp_path, gen_model_dir, fi
     assert len(one) == 1 and abs(one[0]["served_over_in_process"] - 1.25) < 1e-12
     md = to_markdown([], {"url": "u", "model": "m", "requests": 2, "max_new_tokens": 12}, [], one)
     assert "| edr | RaLMSeq | 2.00 | 1.60 | 1.25x |" in md
+
+
+def test_methods_with_a_gamma_cap_become_spec_objects():
+    """'spec:PS@0.9' is sent as the PS flags plus gamma_max (the API's SpecOptions); plain names stay names."""
+    methods = _parse_methods("seq,spec:PSA,spec:PS@0.9")
+    assert methods == [("seq", None), ("spec", "PSA"), ("spec", "PS@0.9")]
+    assert [_label(m, s) for m, s in methods] == ["seq", "spec[PSA]", "spec[PS@0.9]"]
+    assert _spec_body("PSA") == "PSA"
+    assert _spec_body("PS@0.9") == {"prefetch": True, "adaptive_stride": True, "async_verify": False,
+                                     "gamma_max": 0.9}

@@ -269,11 +269,16 @@ def test_served_bench_tiny_run(server, tmp_path, questions):
     p = argparse.ArgumentParser()
     add_served_bench_args(p)
     args = p.parse_args(["--url", server["url"], "--questions", str(qfile), "-n", "2", "--concurrency", "1,2",
-                         "--retrievers", "edr", "--max-new-tokens", "8", "--out", str(tmp_path / "out")])
-    assert served_bench_main(args) == 0
+                         "--retrievers", "edr", "--max-new-tokens", "8", "--out", str(tmp_path / "out"),
+                         "--methods", "seq,spec:PSA,spec:PS@0.9", "--max-inflight", "1"])
+    try:
+        assert served_bench_main(args) == 0
+    finally:
+        httpx.post(server["url"] + "/v1/ralm/admin/verifier", json={"max_inflight": 2}, timeout=60)
     data = json.loads((tmp_path / "out" / "served_bench.json").read_text())
     rows = data["rows"]
-    assert {r["method"] for r in rows} == {"seq", "spec[PSA]"}
+    assert {r["method"] for r in rows} == {"seq", "spec[PSA]", "spec[PS@0.9]"}
+    assert any("max_inflight 1" in n for n in data["notes"])
     assert {r["batching"] for r in rows} == {True, False}
     assert {r["concurrency"] for r in rows} == {1, 2}
     assert all(r["identical"] == r["requests"] == 2 for r in rows)
@@ -293,6 +298,12 @@ def test_admin_switches_batching(server):
         assert all(v["batching"] is True and v["window_ms"] == 3.0 for v in on.values())
         assert all(v["max_batch"] == off[k]["max_batch"] for k, v in on.items())
         assert c.post("/v1/ralm/admin/verifier", json={"bogus": 1}).status_code == 400
+        one = c.post("/v1/ralm/admin/verifier", json={"max_inflight": 1}).json()
+        assert all(v["max_inflight"] == 1 and v["window_ms"] == 3.0 for v in one.values())
+        bad = c.post("/v1/ralm/admin/verifier", json={"max_inflight": 0})
+        assert bad.status_code == 400 and "max_inflight" in bad.text
+        back = c.post("/v1/ralm/admin/verifier", json={"max_inflight": off[next(iter(off))]["max_inflight"]}).json()
+        assert all(v["max_inflight"] == off[k]["max_inflight"] for k, v in back.items())
 
 
 @pytest.mark.slow
