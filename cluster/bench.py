@@ -39,13 +39,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="stop requests at EOS (default: fixed-length generation with EOS masked, as in the paper)")
 
 
-def parse_config(name: str) -> SpecConfig:
+def parse_config(name: str, **defaults) -> SpecConfig:
     """'PSA' -> SpecConfig(P,S,A); 's=4' -> fixed stride 4 without P/S/A;
-    'PSA@0.9' -> PSA with OS3's gamma cap raised from the paper's 0.6 to 0.9."""
+    'PSA@0.9' -> PSA with OS3's gamma cap raised from the paper's 0.6 to 0.9.
+    ``defaults``: other SpecConfig fields (e.g. a server's), overridden by the name."""
     base, _, cap = name.partition("@")
-    extra = {"gamma_max": float(cap)} if cap else {}
+    extra = {**defaults, **({"gamma_max": float(cap)} if cap else {})}
     if base.startswith("s="):
-        return SpecConfig(stride=int(base[2:]), **extra)
+        return SpecConfig(**{**extra, "stride": int(base[2:])})
     return SpecConfig.named(base, **extra)
 
 

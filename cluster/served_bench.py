@@ -125,20 +125,14 @@ def _label(method: str, spec: str | None) -> str:
     return f"spec[{name}{'@' + cap if cap else ''}]"
 
 
-def _spec_config(spec: str, **defaults):
-    """'PSA' -> SpecConfig.named('PSA', **defaults); 'PSA@0.9' -> the same with OS3's gamma cap 0.9."""
-    from ralm.config import SpecConfig
-
-    base, _, cap = spec.partition("@")
-    return SpecConfig.named(base, **{**defaults, **({"gamma_max": float(cap)} if cap else {})})
-
-
 def _spec_body(spec: str) -> str | dict:
     """The request's ``spec`` field: the name itself, or with ``@G`` an object of SpecConfig fields
     (the name's P/S/A flags and ``gamma_max``)."""
+    from cluster.bench import parse_config
+
     if "@" not in spec:
         return spec
-    sc = _spec_config(spec)
+    sc = parse_config(spec)
     return {"prefetch": sc.prefetch, "adaptive_stride": sc.adaptive_stride, "async_verify": sc.async_verify,
             "gamma_max": sc.gamma_max}
 
@@ -261,6 +255,7 @@ def in_process_latencies(ralm: dict, questions: list[str], kinds: list[str],
     the reference for "served latency at 1 request is close to in-process"."""
     import gc
 
+    from cluster.bench import parse_config
     from ralm.config import RalmConfig
     from ralm.pipeline import Pipeline
 
@@ -272,7 +267,7 @@ def in_process_latencies(ralm: dict, questions: list[str], kinds: list[str],
         for kind in kinds:
             pipe.answer(questions[0], kind, "seq", req=req)                  # warm-up, untimed
             for method, spec in methods:
-                sc = _spec_config(spec, **{k: v for k, v in cfg.spec.model_dump().items()
+                sc = parse_config(spec, **{k: v for k, v in cfg.spec.model_dump().items()
                                            if k not in ("prefetch", "adaptive_stride", "async_verify")}) \
                     if method == "spec" else None
                 lats, toks = [], []
