@@ -17,7 +17,8 @@ ray_ralmspec_shard_latency_seconds_*        histogram  retriever, shard         
 
 ``method`` is ``seq`` or ``spec[...]`` (e.g. ``spec[PSA]``). The cache hit rate of a
 request is the fraction of its speculative-cache lookups whose document the KB confirmed
-(``matched_steps / cache_lookups``); the gauges hold the last request's value per process.
+(``(matched_steps + shadow_hits) / cache_lookups``: right guesses, speculative or
+the shadow guesses of direct steps, per lookup); the gauges hold the last request's value per process.
 Recording is best effort: outside a Ray worker, or if Ray's metrics fail, it does nothing,
 and it never changes a result.
 """
@@ -60,7 +61,7 @@ def _get() -> SimpleNamespace | None:
                 kb_calls=Counter(PREFIX + "kb_calls", description="Knowledge-base calls (a batched verification "
                                  "counts once).", tag_keys=req),
                 cache_hit_rate=Gauge(PREFIX + "cache_hit_rate", description="Speculative cache hit rate of the last "
-                                     "request: matched steps / cache lookups.", tag_keys=req),
+                                     "request: right guesses (matched speculative steps and direct steps' shadow guesses) / cache lookups.", tag_keys=req),
                 rollbacks=Counter(PREFIX + "rollbacks", description="Verifications that rolled back a wrong "
                                   "speculated document.", tag_keys=req),
                 gamma=Gauge(PREFIX + "gamma", description="OS3 speculation accuracy estimate at the end of the "
@@ -88,7 +89,7 @@ def record_request(stats: Any) -> None:
         _add(m.kb_calls, stats.kb_calls, tags)
         _add(m.rollbacks, stats.rollbacks, tags)
         if stats.cache_lookups:
-            m.cache_hit_rate.set(stats.matched_steps / stats.cache_lookups, tags=tags)
+            m.cache_hit_rate.set((stats.matched_steps + stats.shadow_hits) / stats.cache_lookups, tags=tags)
         if stats.gamma is not None:
             m.gamma.set(float(stats.gamma), tags=tags)
     except Exception as e:

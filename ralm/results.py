@@ -12,9 +12,10 @@ class RequestStats:
     kb_calls: int = 0                    # calls to the knowledge base (a batch counts once)
     kb_queries: int = 0                  # queries sent to the knowledge base
     spec_steps: int = 0                  # speculative steps run (including discarded ones)
-    cache_lookups: int = 0
+    cache_lookups: int = 0               # speculative steps' lookups and direct steps' shadow guesses
     verifications: int = 0
     matched_steps: int = 0               # speculative steps confirmed by verification
+    shadow_hits: int = 0                 # direct steps whose cache guess was the KB's answer
     rollbacks: int = 0
     regenerated_tokens: int = 0          # tokens thrown away by rollbacks
     async_steps_kept: int = 0            # async steps that became the next window's first step

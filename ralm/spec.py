@@ -187,8 +187,10 @@ class _SpecRun:
         st.kb_calls += 1
         st.kb_queries += 1
         st.direct_steps += 1
+        st.cache_lookups += 1
         self._add_to_cache([hits])
         doc_id = self._commit_kb_step(hits)
+        st.shadow_hits += int(guess == doc_id)
         self.sched.record_direct(guess == doc_id, b, lookup)
 
     def rollback_to(self, step: _Step) -> None:

@@ -344,6 +344,7 @@ class _KnnSpecRun:
         if shadow:
             st.direct_steps += 1
         if probe:
+            st.shadow_hits += int(guess == y)
             self.sched.record_direct(guess == y, b)
         st.steps += 1
         self._commit_token(y)

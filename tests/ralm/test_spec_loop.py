@@ -169,3 +169,16 @@ def test_cheap_retrieval_never_speculates_so_never_rolls_back():
     assert out.stats.spec_steps == 0 and out.stats.rollbacks == 0
     assert out.stats.regenerated_tokens == 0 and out.stats.async_steps_discarded == 0
     assert out.stats.kb_calls == out.stats.steps == 12 and out.stats.direct_steps == 11
+
+
+def test_direct_steps_count_their_shadow_guess_as_a_lookup():
+    # a direct step still asks the cache (its guess keeps gamma current): that is a lookup,
+    # and a right guess a shadow hit, so the hit rate exists for all-direct requests too
+    schedule = {1: 3, 2: 3, 5: 8, 6: 1, 7: 8, 9: 2}
+    gen, kb, req = pipeline(schedule)
+    gen.step_sleep = 0.01
+    st = run_spec(Q, gen, kb, req, SpecConfig.named("PSA")).stats
+    assert st.spec_steps == 0 and st.direct_steps == 11
+    assert st.cache_lookups == st.direct_steps
+    # this scripted cache guesses every step right (gamma at its cap says so): all shadow hits
+    assert st.gamma == SpecConfig().gamma_max and st.shadow_hits == st.direct_steps
