@@ -36,8 +36,9 @@ def add_gen_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retriever", default="edr", choices=["edr", "adr", "sr"])
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--stride", type=int, default=4, help="k for the prefill measurement")
-    p.add_argument("--query-window", type=int, default=None,
-                   help="(a): query = last N tokens of question + generated text (default: the library's 32)")
+    p.add_argument("--query-window", default=None,
+                   help="(a): query = last N tokens of question + generated text; comma-separated to measure "
+                        "several (default: the library's 32)")
     p.add_argument("--decode-stride", type=int, default=16, help="k for the decode / end-to-end measurement")
     p.add_argument("--spec", default="PSA", help="RaLMSpec configuration for (c)")
     p.add_argument("--out", type=Path, default=Path("gen-bench-out"))
@@ -204,7 +205,7 @@ def measure_prefill(gen, gen_nc, kb, questions, req, reps: int = 3, scope: str =
     miss = [x for x in rows if not x["hit"]]
     ms = lambda xs, key: 1e3 * fmean(x[key] for x in xs) if xs else None  # noqa: E731
     return {
-        "scope": scope, "reps": reps, "requests": len(questions), "steps": n,
+        "scope": scope, "query_window": req.query_window, "reps": reps, "requests": len(questions), "steps": n,
         "prefill_ms_per_step_with": 1e3 * sw / n, "prefill_ms_per_step_without": 1e3 * swo / n,
         "speedup": swo / sw,
         "prefill_ms_per_step_one_forward": 1e3 * sum(x["one_s"] for x in rows) / n,
@@ -235,14 +236,15 @@ def gen_bench_main(args) -> int:
     parts = set(getattr(args, "parts", "abcd"))
     if "a" in parts:
         pre = {"forward_overhead_ms": forward_overhead_ms(eng)}
-        for nd in (int(x) for x in str(getattr(args, "prefill_docs", "1,3")).split(",") if x.strip()):
-            qw = getattr(args, "query_window", None)
+        windows = _ints(getattr(args, "query_window", None)) or [None]
+        for qw, nd in ((qw, nd) for qw in windows for nd in _ints(getattr(args, "prefill_docs", "1,3"))):
             req = RequestConfig(max_new_tokens=args.max_new_tokens, generation_stride=args.stride,
                                 **({"query_window": qw} if qw else {}),
                                 ignore_eos=True, num_docs=nd)
             for scope in (x.strip() for x in str(getattr(args, "prefill_scopes", "request")).split(",") if x.strip()):
-                pre[f"{nd}_docs/{scope}"] = measure_prefill(gen, gen_nc, kb, evalq, req,
-                                                            reps=getattr(args, "prefill_reps", 3), scope=scope)
+                key = f"{nd}_docs/{scope}" + (f"/window_{qw}" if len(windows) > 1 else "")
+                pre[key] = measure_prefill(gen, gen_nc, kb, evalq, req,
+                                           reps=getattr(args, "prefill_reps", 3), scope=scope)
         out["prefill"] = pre
     if not parts & set("bcd"):
         return _write(args, out, t_all)
@@ -313,6 +315,11 @@ def gen_bench_main(args) -> int:
     return _write(args, out, t_all)
 
 
+def _ints(spec) -> list[int]:
+    """'32,128' -> [32, 128]; None or '' -> []."""
+    return [int(x) for x in str(spec or "").split(",") if x.strip()]
+
+
 def _write(args, out: dict, t_all: float) -> int:
     out["total_s"] = time.perf_counter() - t_all
     args.out.mkdir(parents=True, exist_ok=True)
@@ -326,19 +333,21 @@ def _write(args, out: dict, t_all: float) -> int:
 def _markdown(o: dict) -> str:
     f = lambda x: "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))  # noqa: E731
     L = ["# bench-gen", ""]
+    if o.get("args"):
+        L += ["Arguments: " + ", ".join(f"`{k}={v}`" for k, v in o["args"].items() if k != "out"), ""]
     if "prefill" in o:
         p = o["prefill"]
         L += ["## (a) prefill per step, doc-KV reuse (RaLMSeq loop, every step timed, median of repetitions)", "",
               f"One-token forward (fixed cost of a forward pass): {f(p['forward_overhead_ms'])} ms. Without reuse a "
               "step runs one forward per document and one for the context; a full hit runs only the context's.", "",
-              "| docs / cache scope | steps | doc + ctx tokens/step | with reuse ms | without ms | **speed-up** | "
+              "| docs / cache scope | query window | steps | doc + ctx tokens/step | with reuse ms | without ms | **speed-up** | "
               "one forward ms (speed-up) | token ratio | docs reused/computed | full-hit steps | "
               "hit steps: with / without ms | miss steps: with / without ms | identical |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for k, r in p.items():
             if not isinstance(r, dict):
                 continue
-            L.append(f"| {k} | {r['steps']} | {r['doc_tokens_per_step']:.0f} + {r['context_tokens_per_step']:.0f} | "
+            L.append(f"| {k} | {r.get('query_window', '-')} | {r['steps']} | {r['doc_tokens_per_step']:.0f} + {r['context_tokens_per_step']:.0f} | "
                      f"{f(r['prefill_ms_per_step_with'])} | {f(r['prefill_ms_per_step_without'])} | "
                      f"**{r['speedup']:.2f}x** | {f(r.get('prefill_ms_per_step_one_forward'))} "
                      f"({f(r.get('speedup_vs_one_forward'))}x) | {r['token_ratio']:.2f}x | "

@@ -70,3 +70,46 @@ def test_step_log_and_markdown(gens, fixture_questions):
         "docs_computed": 1, "full_hit_steps": 3, "hit_steps_ms_with": 0.5, "hit_steps_ms_without": 2.5,
         "miss_steps_ms_with": 2.5, "miss_steps_ms_without": 2.5, "identical": 1, "requests": 1}}})
     assert "**2.50x**" in md and "(b)" not in md
+
+
+class WindowKB(ToyKB):
+    """Records the query lengths (in characters) it was asked."""
+
+    def __init__(self):
+        super().__init__()
+        self.lengths = []
+
+    def search(self, query, k):
+        self.lengths.append(len(query))
+        return super().search(query, k)
+
+
+def test_the_query_window_sets_the_retrieval_query_and_is_recorded(gens, fixture_questions):
+    gen, gen_nc = gens
+    out = {}
+    for w in (2, 64):
+        kb = WindowKB()
+        req = RequestConfig(max_new_tokens=12, generation_stride=4, ignore_eos=True, query_window=w)
+        out[w] = (measure_prefill(gen, gen_nc, kb, fixture_questions[:1], req, reps=1), max(kb.lengths))
+    assert out[2][0]["query_window"] == 2 and out[64][0]["query_window"] == 64
+    assert out[2][1] < out[64][1]                                      # a 2-token query is shorter
+
+
+def test_gen_bench_main_measures_every_window_and_writes_them(tmp_path, fixture_corpus):
+    """End to end through the CLI entry point with the project's model and a real BM25 index."""
+    import argparse
+
+    from cluster.gen_bench import add_gen_bench_args, gen_bench_main
+
+    p = argparse.ArgumentParser()
+    add_gen_bench_args(p)
+    args = p.parse_args(["-n", "1", "--max-new-tokens", "8", "--parts", "a", "--retriever", "sr",
+                         "--query-window", "4,32", "--prefill-docs", "1", "--prefill-scopes", "request",
+                         "--prefill-reps", "1", "--out", str(tmp_path)])
+    assert gen_bench_main(args) == 0                                   # 0: every request identical
+    import json
+    pre = json.loads((tmp_path / "gen_bench.json").read_text())["prefill"]
+    assert {k: v["query_window"] for k, v in pre.items() if isinstance(v, dict)} == {
+        "1_docs/request/window_4": 4, "1_docs/request/window_32": 32}
+    md = (tmp_path / "gen_bench.md").read_text()
+    assert "| 1_docs/request/window_4 | 4 |" in md and "`query_window=4,32`" in md
