@@ -1,0 +1,159 @@
+"""The KB's exact scorers as the shard router sees them (:class:`actors.shard.ShardedRetriever`).
+
+A speculative cache scores its cached documents with the KB's own scoring function, so
+the router exposes one: queries are encoded here (the dense encoder, or BM25 analysis over
+the *global* term statistics summed over the shards) and document keys are fetched from
+the shards that own them and kept in an LRU. With these, the coordinator's cache ranks
+documents bit for bit as the unsharded KB would.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:                      # pragma: no cover
+    from actors.shard import ShardedRetriever
+
+
+def _jvm_lock():
+    """pyserini's JVM is entered by one thread at a time (``lucene_env.JVM_LOCK``)."""
+    try:
+        from ralm.retrieval.lucene_env import JVM_LOCK
+        return JVM_LOCK
+    except ImportError:        # pragma: no cover
+        import contextlib
+        return contextlib.nullcontext()
+
+
+class _ShardScorer:
+    """The KB's exact scorer seen by the router: encode here, keys from the owning shards."""
+
+    def __init__(self, router: "ShardedRetriever", key_cache_size: int = 100_000):
+        self.router = router
+        self._keys: OrderedDict[int, Any] = OrderedDict()
+        self._max = key_cache_size
+        self._lock = threading.Lock()
+
+    def doc_keys(self, doc_ids: Sequence[int]) -> list[Any]:
+        ids = [int(d) for d in doc_ids]
+        with self._lock:
+            missing = list(dict.fromkeys(d for d in ids if d not in self._keys))
+        if missing:
+            fetched = self.router.fetch_keys(missing)
+            with self._lock:
+                self._keys.update(zip(missing, fetched))
+                while len(self._keys) > self._max:
+                    self._keys.popitem(last=False)
+        with self._lock:
+            return [self._keys[d] for d in ids]
+
+    def score(self, query_rep: Any, keys: Sequence[Any]) -> np.ndarray:
+        return self.score_function()(query_rep, keys)
+
+
+def dense_score_fn(query_rep: np.ndarray, keys) -> np.ndarray:
+    """The dense KB's pure scoring function, in the ``(query_rep, keys)`` order of a scorer."""
+    from ralm.retrieval.dense import dense_scores
+
+    return dense_scores(keys, query_rep)
+
+
+class ShardedDenseScorer(_ShardScorer):
+    def __init__(self, router: "ShardedRetriever", encoder: Any):
+        super().__init__(router)
+        self.encoder = encoder
+
+    def encode(self, queries: Sequence[str]) -> list[np.ndarray]:
+        return self.encoder.encode_queries(list(queries))
+
+    def score_function(self):
+        return dense_score_fn
+
+
+class ShardedBM25Scorer(_ShardScorer):
+    """Global BM25 over the shards: analysis here, statistics summed over the shards (dfs).
+
+    ``idf`` is :class:`~ralm.retrieval.bm25.BM25Scorer`'s own method and ``encode_one``
+    builds the representation the way it does, over the global statistics, so a query's
+    representation is bit for bit the unsharded KB's.
+    """
+
+    def __init__(self, router: "ShardedRetriever", k1: float, b: float, language: str = "en"):
+        super().__init__(router)
+        from ralm.retrieval.bm25 import BM25ScoreFn
+        from ralm.retrieval.lucene_env import ensure_lucene
+
+        ensure_lucene()
+        from pyserini.analysis import Analyzer, get_lucene_analyzer
+
+        self.k1, self.b = float(k1), float(b)
+        with _jvm_lock():
+            self.analyzer = Analyzer(get_lucene_analyzer(language=language))
+        stats = router.term_stats([])
+        self.doc_count = sum(s["doc_count"] for s in stats)
+        self.sum_total_term_freq = sum(s["sum_total_term_freq"] for s in stats)
+        self.avgdl = self.sum_total_term_freq / self.doc_count if self.doc_count else 1.0
+        self._fn = BM25ScoreFn(self.k1, self.b, self.avgdl)
+        self._df: dict[str, int] = {}
+        self._df_lock = threading.Lock()
+        self._memo: OrderedDict[str, Any] = OrderedDict()
+
+    def analyze(self, text: str) -> list[str]:
+        with _jvm_lock():
+            return list(self.analyzer.analyze(text))
+
+    def df(self, term: str) -> int:
+        with self._df_lock:
+            d = self._df.get(term)
+        if d is None:
+            self._fetch_df([term])
+            d = self._df[term]
+        return d
+
+    def idf(self, df: int) -> float:
+        from ralm.retrieval.bm25 import BM25Scorer
+        return BM25Scorer.idf(self, df)
+
+    def _fetch_df(self, terms: list[str]) -> None:
+        stats = self.router.term_stats(terms)
+        with self._df_lock:
+            for j, t in enumerate(terms):
+                self._df[t] = sum(int(s["df"][j]) for s in stats)
+
+    def encode_one(self, text: str, terms: list[str] | None = None) -> Any:
+        """:meth:`BM25Scorer.encode_one` over global statistics (same terms, order and weights:
+        ``count * idf(df)`` for the distinct analysed terms in sorted order, df 0 dropped)."""
+        from ralm.retrieval.bm25 import BM25Query
+
+        counts: dict[str, int] = {}
+        for t in (self.analyze(text) if terms is None else terms):
+            counts[t] = counts.get(t, 0) + 1
+        out_terms, weights = [], []
+        for t in sorted(counts):
+            df = self.df(t)
+            if df == 0:
+                continue
+            out_terms.append(t)
+            weights.append(counts[t] * self.idf(df))
+        return BM25Query(tuple(out_terms), tuple(weights))
+
+    def encode(self, queries: Sequence[str]) -> list[Any]:
+        queries = list(queries)
+        todo = [q for q in dict.fromkeys(queries) if q not in self._memo]
+        if todo:
+            analysed = {q: self.analyze(q) for q in todo}
+            with self._df_lock:
+                missing = sorted({t for ts in analysed.values() for t in ts} - set(self._df))
+            if missing:
+                self._fetch_df(missing)          # one dfs round trip for the whole batch
+            for q in todo:
+                self._memo[q] = self.encode_one(q, analysed[q])
+            while len(self._memo) > 65536:
+                self._memo.popitem(last=False)
+        return [self._memo[q] for q in queries]
+
+    def score_function(self):
+        return self._fn
