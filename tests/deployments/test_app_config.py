@@ -78,3 +78,19 @@ def test_cli_overrides_and_check(capsys):
     bad = p.parse_args(["--retrievers", "bm42"])
     with pytest.raises(ValueError):
         apply_overrides(load_serve_config(SERVE_CONFIG), bad)
+
+
+def test_the_docs_name_the_model_the_default_server_serves():
+    """Every ``"model": ...`` in the README's and the deploying guide's requests is the id the
+    default serve_config.yaml serves (an unknown model id gets a 404, so a stale name in a
+    copy-pasted quick-start command fails)."""
+    import re
+
+    data = yaml.safe_load(SERVE_CONFIG.read_text())
+    served = AppConfig.model_validate(data["applications"][0]["args"]).resolved().model_name
+    docs = [C.PACKAGE_ROOT / "README.md", C.PACKAGE_ROOT / "docs" / "deploying.md", C.PACKAGE_ROOT / "docs" / "api.md"]
+    named = [(d.name, m) for d in docs
+             for m in re.findall(r"""["']?model["']?\s*[:=]\s*["']([^"']+)["']""", d.read_text())]
+    assert any(d == "README.md" for d, _ in named), "the README's quick start names no model"
+    wrong = [(d, m) for d, m in named if m != served]
+    assert not wrong, f"documented model ids that the default server ({served!r}) rejects: {wrong}"
