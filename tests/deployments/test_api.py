@@ -137,3 +137,34 @@ def test_request_stats_report_the_mode_statistics():
     assert d["tokens_per_forward"] == 2.0 and d["acceptance_rate"] == 0.5 and d["accepted_per_verify_pass"] == 2.0
     assert d["doc_kv_hit_rate"] == 0.5 and d["doc_kv_bytes_reused"] == 100 and d["gen_steps"] == 1
     assert RequestStats().as_dict()["doc_kv_hit_rate"] is None
+
+
+def documented_requests() -> list[tuple[str, str, dict]]:
+    """(document, endpoint, JSON body) of every ``curl ... /v1/... -d '{...}'`` in the README and docs/."""
+    import json
+    import re
+
+    from ralm import constants as C
+
+    pattern = re.compile(r"(/v1/ralm/generate|/v1/completions)\b(?:(?!curl\b).)*?-d '(\{.*?\})'", re.S)
+    out = []
+    for doc in [C.PACKAGE_ROOT / "README.md", *sorted((C.PACKAGE_ROOT / "docs").glob("*.md"))]:
+        for endpoint, body in pattern.findall(doc.read_text()):
+            out.append((doc.name, endpoint, json.loads(body)))
+    return out
+
+
+def test_every_documented_request_body_is_accepted():
+    """The request bodies users copy from the docs pass the server's own validation (the
+    pydantic request models and the job builder), so none of them answers with a 400."""
+    from deployments.api import CompletionRequest
+
+    bodies = documented_requests()
+    assert {e for _, e, _ in bodies} == {"/v1/ralm/generate", "/v1/completions"}
+    assert len(bodies) >= 5
+    for doc, endpoint, body in bodies:
+        if endpoint == "/v1/completions":
+            b = CompletionRequest.model_validate(body)
+            build_job(b, b.prompt, b.max_tokens, "max_tokens", None, features=ALL_ON, **SERVER)
+        else:
+            job(body)
