@@ -39,6 +39,8 @@ def add_gen_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--query-window", default=None,
                    help="(a): query = last N tokens of question + generated text; comma-separated to measure "
                         "several (default: the library's 32)")
+    p.add_argument("--workload", default="fixed", choices=["fixed", "flare", "iter_retgen"],
+                   help="(a): retrieval trigger of the measured loop (ralm.workloads; stride = --stride)")
     p.add_argument("--decode-stride", type=int, default=16, help="k for the decode / end-to-end measurement")
     p.add_argument("--spec", default="PSA", help="RaLMSpec configuration for (c)")
     p.add_argument("--out", type=Path, default=Path("gen-bench-out"))
@@ -205,7 +207,7 @@ def measure_prefill(gen, gen_nc, kb, questions, req, reps: int = 3, scope: str =
     miss = [x for x in rows if not x["hit"]]
     ms = lambda xs, key: 1e3 * fmean(x[key] for x in xs) if xs else None  # noqa: E731
     return {
-        "scope": scope, "query_window": req.query_window, "reps": reps, "requests": len(questions), "steps": n,
+        "scope": scope, "workload": req.workload, "query_window": req.query_window, "reps": reps, "requests": len(questions), "steps": n,
         "prefill_ms_per_step_with": 1e3 * sw / n, "prefill_ms_per_step_without": 1e3 * swo / n,
         "speedup": swo / sw,
         "prefill_ms_per_step_one_forward": 1e3 * sum(x["one_s"] for x in rows) / n,
@@ -240,7 +242,7 @@ def gen_bench_main(args) -> int:
         for qw, nd in ((qw, nd) for qw in windows for nd in _ints(getattr(args, "prefill_docs", "1,3"))):
             req = RequestConfig(max_new_tokens=args.max_new_tokens, generation_stride=args.stride,
                                 **({"query_window": qw} if qw else {}),
-                                ignore_eos=True, num_docs=nd)
+                                workload=getattr(args, "workload", "fixed"), ignore_eos=True, num_docs=nd)
             for scope in (x.strip() for x in str(getattr(args, "prefill_scopes", "request")).split(",") if x.strip()):
                 key = f"{nd}_docs/{scope}" + (f"/window_{qw}" if len(windows) > 1 else "")
                 pre[key] = measure_prefill(gen, gen_nc, kb, evalq, req,

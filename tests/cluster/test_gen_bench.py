@@ -95,7 +95,7 @@ def test_the_query_window_sets_the_retrieval_query_and_is_recorded(gens, fixture
     assert out[2][1] < out[64][1]                                      # a 2-token query is shorter
 
 
-def test_gen_bench_main_measures_every_window_and_writes_them(tmp_path, fixture_corpus):
+def test_gen_bench_main_measures_every_window_of_the_workload_and_writes_them(tmp_path, fixture_corpus):
     """End to end through the CLI entry point with the project's model and a real BM25 index."""
     import argparse
 
@@ -105,11 +105,13 @@ def test_gen_bench_main_measures_every_window_and_writes_them(tmp_path, fixture_
     add_gen_bench_args(p)
     args = p.parse_args(["-n", "1", "--max-new-tokens", "8", "--parts", "a", "--retriever", "sr",
                          "--query-window", "4,32", "--prefill-docs", "1", "--prefill-scopes", "request",
+                         "--workload", "flare",
                          "--prefill-reps", "1", "--out", str(tmp_path)])
     assert gen_bench_main(args) == 0                                   # 0: every request identical
     import json
     pre = json.loads((tmp_path / "gen_bench.json").read_text())["prefill"]
     assert {k: v["query_window"] for k, v in pre.items() if isinstance(v, dict)} == {
         "1_docs/request/window_4": 4, "1_docs/request/window_32": 32}
+    assert {v["workload"] for v in pre.values() if isinstance(v, dict)} == {"flare"}
     md = (tmp_path / "gen_bench.md").read_text()
     assert "| 1_docs/request/window_4 | 4 |" in md and "`query_window=4,32`" in md
