@@ -5,7 +5,8 @@
     request timed, both arms in the same run and interleaved (alternating order), after
     a warm-up request, the median of ``--prefill-reps`` repetitions per step; the cache is
     cold at the start of every request (reuse across iterations only) and, in a second
-    scope, warm across the run's requests (cleared once per repetition);
+    scope, warm across the run's requests (cleared once per repetition); ``--query-window``
+    (a list) and ``--workload`` (fixed / FLARE / Iter-RetGen trigger) select the loop measured;
 (b) decode: forward passes per generated token and draft acceptance, n-gram (IGPG) vs
     dense (DReSD, datastore from the model's own greedy generations on *other* questions);
 (c) end to end: RaLMSeq plain vs RaLMSpec + doc-KV reuse + drafting;
@@ -207,7 +208,8 @@ def measure_prefill(gen, gen_nc, kb, questions, req, reps: int = 3, scope: str =
     miss = [x for x in rows if not x["hit"]]
     ms = lambda xs, key: 1e3 * fmean(x[key] for x in xs) if xs else None  # noqa: E731
     return {
-        "scope": scope, "workload": req.workload, "query_window": req.query_window, "reps": reps, "requests": len(questions), "steps": n,
+        "scope": scope, "workload": req.workload, "query_window": req.query_window,
+        "reps": reps, "requests": len(questions), "steps": n,
         "prefill_ms_per_step_with": 1e3 * sw / n, "prefill_ms_per_step_without": 1e3 * swo / n,
         "speedup": swo / sw,
         "prefill_ms_per_step_one_forward": 1e3 * sum(x["one_s"] for x in rows) / n,
