@@ -133,8 +133,7 @@ def _spec_body(spec: str) -> str | dict:
     if "@" not in spec:
         return spec
     sc = parse_config(spec)
-    return {"prefetch": sc.prefetch, "adaptive_stride": sc.adaptive_stride, "async_verify": sc.async_verify,
-            "gamma_max": sc.gamma_max}
+    return sc.model_dump(include={"prefetch", "adaptive_stride", "async_verify", "gamma_max"})
 
 
 class Client:

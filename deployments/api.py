@@ -179,6 +179,24 @@ class GenerateRequest(RalmOptions):
     max_new_tokens: Optional[StrictInt] = None
 
 
+class VerifierPolicyUpdate(BaseModel):
+    """Body of ``POST /v1/ralm/admin/verifier``: the batching policy fields to change (the
+    others keep their values; see :class:`deployments.app.VerifierOptions`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    batching: Optional[StrictBool] = None
+    window_ms: Optional[float] = None
+    max_batch: Optional[StrictInt] = Field(None, ge=1)
+    max_inflight: Optional[StrictInt] = Field(None, ge=1)
+    flush_when_all_waiting: Optional[StrictBool] = None
+    reset_stats: StrictBool = False
+
+
+def verifier_policy_update(body) -> VerifierPolicyUpdate:
+    """The validated admin body; a 400 naming the field otherwise."""
+    return _validated(VerifierPolicyUpdate, body)
+
+
 # ------------------------------------------------------------------ body -> job
 def _not_enabled(what: str, how: str, param: str) -> ApiError:
     return ApiError(400, f"{what} is not enabled on this server: {how}", param=param, code="mode_not_enabled")

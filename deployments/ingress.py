@@ -49,7 +49,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from deployments.api import (ApiError, CompletionRequest, GenerateRequest, RalmOptions, build_job, describe,
-                             error_body, message_of, request_id)
+                             error_body, message_of, request_id, verifier_policy_update)
 from deployments.app import AppConfig
 from ralm.config import GeneratorConfig
 from ralm.errors import ConfigError, RalmInputError
@@ -403,24 +403,12 @@ class Ingress:
             body = await request.json()
         except Exception:
             raise ApiError(400, "request body is not valid JSON") from None
-        fields = ("batching", "window_ms", "max_batch", "max_inflight", "flush_when_all_waiting", "reset_stats")
-        if not isinstance(body, dict) or set(body) - set(fields):
-            raise ApiError(400, f"expected an object with {', '.join(fields)}")
-        for name in ("batching", "flush_when_all_waiting"):
-            v = body.get(name)
-            if v is not None and not isinstance(v, bool):
-                raise ApiError(400, f"{name} must be true or false, got {v!r}", param=name)
-        for name in ("max_batch", "max_inflight"):
-            v = body.get(name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ApiError(400, f"{name} must be an integer >= 1, got {v!r}", param=name)
+        upd = verifier_policy_update(body)
+        policy = upd.model_dump(exclude={"reset_stats"})
         out = {}
         for kind, v in self.verifiers.items():
-            out[kind] = await v.configure.remote(window_ms=body.get("window_ms"), max_batch=body.get("max_batch"),
-                                                 batching=body.get("batching"),
-                                                 max_inflight=body.get("max_inflight"),
-                                                 flush_when_all_waiting=body.get("flush_when_all_waiting"))
-            if body.get("reset_stats"):
+            out[kind] = await v.configure.remote(**policy)
+            if upd.reset_stats:
                 await v.stats.remote(True)
         return out
 
