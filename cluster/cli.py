@@ -24,39 +24,12 @@ import os
 import sys
 from pathlib import Path
 
-from ralm.config import RalmConfig, SpecConfig
+from cluster.config_args import add_config_args, load_config
+from ralm.config import SpecConfig
 
 
-def _base_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, help="YAML file with a RalmConfig (see ralm/config.py)")
-    p.add_argument("--corpus", type=Path, help="corpus JSONL(.gz) in pyserini JsonCollection format")
-    p.add_argument("--work-dir", type=Path, help="where indexes and outputs go (default ~/.cache/ralmspec)")
-    p.add_argument("--model", help="generator: local path or Hugging Face name")
-    p.add_argument("--encoder", help="dense encoder: local:all-MiniLM-L6-v2, a path or a HF name")
-    p.add_argument("--pad-to", type=int, help="pad the EDR flat index to N rows (cost emulation; results unchanged)")
-    p.add_argument("--dense-scan", choices=["auto", "faiss", "bf16"],
-                   help="EDR candidate scan: bf16 (bounded, exact after re-scoring), faiss, or auto")
-    p.add_argument("-v", "--verbose", action="store_true")
-
-
-def load_config(args: argparse.Namespace) -> RalmConfig:
-    cfg = RalmConfig.from_yaml(args.config) if getattr(args, "config", None) else RalmConfig()
-    data = cfg.model_dump()
-    if getattr(args, "corpus", None):
-        data["corpus"] = args.corpus
-    if getattr(args, "work_dir", None):
-        data["work_dir"] = args.work_dir
-    if getattr(args, "model", None):
-        data["generator"]["model"] = args.model
-    if getattr(args, "encoder", None):
-        data["retriever"]["encoder"] = args.encoder
-    if getattr(args, "pad_to", None) is not None:
-        data["retriever"]["pad_to"] = args.pad_to
-    if getattr(args, "dense_scan", None) is not None:
-        data["retriever"]["dense_scan"] = args.dense_scan
-    if getattr(args, "max_new_tokens", None):
-        data["request"]["max_new_tokens"] = args.max_new_tokens
-    return RalmConfig.model_validate(data)
+# the common flags and their RalmConfig; also imported from here by cluster.eval_job
+_base_parser = add_config_args
 
 
 def cmd_index(args) -> int:
@@ -89,7 +62,7 @@ def cmd_generate(args) -> int:
     cfg = load_config(args)
     kind = check_kind(args.retriever)
     pipe = Pipeline.from_config(cfg, kinds=(kind,))
-    spec = SpecConfig.named(args.spec) if args.method == "spec" else None
+    spec = SpecConfig.parse(args.spec) if args.method == "spec" else None
     res = pipe.answer(args.question, kind=kind, method=args.method, spec=spec)
     if args.json:
         print(json.dumps(res.as_dict(), indent=2))
@@ -107,11 +80,6 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    from cluster.bench import bench_main
-    return bench_main(args)
-
-
 def cmd_assets(args) -> int:
     import importlib
     mod = {"corpus": "build_corpus", "questions": "build_questions", "train": "train_generator",
@@ -121,6 +89,8 @@ def cmd_assets(args) -> int:
 
 # (command, module, add-arguments function, entry point, takes the common flags, help)
 _PLUGGED_COMMANDS = [
+    ("bench", "cluster.bench", "add_bench_args", "bench_main", True,
+     "benchmark RaLMSeq against RaLMSpec configurations"),
     ("serve", "cluster.serve", "add_serve_args", "serve_main", True,
      "start the HTTP server (Ray Serve) from serve_config.yaml"),
     ("served-bench", "cluster.served_bench", "add_served_bench_args", "served_bench_main", False,
@@ -144,34 +114,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     pi = sub.add_parser("index", help="build retrieval indexes")
-    _base_parser(pi)
+    add_config_args(pi)
     pi.add_argument("--retriever", default="all", help="edr, adr, sr or all")
     pi.add_argument("--index-dir", type=Path, help="output directory (default <work-dir>/indexes/<kind>)")
     pi.add_argument("--force", action="store_true", help="rebuild even if a valid index exists")
     pi.set_defaults(func=cmd_index)
 
     pg = sub.add_parser("generate", help="answer one question and print its statistics")
-    _base_parser(pg)
+    add_config_args(pg)
     pg.add_argument("question")
     pg.add_argument("--retriever", default="edr", help="edr, adr or sr")
     pg.add_argument("--method", choices=["seq", "spec"], default="spec")
-    pg.add_argument("--spec", default="PSA", help="RaLMSpec options: base or any of P, S, A (e.g. PSA)")
+    pg.add_argument("--spec", default="PSA",
+                    help="RaLMSpec configuration: base, any of P, S, A, s=N; @G sets OS3's gamma cap (e.g. PSA@0.9)")
     pg.add_argument("--max-new-tokens", type=int)
     pg.add_argument("--json", action="store_true", help="print the result as JSON")
     pg.set_defaults(func=cmd_generate)
-
-    pb = sub.add_parser("bench", help="benchmark RaLMSeq against RaLMSpec configurations")
-    _base_parser(pb)
-    from cluster.bench import add_bench_args
-    add_bench_args(pb)
-    pb.set_defaults(func=cmd_bench)
 
     import importlib
     for name, module, add_args, entry, with_base, help_ in _PLUGGED_COMMANDS:
         mod = importlib.import_module(module)
         sp = sub.add_parser(name, help=help_)
         if with_base:
-            _base_parser(sp)
+            add_config_args(sp)
         getattr(mod, add_args)(sp)
         sp.set_defaults(func=getattr(mod, entry))
 

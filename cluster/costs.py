@@ -7,12 +7,13 @@ decode. Medians over repeated runs with fresh queries, so no memo is hit.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from statistics import median
 
 import numpy as np
+
+from cluster.report import table, write_report
 
 
 def add_costs_args(p: argparse.ArgumentParser) -> None:
@@ -69,8 +70,22 @@ def measure_generator(engine, corpus, reps: int) -> dict:
             "decode_per_token_ms": median(dec) * 1000, "doc_tokens": n_doc, "context_tokens": len(ctx)}
 
 
+def costs_markdown(out: dict, reps: int) -> str:
+    """The costs table and the generator line, from :func:`costs_main`'s measurements."""
+    rows = [(k.upper(), f"{r['batch1']['encode_ms']:.1f} / {r['batch1']['search_ms']:.1f}",
+             f"{r['batch16']['encode_ms']:.1f} / {r['batch16']['search_ms']:.1f}",
+             f"{r['batch16']['per_query_ms']:.1f} ms") for k, r in out["retrievers"].items()]
+    g = out["generator"]
+    lines = [f"Costs on {out['corpus_passages']} passages (median of {reps}):", "",
+             *table(["part", "batch 1: encode / search ms", "batch 16: encode / search ms", "per query at 16"], rows),
+             "", f"Generator: prefill of {g['doc_tokens']} doc + {g['context_tokens']} context tokens "
+             f"{g['prefill_doc_and_context_ms']:.1f} ms (context only, doc KV reused: "
+             f"{g['prefill_context_only_ms']:.1f} ms); decode {g['decode_per_token_ms']:.1f} ms/token."]
+    return "\n".join(lines) + "\n"
+
+
 def costs_main(args) -> int:
-    from cluster.cli import load_config
+    from cluster.config_args import load_config
     from ralm.pipeline import Pipeline, check_kind
 
     cfg = load_config(args)
@@ -81,20 +96,7 @@ def costs_main(args) -> int:
                           for i, k in enumerate(kinds)},
            "generator": measure_generator(pipe.engine, pipe.corpus, args.reps),
            "model": cfg.generator.model, "torch_threads": cfg.generator.torch_threads}
-    lines = [f"Costs on {len(pipe.corpus)} passages (median of {args.reps}):", "",
-             "| part | batch 1: encode / search ms | batch 16: encode / search ms | per query at 16 |",
-             "|---|---|---|---|"]
-    for k, r in out["retrievers"].items():
-        b1, b16 = r["batch1"], r["batch16"]
-        lines.append(f"| {k.upper()} | {b1['encode_ms']:.1f} / {b1['search_ms']:.1f} | "
-                     f"{b16['encode_ms']:.1f} / {b16['search_ms']:.1f} | {b16['per_query_ms']:.1f} ms |")
-    g = out["generator"]
-    lines += ["", f"Generator: prefill of {g['doc_tokens']} doc + {g['context_tokens']} context tokens "
-              f"{g['prefill_doc_and_context_ms']:.1f} ms (context only, doc KV reused: "
-              f"{g['prefill_context_only_ms']:.1f} ms); decode {g['decode_per_token_ms']:.1f} ms/token."]
-    md = "\n".join(lines) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "costs.json").write_text(json.dumps(out, indent=1))
-    (args.out / "costs.md").write_text(md)
+    md = costs_markdown(out, args.reps)
+    write_report(args.out, "costs", out, md)
     print(md)
     return 0

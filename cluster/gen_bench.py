@@ -17,12 +17,12 @@ Writes gen_bench.json and gen_bench.md. ``--parts a`` runs only (a).
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 from statistics import fmean, median
 
+from cluster.report import table, write_report
 from ralm import constants as C
 
 TEST_DATA = C.PACKAGE_ROOT / "tests" / "data"
@@ -43,7 +43,7 @@ def add_gen_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="fixed", choices=["fixed", "flare", "iter_retgen"],
                    help="(a): retrieval trigger of the measured loop (ralm.workloads; stride = --stride)")
     p.add_argument("--decode-stride", type=int, default=16, help="k for the decode / end-to-end measurement")
-    p.add_argument("--spec", default="PSA", help="RaLMSpec configuration for (c)")
+    p.add_argument("--spec", default="PSA", help="RaLMSpec configuration for (c) (a name for SpecConfig.parse, e.g. PSA@0.9)")
     p.add_argument("--out", type=Path, default=Path("gen-bench-out"))
     p.add_argument("--index-dir", type=Path, default=None,
                    help="an already built index of --corpus for --retriever (validated); default: build one in a temp dir")
@@ -296,7 +296,7 @@ def gen_bench_main(args) -> int:
                        "requests": len(evalq), "divergences": divs}
 
     # (c) end to end: RaLMSeq plain (no doc-KV reuse) vs RaLMSpec + reuse + drafting
-    spec = SpecConfig.named(args.spec)
+    spec = SpecConfig.parse(args.spec)
     e2e = {}
     base_t, base_tok = [], []
     for q in evalq:
@@ -326,10 +326,9 @@ def _ints(spec) -> list[int]:
 
 def _write(args, out: dict, t_all: float) -> int:
     out["total_s"] = time.perf_counter() - t_all
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gen_bench.json").write_text(json.dumps(out, indent=2, default=str))
-    (args.out / "gen_bench.md").write_text(_markdown(out))
-    print(_markdown(out))
+    md = _markdown(out)
+    write_report(args.out, "gen_bench", out, md, indent=2, default=str)
+    print(md)
     ok = all(r["identical"] == r["requests"] for k, r in out.get("prefill", {}).items() if isinstance(r, dict))
     return 0 if ok else 1
 
@@ -343,22 +342,18 @@ def _markdown(o: dict) -> str:
         p = o["prefill"]
         L += ["## (a) prefill per step, doc-KV reuse (RaLMSeq loop, every step timed, median of repetitions)", "",
               f"One-token forward (fixed cost of a forward pass): {f(p['forward_overhead_ms'])} ms. Without reuse a "
-              "step runs one forward per document and one for the context; a full hit runs only the context's.", "",
-              "| docs / cache scope | query window | steps | doc + ctx tokens/step | with reuse ms | without ms | **speed-up** | "
-              "one forward ms (speed-up) | token ratio | docs reused/computed | full-hit steps | "
-              "hit steps: with / without ms | miss steps: with / without ms | identical |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for k, r in p.items():
-            if not isinstance(r, dict):
-                continue
-            L.append(f"| {k} | {r.get('query_window', '-')} | {r['steps']} | {r['doc_tokens_per_step']:.0f} + {r['context_tokens_per_step']:.0f} | "
-                     f"{f(r['prefill_ms_per_step_with'])} | {f(r['prefill_ms_per_step_without'])} | "
-                     f"**{r['speedup']:.2f}x** | {f(r.get('prefill_ms_per_step_one_forward'))} "
-                     f"({f(r.get('speedup_vs_one_forward'))}x) | {r['token_ratio']:.2f}x | "
-                     f"{r['docs_reused']}/{r['docs_computed']} | "
-                     f"{r['full_hit_steps']} | {f(r['hit_steps_ms_with'])} / {f(r['hit_steps_ms_without'])} | "
-                     f"{f(r['miss_steps_ms_with'])} / {f(r['miss_steps_ms_without'])} | "
-                     f"{r['identical']}/{r['requests']} |")
+              "step runs one forward per document and one for the context; a full hit runs only the context's.", ""]
+        L += table(["docs / cache scope", "query window", "steps", "doc + ctx tokens/step", "with reuse ms",
+                    "without ms", "**speed-up**", "one forward ms (speed-up)", "token ratio", "docs reused/computed",
+                    "full-hit steps", "hit steps: with / without ms", "miss steps: with / without ms", "identical"],
+                   ([k, r.get("query_window", "-"), r["steps"],
+                     f"{r['doc_tokens_per_step']:.0f} + {r['context_tokens_per_step']:.0f}",
+                     f(r["prefill_ms_per_step_with"]), f(r["prefill_ms_per_step_without"]), f"**{r['speedup']:.2f}x**",
+                     f"{f(r.get('prefill_ms_per_step_one_forward'))} ({f(r.get('speedup_vs_one_forward'))}x)",
+                     f"{r['token_ratio']:.2f}x", f"{r['docs_reused']}/{r['docs_computed']}", r["full_hit_steps"],
+                     f"{f(r['hit_steps_ms_with'])} / {f(r['hit_steps_ms_without'])}",
+                     f"{f(r['miss_steps_ms_with'])} / {f(r['miss_steps_ms_without'])}",
+                     f"{r['identical']}/{r['requests']}"] for k, r in p.items() if isinstance(r, dict)))
         L += ["", "Without: the engine's exact computation without the cache (each document, then the context, "
               "one forward each). One forward: the same prompt in a single forward pass, what a server without "
               "reuse would run (not bit-identical to the engine's computation). Token ratio: (document + context "
@@ -367,16 +362,14 @@ def _markdown(o: dict) -> str:
               "`run`: cleared once per repetition, reused across the run's requests.", ""]
     if "decode" not in o:
         return "\n".join(L) + "\n"
-    L += [f"## (b) decode (dense datastore: {o['dense_datastore']})", "",
-          "| drafting | fwd/token | fewer fwd x | acceptance | accepted/verify | decode s/token |", "|---|---|---|---|---|---|"]
-    for k, r in o["decode"].items():
-        L.append(f"| {k} | {f(r['forward_passes_per_token'])} | {f(r.get('fewer_forwards_x'))} | "
-                 f"{f(r['acceptance_rate'])} | {f(r['accepted_per_verify_pass'])} | {f(r['decode_s_per_token'])} |")
-    L += ["", "## (c) end to end", "", f"RaLMSeq plain: {f(o['end_to_end']['seq_plain_s'])} s/request", "",
-          "| config | s/request | speed-up | identical |", "|---|---|---|---|"]
-    for k, r in o["end_to_end"].items():
-        if isinstance(r, dict):
-            L.append(f"| {k} | {f(r['mean_s'])} | {f(r['speedup'])} | {r['identical_to_seq']}/{r['requests']} |")
+    L += [f"## (b) decode (dense datastore: {o['dense_datastore']})", ""]
+    L += table(["drafting", "fwd/token", "fewer fwd x", "acceptance", "accepted/verify", "decode s/token"],
+               ([k, f(r["forward_passes_per_token"]), f(r.get("fewer_forwards_x")), f(r["acceptance_rate"]),
+                 f(r["accepted_per_verify_pass"]), f(r["decode_s_per_token"])] for k, r in o["decode"].items()))
+    L += ["", "## (c) end to end", "", f"RaLMSeq plain: {f(o['end_to_end']['seq_plain_s'])} s/request", ""]
+    L += table(["config", "s/request", "speed-up", "identical"],
+               ([k, f(r["mean_s"]), f(r["speedup"]), f"{r['identical_to_seq']}/{r['requests']}"]
+                for k, r in o["end_to_end"].items() if isinstance(r, dict)))
     L += ["", "## (d) drafting vs plain: identical outputs and divergences", ""]
     for k, r in o["identical"].items():
         L.append(f"- {k}: {r['identical']}/{r['requests']} identical; divergences: "

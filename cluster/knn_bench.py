@@ -20,11 +20,13 @@ built once into DIR and reused):
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
 from pathlib import Path
+
+from cluster.report import KNN_COLUMNS, ConfigRuns, machine_note, markdown_table, summarize, write_report
+from ralm.config import SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +47,8 @@ def add_knn_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ks", default="1,16,256,1024", help="comma-separated k values (1..1024)")
     p.add_argument("--indexes", default="flat,hnsw", help="comma-separated subset of flat,hnsw")
     p.add_argument("--configs", default="s=4,s=8,S",
-                   help="comma-separated: s=N (fixed stride) or S (OS3); prefix P to prefetch (e.g. Ps=8, PS); "
-                        "append @G to set OS3's gamma cap (e.g. S@0.9)")
+                   help="comma-separated configuration names (ralm.config.SpecConfig.parse): s=N (fixed stride) or "
+                        "S (OS3); prefix P to prefetch (e.g. Ps=8, PS); append @G to set OS3's gamma cap (e.g. S@0.9)")
     p.add_argument("--prefetch-size", type=int, default=256,
                    help="p for P configs: every KB search fetches the top-max(k, p) into the cache (<= 1024)")
     p.add_argument("--cache-entries", type=int, default=0,
@@ -75,22 +77,17 @@ def add_knn_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("knn-bench-out"), help="output directory")
 
 
-def _spec(name: str, gamma_max: float = 0.6, max_stride: int = 16, prefetch_size: int = 256):
-    """'s=8' fixed stride, 'S' OS3, 'P' prefix: prefetching, '@G' suffix: OS3 gamma cap.
-
-    'PS@0.9' -> OS3 with prefetching and OS3's gamma cap raised from 0.6 to 0.9."""
-    from ralm.config import SpecConfig
-
-    base, _, cap = name.partition("@")
-    pre = base[:1].upper() == "P"
-    body = base[1:] if pre else base
-    extra = {"prefetch": True, "prefetch_size": prefetch_size} if pre else {}
-    if body.startswith("s=") and not cap:
-        return SpecConfig(stride=int(body[2:]), **extra)
-    if body.upper() == "S":
-        return SpecConfig(adaptive_stride=True, gamma_max=float(cap) if cap else gamma_max,
-                          max_stride=max_stride, **extra)
-    raise ValueError(f"unknown KNN-LM speculation config {name!r}: use [P]s=N or [P]S[@G]")
+def _spec(name: str, gamma_max: float = 0.6, max_stride: int = 16, prefetch_size: int = 256) -> SpecConfig:
+    """A configuration by its name (:meth:`ralm.config.SpecConfig.parse`; here typically
+    ``[P]s=N`` or ``[P]S[@G]``), with this benchmark's OS3 settings for S and ``prefetch_size``
+    for P. KNN-LM has no asynchronous verification, so a name with A is an error."""
+    flags = SpecConfig.parse(name)
+    if flags.async_verify:
+        raise ValueError(f"KNN-LM speculation config {name!r}: asynchronous verification (A) is not supported "
+                         "for KNN-LM; use [P]s=N or [P]S[@G]")
+    defaults = {**({"gamma_max": gamma_max, "max_stride": max_stride} if flags.adaptive_stride else {}),
+                **({"prefetch_size": prefetch_size} if flags.prefetch else {})}
+    return SpecConfig.parse(name, **defaults)
 
 
 def _load_or_build(args, engine, corpus):
@@ -116,49 +113,6 @@ def _load_or_build(args, engine, corpus):
                          progress=True)
     ds.save(d)
     return ds, d, True
-
-
-def _summarize(base_results, results, identical, name: str, lookups=None) -> dict:
-    from statistics import fmean
-
-    T = fmean(r.stats.total_time_s for r in results)
-    G = fmean(r.stats.gen_time_s for r in results)
-    R = fmean(r.stats.retrieval_time_s for r in results)
-    Tb = fmean(r.stats.total_time_s for r in base_results)
-    Rb = fmean(r.stats.retrieval_time_s for r in base_results)
-    gammas = [r.stats.gamma for r in results if r.stats.gamma is not None]
-    accs = [r.stats.speculation_accuracy for r in results if r.stats.speculation_accuracy is not None]
-    strides = [s for r in results for s in r.stats.strides]
-    return {
-        "config": name, "latency_s": T, "gen_s": G, "retrieval_s": R,
-        "retrieval_share": R / T if T else 0.0,
-        "speedup": Tb / T if T else 0.0,
-        "E": (Tb - T) / Rb if Rb else 0.0,
-        "gamma": fmean(gammas) if gammas else None,
-        "spec_accuracy": fmean(accs) if accs else None,
-        "kb_calls": fmean(r.stats.kb_calls for r in results),
-        "rollbacks": fmean(r.stats.rollbacks for r in results),
-        "direct_steps": fmean(r.stats.direct_steps for r in results),
-        "mean_stride": fmean(strides) if strides else None,
-        "tokens": fmean(len(r.tokens) for r in results),
-        "cache_entries": fmean(r.stats.cache_entries for r in results) if gammas or accs else None,
-        "lookup_ms": (1000 * sum(c.lookup_s for c in lookups) / max(1, sum(c.lookups for c in lookups))
-                      if lookups else None),
-        "identical": sum(identical), "requests": len(results),
-    }
-
-
-def markdown(rows: list[dict], notes: list[str]) -> str:
-    f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"   # noqa: E731
-    out = ["| index | k | config | latency ms | G ms | R ms | R share | speed-up | E | gamma | "
-           "spec acc | KB calls | rollbacks | direct | mean s | cache lookup ms | identical |", "|" + "---|" * 17]
-    for r in rows:
-        out.append(f"| {r['index']} | {r['k']} | {r['config']} | {r['latency_s']*1000:.0f} | "
-                   f"{r['gen_s']*1000:.0f} | {r['retrieval_s']*1000:.0f} | {r['retrieval_share']:.0%} | "
-                   f"{r['speedup']:.2f}x | {f(r['E'])} | {f(r['gamma'])} | {f(r['spec_accuracy'])} | "
-                   f"{r['kb_calls']:.1f} | {r['rollbacks']:.1f} | {r['direct_steps']:.1f} | "
-                   f"{f(r['mean_stride'], 1)} | {f(r.get('lookup_ms'))} | {r['identical']}/{r['requests']} |")
-    return "\n".join(notes + [""] + out) + "\n"
 
 
 def knn_bench_main(args) -> int:
@@ -197,11 +151,11 @@ def knn_bench_main(args) -> int:
     req = RequestConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     notes = [f"# ralmspec bench-knn: {len(timed)} prompts x {args.max_new_tokens} tokens (EOS ignored), "
              f"generator {args.model}, datastore {len(ds):,} entries x {ds.dim} dims from "
-             f"{ds.manifest['n_passages']} passages of {args.corpus}, lambda={args.lmbda}, T={args.temperature}, "
+             f"{ds.manifest['n_passages']} passages of {args.corpus}, lambda={args.lmbda}, temperature={args.temperature}, "
              f"n={args.spatial_next}, OS3 gamma_max={args.gamma_max} (S@G: cap G), max stride {args.max_stride}, "
              f"P prefetch size {args.prefetch_size}, cache capacity "
              f"{args.cache_entries or f'max(4096, {args.cache_retrievals} p (n + 1)), p = entries fetched per query'}, "
-             f"cache scan {args.cache_project_dims or 'full'} dims, threads={args.threads}"]
+             f"cache scan {args.cache_project_dims or 'full'} dims, threads={args.threads}", machine_note()]
     rows, per_request = [], []
     t_all = time.perf_counter()
     for kind in kinds:
@@ -223,53 +177,52 @@ def knn_bench_main(args) -> int:
                 run_knn_seq(p, engine, kb, knn, req)
                 for c in configs:
                     run_knn_spec(p, engine, kb, knn, req, specs[c])
-            base, res = [], {c: [] for c in configs}
-            same = {c: [] for c in configs}
+            base = ConfigRuns("baseline")
+            res = {c: ConfigRuns(c) for c in configs}
             caches = {c: [] for c in configs}
             kb.batch_s.clear()
             for p in tqdm(timed, desc=f"{kind} k={k}"):
                 b = run_knn_seq(p, engine, kb, knn, req)
-                base.append(b)
+                base.results.append(b)
+                base.identical.append(True)
                 row = {"index": kind, "k": k, "prompt": p, "seq": b.stats.as_dict(), "seq_tokens": b.tokens}
                 for c in configs:
                     cache = new_cache(kb, knn, specs[c])
                     r = run_knn_spec(p, engine, kb, knn, req, specs[c], cache=cache)
                     caches[c].append(cache)
                     ok = r.tokens == b.tokens
-                    res[c].append(r)
-                    same[c].append(ok)
+                    res[c].results.append(r)
+                    res[c].identical.append(ok)
                     row[c] = {"identical": ok, **r.stats.as_dict()}
                     if not ok:
                         log.error("OUTPUT DIFFERS: index=%s k=%d config=%s prompt=%r", kind, k, c, p)
                 per_request.append(row)
-            block = [_summarize(base, base, [True] * len(base), "baseline")]
-            block += [_summarize(base, res[c], same[c], c, caches[c]) for c in configs]
-            for r in block:
-                r.update(index=kind + (f"(pad {kb.padded_rows:,})" if kb.padded_rows else ""), k=k)
+            where = {"index": kind + (f"(pad {kb.padded_rows:,})" if kb.padded_rows else ""), "k": k}
+            block = [summarize(base, base, pooled_strides=True, **where)]
+            block += [summarize(base, res[c], caches=caches[c], pooled_strides=True, **where) for c in configs]
             rows += block
             notes.append(f"{kind} k={k}: KB latency by batch size (ms, mean over calls): " + ", ".join(
                 f"{b}: {1000 * t / n:.0f} ({n})" for b, (n, t) in sorted(kb.batch_s.items())))
             for c in configs:
-                strides = [x for r in res[c] for x in r.stats.strides]
+                strides = [x for r in res[c].results for x in r.stats.strides]
                 if specs[c].adaptive_stride and strides:
                     hist = {x: strides.count(x) for x in sorted(set(strides))}
                     notes.append(f"{kind} k={k} {c}: strides chosen (size: windows) {hist}")
-            log.info("%s k=%d: %s", kind, k, ", ".join(f"{r['config']} {r['speedup']:.2f}x" for r in block))
+            log.info("%s k=%d: %s", kind, k, ", ".join(f"{r.config} {r.speedup:.2f}x" for r in block))
         notes.append(f"KB stats {kind}: {kb.stats}")
-    share = [r for r in rows if r["config"] == "baseline" and r["index"].startswith("flat")]
+    share = [r for r in rows if r.config == "baseline" and r.index.startswith("flat")]
     if share:
         notes.append("Baseline retrieval share (flat): " + ", ".join(
-            f"k={r['k']}: {r['retrieval_share']:.0%}" for r in share))
-    md = markdown(rows, notes)
-    (args.out / "knn_bench.md").write_text(md)
-    (args.out / "knn_bench.json").write_text(json.dumps(
-        {"notes": notes, "summary": rows, "requests": per_request, "datastore": ds.manifest,
-         "datastore_dir": str(ds_dir), "datastore_built": built, "argv": sys.argv,
-         "args": {k: str(v) for k, v in vars(args).items() if k != "func"},
-         "wall_s": time.perf_counter() - t_all}, indent=1, default=str))
+            f"k={r.k}: {r.retrieval_share:.0%}" for r in share))
+    md = markdown_table(rows, notes, KNN_COLUMNS)
+    write_report(args.out, "knn_bench", {
+        "notes": notes, "summary": [r.as_dict() for r in rows], "requests": per_request, "datastore": ds.manifest,
+        "datastore_dir": str(ds_dir), "datastore_built": built, "argv": sys.argv,
+        "args": {k: str(v) for k, v in vars(args).items() if k != "func"},
+        "wall_s": time.perf_counter() - t_all}, md, default=str)
     print(md)
     print(f"wrote {args.out}/knn_bench.json, knn_bench.md")
-    diffs = sum(r["requests"] - r["identical"] for r in rows)
+    diffs = sum(r.requests - r.identical for r in rows)
     if diffs:
         print(f"FAIL: {diffs} speculative KNN-LM outputs differ from the baseline", file=sys.stderr)
         return 1

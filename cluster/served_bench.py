@@ -27,6 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import fmean
 
+from cluster.report import table, write_report
+from ralm.config import SpecConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -105,12 +108,15 @@ def mode_stats(outs: list[dict]) -> dict:
 
 
 def _parse_methods(spec: str) -> list[tuple[str, str | None]]:
-    out = []
+    """'seq,spec:PSA@0.9' -> [('seq', None), ('spec', 'PSA@0.9')]; a bare 'spec' is 'spec:base'.
+    Every configuration name is checked here (:meth:`SpecConfig.parse`), before any request."""
+    out: list[tuple[str, str | None]] = []
     for m in (x.strip() for x in spec.split(",") if x.strip()):
         if m == "seq":
             out.append(("seq", None))
-        elif m.startswith("spec"):
+        elif m == "spec" or m.startswith("spec:"):
             name = m.split(":", 1)[1] if ":" in m else "base"
+            SpecConfig.parse(name)
             out.append(("spec", name))
         else:
             raise ValueError(f"unknown method {m!r}: use seq or spec:<config>")
@@ -118,22 +124,22 @@ def _parse_methods(spec: str) -> list[tuple[str, str | None]]:
 
 
 def _label(method: str, spec: str | None) -> str:
+    """'spec[PSA@0.9]': the P/S/A letters in canonical order (or 'base') and the name's gamma cap."""
     if method == "seq":
         return "seq"
-    base, _, cap = (spec or "").partition("@")
-    name = "".join(c for c in "PSA" if c in base.upper()) or "base"
+    sc = SpecConfig.parse(spec or "base")
+    name = "".join(c for c, on in (("P", sc.prefetch), ("S", sc.adaptive_stride), ("A", sc.async_verify))
+                   if on) or "base"
+    cap = (spec or "").partition("@")[2]
     return f"spec[{name}{'@' + cap if cap else ''}]"
 
 
 def _spec_body(spec: str) -> str | dict:
     """The request's ``spec`` field: the name itself, or with ``@G`` an object of SpecConfig fields
     (the name's P/S/A flags and ``gamma_max``)."""
-    from cluster.bench import parse_config
-
     if "@" not in spec:
         return spec
-    sc = parse_config(spec)
-    return sc.model_dump(include={"prefetch", "adaptive_stride", "async_verify", "gamma_max"})
+    return SpecConfig.parse(spec).model_dump(include={"prefetch", "adaptive_stride", "async_verify", "gamma_max"})
 
 
 class Client:
@@ -254,7 +260,6 @@ def in_process_latencies(ralm: dict, questions: list[str], kinds: list[str],
     the reference for "served latency at 1 request is close to in-process"."""
     import gc
 
-    from cluster.bench import parse_config
     from ralm.config import RalmConfig
     from ralm.pipeline import Pipeline
 
@@ -266,9 +271,7 @@ def in_process_latencies(ralm: dict, questions: list[str], kinds: list[str],
         for kind in kinds:
             pipe.answer(questions[0], kind, "seq", req=req)                  # warm-up, untimed
             for method, spec in methods:
-                sc = parse_config(spec, **{k: v for k, v in cfg.spec.model_dump().items()
-                                           if k not in ("prefetch", "adaptive_stride", "async_verify")}) \
-                    if method == "spec" else None
+                sc = SpecConfig.parse(spec, **cfg.spec.model_dump()) if method == "spec" else None
                 lats, toks = [], []
                 for q in questions:
                     kb = pipe.retriever(kind)
@@ -298,6 +301,8 @@ def one_request_rows(rows: list[dict], ref: dict[tuple[str, str], dict], questio
 
 
 def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] | None = None) -> str:
+    """The served benchmark's report: header, notes, one row per measurement and, when
+    measured, the 1-request served-vs-in-process rows."""
     lines = ["# Served benchmark: RaLMSeq vs RaLMSpec under concurrent load",
              "",
              f"Server {meta['url']}, model `{meta['model']}`, {meta['requests']} requests per row, "
@@ -306,28 +311,27 @@ def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] 
              f"search sent by the verifier (cross-request batching); `req/batch`: requests per batch.",
              ""]
     lines += [f"> {n}" for n in notes] + ([""] if notes else [])
-    lines.append("| retriever | method | batching | concurrency | req/s | tokens/s | p50 (s) | p95 (s) | "
-                 "mean (s) | q/search | req/batch | tok/fwd | accept | doc-KV hit | identical |")
-    lines.append("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-
-    def f2(v):
+    def f2(v: float | None) -> str:
         return f"{v:.2f}" if v is not None else "-"
-    for r in rows:
-        name = "RaLMSeq" if r["method"] == "seq" else "RaLMSpec " + r["method"][5:-1]
-        qps = f"{r['queries_per_search']:.2f}" if r["queries_per_search"] else "-"
-        rpb = f"{r['requests_per_batch']:.2f}" if r["requests_per_batch"] else "-"
-        lines.append(f"| {r['retriever']} | {name} | {'on' if r['batching'] else 'off'} | {r['concurrency']} | "
-                     f"{r['throughput_rps']:.2f} | {r['tokens_per_s']:.1f} | {r['p50_s']:.2f} | {r['p95_s']:.2f} | "
-                     f"{r['mean_s']:.2f} | {qps} | {rpb} | {f2(r.get('tokens_per_forward'))} | "
-                     f"{f2(r.get('acceptance_rate'))} | {f2(r.get('doc_kv_hit_rate'))} | {r['identical']}/{r['requests']} |")
+
+    def name(method: str) -> str:
+        return "RaLMSeq" if method == "seq" else "RaLMSpec " + method[5:-1]
+
+    lines += table(
+        ["retriever", "method", "batching", "concurrency", "req/s", "tokens/s", "p50 (s)", "p95 (s)", "mean (s)",
+         "q/search", "req/batch", "tok/fwd", "accept", "doc-KV hit", "identical"],
+        ([r["retriever"], name(r["method"]), "on" if r["batching"] else "off", r["concurrency"],
+          f"{r['throughput_rps']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['p50_s']:.2f}", f"{r['p95_s']:.2f}",
+          f"{r['mean_s']:.2f}", f"{r['queries_per_search']:.2f}" if r["queries_per_search"] else "-",
+          f"{r['requests_per_batch']:.2f}" if r["requests_per_batch"] else "-", f2(r.get("tokens_per_forward")),
+          f2(r.get("acceptance_rate")), f2(r.get("doc_kv_hit_rate")), f"{r['identical']}/{r['requests']}"]
+         for r in rows), align="lllrrrrrrrrrrrr")
     if one:
-        lines += ["", "## One request in flight: served against the in-process engine", "",
-                  "| retriever | method | served mean (s) | in-process mean (s) | served / in-process |",
-                  "|---|---|---:|---:|---:|"]
-        for o in one:
-            name = "RaLMSeq" if o["method"] == "seq" else "RaLMSpec " + o["method"][5:-1]
-            lines.append(f"| {o['retriever']} | {name} | {o['served_mean_s']:.2f} | {o['in_process_mean_s']:.2f} | "
-                         f"{o['served_over_in_process']:.2f}x |")
+        lines += ["", "## One request in flight: served against the in-process engine", ""]
+        lines += table(["retriever", "method", "served mean (s)", "in-process mean (s)", "served / in-process"],
+                       ([o["retriever"], name(o["method"]), f"{o['served_mean_s']:.2f}",
+                         f"{o['in_process_mean_s']:.2f}", f"{o['served_over_in_process']:.2f}x"] for o in one),
+                       align="llrrr")
     return "\n".join(lines) + "\n"
 
 
@@ -380,13 +384,10 @@ def served_bench_main(args: argparse.Namespace) -> int:
             "concurrency": levels, "retrievers": kinds, "methods": [m for m, _ in methods],
             "options": getattr(args, "options", None) or {},
             "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     one = one_request_rows(rows, ref, questions)
-    (out / "served_bench.json").write_text(json.dumps({"meta": meta, "notes": notes, "rows": rows,
-                                                       "one_request_vs_in_process": one}, indent=2))
     md = to_markdown(rows, meta, notes, one)
-    (out / "served_bench.md").write_text(md)
+    write_report(Path(args.out), "served_bench", {"meta": meta, "notes": notes, "rows": rows,
+                                                  "one_request_vs_in_process": one}, md, indent=2)
     print(md)
     bad = [r for r in rows if r["identical"] != r["requests"]]
     if bad:

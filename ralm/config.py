@@ -5,10 +5,10 @@ Every field has a description; defaults come from :mod:`ralm.constants`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ralm import constants as C
 
@@ -74,6 +74,80 @@ class SpecConfig(_Strict):
         if set(name) - set("PSA"):
             raise ValueError(f"unknown RaLMSpec configuration {name!r}: use base or a combination of P, S, A")
         return cls(prefetch="P" in name, adaptive_stride="S" in name, async_verify="A" in name, **overrides)
+
+    @classmethod
+    def parse(cls, name: str, **defaults: Any) -> "SpecConfig":
+        """A configuration by its name: the one grammar of the CLI, the benchmarks and the
+        evaluation job (:meth:`named` extended with fixed strides, the gamma cap and the
+        served benchmark's ``spec:`` prefix)::
+
+            NAME  = [spec:] BODY [@GAMMA]
+            BODY  = base | a combination of P, S, A | [P][A]s=N
+
+        Letters are case-insensitive and in any order; ``s=N`` is lower case. ``P``: prefetch,
+        ``S``: OS3 chooses the stride, ``A``: asynchronous verification, ``s=N``: fixed
+        stride N (so not with ``S``), ``@GAMMA``: OS3's cap on its gamma estimate
+        (``gamma_max``, the paper's 0.6 by default). ``defaults``: other SpecConfig fields
+        (a server's config, a benchmark's ``prefetch_size``, ...); what the name says
+        overrides them, and the name alone decides P, S and A.
+
+        Worked examples:
+
+        ================  ============================================================
+        name              configuration
+        ================  ============================================================
+        ``base``          no P/S/A: fixed stride ``stride`` (3 by default)
+        ``P``             prefetching, fixed stride
+        ``PSA``, ``asp``  prefetching, OS3 stride, asynchronous verification
+        ``s=4``           fixed stride 4, no P/S/A
+        ``Ps=8``          prefetching, fixed stride 8 (the KNN-LM benchmark's form)
+        ``PSA@0.9``       PSA with OS3's gamma cap raised from 0.6 to 0.9
+        ``spec:PSA@0.9``  the same (the served benchmark's method form)
+        ================  ============================================================
+
+        >>> SpecConfig.parse("PSA@0.9").gamma_max
+        0.9
+        >>> SpecConfig.parse("s=4", prefetch_size=64).model_dump(include={"stride", "prefetch_size"})
+        {'prefetch_size': 64, 'stride': 4}
+
+        Invalid names raise ValueError naming the problem, e.g. ``PQ``: "unknown RaLMSpec
+        configuration 'PQ' ...", ``PSs=4``: "... a fixed stride s=N cannot be combined with S
+        ...", ``s=0``: "invalid RaLMSpec configuration 's=0': stride: Input should be greater
+        than or equal to 1" (the table in tests/ralm/test_config_names.py lists them all).
+        """
+        body, at, cap = name.strip().partition("@")
+        if body[:5].lower() == "spec:":
+            body = body[5:]
+        body = body.strip()
+        if not body:
+            raise ValueError(f"empty RaLMSpec configuration name {name!r}: use base, a combination of P, S, A, "
+                             "or [P][A]s=N")
+        fields = {k: v for k, v in defaults.items() if k not in ("prefetch", "adaptive_stride", "async_verify")}
+        if at:
+            try:
+                fields["gamma_max"] = float(cap)
+            except ValueError:
+                raise ValueError(f"the gamma cap of RaLMSpec configuration {name!r} is not a number: "
+                                 f"{cap!r}") from None
+        letters, fixed, stride = body.partition("s=")
+        flags = "" if letters.upper() == "BASE" and not fixed else letters.upper()
+        if set(flags) - set("PSA"):
+            raise ValueError(f"unknown RaLMSpec configuration {name!r}: use base, a combination of P, S, A, "
+                             "or [P][A]s=N, optionally followed by @GAMMA (e.g. PSA@0.9)")
+        if fixed:
+            if "S" in flags:
+                raise ValueError(f"RaLMSpec configuration {name!r}: a fixed stride s=N cannot be combined "
+                                 "with S (OS3 chooses the stride)")
+            try:
+                fields["stride"] = int(stride)
+            except ValueError:
+                raise ValueError(f"the stride of RaLMSpec configuration {name!r} is not an integer: "
+                                 f"{stride!r}") from None
+        try:
+            return cls.named(flags, **fields)
+        except ValidationError as e:
+            raise ValueError(f"invalid RaLMSpec configuration {name!r}: " + "; ".join(
+                f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
 
 
 class RequestConfig(_Strict):

@@ -6,18 +6,18 @@ import json
 import pytest
 import yaml
 
-from cluster.bench import parse_config
 from cluster.cli import main
+from ralm.config import SpecConfig
 from tests.conftest import FIXTURE_CORPUS, FIXTURE_QUESTIONS, TEST_HNSW
 
 
 def test_parse_config_names():
-    assert parse_config("s=4").stride == 4 and not parse_config("s=4").adaptive_stride
-    psa = parse_config("PSA")
+    assert SpecConfig.parse("s=4").stride == 4 and not SpecConfig.parse("s=4").adaptive_stride
+    psa = SpecConfig.parse("PSA")
     assert psa.prefetch and psa.adaptive_stride and psa.async_verify
-    assert parse_config("PSA@0.9").gamma_max == 0.9 and parse_config("PSA").gamma_max == 0.6
+    assert SpecConfig.parse("PSA@0.9").gamma_max == 0.9 and SpecConfig.parse("PSA").gamma_max == 0.6
     with pytest.raises(ValueError):
-        parse_config("XYZ")
+        SpecConfig.parse("XYZ")
 
 
 def test_bench_writes_json_table_and_chart(tmp_path, index_dirs, capsys):
