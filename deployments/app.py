@@ -22,6 +22,7 @@ from deployments.generator import PRESETS, GeneratorDeploymentOptions, preset
 from deployments.modes import DenseDraftingOptions, KnnServeOptions
 from ralm import constants as C
 from ralm.config import GeneratorConfig, RalmConfig, RetrieverKind
+from ralm.methods import MethodName, is_knn
 
 
 class _Opts(BaseModel):
@@ -89,7 +90,7 @@ class AppConfig(_Opts):
     ralm: RalmConfig = Field(default_factory=RalmConfig, description="Corpus, work dir, retriever, generator, speculation and request defaults (ralm.config.RalmConfig).")
     retrievers: list[RetrieverKind] = Field(default_factory=lambda: ["edr", "adr", "sr"], min_length=1,
                                             description="Retriever kinds served; the first is the default of a request.")
-    default_method: Literal["seq", "spec", "knnlm-seq", "knnlm-spec"] = Field(
+    default_method: MethodName = Field(
         "spec", description="Method of a request that names none (knnlm-*: needs knnlm.enabled).")
     generator_preset: Optional[Literal["cpu", "gpu", "llama2-70b-4gpu"]] = Field(
         None, description="Generator preset; fills generator settings not given explicitly (see deployments.generator.preset).")
@@ -115,7 +116,7 @@ class AppConfig(_Opts):
             raise ValueError("state.kb_cache names a retriever that is not served")
         if self.ralm.request.drafting == "dense" and not self.dense_drafting.enabled:
             raise ValueError("ralm.request.drafting is 'dense' but no dense_drafting.datastore is configured")
-        if self.default_method in ("knnlm-seq", "knnlm-spec") and not self.knnlm.enabled:
+        if is_knn(self.default_method) and not self.knnlm.enabled:
             raise ValueError(f"default_method is {self.default_method!r} but knnlm.enabled is false")
         return self
 
