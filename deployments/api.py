@@ -179,7 +179,7 @@ class GenerateRequest(RalmOptions):
 
 class VerifierPolicyUpdate(BaseModel):
     """Body of ``POST /v1/ralm/admin/verifier``: the batching policy fields to change (the
-    others keep their values; see :class:`deployments.app.VerifierOptions`)."""
+    others keep their values; see :class:`deployments.config.VerifierOptions`)."""
 
     model_config = ConfigDict(extra="forbid")
     batching: Optional[StrictBool] = None

@@ -50,7 +50,7 @@ from ray import serve
 
 from deployments.api import (ApiError, CompletionRequest, GenerateRequest, RalmOptions, build_job, describe,
                              error_body, message_of, request_id, verifier_policy_update)
-from deployments.app import AppConfig
+from deployments.config import AppConfig
 from ralm.config import GeneratorConfig
 from ralm.errors import ConfigError, RalmInputError
 
