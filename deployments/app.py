@@ -4,10 +4,11 @@
 
 ``build_app(args)`` validates ``args`` (the ``args:`` block of the Serve config, or a
 dict) as an :class:`~deployments.config.AppConfig` and returns the bound application: the
-HTTP ingress (:mod:`deployments.ingress`) over the generator deployment
-(:mod:`deployments.generator`). The ingress starts, per served retriever, the shard
-actors and the verifier, and the pool of coordinators; missing indexes are built on
-first start into ``ralm.work_dir``.
+HTTP ingress (:mod:`deployments.serve_ingress`) over the generator deployment
+(:mod:`deployments.generator`). The ingress replica builds its backend
+(:func:`deployments.ray_backend.start_ray_backend`): per served retriever, the shard
+actors and the verifier, and the pool of coordinators; missing indexes are built on first
+start into ``ralm.work_dir``.
 """
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ from deployments.generator import PRESETS
 
 def build_app(args: dict | None = None):
     """Serve application builder: ``serve run deployments.app:build_app`` or ``serve_config.yaml``."""
+    # Ray and the backend are imported only when an application is built (validating a
+    # config, for one, needs neither)
     from deployments.generator import generator_deployment
-    from deployments.ingress import Ingress
+    from deployments.ray_backend import start_ray_backend
+    from deployments.serve_ingress import Ingress
 
     cfg = AppConfig.model_validate(dict(args or {})).resolved()
     gen = generator_deployment(cfg.generator_deployment).bind(
@@ -29,7 +33,7 @@ def build_app(args: dict | None = None):
         ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
     )
-    return ingress.bind(gen, cfg.model_dump(mode="json"))
+    return ingress.bind(cfg.model_dump(mode="json"), start_ray_backend, gen)
 
 
 __all__ = ["AppConfig", "VerifierOptions", "build_app", "PRESETS"]
