@@ -36,14 +36,12 @@ from typing import Any, Iterator, Sequence
 
 from ralm.config import GeneratorConfig, RequestConfig, SpecConfig
 from ralm.engine import LMEngine, StepOutput
-from ralm.errors import ConfigError, RalmInputError
+from ralm.errors import ConfigError
+from ralm.methods import method_info
 from ralm.results import RalmResult
 from ralm.retrieval.base import Hit
 
 log = logging.getLogger(__name__)
-
-KNN_METHODS = ("knnlm-seq", "knnlm-spec")
-METHODS = ("seq", "spec") + KNN_METHODS
 
 
 def _get(ref_or_response, timeout: float | None = None):
@@ -248,8 +246,7 @@ class Coordinator:
     def _configs(self, request: dict) -> tuple[str, str, RequestConfig, SpecConfig]:
         kind = request.get("retriever") or next(iter(self.verifiers))
         method = request.get("method", "spec")
-        if method not in METHODS:
-            raise RalmInputError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+        method_info(method)                  # RalmInputError for an unknown method
         req = self.request_defaults.model_copy(update=request.get("request") or {})
         req = RequestConfig.model_validate(req.model_dump())
         spec = self.spec_defaults.model_copy(update=request.get("spec") or {})
@@ -305,7 +302,8 @@ class Coordinator:
         from ralm.spec import run_spec
 
         kind, method, req, spec = self._configs(request)
-        if method in KNN_METHODS:
+        info = method_info(method)
+        if info.knn:
             return self._run_knn(request, method, req, spec, on_commit)
         gen, kb = self._generator(), self._kb(kind)
         rid = request.get("request_id")
@@ -322,7 +320,7 @@ class Coordinator:
         vkb = self._vkbs[kind]
         vkb.begin(f"{self._me}:{self.served}")
         try:
-            if method == "seq":
+            if not info.speculative:
                 res = run_seq(request["question"], gen, kb, req, on_commit=on_commit, resume=resume,
                               on_verified=on_verified)
             else:

@@ -1,1 +1,1 @@
-"""Ray Serve deployments: the HTTP ingress, the generator, and the app builder."""
+"""Ray Serve deployments: the HTTP ingress and its backend, the generator, the app config and builder."""

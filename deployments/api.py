@@ -15,9 +15,7 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
-
-KNN_METHODS = ("knnlm-seq", "knnlm-spec")
-Method = Literal["seq", "spec", "knnlm-seq", "knnlm-spec"]
+from ralm.methods import KNN_METHODS, MethodName, describe_methods, method_info
 
 
 # ------------------------------------------------------------------ errors
@@ -127,8 +125,8 @@ GENERATION_FIELDS = ("generation_stride", "query_window", "ignore_eos", "num_doc
 class RalmOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     retriever: Optional[StrictStr] = Field(None, description="edr, adr or sr (default: the server's first).")
-    method: Optional[Method] = Field(None, description="seq: RaLMSeq; spec: RaLMSpec; knnlm-seq / knnlm-spec: "
-                                     "KNN-LM without / with speculative retrieval (when the server enables KNN-LM).")
+    method: Optional[MethodName] = Field(None, description=describe_methods() + " (KNN-LM: when the server "
+                                         "enables it).")
     spec: Optional[Union[StrictStr, SpecOptions]] = Field(None, description="'base', any of P/S/A (e.g. 'PSA'), or an object of SpecConfig fields.")
     stride: Optional[StrictInt] = Field(None, description="Fixed speculation stride s.")
     prefetch_size: Optional[StrictInt] = Field(None, description="p, documents prefetched per query (with P).")
@@ -181,7 +179,7 @@ class GenerateRequest(RalmOptions):
 
 class VerifierPolicyUpdate(BaseModel):
     """Body of ``POST /v1/ralm/admin/verifier``: the batching policy fields to change (the
-    others keep their values; see :class:`deployments.app.VerifierOptions`)."""
+    others keep their values; see :class:`deployments.config.VerifierOptions`)."""
 
     model_config = ConfigDict(extra="forbid")
     batching: Optional[StrictBool] = None
@@ -209,10 +207,11 @@ def build_job(opts: RalmOptions, question: str, max_new: Optional[int], max_para
     request_id}`` (plus ``knn`` for KNN-LM). ``features``: ``{"dense_drafting": bool, "knnlm": bool}``
     of the generator. Raises :class:`ApiError` (400) for any invalid or unavailable option."""
     method = opts.method or default_method
-    knn_method = method in KNN_METHODS
+    info = method_info(method)
+    knn_method = info.knn
     if knn_method and not features.get("knnlm"):
         raise _not_enabled("knnlm", "start the server with knnlm.enabled: true in the app config "
-                           "(serve_config.yaml args) to serve methods knnlm-seq and knnlm-spec", "method")
+                           f"(serve_config.yaml args) to serve methods {' and '.join(KNN_METHODS)}", "method")
     if knn_method and opts.retriever is not None:
         raise ApiError(400, f"retriever does not apply to method {method!r}: KNN-LM retrieves from its token "
                             "datastore", param="retriever")
@@ -252,7 +251,7 @@ def build_job(opts: RalmOptions, question: str, max_new: Optional[int], max_para
             raise ApiError(400, f"{', '.join(doc_level)} {'does' if len(doc_level) == 1 else 'do'} not apply to "
                                 f"method {method!r}: KNN-LM is a "
                                 "token-level loop (it takes max tokens, ignore_eos, spec and knn)", param=doc_level[0])
-        if spec_upd.get("async_verify"):
+        if spec_upd.get("async_verify") and not info.async_verify:
             raise ApiError(400, "asynchronous verification (A) is not supported for KNN-LM (as in the RaLMSpec "
                                 "paper); use a fixed stride or S", param="spec")
         spec_upd.setdefault("async_verify", False)       # the server's default A does not apply to KNN-LM

@@ -29,10 +29,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 from ralm.errors import RalmInputError
+from ralm.methods import KNN_METHODS, METHODS
 
 log = logging.getLogger(__name__)
 
-KNN_METHODS = ("knnlm-seq", "knnlm-spec")
 # KnnLMConfig fields a request may set (the rest describe the datastore and its index)
 KNN_REQUEST_FIELDS = ("k", "temperature", "lmbda", "spatial_next", "cache_max_entries")
 
@@ -195,12 +195,13 @@ class KnnServer:
     def run(self, question: str, method: str, knn: dict | None, request: dict | None, spec: dict | None):
         from ralm.knnlm import run_knn_seq, run_knn_spec
 
-        if method not in KNN_METHODS:
+        info = METHODS.get(method) if isinstance(method, str) else None
+        if info is None or not info.knn:
             raise RalmInputError(f"unknown KNN-LM method {method!r}: use {' or '.join(KNN_METHODS)}")
         cfg = self.config_for(knn)
         req = RequestConfig.model_validate(request or {})
         self.requests += 1
-        if method == "knnlm-seq":
+        if not info.speculative:
             return run_knn_seq(question, self.lm, self.kb, cfg, req)
         return run_knn_spec(question, self.lm, self.kb, cfg, req, SpecConfig.model_validate(spec or {}))
 
@@ -216,5 +217,5 @@ def knn_server(opts: dict | None, engine, corpus, lock) -> Optional[KnnServer]:
     return KnnServer(o, engine, corpus, lock) if o.enabled else None
 
 
-__all__ = ["DenseDraftingOptions", "KnnServeOptions", "KnnServer", "KNN_METHODS", "KNN_REQUEST_FIELDS",
-           "knn_server", "load_dense_datastore"]
+__all__ = ["DenseDraftingOptions", "KnnServeOptions", "KnnServer", "KNN_REQUEST_FIELDS", "knn_server",
+           "load_dense_datastore"]

@@ -1,0 +1,71 @@
+"""What the HTTP ingress needs of the system behind it: the :class:`RalmBackend` protocol.
+
+The ingress (:mod:`deployments.ingress`) only speaks HTTP - routes, auth, validation,
+server-sent events, error mapping - and hands every validated job to a backend. The
+served backend is :class:`deployments.ray_backend.RayBackend` (shards, verifiers, a pool
+of coordinator actors, the generator deployment); tests use an in-process one over the
+core loops. Nothing here imports Ray.
+
+A *job* is the dict :func:`deployments.api.build_job` makes: ``{question, retriever,
+method, spec, request, request_id}`` (plus ``knn`` for KNN-LM). A *result* is
+:meth:`ralm.results.RalmResult.as_dict` plus ``prompt_tokens``. A stream yields
+``{"delta": text, "tokens": [...]}`` chunks as tokens are verified (the deltas concatenate
+to the text), then ``{"delta": text, "tokens": [], "done": True, "result": result}``.
+"""
+from __future__ import annotations
+
+from typing import AsyncIterator, Awaitable, Callable, Protocol, runtime_checkable
+
+
+class BackendUnavailable(Exception):
+    """The backend cannot serve now (``/healthz`` answers 503 with this reason)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@runtime_checkable
+class RalmBackend(Protocol):
+    """The operations the ingress calls. Errors a request can cause (bad input, an option the
+    server cannot run) are raised as :class:`~ralm.errors.RalmInputError` or
+    :class:`~ralm.errors.ConfigError` (the ingress answers 400); anything else is a 500."""
+
+    features: dict[str, bool]     # optional modes the generator serves: {"dense_drafting", "knnlm"}
+    max_prompt_tokens: int        # longest accepted question, in tokens
+    max_new_tokens: int           # most tokens a request may ask for
+
+    def encode_question(self, question: str) -> list[int]:
+        """The question's token ids with the generator's tokenizer (RalmInputError when it is
+        empty or too long); the ingress checks prompts with it before any work starts."""
+        ...
+
+    async def run(self, job: dict) -> dict:
+        """Answer one job; returns its result."""
+        ...
+
+    def stream(self, job: dict) -> AsyncIterator[dict]:
+        """Answer one job chunk by chunk (an async generator). Closing it early (the client
+        went away) cancels the request: the backend frees what it holds once the request
+        is done."""
+        ...
+
+    async def health(self) -> dict:
+        """Extra fields of a healthy ``/healthz`` answer; raises :class:`BackendUnavailable`."""
+        ...
+
+    async def stats(self) -> dict:
+        """Statistics of the parts behind the ingress (``/v1/ralm/stats``)."""
+        ...
+
+    async def configure_verifiers(self, policy: dict, reset_stats: bool = False) -> dict:
+        """Set the given verifier batching policy fields on every retriever's verifier (the
+        admin API); returns ``{retriever: policy now in force}``."""
+        ...
+
+
+# how the Serve deployment gets its backend: ``await factory(app_config, *args)`` in the replica
+BackendFactory = Callable[..., Awaitable[RalmBackend]]
+
+__all__ = ["BackendFactory", "BackendUnavailable", "RalmBackend"]
+
