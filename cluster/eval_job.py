@@ -34,8 +34,6 @@ this invocation computed and skipped). Exit status 1 if any output differs.
 """
 from __future__ import annotations
 
-from ralm.signals import preserve_fatal_signal_handlers
-
 import argparse
 import dataclasses
 import hashlib
@@ -49,6 +47,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+
+from actors.signals import preserve_fatal_signal_handlers
 
 log = logging.getLogger(__name__)
 
@@ -207,10 +207,10 @@ class RayBackend:
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS") or None
             if address:                   # a Ray job's driver, or an explicit cluster
-                with preserve_fatal_signal_handlers():  # keep the JVM's handlers (ralm/signals.py)
+                with preserve_fatal_signal_handlers():  # keep the JVM's handlers (actors/signals.py)
                     ray.init(address=address)
             else:                         # no cluster: start a local Ray instance
-                with preserve_fatal_signal_handlers():  # keep the JVM's handlers (ralm/signals.py)
+                with preserve_fatal_signal_handlers():  # keep the JVM's handlers (actors/signals.py)
                     ray.init(include_dashboard=False)
         # a worker that dies is restarted once and its item retried there
         opts: dict[str, Any] = {"num_cpus": num_cpus, "max_restarts": 1, "max_task_retries": 1}
