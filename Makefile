@@ -35,6 +35,7 @@ serve: index
 	$(VENV)/bin/ralmspec serve
 
 test: setup system-deps
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 test-all: setup system-deps

@@ -25,7 +25,7 @@ merge is the unsharded answer *provided each shard scores with the unsharded sco
   term), and sums them with the shards' ``docCount`` and ``sumTotalTermFreq``: the global
   statistics, the same integers the unsharded index has. With them it builds the query
   representation exactly as the unsharded :class:`~ralm.retrieval.bm25.BM25Scorer` does
-  (same analysis, term order and weights ``count * idf(df)`` with its own ``idf``; tested
+  (same analysis, and the same :func:`~ralm.retrieval.bm25.build_bm25_query`; tested
   equal to the unsharded representations). Each shard takes Lucene candidates from its slice
   index (ranked with *local* statistics) and re-scores them with the global query and
   global ``avgdl`` (the shared :func:`~ralm.retrieval.bm25.bm25_scores`). The candidate

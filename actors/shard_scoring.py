@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-if TYPE_CHECKING:                      # pragma: no cover
-    from actors.shard import ShardedRetriever
+
+class ShardRouter(Protocol):
+    """What the scorers need of the router (:class:`actors.shard.ShardedRetriever`)."""
+
+    def fetch_keys(self, doc_ids: Sequence[int]) -> list[Any]:
+        """The document keys of ``doc_ids``, from the shards that own them."""
+
+    def term_stats(self, terms: Sequence[str]) -> list[dict]:
+        """Per shard: ``doc_count``, ``sum_total_term_freq`` and the ``df`` of each term."""
 
 
 def _jvm_lock():
@@ -31,7 +38,7 @@ def _jvm_lock():
 class _ShardScorer:
     """The KB's exact scorer seen by the router: encode here, keys from the owning shards."""
 
-    def __init__(self, router: "ShardedRetriever", key_cache_size: int = 100_000):
+    def __init__(self, router: ShardRouter, key_cache_size: int = 100_000):
         self.router = router
         self._keys: OrderedDict[int, Any] = OrderedDict()
         self._max = key_cache_size
@@ -62,7 +69,7 @@ def dense_score_fn(query_rep: np.ndarray, keys) -> np.ndarray:
 
 
 class ShardedDenseScorer(_ShardScorer):
-    def __init__(self, router: "ShardedRetriever", encoder: Any):
+    def __init__(self, router: ShardRouter, encoder: Any):
         super().__init__(router)
         self.encoder = encoder
 
@@ -76,12 +83,12 @@ class ShardedDenseScorer(_ShardScorer):
 class ShardedBM25Scorer(_ShardScorer):
     """Global BM25 over the shards: analysis here, statistics summed over the shards (dfs).
 
-    ``idf`` is :class:`~ralm.retrieval.bm25.BM25Scorer`'s own method and ``encode_one``
-    builds the representation the way it does, over the global statistics, so a query's
-    representation is bit for bit the unsharded KB's.
+    ``encode_one`` builds the representation with the unsharded KB's own builder
+    (:func:`~ralm.retrieval.bm25.build_bm25_query`) over the global statistics, so a
+    query's representation is bit for bit the unsharded KB's.
     """
 
-    def __init__(self, router: "ShardedRetriever", k1: float, b: float, language: str = "en"):
+    def __init__(self, router: ShardRouter, k1: float, b: float, language: str = "en"):
         super().__init__(router)
         from ralm.retrieval.bm25 import BM25ScoreFn
         from ralm.retrieval.lucene_env import ensure_lucene
@@ -114,8 +121,9 @@ class ShardedBM25Scorer(_ShardScorer):
         return d
 
     def idf(self, df: int) -> float:
-        from ralm.retrieval.bm25 import BM25Scorer
-        return BM25Scorer.idf(self, df)
+        """:func:`~ralm.retrieval.bm25.bm25_idf` over the global ``docCount``."""
+        from ralm.retrieval.bm25 import bm25_idf
+        return bm25_idf(df, self.doc_count)
 
     def _fetch_df(self, terms: list[str]) -> None:
         stats = self.router.term_stats(terms)
@@ -124,21 +132,12 @@ class ShardedBM25Scorer(_ShardScorer):
                 self._df[t] = sum(int(s["df"][j]) for s in stats)
 
     def encode_one(self, text: str, terms: list[str] | None = None) -> Any:
-        """:meth:`BM25Scorer.encode_one` over global statistics (same terms, order and weights:
-        ``count * idf(df)`` for the distinct analysed terms in sorted order, df 0 dropped)."""
-        from ralm.retrieval.bm25 import BM25Query
+        """:meth:`BM25Scorer.encode_one` over global statistics: the same
+        :func:`~ralm.retrieval.bm25.build_bm25_query` with the summed df and ``docCount``
+        (``terms``: ``text`` already analysed)."""
+        from ralm.retrieval.bm25 import build_bm25_query
 
-        counts: dict[str, int] = {}
-        for t in (self.analyze(text) if terms is None else terms):
-            counts[t] = counts.get(t, 0) + 1
-        out_terms, weights = [], []
-        for t in sorted(counts):
-            df = self.df(t)
-            if df == 0:
-                continue
-            out_terms.append(t)
-            weights.append(counts[t] * self.idf(df))
-        return BM25Query(tuple(out_terms), tuple(weights))
+        return build_bm25_query(self.analyze(text) if terms is None else terms, self.df, self.doc_count)
 
     def encode(self, queries: Sequence[str]) -> list[Any]:
         queries = list(queries)

@@ -1,7 +1,7 @@
 """The per-request local speculative cache (RaLMSpec's local cache).
 
 A small store of documents and their keys, ranked with **the KB's own exact scorer**
-(:class:`~ralm.retrieval.base.ExactScorer`) and :func:`~ralm.retrieval.base.rank_hits`.
+(:class:`~cache.ranking.ExactScorer`) and :func:`~cache.ranking.rank_hits`.
 Consequently, whenever the KB's top-1 document for a query is in the cache, the
 cache's top-1 is that same document with the bit-identical score, and more generally
 ``cache.search(q, k)`` equals the KB ranking restricted to the cached documents.
@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ralm.retrieval.base import ExactScorer, Hit, rank_hits
+from cache.ranking import ExactScorer, Hit, rank_hits
 
 
 class SpeculativeCache:

@@ -34,8 +34,6 @@ this invocation computed and skipped). Exit status 1 if any output differs.
 """
 from __future__ import annotations
 
-from ralm.signals import preserve_fatal_signal_handlers
-
 import argparse
 import dataclasses
 import hashlib
@@ -50,58 +48,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
+from actors.signals import preserve_fatal_signal_handlers
+from cluster.eval_items import SEQ, EvalItem, make_items
+from cluster.eval_report import write_outputs
+
 log = logging.getLogger(__name__)
 
 DEFAULT_CONFIGS = "base,P,S,A,PSA"
 DEFAULT_RETRIEVERS = "edr,adr,sr"
-SEQ = "seq"
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"      # set by Ray for a job's entrypoint process
-
-
-# ====================================================================== items
-@dataclass(frozen=True)
-class EvalItem:
-    """One request of the job: a question, a retriever, and ``seq`` or a RaLMSpec config."""
-
-    qid: int
-    question: str
-    retriever: str
-    config: str
-
-    @property
-    def method(self) -> str:
-        return "seq" if self.config == SEQ else "spec"
-
-    @property
-    def key(self) -> str:
-        """Stable store key; includes a hash of the question so an edited file cannot alias."""
-        qh = hashlib.sha256(self.question.encode("utf-8")).hexdigest()[:12]
-        return f"{self.retriever}|{self.config}|q{self.qid:06d}-{qh}"
-
-    def spec(self):
-        from cluster.bench import parse_config
-        return None if self.config == SEQ else parse_config(self.config)
-
-    def request(self) -> dict:
-        """The request as the serving layer's coordinators take it."""
-        spec = self.spec()
-        out = {"question": self.question, "retriever": self.retriever, "method": self.method}
-        if spec is not None:
-            out["spec"] = spec.model_dump()
-        return out
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "EvalItem":
-        return cls(int(d["qid"]), d["question"], d["retriever"], d["config"])
-
-
-def make_items(questions: Sequence[str], kinds: Sequence[str], configs: Sequence[str]) -> list[EvalItem]:
-    """Question-major order, baseline first: partial progress covers every config alike."""
-    return [EvalItem(qi, q, kind, c) for qi, q in enumerate(questions) for kind in kinds
-            for c in (SEQ, *configs)]
 
 
 # ====================================================================== backends
@@ -207,10 +162,10 @@ class RayBackend:
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS") or None
             if address:                   # a Ray job's driver, or an explicit cluster
-                with preserve_fatal_signal_handlers():  # keep the JVM's handlers (ralm/signals.py)
+                with preserve_fatal_signal_handlers():  # keep the JVM's handlers (actors/signals.py)
                     ray.init(address=address)
             else:                         # no cluster: start a local Ray instance
-                with preserve_fatal_signal_handlers():  # keep the JVM's handlers (ralm/signals.py)
+                with preserve_fatal_signal_handlers():  # keep the JVM's handlers (actors/signals.py)
                     ray.init(include_dashboard=False)
         # a worker that dies is restarted once and its item retried there
         opts: dict[str, Any] = {"num_cpus": num_cpus, "max_restarts": 1, "max_task_retries": 1}
@@ -452,8 +407,6 @@ def eval_main(args: argparse.Namespace) -> int:
                     backend.close()
             from cluster.bench import run_notes
             notes = run_notes("eval", len(questions), cfg, kinds, f"{cfg.corpus} (questions from {qpath})")
-            from cluster.eval_report import write_outputs
-
             res = write_outputs(out, job_id, store, items, configs, kinds, notes)
         except StateStoreError as e:
             print(f"error: {e}", file=sys.stderr)

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
-from cluster.eval_job import SEQ, EvalItem
+from cluster.eval_items import SEQ, EvalItem
 
 
 def _result_from_row(row: dict):

@@ -12,8 +12,6 @@ application's ``args`` as :class:`deployments.app.AppConfig` before anything sta
 """
 from __future__ import annotations
 
-from ralm.signals import preserve_fatal_signal_handlers
-
 import argparse
 import copy
 import logging
@@ -24,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from actors.signals import preserve_fatal_signal_handlers
 from ralm import constants as C
 
 log = logging.getLogger(__name__)
@@ -145,10 +144,10 @@ def start_local_app(data: dict, address: str | None = None, num_cpus: int | None
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if not ray.is_initialized():
         if address:
-            with preserve_fatal_signal_handlers():  # keep the JVM's handlers (ralm/signals.py)
+            with preserve_fatal_signal_handlers():  # keep the JVM's handlers (actors/signals.py)
                 ray.init(address=address)
         else:
-            with preserve_fatal_signal_handlers():  # keep the JVM's handlers (ralm/signals.py)
+            with preserve_fatal_signal_handlers():  # keep the JVM's handlers (actors/signals.py)
                 ray.init(num_cpus=num_cpus, include_dashboard=False)
     http = dict(data.get("http_options") or {})
     serve.start(http_options={k: v for k, v in http.items() if k in ("host", "port", "request_timeout_s",

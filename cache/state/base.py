@@ -25,9 +25,8 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
+from cache.ranking import Hit
 from cache.state.config import StateStoreConfig
-
-Hit = tuple[int, float]
 
 
 class StateStoreError(RuntimeError):

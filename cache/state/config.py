@@ -21,7 +21,7 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ralm.errors import ConfigError
+from cache.errors import ConfigError
 
 PASSWORD_ENV = "RALMSPEC_REDIS_PASSWORD"
 PASSWORD_FILE_ENV = "RALMSPEC_REDIS_PASSWORD_FILE"

@@ -31,7 +31,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -110,6 +110,36 @@ class BM25DocKey:
 
     tf: dict
     dl: int
+
+
+def bm25_idf(df: int, n_docs: int) -> float:
+    """Lucene 9 ``BM25Similarity`` idf of a term in ``df`` of ``n_docs`` documents.
+
+    ``log(1 + (N - df + 0.5) / (df + 0.5))`` with ``N`` Lucene's ``docCount`` of the field.
+    """
+    return math.log(1.0 + (n_docs - df + 0.5) / (df + 0.5))
+
+
+def build_bm25_query(terms: Iterable[str], df: Callable[[str], int], n_docs: int) -> BM25Query:
+    """The query representation of the analysed ``terms`` - THE builder KB and shards share.
+
+    Distinct terms in sorted order, each weighted ``count * idf(df)`` (a term occurring
+    ``count`` times is one clause with boost ``count``); terms with ``df == 0`` match no
+    document and are dropped. ``df`` maps a term to its document frequency and ``n_docs``
+    is ``docCount``: the unsharded index passes its own statistics, the shard router the
+    statistics summed over the shards (the same integers), so both build the same floats.
+    """
+    counts: dict[str, int] = {}
+    for t in terms:
+        counts[t] = counts.get(t, 0) + 1
+    out_terms, weights = [], []
+    for t in sorted(counts):
+        d = df(t)
+        if d == 0:
+            continue                # matches nothing, contributes nothing
+        out_terms.append(t)
+        weights.append(counts[t] * bm25_idf(d, n_docs))
+    return BM25Query(tuple(out_terms), tuple(weights))
 
 
 def bm25_scores(query: BM25Query, keys: Sequence[BM25DocKey], k1: float, b: float, avgdl: float) -> np.ndarray:
@@ -214,7 +244,8 @@ class BM25Scorer:
         return d
 
     def idf(self, df: int) -> float:
-        return math.log(1.0 + (self.doc_count - df + 0.5) / (df + 0.5))
+        """:func:`bm25_idf` over this index's ``docCount``."""
+        return bm25_idf(df, self.doc_count)
 
     # ---- ExactScorer protocol
     def analyze(self, text: str) -> list[str]:
@@ -226,17 +257,7 @@ class BM25Scorer:
             return self._encode_locked(text)
 
     def _encode_locked(self, text: str) -> BM25Query:
-        counts: dict[str, int] = {}
-        for t in self.analyze(text):
-            counts[t] = counts.get(t, 0) + 1
-        terms, weights = [], []
-        for t in sorted(counts):
-            df = self.df(t)
-            if df == 0:
-                continue                # matches nothing, contributes nothing
-            terms.append(t)
-            weights.append(counts[t] * self.idf(df))
-        return BM25Query(tuple(terms), tuple(weights))
+        return build_bm25_query(self.analyze(text), self.df, self.doc_count)
 
     def encode(self, queries: Sequence[str]) -> list[BM25Query]:
         return [self.encode_one(q) for q in queries]

@@ -8,7 +8,6 @@ index's manifest (:func:`~ralm.retrieval.index_build.validate_index`).
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,26 +18,11 @@ from ralm.corpus import Corpus
 from ralm.retrieval.errors import CorruptIndexError, IndexNotFoundError
 from ralm.retrieval.index_build import (DENSE_KINDS, KINDS, LUCENE_SUBDIR, MANIFEST, build_hint, build_index,
                                         check_encoder, check_kind, validate_index)
+from ralm.retrieval.shared_encoder import get_encoder
 
 log = logging.getLogger(__name__)
 
 __all__ = ["KINDS", "check_kind", "get_encoder", "load_retriever", "ensure_index", "build_index"]
-
-_encoders: dict[tuple[str, str], Any] = {}
-_enc_lock = threading.Lock()
-
-
-def get_encoder(name: str = "local:all-MiniLM-L6-v2", device: str = "cpu"):
-    """A process-wide shared :class:`~ralm.retrieval.encoder.DenseEncoder` per (name, device)."""
-    from ralm.retrieval.encoder import DenseEncoder
-
-    key = (str(name), str(device))
-    with _enc_lock:
-        enc = _encoders.get(key)
-        if enc is None:
-            enc = DenseEncoder(name, device=device)
-            _encoders[key] = enc
-        return enc
 
 
 def _resolve_dir(cfg: RetrieverConfig, corpus: Corpus, index_dir: str | Path | None) -> Path:

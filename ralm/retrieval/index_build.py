@@ -195,7 +195,7 @@ def build_index(kind: str, corpus: Corpus, out_dir: str | Path, cfg: RetrieverCo
         import faiss
 
         from ralm.retrieval.dense import build_faiss_index
-        from ralm.retrieval.factory import get_encoder
+        from ralm.retrieval.shared_encoder import get_encoder
 
         enc = encoder if encoder is not None else get_encoder(cfg.encoder)
         if vectors is None:

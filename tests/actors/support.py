@@ -20,7 +20,7 @@ def start_ray(num_cpus: int = 2, metrics_export_port: int | None = None) -> None
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     extra = {"_metrics_export_port": metrics_export_port} if metrics_export_port else {}
-    from ralm.signals import preserve_fatal_signal_handlers
+    from actors.signals import preserve_fatal_signal_handlers
 
     with preserve_fatal_signal_handlers():
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
@@ -30,7 +30,7 @@ def start_ray(num_cpus: int = 2, metrics_export_port: int | None = None) -> None
 def stop_ray() -> None:
     import ray
 
-    from ralm.signals import preserve_fatal_signal_handlers
+    from actors.signals import preserve_fatal_signal_handlers
 
     with preserve_fatal_signal_handlers():
         try:

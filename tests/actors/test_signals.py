@@ -2,7 +2,7 @@
 after which the JVM's ordinary internal faults kill the process with exit 139)."""
 from __future__ import annotations
 
-from ralm.signals import save_fatal_signal_handlers
+from actors.signals import save_fatal_signal_handlers
 
 
 def _handlers():

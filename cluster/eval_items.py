@@ -1,0 +1,58 @@
+"""The requests of ``ralmspec eval``: one :class:`EvalItem` per (question, retriever, config).
+
+Shared by the job runner (:mod:`cluster.eval_job`, which re-exports these names) and
+its report (:mod:`cluster.eval_report`), so neither needs the other's module.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from typing import Sequence
+
+SEQ = "seq"                       # the config name of the RaLMSeq baseline
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    """One request of the job: a question, a retriever, and ``seq`` or a RaLMSpec config."""
+
+    qid: int
+    question: str
+    retriever: str
+    config: str
+
+    @property
+    def method(self) -> str:
+        return "seq" if self.config == SEQ else "spec"
+
+    @property
+    def key(self) -> str:
+        """Stable store key; includes a hash of the question so an edited file cannot alias."""
+        qh = hashlib.sha256(self.question.encode("utf-8")).hexdigest()[:12]
+        return f"{self.retriever}|{self.config}|q{self.qid:06d}-{qh}"
+
+    def spec(self):
+        from cluster.bench import parse_config
+        return None if self.config == SEQ else parse_config(self.config)
+
+    def request(self) -> dict:
+        """The request as the serving layer's coordinators take it."""
+        spec = self.spec()
+        out = {"question": self.question, "retriever": self.retriever, "method": self.method}
+        if spec is not None:
+            out["spec"] = spec.model_dump()
+        return out
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EvalItem":
+        return cls(int(d["qid"]), d["question"], d["retriever"], d["config"])
+
+
+def make_items(questions: Sequence[str], kinds: Sequence[str], configs: Sequence[str]) -> list[EvalItem]:
+    """Question-major order, baseline first: partial progress covers every config alike."""
+    return [EvalItem(qi, q, kind, c) for qi, q in enumerate(questions) for kind in kinds
+            for c in (SEQ, *configs)]
