@@ -1,4 +1,4 @@
-"""Cross-request verification batching (DESIGN.md, "Cross-request verification batching").
+"""Cross-request verification batching (docs/design.md, "Cross-request verification batching").
 
 One :class:`Verifier` actor per retriever kind takes the KB calls of every in-flight
 request - RaLMSpec's verifications and first retrievals, RaLMSeq's per-step searches.

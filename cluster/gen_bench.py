@@ -1,4 +1,4 @@
-"""``ralmspec bench-gen``: generation-side acceleration, measured (DESIGN.md: IDR2, DReSD).
+"""``ralmspec bench-gen``: generation-side acceleration, measured (docs/design.md, "Generation-side acceleration").
 
 (a) prefill time per step with and without doc-KV reuse (CICS, prefix tree) on the
     iterative RaLMSeq workload, for 1 and 3 documents per prompt: every step of every

@@ -11,7 +11,7 @@ makes the command exit non-zero. The notes give the KB latency by batch size (is
 verification flat in the batch?) and the strides OS3 chose. Writes ``knn_bench.json``
 and ``knn_bench.md``.
 
-Example (the numbers in the README's KNN-LM line; the datastore of 2,000 passages is
+Example (the numbers of the KNN-LM section of docs/results/README.md; the datastore of 2,000 passages is
 built once into DIR and reused):
 
     ralmspec bench-knn --passages 2000 --datastore-dir DIR -n 3 --max-new-tokens 64 \

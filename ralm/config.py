@@ -155,7 +155,7 @@ class RequestConfig(_Strict):
     generation_stride: int = Field(C.GENERATION_STRIDE, ge=1, description="k: tokens generated per retrieval.")
     query_window: int = Field(C.QUERY_WINDOW_TOKENS, ge=1, description="Query = decoded last N tokens of question + generated text.")
     ignore_eos: bool = Field(False, description="Never stop at EOS: the EOS logit is masked, so every request generates max_new_tokens (fixed-length workloads for benchmarks, as in the RaLMSpec paper).")
-    # ---- generation-side acceleration (DESIGN.md: IDR2, DReSD); exact unless stated ----
+    # ---- generation-side acceleration (docs/design.md, "Generation-side acceleration": IDR2, DReSD); exact unless stated ----
     num_docs: int = Field(C.NUM_DOCS, ge=1, le=8, description="Documents per prompt: [doc1]..[docn][context] with the KB's top-n in rank order. Their KV is reused through the doc-KV prefix tree (longest cached prefix of the document sequence); exact.")
     drafting: Literal["none", "ngram", "dense"] = Field("none", description="Draft tokens inside a step and verify them in one forward pass: 'ngram' (IGPG: copy from the documents/question), 'dense' (DReSD: hidden-state datastore attached to the engine). Same greedy tokens as 'none' up to float32 near-ties (a multi-token forward rounds differently).")
     ngram_n: int = Field(C.NGRAM_N, ge=1, le=64, description="n-gram drafting: match the last N tokens of the context.")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# ---- layout of a request (DESIGN.md, glossary; RaLMSpec paper, section 5) ----
+# ---- layout of a request (docs/design.md, "What it is"; RaLMSpec paper, section 5) ----
 MAX_DOC_TOKENS = 256          # retrieved document is truncated to this many tokens
 MAX_PROMPT_TOKENS = 512       # question (prompt) limit; longer input is rejected
 MAX_NEW_TOKENS = 128          # default and maximum generation length
@@ -35,7 +35,7 @@ PAD_VECTOR_NORM = 1e-3        # norm of padding vectors: they cost a scan but (a
 
 # ---- engine ----
 DOC_KV_CACHE_BYTES = 256 * 2**20
-# ---- generation-side acceleration (DESIGN.md: IDR2, DReSD) ----
+# ---- generation-side acceleration (docs/design.md, "Generation-side acceleration") ----
 NUM_DOCS = 1                  # documents per prompt ([doc1]..[docn][context]); prefix-reused KV
 NGRAM_N = 5                   # IGPG: match the last N tokens (IDR2's best N=5) ...
 NGRAM_MIN_N = 2               # ... backing off to shorter matches down to this length
@@ -50,7 +50,7 @@ IDGR_UNRELATED = 2            # IDGR: lower-ranked doc ids listed as unrelated
 DIVERGENCE_GAP = 1e-3         # a drafted/plain divergence is a float near-tie below this top-2 logit gap
 TORCH_THREADS = 1             # 1 avoids oversubscription (FAISS/Lucene/other requests share the cores)
 
-# ---- KNN-LM (token level; DESIGN.md "KNN-LM"; RaLMSpec paper section 5.3) ----
+# ---- KNN-LM (token level; docs/design.md "KNN-LM"; RaLMSpec paper section 5.3) ----
 KNN_K = 16                    # neighbours retrieved per token (1..1024)
 KNN_MAX_K = 1024
 KNN_TEMPERATURE = 1.0         # p_knn(y) ~ sum_{v_j = y} exp(-dist_j / T), dist = squared L2

@@ -1,4 +1,5 @@
-"""Deterministic LM engine: the step ``f(doc, context_tokens, k) -> tokens`` of DESIGN.md.
+"""Deterministic LM engine: the step ``f(doc, context_tokens, k) -> tokens``
+(docs/design.md, "The exactness contract").
 
 Prompt layout: ``[doc <= max_doc_tokens][question + generated so far]``, or with several
 documents ``[doc1]..[docn][context]`` (their KV computed document by document and reused

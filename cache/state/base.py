@@ -1,6 +1,6 @@
 """The state store interface: one API over memory, SQLite and Redis backends.
 
-It holds three kinds of state (DESIGN.md, architecture):
+It holds three kinds of state (docs/design.md, "Architecture"):
 
 (a) **job progress and results** - per job id, the finished item keys and their JSON
     results. :meth:`StateStore.record_item` is atomic and *first write wins*: a result,

@@ -4,7 +4,7 @@
 from the cross-request cache when it can and asks ``kb`` for the rest, then stores
 what the KB returned. The cache is exact: the key holds the retriever name, the index
 version (e.g. the sha256 of the index manifest), the query text and k, and the KB's
-result for a query does not depend on the batch it came in (DESIGN.md, rule 2).
+result for a query does not depend on the batch it came in (docs/design.md, "The exactness contract", deterministic retrieval).
 """
 from __future__ import annotations
 

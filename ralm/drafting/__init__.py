@@ -1,4 +1,4 @@
-"""Generation-side acceleration of the step ``f`` (DESIGN.md, "IDR2, DReSD").
+"""Generation-side acceleration of the step ``f`` (docs/design.md, "Generation-side acceleration").
 
 - :mod:`ralm.drafting.ngram`  -- IGPG n-gram drafts from the documents and the question;
 - :mod:`ralm.drafting.dense`  -- DReSD drafts from a datastore of hidden states;
