@@ -28,10 +28,6 @@ from cluster.config_args import add_config_args, load_config
 from ralm.config import SpecConfig
 
 
-# the common flags and their RalmConfig; also imported from here by cluster.eval_job
-_base_parser = add_config_args
-
-
 def cmd_index(args) -> int:
     from ralm.errors import ConfigError
     from ralm.corpus import Corpus
