@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 
 from cluster.report import (BENCH_COLUMNS, ConfigRuns, ConfigSummary, bench_header, latency_chart,
-                            machine_note, markdown_table, write_report)
-from cluster.report import summarize as summarize_runs
+                            machine_note, markdown_table, summarize, write_report)
 from ralm.config import SpecConfig
 
 log = logging.getLogger(__name__)
@@ -81,8 +80,8 @@ def run_retriever(pipe, kind: str, questions: list[str], configs: list[str], war
             if not same:
                 log.error("OUTPUT DIFFERS: retriever=%s config=%s question=%r", kind, c, q)
         per_request.append(row)
-    rows = [summarize_runs(base, base, retriever=kind)]
-    rows += [summarize_runs(base, runs[c], retriever=kind) for c in configs]
+    rows = [summarize(base, base, retriever=kind)]
+    rows += [summarize(base, runs[c], retriever=kind) for c in configs]
     return rows, per_request
 
 
@@ -127,14 +126,3 @@ def bench_main(args: argparse.Namespace) -> int:
         return 1
     return 0
 
-
-# ---- for cluster.eval_job and cluster.eval_report, until they import cluster.report and
-# SpecConfig.parse themselves (summaries there are still handled as dicts)
-parse_config = SpecConfig.parse
-run_notes = bench_header
-plot = latency_chart
-
-
-def summarize(base: ConfigRuns, runs: ConfigRuns) -> dict:
-    """:func:`cluster.report.summarize` as a JSON row."""
-    return summarize_runs(base, runs).as_dict()

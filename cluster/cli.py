@@ -26,10 +26,11 @@ from pathlib import Path
 
 from cluster.config_args import add_config_args, load_config
 from ralm.config import SpecConfig
+from ralm.methods import METHOD_NAMES, is_knn
 
-
-# the common flags and their RalmConfig; also imported from here by cluster.eval_job
-_base_parser = add_config_args
+# what `generate` runs: the document-level methods of the method table (ralm.pipeline's
+# PIPELINE_METHODS, derived here too because importing ralm.pipeline loads torch)
+GENERATE_METHODS: tuple[str, ...] = tuple(m for m in METHOD_NAMES if not is_knn(m))
 
 
 def cmd_index(args) -> int:
@@ -124,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(pg)
     pg.add_argument("question")
     pg.add_argument("--retriever", default="edr", help="edr, adr or sr")
-    pg.add_argument("--method", choices=["seq", "spec"], default="spec")
+    pg.add_argument("--method", choices=GENERATE_METHODS, default="spec")
     pg.add_argument("--spec", default="PSA",
                     help="RaLMSpec configuration: base, any of P, S, A, s=N; @G sets OS3's gamma cap (e.g. PSA@0.9)")
     pg.add_argument("--max-new-tokens", type=int)

@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
+
+from ralm.config import SpecConfig
 
 SEQ = "seq"                       # the config name of the RaLMSeq baseline
 
@@ -32,9 +34,9 @@ class EvalItem:
         qh = hashlib.sha256(self.question.encode("utf-8")).hexdigest()[:12]
         return f"{self.retriever}|{self.config}|q{self.qid:06d}-{qh}"
 
-    def spec(self):
-        from cluster.bench import parse_config
-        return None if self.config == SEQ else parse_config(self.config)
+    def spec(self) -> Optional[SpecConfig]:
+        """The RaLMSpec configuration of the item; ``None`` for the RaLMSeq baseline."""
+        return None if self.config == SEQ else SpecConfig.parse(self.config)
 
     def request(self) -> dict:
         """The request as the serving layer's coordinators take it."""

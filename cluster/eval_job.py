@@ -28,9 +28,11 @@ server needed. (The in-process memory store would lose everything with the proce
   signature of ``actors.coordinator.Coordinator.run``).
 
 **Outputs** (in ``--out``): ``results.jsonl`` (one line per item), ``summary.md`` (table
-per retriever and config: latency split G/R, speed-up, E, gamma, KB calls, rollbacks,
-identical outputs), ``summary.json``, ``latency.png`` and ``runs/<run id>.json`` (what
-this invocation computed and skipped). Exit status 1 if any output differs.
+per retriever and config: mean latency split into generation and retrieval time, speed-up,
+retrieval eliminated, gamma, KB calls, rollbacks, identical outputs), ``summary.json``
+(the same rows, :class:`cluster.report.ConfigSummary`'s spelled-out fields),
+``latency.png`` and ``runs/<run id>.json`` (what this invocation computed and skipped).
+Exit status 1 if any output differs.
 """
 from __future__ import annotations
 
@@ -49,8 +51,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 from actors.signals import preserve_fatal_signal_handlers
+from cluster.config_args import add_config_args, load_config
 from cluster.eval_items import SEQ, EvalItem, make_items
 from cluster.eval_report import write_outputs
+from cluster.report import bench_header
+from ralm.config import SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +330,7 @@ def run_items(store, job_id: str, run_id: str, items: Sequence[EvalItem], backen
 
 # ====================================================================== CLI
 def add_eval_args(p: argparse.ArgumentParser) -> None:
-    """Eval-specific flags (the common ones come from ``cluster.cli._base_parser``)."""
+    """Eval-specific flags (the common ones come from :func:`cluster.config_args.add_config_args`)."""
     p.add_argument("--questions", type=Path, help="JSONL with a 'question' field (default: the demo set)")
     p.add_argument("-n", "--num-questions", type=int, default=None, help="use the first N questions (default: all)")
     p.add_argument("--retrievers", default=DEFAULT_RETRIEVERS, help="comma-separated subset of edr,adr,sr")
@@ -349,9 +354,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def eval_main(args: argparse.Namespace) -> int:
+    """Entry point of ``ralmspec eval``: 0 when every RaLMSpec output equals RaLMSeq's, 1 if
+    any differs, 2 for an unusable state store, 3 when requests are still unrecorded."""
     from cache.state import STATE_URL_ENV, StateStoreError, open_state_store
-    from cluster.bench import parse_config
-    from cluster.cli import load_config
     from ralm import constants as C
     from ralm.corpus import load_questions
     from ralm.pipeline import check_kind
@@ -363,7 +368,7 @@ def eval_main(args: argparse.Namespace) -> int:
         from ralm.errors import ConfigError
         raise ConfigError("--retrievers and --configs must each name at least one entry")
     for c in configs:
-        parse_config(c)                                   # fail fast on a bad name
+        SpecConfig.parse(c)                               # fail fast on a bad name
     qpath = Path(args.questions or C.DEMO_QUESTIONS)
     questions = load_questions(qpath, limit=args.num_questions)
     items = make_items(questions, kinds, configs)
@@ -405,8 +410,7 @@ def eval_main(args: argparse.Namespace) -> int:
                     report = run_items(store, job_id, run_id, items, backend, progress=progress)
                 finally:
                     backend.close()
-            from cluster.bench import run_notes
-            notes = run_notes("eval", len(questions), cfg, kinds, f"{cfg.corpus} (questions from {qpath})")
+            notes = bench_header("eval", len(questions), cfg, kinds, f"{cfg.corpus} (questions from {qpath})")
             res = write_outputs(out, job_id, store, items, configs, kinds, notes)
         except StateStoreError as e:
             print(f"error: {e}", file=sys.stderr)
@@ -426,11 +430,10 @@ def eval_main(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cluster.cli import _base_parser
-
+    """The parser of ``python -m cluster.eval_job``: the common flags and :func:`add_eval_args`."""
     p = argparse.ArgumentParser(prog="ralmspec eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    _base_parser(p)
+    add_config_args(p)
     add_eval_args(p)
     return p
 

@@ -4,32 +4,31 @@ The outputs are computed from what the store holds, never from what this process
 a job resumed any number of times writes the same files: ``results.jsonl`` (one row per
 item, with ``identical`` against the RaLMSeq row of the same question and retriever, and
 ``first_difference`` when it is not), ``summary.md`` / ``summary.json`` (the benchmark
-table, over the questions whose baseline and every configuration are recorded) and
-``latency.png``.
+table, over the questions whose baseline and every configuration are recorded: one
+:class:`cluster.report.ConfigSummary` per retriever and configuration, with its fields
+spelled out) and ``latency.png``.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from cluster.eval_items import SEQ, EvalItem
+from cluster.report import BENCH_COLUMNS, ConfigRuns, ConfigSummary, latency_chart, markdown_table, summarize
+from ralm.results import RalmResult, RequestStats
 
 
-def _result_from_row(row: dict):
-    from ralm.results import RalmResult, RequestStats
-
+def _result_from_row(row: dict) -> RalmResult:
     names = {f.name for f in dataclasses.fields(RequestStats)}
     stats = RequestStats(**{k: v for k, v in row["stats"].items() if k in names})
     return RalmResult(row.get("text", ""), list(row["tokens"]), stats, row.get("finish_reason", "length"))
 
 
 def build_report(rows_by_key: dict[str, dict], items: Sequence[EvalItem], configs: Sequence[str],
-                 kinds: Sequence[str]) -> tuple[list[dict], list[dict], dict]:
+                 kinds: Sequence[str]) -> tuple[list[dict], list[ConfigSummary], dict[str, int]]:
     """(per-request rows in item order, summary rows, counts) from stored results."""
-    from cluster.bench import ConfigRuns, summarize
-
     out_rows: list[dict] = []
     counts = {"items": len(items), "recorded": 0, "missing": 0, "errors": 0, "compared": 0,
               "identical": 0, "different": 0}
@@ -38,7 +37,7 @@ def build_report(rows_by_key: dict[str, dict], items: Sequence[EvalItem], config
         row = rows_by_key.get(it.key)
         if row is not None and it.config == SEQ:
             seq_of[(it.qid, it.retriever)] = row
-    summary: list[dict] = []
+    summary: list[ConfigSummary] = []
     for kind in kinds:
         base = ConfigRuns("RaLMSeq")
         runs = {c: ConfigRuns(c) for c in configs}
@@ -83,10 +82,8 @@ def build_report(rows_by_key: dict[str, dict], items: Sequence[EvalItem], config
                 runs[c].results.append(_result_from_row(r))
                 runs[c].identical.append(r["tokens"] == s["tokens"])
         if complete:
-            rows = [summarize(base, base)] + [summarize(base, runs[c]) for c in configs]
-            for r in rows:
-                r["retriever"] = kind
-            summary += rows
+            summary.append(summarize(base, base, retriever=kind))
+            summary += [summarize(base, runs[c], retriever=kind) for c in configs]
     return out_rows, summary, counts
 
 
@@ -95,9 +92,9 @@ def _ok(row: Optional[dict]) -> bool:
 
 
 def write_outputs(out: Path, job_id: str, store, items: Sequence[EvalItem], configs: Sequence[str],
-                  kinds: Sequence[str], notes: list[str]) -> dict:
-    from cluster.bench import markdown_table, plot
-
+                  kinds: Sequence[str], notes: list[str]) -> dict[str, Any]:
+    """Write the job's outputs to ``out`` from what ``store`` holds under ``job_id``; returns
+    ``{"counts", "summary" (the ConfigSummary rows), "markdown"}``."""
     rows_by_key = store.job_results(job_id)
     per_req, summary, counts = build_report(rows_by_key, items, configs, kinds)
     runs = sorted({r.get("run_id") for r in per_req if r.get("run_id")})
@@ -112,10 +109,11 @@ def write_outputs(out: Path, job_id: str, store, items: Sequence[EvalItem], conf
     if counts["missing"]:
         notes.append(f"INCOMPLETE: {counts['missing']} requests are not recorded yet; rerun with "
                      f"--job-id {job_id} to finish.")
-    md = markdown_table(summary, notes) if summary else "\n".join(notes) + "\n"
+    md = markdown_table(summary, notes, BENCH_COLUMNS) if summary else "\n".join(notes) + "\n"
     (out / "summary.md").write_text(md, encoding="utf-8")
     (out / "summary.json").write_text(json.dumps(
-        {"job_id": job_id, "notes": notes, "counts": counts, "runs": runs, "summary": summary}, indent=1))
+        {"job_id": job_id, "notes": notes, "counts": counts, "runs": runs,
+         "summary": [r.as_dict() for r in summary]}, indent=1))
     if summary:
-        plot(summary, out / "latency.png")
+        latency_chart(summary, out / "latency.png")
     return {"counts": counts, "summary": summary, "markdown": md}

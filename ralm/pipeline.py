@@ -13,6 +13,7 @@ from ralm.corpus import Corpus
 from ralm.engine import LMEngine
 from ralm.errors import ConfigError
 from ralm.generator import LocalGenerator
+from ralm.methods import METHOD_NAMES, is_knn
 from ralm.results import RalmResult
 from ralm.retrieval.base import Retriever
 from ralm.retrieval.index_build import KINDS as RETRIEVER_KINDS, check_kind
@@ -21,7 +22,11 @@ from ralm.spec import run_spec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Pipeline", "RETRIEVER_KINDS", "check_kind"]
+__all__ = ["PIPELINE_METHODS", "Pipeline", "RETRIEVER_KINDS", "check_kind"]
+
+# the methods :meth:`Pipeline.answer` runs: the document-level ones of the method table
+# (the KNN-LM methods need a token datastore and run in ralm.knnlm)
+PIPELINE_METHODS: tuple[str, ...] = tuple(m for m in METHOD_NAMES if not is_knn(m))
 
 
 @dataclass
@@ -71,4 +76,4 @@ class Pipeline:
             return run_seq(question, self.generator, kb, req)
         if method == "spec":
             return run_spec(question, self.generator, kb, req, spec or self.cfg.spec)
-        raise ConfigError(f"unknown method {method!r}: use 'seq' or 'spec'")
+        raise ConfigError(f"unknown method {method!r}: use one of {', '.join(PIPELINE_METHODS)}")

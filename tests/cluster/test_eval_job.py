@@ -118,9 +118,14 @@ def test_resume_after_crash_skips_recorded_items(tmp_path, scripted, capsys):
     assert summary["counts"] == {"items": 24, "recorded": 24, "missing": 0, "errors": 0, "compared": 16,
                                  "identical": 16, "different": 0}
     assert len(summary["runs"]) == 2
+    psa = next(r for r in summary["summary"] if r["retriever"] == "edr" and r["config"] == "PSA")
+    assert {"mean_latency_s", "generation_s", "retrieval_s", "speedup", "retrieval_eliminated"} <= set(psa)
+    assert not {"T", "G", "R", "Tb", "E"} & set(psa)             # spelled-out fields only
+    assert psa["requests"] == psa["identical"] == 4
     assert (tmp_path / "out" / "latency.png").stat().st_size > 1000
     md = (tmp_path / "out" / "summary.md").read_text()
     assert "| edr | PSA |" in md and "| sr | RaLMSeq |" in md and "4/4" in md
+    assert "| mean latency ms | generation ms | retrieval ms |" in md
 
     scripted.computed = []                               # a third run computes nothing
     assert eval_job.eval_main(_args(tmp_path)) == 0 and scripted.computed == []
