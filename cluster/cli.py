@@ -26,11 +26,11 @@ from pathlib import Path
 
 from cluster.config_args import add_config_args, load_config
 from ralm.config import SpecConfig
-from ralm.methods import METHOD_NAMES, is_knn
+from ralm.methods import DOCUMENT_METHODS
 
-# what `generate` runs: the document-level methods of the method table (ralm.pipeline's
-# PIPELINE_METHODS, derived here too because importing ralm.pipeline loads torch)
-GENERATE_METHODS: tuple[str, ...] = tuple(m for m in METHOD_NAMES if not is_knn(m))
+# what `generate` runs: the document-level methods of the method table (the same tuple as
+# ralm.pipeline.PIPELINE_METHODS; ralm.pipeline is not imported here because it loads torch)
+GENERATE_METHODS: tuple[str, ...] = DOCUMENT_METHODS
 
 
 def cmd_index(args) -> int:

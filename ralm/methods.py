@@ -46,6 +46,7 @@ _TABLE = (
 METHODS: dict[str, MethodInfo] = {m.name: m for m in _TABLE}
 METHOD_NAMES: tuple[str, ...] = tuple(METHODS)
 KNN_METHODS: tuple[str, ...] = tuple(m.name for m in _TABLE if m.knn)
+DOCUMENT_METHODS: tuple[str, ...] = tuple(m.name for m in _TABLE if not m.knn)   # what ralm.pipeline runs
 
 MethodName = Literal["seq", "spec", "knnlm-seq", "knnlm-spec"]
 # the Literal is spelled out for type checkers; it must list exactly the table's names
@@ -72,5 +73,5 @@ def describe_methods() -> str:
     return "; ".join(f"{m.name}: {m.description}" for m in _TABLE)
 
 
-__all__ = ["KNN_METHODS", "METHODS", "METHOD_NAMES", "MethodInfo", "MethodName", "describe_methods", "is_knn",
+__all__ = ["DOCUMENT_METHODS", "KNN_METHODS", "METHODS", "METHOD_NAMES", "MethodInfo", "MethodName", "describe_methods", "is_knn",
            "method_info"]

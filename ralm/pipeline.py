@@ -8,12 +8,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ralm.config import RalmConfig, RequestConfig, RetrieverConfig, SpecConfig
+from ralm.config import RalmConfig, RequestConfig, SpecConfig
 from ralm.corpus import Corpus
 from ralm.engine import LMEngine
 from ralm.errors import ConfigError
 from ralm.generator import LocalGenerator
-from ralm.methods import METHOD_NAMES, is_knn
+from ralm.methods import DOCUMENT_METHODS
 from ralm.results import RalmResult
 from ralm.retrieval.base import Retriever
 from ralm.retrieval.index_build import KINDS as RETRIEVER_KINDS, check_kind
@@ -26,7 +26,7 @@ __all__ = ["PIPELINE_METHODS", "Pipeline", "RETRIEVER_KINDS", "check_kind"]
 
 # the methods :meth:`Pipeline.answer` runs: the document-level ones of the method table
 # (the KNN-LM methods need a token datastore and run in ralm.knnlm)
-PIPELINE_METHODS: tuple[str, ...] = tuple(m for m in METHOD_NAMES if not is_knn(m))
+PIPELINE_METHODS: tuple[str, ...] = DOCUMENT_METHODS
 
 
 @dataclass
