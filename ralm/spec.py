@@ -29,7 +29,7 @@ from ralm.generator import Generator
 from ralm.os3 import StrideScheduler
 from ralm.results import RalmResult, RequestStats, VerifiedPrefix
 from ralm.retrieval.base import Hit, Retriever
-from ralm.seq import finish
+from ralm.seq import apply_resume, finish
 from ralm.workloads import call_step, doc_from_hits, make_query_fn, retrieval_depth, step_budget
 
 _POOL: ThreadPoolExecutor | None = None
@@ -82,13 +82,8 @@ class _SpecRun:
                                          ("A", spec.async_verify)) if on) or "base"
         self.stats = RequestStats(method=f"spec[{name}]", retriever=getattr(kb, "name", "")).set_request(req)
         if resume is not None:               # start from a verified prefix (steps are deterministic)
-            resume.check(req.max_new_tokens)
-            self.X = self.X + [int(t) for t in resume.tokens]
+            self.X, self.eos = apply_resume(resume, self.X, self.stats, req.max_new_tokens)
             self.emitted = len(self.X)
-            self.eos = bool(resume.eos)
-            self.stats.steps = self.stats.resumed_steps = len(resume.doc_ids)
-            self.stats.doc_ids = list(resume.doc_ids)
-            self.stats.resumed_tokens = len(resume.tokens)
 
     # ---- helpers
     @property

@@ -48,6 +48,7 @@ from ralm.knnlm.metric import Hit
 from ralm.knnlm.retriever import KnnRetriever
 from ralm.os3 import StrideScheduler
 from ralm.results import RalmResult, RequestStats
+from ralm.seq import finish
 
 
 # ---------------------------------------------------------------------------- numerics
@@ -153,13 +154,6 @@ def _prepare(prompt: str, lm: Any, req: RequestConfig) -> list[int]:
     return ids
 
 
-def _finish(lm: Any, X: list[int], n_q: int, eos: bool, st: RequestStats, t_start: float) -> RalmResult:
-    st.total_time_s = time.perf_counter() - t_start
-    st.retrieval_time_s = max(0.0, st.total_time_s - st.gen_time_s)
-    out = X[n_q:]
-    return RalmResult(lm.decode(out), out, st, "stop" if eos else "length")
-
-
 def _eos_setup(lm: Any, req: RequestConfig) -> tuple[int | None, int | None]:
     """(eos id that stops generation, token masked out of the argmax)."""
     eos = getattr(lm, "eos_token_id", None)
@@ -206,7 +200,7 @@ def run_knn_seq(prompt: str, lm: Any, kb: KnnRetriever, knn: KnnLMConfig | None 
         lm_step.feed(y)
         st.gen_time_s += time.perf_counter() - t0
     st.forward_passes, st.generated_tokens = lm_step.forwards, len(X) - n_q
-    return _finish(lm, X, n_q, eos, st, t_start)
+    return finish(lm, n_q, X, eos, st, t_start)
 
 
 # ---------------------------------------------------------------------------- speculation
@@ -415,7 +409,7 @@ class _KnnSpecRun:
         st.cache_entries = len(self.cache)
         st.forward_passes = self.step_lm.forwards
         st.generated_tokens = len(self.X) - self.n_q + st.regenerated_tokens    # rolled-back tokens included
-        return _finish(self.lm, self.X, self.n_q, self.eos, st, self.t_start)
+        return finish(self.lm, self.n_q, self.X, self.eos, st, self.t_start)
 
 
 def run_knn_spec(prompt: str, lm: Any, kb: KnnRetriever, knn: KnnLMConfig | None = None,
