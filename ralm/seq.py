@@ -21,10 +21,25 @@ def query_text(gen: Generator, tokens: list[int], window: int) -> str:
 
 def finish(gen: Generator, question_len: int, tokens: list[int], eos: bool, stats: RequestStats,
            t_start: float) -> RalmResult:
+    """The request's result: the tokens after the question, decoded, and the timing split
+    (total since ``t_start``; retrieval = everything that was not generation)."""
     stats.total_time_s = time.perf_counter() - t_start
     stats.retrieval_time_s = max(0.0, stats.total_time_s - stats.gen_time_s)
     out = tokens[question_len:]
     return RalmResult(gen.decode(out), out, stats, "stop" if eos else "length")
+
+
+def apply_resume(resume: VerifiedPrefix, tokens: list[int], stats: RequestStats,
+                 max_new_tokens: int) -> tuple[list[int], bool]:
+    """Start a request from a verified prefix (steps are deterministic, so the rest of the
+    run is the same as from scratch): returns (question + prefix tokens, eos) and records
+    the prefix's steps and documents in ``stats``."""
+    resume.check(max_new_tokens)
+    tokens = tokens + [int(t) for t in resume.tokens]
+    stats.steps = stats.resumed_steps = len(resume.doc_ids)
+    stats.doc_ids = list(resume.doc_ids)
+    stats.resumed_tokens = len(resume.tokens)
+    return tokens, bool(resume.eos)
 
 
 def run_seq(question: str, gen: Generator, kb: Retriever, req: RequestConfig | None = None,
@@ -46,12 +61,7 @@ def run_seq(question: str, gen: Generator, kb: Retriever, req: RequestConfig | N
     query = make_query_fn(gen, req, n_q)          # workload's query (default: last query_window tokens)
     eos = False
     if resume is not None:
-        resume.check(req.max_new_tokens)
-        X = X + [int(t) for t in resume.tokens]
-        eos = bool(resume.eos)
-        stats.steps = stats.resumed_steps = len(resume.doc_ids)
-        stats.doc_ids = list(resume.doc_ids)
-        stats.resumed_tokens = len(resume.tokens)
+        X, eos = apply_resume(resume, X, stats, req.max_new_tokens)
     while not eos and len(X) - n_q < req.max_new_tokens:
         hits = kb.search(query(X), retrieval_depth(req))
         stats.kb_calls += 1

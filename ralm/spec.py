@@ -2,7 +2,9 @@
 
 Each step retrieves from a small per-request cache instead of the KB; every ``s`` steps
 one batched KB call verifies them, and the first wrong step and everything after it is
-rolled back and regenerated with the KB's document. Options, independent of each other:
+rolled back and regenerated with the KB's document. The cycle itself is
+:func:`ralm.speculation.speculate`; this module is its document-level strategy
+(:class:`_SpecRun`: a step is ``f(doc, X, k)``). Options, independent of each other:
 
 - P (prefetch): insert the KB's top-p documents into the cache, not only the top-1;
 - S (OS3): choose ``s`` adaptively (:mod:`ralm.os3`);
@@ -14,7 +16,8 @@ Step 0 runs on the warm-up KB answer (its own query's top-1), so it is never spe
 or re-verified (see :meth:`_SpecRun.first_step`).
 
 Exactness: every committed step's document is the KB's top-1 for its query, and every
-step is ``f(doc, X, k)`` over the same ``X`` RaLMSeq would have, so the tokens are equal.
+step is ``f(doc, X, k)`` over the same ``X`` RaLMSeq would have, so the tokens are equal
+(the argument in full: :mod:`ralm.speculation`).
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ from ralm.generator import Generator
 from ralm.os3 import StrideScheduler
 from ralm.results import RalmResult, RequestStats, VerifiedPrefix
 from ralm.retrieval.base import Hit, Retriever
-from ralm.seq import finish
+from ralm.seq import apply_resume, finish
+from ralm.speculation import speculate
 from ralm.workloads import call_step, doc_from_hits, make_query_fn, retrieval_depth, step_budget
 
 _POOL: ThreadPoolExecutor | None = None
@@ -57,7 +61,11 @@ def _timed_batch_search(kb: Retriever, queries: Sequence[str], k: int) -> tuple[
 
 
 class _SpecRun:
-    """State of one RaLMSpec request (kept in an object so the loop reads like Algorithm 1)."""
+    """State of one RaLMSpec request: the document-level :class:`~ralm.speculation.Strategy`.
+
+    A step's value is its document (``doc_from_hits``: the ranked ids the step uses); the
+    truth of a window is the KB's top-p of each query, all of which are cached.
+    """
 
     def __init__(self, question: str, gen: Generator, kb: Retriever, req: RequestConfig,
                  spec: SpecConfig, cache: SpeculativeCache | None,
@@ -72,23 +80,18 @@ class _SpecRun:
         self.n_q = len(self.X)
         self.emitted = self.n_q              # X[:emitted] was passed to on_commit
         self.eos = False
-        self.committed: list[_Step] = []     # verified or not-yet-verified steps, in order
         self.cache = cache if cache is not None else SpeculativeCache(kb.scorer)
         self.depth = retrieval_depth(req)      # ranked ids a step uses (1 unless num_docs > 1 / IDGR)
         self.p = max(spec.prefetch_size if spec.prefetch else 1, self.depth)
         self.query = make_query_fn(gen, req, self.n_q)
         self.sched = StrideScheduler(spec)
+        self.async_verify = spec.async_verify
         name = "".join(c for c, on in (("P", spec.prefetch), ("S", spec.adaptive_stride),
                                          ("A", spec.async_verify)) if on) or "base"
         self.stats = RequestStats(method=f"spec[{name}]", retriever=getattr(kb, "name", "")).set_request(req)
         if resume is not None:               # start from a verified prefix (steps are deterministic)
-            resume.check(req.max_new_tokens)
-            self.X = self.X + [int(t) for t in resume.tokens]
+            self.X, self.eos = apply_resume(resume, self.X, self.stats, req.max_new_tokens)
             self.emitted = len(self.X)
-            self.eos = bool(resume.eos)
-            self.stats.steps = self.stats.resumed_steps = len(resume.doc_ids)
-            self.stats.doc_ids = list(resume.doc_ids)
-            self.stats.resumed_tokens = len(resume.tokens)
 
     # ---- helpers
     @property
@@ -124,7 +127,7 @@ class _SpecRun:
         self.sched.record_step(time.perf_counter() - t0)
         return _Step(q, doc_id, mark, eos)
 
-    def emit_verified(self, pending: "_Step | None") -> None:
+    def emit(self, pending: "_Step | None") -> None:
         """Pass newly verified tokens to ``on_commit`` (all of X except a pending async step),
         and the whole verified prefix to ``on_verified``."""
         if self.on_commit is None and self.on_verified is None:
@@ -144,7 +147,6 @@ class _SpecRun:
         verified step: nothing to speculate, nothing to re-check). Returns its document."""
         doc_id = doc_from_hits(hits, self.req)
         self._generate(doc_id)
-        self.stats.steps += 1
         self.stats.doc_ids.append(doc_id)
         return doc_id
 
@@ -159,7 +161,6 @@ class _SpecRun:
         spends them: the query encoding (a speculative step pays it; the KB search then
         reuses the memoised vector) and the search itself, a b(1) sample. It is not a
         gamma observation (the cache could not have been wrong)."""
-        st = self.stats
         q = self.query(self.X)
         t0 = time.perf_counter()
         self.kb.scorer.encode([q])
@@ -167,8 +168,6 @@ class _SpecRun:
         first = self.kb.search(q, self.p)    # reuses the memoised vector (dense)
         self.sched.record_lookup(t1 - t0)
         self.sched.record_kb_latency(1, time.perf_counter() - t1)
-        st.kb_calls += 1
-        st.kb_queries += 1
         self._add_to_cache([first])
         self._commit_kb_step(first)
 
@@ -184,78 +183,43 @@ class _SpecRun:
         # because retrieval is cheap; the next verification prefetches again
         hits = self.kb.search(q, self.depth)
         b = time.perf_counter() - t0
-        st.kb_calls += 1
-        st.kb_queries += 1
-        st.direct_steps += 1
         st.cache_lookups += 1
         self._add_to_cache([hits])
         doc_id = self._commit_kb_step(hits)
         st.shadow_hits += int(guess == doc_id)
         self.sched.record_direct(guess == doc_id, b, lookup)
 
-    def rollback_to(self, step: _Step) -> None:
-        self.stats.regenerated_tokens += len(self.X) - step.mark
+    # ---- verification (the KB's top-p of each window query; its top-1 is the truth)
+    def verify(self, window: Sequence[_Step]) -> tuple[list[list[Hit]], float]:
+        return _timed_batch_search(self.kb, [w.query for w in window], self.p)
+
+    def first_mismatch(self, window: Sequence[_Step],
+                       truth: Sequence[Sequence[Hit]]) -> tuple[int, object] | None:
+        for i, (w, t) in enumerate(zip(window, truth)):
+            right = doc_from_hits(t, self.req)
+            if w.doc_id != right:
+                return i, right
+        return None
+
+    def cache_truth(self, truth: Sequence[Sequence[Hit]], upto: int) -> None:
+        self._add_to_cache(truth)            # every answer, also those after a mismatch
+
+    def accept(self, steps: Sequence[_Step]) -> None:
+        self.stats.doc_ids.extend(w.doc_id for w in steps)
+
+    def rollback(self, step: _Step) -> int:
+        dropped = len(self.X) - step.mark
         self.X = self.X[: step.mark]
         self.eos = False
+        return dropped
 
-    # ---- the loop
+    def commit_correction(self, doc_id) -> None:
+        self._generate(doc_id)                # correction step with the KB's document
+        self.stats.doc_ids.append(doc_id)
+
     def run(self, executor: Executor) -> RalmResult:
-        st = self.stats
-        if not self.finished:                 # (a resumed request may already be complete)
-            self.first_step()
-            self.emit_verified(None)
-        pending: _Step | None = None          # an async step waiting to open the next window
-        while not self.finished or pending is not None:
-            s = self.sched.next_stride()
-            if s == 0 and pending is None:
-                self.direct_step()
-                self.emit_verified(None)
-                continue
-            window: list[_Step] = [pending] if pending is not None else []
-            pending = None
-            while len(window) < s and not self.finished:
-                window.append(self.speculative_step())
-            queries = [w.query for w in window]
-            extra: _Step | None = None
-            if self.spec.async_verify and not self.finished:
-                fut = executor.submit(_timed_batch_search, self.kb, queries, self.p)
-                extra = self.speculative_step()          # overlaps with the verification
-                truth, b = fut.result()
-            else:
-                truth, b = _timed_batch_search(self.kb, queries, self.p)
-            st.kb_calls += 1
-            st.kb_queries += len(queries)
-            st.verifications += 1
-            st.strides.append(len(window))
-            self._add_to_cache(truth)
-            mismatch = next((i for i, (w, t) in enumerate(zip(window, truth))
-                             if w.doc_id != doc_from_hits(t, self.req)), None)
-            if mismatch is None:
-                matched = len(window)
-                st.matched_steps += matched
-                st.steps += matched
-                st.doc_ids.extend(w.doc_id for w in window)
-                if extra is not None:
-                    pending = extra
-                    st.async_steps_kept += 1
-            else:
-                matched = mismatch
-                st.matched_steps += matched
-                st.steps += matched
-                st.doc_ids.extend(w.doc_id for w in window[:matched])
-                st.rollbacks += 1
-                if extra is not None:
-                    st.async_steps_discarded += 1
-                bad = window[mismatch]
-                self.rollback_to(bad)
-                right = doc_from_hits(truth[mismatch], self.req)
-                self._generate(right)                   # correction step with the KB's document
-                st.steps += 1
-                st.doc_ids.append(right)
-            self.sched.record_verification(len(window), matched, b)
-            self.emit_verified(pending)
-        st.gamma = self.sched.gamma
-        return finish(self.gen, self.n_q, self.X, self.eos, st, self.t_start)
+        speculate(self, self.sched, self.stats, executor)
+        return finish(self.gen, self.n_q, self.X, self.eos, self.stats, self.t_start)
 
 
 def run_spec(question: str, gen: Generator, kb: Retriever, req: RequestConfig | None = None,

@@ -25,11 +25,14 @@ top-p, p > k, of which the top-k is the prefix on the exact index; HNSW is asked
 latency, fed per batch size; s = 0 is a direct KB step, with the cache's guess recorded
 on every ``SHADOW_EVERY``-th step of a run of them).
 
+The cycle itself is :func:`ralm.speculation.speculate`; :class:`_KnnSpecRun` is its
+token-level strategy (a step's value is its token).
+
 Exactness: a committed token at position i is always chosen from (logits_i, KB top-k
 of h_i); logits_i and h_i are functions of the committed tokens before i computed by
 the same sequence of single-token forwards as the baseline; the KB answer of a query
 does not depend on its batch (exact re-scoring + boundary expansion), so the tokens
-equal :func:`run_knn_seq`'s.
+equal :func:`run_knn_seq`'s (the argument in full: :mod:`ralm.speculation`).
 """
 from __future__ import annotations
 
@@ -48,6 +51,8 @@ from ralm.knnlm.metric import Hit
 from ralm.knnlm.retriever import KnnRetriever
 from ralm.os3 import StrideScheduler
 from ralm.results import RalmResult, RequestStats
+from ralm.seq import finish
+from ralm.speculation import speculate
 
 
 # ---------------------------------------------------------------------------- numerics
@@ -153,13 +158,6 @@ def _prepare(prompt: str, lm: Any, req: RequestConfig) -> list[int]:
     return ids
 
 
-def _finish(lm: Any, X: list[int], n_q: int, eos: bool, st: RequestStats, t_start: float) -> RalmResult:
-    st.total_time_s = time.perf_counter() - t_start
-    st.retrieval_time_s = max(0.0, st.total_time_s - st.gen_time_s)
-    out = X[n_q:]
-    return RalmResult(lm.decode(out), out, st, "stop" if eos else "length")
-
-
 def _eos_setup(lm: Any, req: RequestConfig) -> tuple[int | None, int | None]:
     """(eos id that stops generation, token masked out of the argmax)."""
     eos = getattr(lm, "eos_token_id", None)
@@ -206,7 +204,7 @@ def run_knn_seq(prompt: str, lm: Any, kb: KnnRetriever, knn: KnnLMConfig | None 
         lm_step.feed(y)
         st.gen_time_s += time.perf_counter() - t0
     st.forward_passes, st.generated_tokens = lm_step.forwards, len(X) - n_q
-    return _finish(lm, X, n_q, eos, st, t_start)
+    return finish(lm, n_q, X, eos, st, t_start)
 
 
 # ---------------------------------------------------------------------------- speculation
@@ -239,6 +237,12 @@ class _Step:
 
 
 class _KnnSpecRun:
+    """State of one KNN-LM speculative request: the token-level
+    :class:`~ralm.speculation.Strategy` (no async step; a window's truth is the KB's
+    top-k of each query, to choose tokens with, and the fetched top-p, to cache)."""
+
+    async_verify = False
+
     def __init__(self, prompt: str, lm: Any, kb: KnnRetriever, knn: KnnLMConfig, req: RequestConfig,
                  spec: SpecConfig, cache: KnnEntryCache | None,
                  on_commit: Optional[Callable[[list[int]], None]]):
@@ -286,7 +290,8 @@ class _KnnSpecRun:
         if not self.finished:
             self._feed(y)
 
-    def _emit(self) -> None:
+    def emit(self, pending: None = None) -> None:
+        """Pass the newly committed tokens to ``on_commit`` (no step is ever pending)."""
         if self.on_commit is not None and len(self.X) > self.emitted:
             chunk = self.X[self.emitted:]
             self.emitted = len(self.X)
@@ -338,18 +343,17 @@ class _KnnSpecRun:
         if fill:
             self.cache.insert_hits(fetched)
         hits = truth[0]
-        st.kb_calls += 1
-        st.kb_queries += 1
         y = self._choose(p, hits)
-        if shadow:
-            st.direct_steps += 1
         if probe:
             st.shadow_hits += int(guess == y)
             self.sched.record_direct(guess == y, b)
-        st.steps += 1
         self._commit_token(y)
 
+    def first_step(self) -> None:
+        self.direct_step(shadow=False)        # the first token warms the cache
+
     def speculative_step(self) -> _Step:
+        self._direct_run = 0                  # a window ends a run of direct steps
         t0 = time.perf_counter()
         h, p = self.step_lm.h, self.step_lm.p_lm
         hits = self.cache.search(h, self.knn.k)
@@ -361,61 +365,47 @@ class _KnnSpecRun:
         self.sched.record_step(time.perf_counter() - t0)
         return step
 
+    # ---- verification (a step is right when the KB's neighbours choose the same token)
+    def verify(self, window: Sequence[_Step]) -> tuple[tuple[list[list[Hit]], list[list[Hit]]], float]:
+        truth, fetched, b = self._kb_search([w.query for w in window])
+        return (truth, fetched), b
+
+    def first_mismatch(self, window: Sequence[_Step], truth) -> tuple[int, int] | None:
+        for i, (w, t) in enumerate(zip(window, truth[0])):
+            y = self._choose(w.p_lm, t)
+            if y != w.token:
+                return i, y
+        return None
+
+    def cache_truth(self, truth, upto: int) -> None:
+        # cache the KB answers of the committed trajectory only (the steps up to and
+        # including the first mismatch), newest last: the steps after a mismatch were on
+        # a path that is thrown away, and their entries would evict the useful ones
+        self.cache.insert_hits(truth[1][:upto])
+
+    def accept(self, steps: Sequence[_Step]) -> None:
+        pass                                  # the tokens are already in X
+
+    def rollback(self, step: _Step) -> int:
+        dropped = len(self.X) - step.pos
+        del self.X[step.pos:]
+        self.eos = False
+        self.step_lm.crop(step.pos)           # KV of X[:pos], as when the query was made
+        return dropped
+
+    def commit_correction(self, token: int) -> None:
+        self._commit_token(token)             # the KB's token, fed on the cropped cache
+
     def run(self) -> RalmResult:
         st = self.stats
         t0 = time.perf_counter()
         self.step_lm.prefill(self.X)
         st.gen_time_s += time.perf_counter() - t0
-        if not self.finished:
-            self.direct_step(shadow=False)        # the first token warms the cache
-            self._emit()
-        while not self.finished:
-            s = self.sched.next_stride()
-            if s == 0:
-                self.direct_step()
-                self._emit()
-                continue
-            self._direct_run = 0
-            window: list[_Step] = []
-            while len(window) < s and not self.finished:
-                window.append(self.speculative_step())
-            truth, fetched, b = self._kb_search([w.query for w in window])
-            st.kb_calls += 1
-            st.kb_queries += len(window)
-            st.verifications += 1
-            st.strides.append(len(window))
-            mismatch, right = None, None
-            for i, (w, t) in enumerate(zip(window, truth)):
-                y = self._choose(w.p_lm, t)
-                if y != w.token:
-                    mismatch, right = i, y
-                    break
-            # cache the KB answers of the committed trajectory only (the steps up to and
-            # including the first mismatch), newest last: the steps after a mismatch were on
-            # a path that is thrown away, and their entries would evict the useful ones
-            self.cache.insert_hits(fetched if mismatch is None else fetched[: mismatch + 1])
-            if mismatch is None:
-                matched = len(window)
-                st.matched_steps += matched
-                st.steps += matched
-            else:
-                matched = mismatch
-                st.matched_steps += matched
-                st.steps += matched + 1
-                st.rollbacks += 1
-                bad = window[mismatch]
-                st.regenerated_tokens += len(self.X) - bad.pos
-                del self.X[bad.pos:]
-                self.eos = False
-                self.step_lm.crop(bad.pos)        # KV of X[:bad.pos], as when the query was made
-                self._commit_token(right)         # the KB's token, fed on the cropped cache
-            self.sched.record_verification(len(window), matched, b)
-            self._emit()
-        st.gamma = self.sched.gamma
+        speculate(self, self.sched, st)
         st.cache_entries = len(self.cache)
         st.forward_passes = self.step_lm.forwards
         st.generated_tokens = len(self.X) - self.n_q + st.regenerated_tokens    # rolled-back tokens included
-        return _finish(self.lm, self.X, self.n_q, self.eos, st, self.t_start)
+        return finish(self.lm, self.n_q, self.X, self.eos, st, self.t_start)
 
 
 def run_knn_spec(prompt: str, lm: Any, kb: KnnRetriever, knn: KnnLMConfig | None = None,

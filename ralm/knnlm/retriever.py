@@ -13,9 +13,10 @@ distance. A batch of s queries costs about one pass over the rows, so verificati
 nearly flat in s. The rest of this docstring is the FAISS path (``scan='faiss'``, or
 no bf16 kernel), which is also the candidate stage of HNSW.
 
-The same approach as :mod:`ralm.retrieval.rerank`: FAISS (IndexFlatL2 or HNSW, L2)
-proposes ``k + margin`` candidates, they are re-scored with the exact distance
-(:func:`ralm.knnlm.metric.l2_distances`) and ranked by (distance asc, entry id asc).
+The kernel of :mod:`ralm.retrieval.rerank` (through :func:`exact_knn`): FAISS
+(IndexFlatL2 or HNSW, L2) proposes ``k + margin`` candidates, they are re-scored with
+the exact distance (:func:`ralm.knnlm.metric.l2_distances`) and ranked by (distance asc,
+entry id asc).
 Every entry that is not a candidate has a candidate-stage distance at least the last
 candidate's (the *bound*); if the exact k-th distance is not clearly below the bound
 (within :func:`~ralm.knnlm.metric.tolerance`, which also covers the float32
@@ -46,6 +47,7 @@ from ralm import constants as C
 from ralm.knnlm.datastore import Datastore
 from ralm.knnlm.metric import Hit, l2_distances, rank_by_distance, tolerance
 from ralm.retrieval.bf16_scan import U_FP32
+from ralm.retrieval.rerank import Candidates, exact_top_k
 
 log = logging.getLogger(__name__)
 _GEMM_BLOCK = 1 << 16
@@ -90,25 +92,18 @@ def margin_for(k: int, margin: int) -> int:
 
 def exact_knn(k: int, n_first: int, n_max: int, candidates, rescore, scale: float,
               stats: dict | None = None, extra_tol: float = 0.0) -> tuple[list[Hit], bool]:
-    """Candidate / exact re-score / boundary-expansion loop for one query.
+    """:func:`~ralm.retrieval.rerank.exact_top_k` for squared L2 distances (ascending, ties
+    by entry id), for one query.
 
     ``candidates(n) -> (ids, bound, complete)`` with ``bound`` the largest candidate-stage
     distance among the rows returned (None if none): every row not returned has a
-    candidate-stage distance >= bound that is (up to the tolerance, plus ``extra_tol``)
-    a lower bound of its exact distance. Returns (hits, complete).
+    candidate-stage distance >= bound that is (up to :func:`~ralm.knnlm.metric.tolerance`
+    at ``scale``, plus ``extra_tol``) a lower bound of its exact distance. Returns
+    (hits, complete).
     """
-    n = max(1, min(n_first, n_max))
-    while True:
-        ids, bound, complete = candidates(n)
-        ids = np.asarray(ids, dtype=np.int64)
-        hits = rank_by_distance(ids, rescore(ids) if ids.size else np.zeros(0), k)
-        if complete or n >= n_max:
-            return hits, complete
-        if len(hits) >= k and bound is not None and hits[-1][1] + tolerance(bound, scale) + extra_tol < bound:
-            return hits, False
-        if stats is not None:
-            stats["expansions"] = stats.get("expansions", 0) + 1
-        n = min(2 * n, n_max)
+    hits, cand = exact_top_k(k, n_first, n_max, lambda n: Candidates(*candidates(n)), rescore, stats,
+                             descending=False, tol=lambda bound: tolerance(bound, scale), extra_tol=extra_tol)
+    return hits, cand.complete
 
 
 class KnnRetriever:

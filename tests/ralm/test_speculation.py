@@ -1,0 +1,232 @@
+"""The generic speculation cycle (:func:`ralm.speculation.speculate`) driven by a fake
+strategy: pure Python, no model, no KB.
+
+A step appends one token. The KB's value for a state is a function of the whole prefix
+(``kb_value``), so a step speculated after a wrong guess runs on a wrong state and gets a
+different KB answer, as in the real loops. The cache guesses the KB's value except at the
+positions listed in ``wrong`` (the first time those positions are speculated).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import pytest
+
+from ralm.results import RequestStats
+from ralm.speculation import speculate
+
+
+def kb_value(prefix: tuple[int, ...]) -> int:
+    return (sum(prefix) * 31 + len(prefix)) % 1000
+
+
+def baseline(n: int) -> list[int]:
+    X: list[int] = []
+    while len(X) < n:
+        X.append(kb_value(tuple(X)))
+    return X
+
+
+@dataclass
+class FakeStep:
+    pos: int
+    prefix: tuple[int, ...]
+    guess: int
+
+
+class FakeScheduler:
+    def __init__(self, strides: list[int]):
+        self.strides = list(strides)
+        self.recorded: list[tuple[int, int, float]] = []
+        self.gamma = 0.25
+
+    def next_stride(self) -> int:
+        return self.strides.pop(0) if len(self.strides) > 1 else self.strides[0]
+
+    def record_verification(self, s: int, matched: int, latency_s: float) -> None:
+        self.recorded.append((s, matched, latency_s))
+
+
+class InlineExecutor:
+    """Runs a submitted call at once (the window's states are captured in its steps)."""
+
+    def submit(self, fn, *args):
+        fut: Future = Future()
+        fut.set_result(fn(*args))
+        return fut
+
+
+class FakeStrategy:
+    def __init__(self, n: int, wrong=(), async_verify: bool = False):
+        self.n = n
+        self.wrong = set(wrong)
+        self.async_verify = async_verify
+        self.X: list[int] = []
+        self.emitted: list[int] = []
+        self.windows: list[list[int]] = []      # positions of each verified window
+        self.accepted: list[int] = []
+        self.rolled_back: list[int] = []
+        self.corrections: list[int] = []
+        self.cached: list[tuple[int, int]] = []  # (answers in the window, upto)
+        self.speculated: list[int] = []
+
+    @property
+    def finished(self) -> bool:
+        return len(self.X) >= self.n
+
+    def first_step(self) -> None:
+        assert not self.finished, "a step after the end"
+        self.X.append(kb_value(tuple(self.X)))
+
+    def direct_step(self) -> None:
+        assert not self.finished, "a step after the end"
+        self.X.append(kb_value(tuple(self.X)))
+
+    def speculative_step(self) -> FakeStep:
+        assert not self.finished, "a step after the end"
+        pos, prefix = len(self.X), tuple(self.X)
+        guess = kb_value(prefix)
+        if pos in self.wrong:
+            self.wrong.discard(pos)
+            guess += 1
+        self.speculated.append(pos)
+        self.X.append(guess)
+        return FakeStep(pos, prefix, guess)
+
+    def verify(self, window):
+        self.windows.append([w.pos for w in window])
+        return [kb_value(w.prefix) for w in window], 0.5
+
+    def first_mismatch(self, window, truth):
+        for i, (w, t) in enumerate(zip(window, truth)):
+            if w.guess != t:
+                return i, t
+        return None
+
+    def cache_truth(self, truth, upto: int) -> None:
+        self.cached.append((len(truth), upto))
+
+    def accept(self, steps) -> None:
+        self.accepted.extend(w.pos for w in steps)
+
+    def rollback(self, step: FakeStep) -> int:
+        self.rolled_back.append(step.pos)
+        dropped = len(self.X) - step.pos
+        del self.X[step.pos:]
+        return dropped
+
+    def commit_correction(self, value: int) -> None:
+        self.corrections.append(value)
+        self.X.append(value)
+
+    def emit(self, pending) -> None:
+        upto = pending.pos if pending is not None else len(self.X)
+        self.emitted.extend(self.X[len(self.emitted):upto])
+
+
+def run(strategy: FakeStrategy, strides: list[int]) -> tuple[RequestStats, FakeScheduler]:
+    sched, st = FakeScheduler(strides), RequestStats()
+    speculate(strategy, sched, st, InlineExecutor())
+    return st, sched
+
+
+@pytest.mark.parametrize("m", [0, 1, 2, 3])
+def test_mismatch_at_step_m_keeps_the_steps_before_it(m):
+    # step 0 is the first (KB) step; the first window is steps 1..4, wrong at step 1 + m
+    n = 5
+    fs = FakeStrategy(n, wrong={1 + m})
+    st, sched = run(fs, [4])
+    assert fs.X == fs.emitted == baseline(n)
+    assert fs.windows[0] == [1, 2, 3, 4]
+    # exactly the steps before m, then the next window's (step 1 + m is the correction)
+    assert fs.accepted == list(range(1, 1 + m)) + list(range(2 + m, n))
+    assert fs.rolled_back == [1 + m]
+    assert fs.corrections == [baseline(n)[1 + m]]             # the KB's value on the right state
+    assert fs.cached[0] == (4, m + 1)                         # committed trajectory: up to m
+    assert sched.recorded[0] == (4, m, 0.5)
+    rest = 3 - m                                              # steps after the correction
+    assert st.rollbacks == 1 and st.regenerated_tokens == 4 - m
+    assert st.steps == n and st.matched_steps == m + rest
+    assert st.verifications == 1 + (rest > 0) and st.strides == [4] + ([rest] if rest else [])
+    assert st.kb_calls == 1 + st.verifications and st.kb_queries == 1 + 4 + rest
+    assert st.gamma == 0.25
+
+
+def test_no_mismatch_keeps_the_whole_window():
+    fs = FakeStrategy(7)
+    st, sched = run(fs, [3])
+    assert fs.X == baseline(7) and fs.windows == [[1, 2, 3], [4, 5, 6]]
+    assert fs.accepted == [1, 2, 3, 4, 5, 6] and not fs.rolled_back
+    assert fs.cached == [(3, 3), (3, 3)]
+    assert (st.steps, st.matched_steps, st.rollbacks, st.regenerated_tokens) == (7, 6, 0, 0)
+    assert (st.kb_calls, st.kb_queries, st.verifications, st.strides) == (3, 7, 2, [3, 3])
+
+
+def test_async_extra_step_kept_on_a_full_match():
+    fs = FakeStrategy(6, async_verify=True)
+    st, sched = run(fs, [2])
+    assert fs.X == fs.emitted == baseline(6)
+    # window [1, 2] runs step 3 while verified; step 3 then opens the next window
+    assert fs.windows[:2] == [[1, 2], [3, 4]]
+    assert st.async_steps_kept >= 1 and st.async_steps_discarded == 0
+    assert st.kb_queries == 1 + sum(st.strides) and st.steps == 6 and st.rollbacks == 0
+
+
+def test_async_extra_step_discarded_on_a_mismatch():
+    fs = FakeStrategy(6, wrong={2}, async_verify=True)
+    emitted_after: list[list[int]] = []
+    orig_emit = fs.emit
+
+    def emit(pending):
+        orig_emit(pending)
+        emitted_after.append(list(fs.emitted))
+    fs.emit = emit
+    st, sched = run(fs, [2])
+    assert fs.X == fs.emitted == baseline(6)
+    assert fs.windows[0] == [1, 2]
+    # steps 2 and the extra step 3 are thrown away; step 2 is corrected, 3 speculated again
+    assert fs.rolled_back == [2] and fs.speculated[:3] == [1, 2, 3]
+    assert fs.windows[1][0] == 3 and st.async_steps_discarded == 1
+    assert st.regenerated_tokens == 2
+    assert emitted_after[1] == baseline(6)[:3]          # steps 0, 1 and the correction
+    assert sched.recorded[0] == (2, 1, 0.5)
+
+
+def test_pending_step_is_not_emitted_before_it_is_verified():
+    fs = FakeStrategy(4, async_verify=True)
+    seen: list[tuple[int, int]] = []
+    orig_emit = fs.emit
+
+    def emit(pending):
+        orig_emit(pending)
+        seen.append((len(fs.emitted), len(fs.X)))
+    fs.emit = emit
+    run(fs, [2])
+    # after the first window [1, 2] the async step 3 is in X but not emitted
+    assert seen[1] == (3, 4)
+    assert fs.emitted == baseline(4)
+
+
+def test_direct_steps_are_counted():
+    fs = FakeStrategy(4)
+    st, sched = run(fs, [0])
+    assert fs.X == fs.emitted == baseline(4) and not fs.windows
+    assert (st.steps, st.direct_steps, st.kb_calls, st.kb_queries, st.verifications) == (4, 3, 4, 4, 0)
+    assert st.gamma == 0.25
+
+
+def test_async_needs_an_executor():
+    fs = FakeStrategy(4, async_verify=True)
+    with pytest.raises(ValueError):
+        speculate(fs, FakeScheduler([2]), RequestStats(), None)
+
+
+def test_a_pending_step_is_verified_before_any_direct_step():
+    # s = 0 while an async step is pending: the pending step is verified as a window of
+    # its own (running the next async step meanwhile), never turned into a direct step
+    fs = FakeStrategy(6, async_verify=True)
+    st, sched = run(fs, [2, 0])
+    assert fs.X == fs.emitted == baseline(6)
+    assert fs.windows == [[1, 2], [3], [4], [5]]
+    assert st.direct_steps == 0 and st.async_steps_kept == 3 and st.strides == [2, 1, 1, 1]
