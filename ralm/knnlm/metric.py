@@ -16,6 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
+from cache.ranking import rank_hits
+
 Hit = tuple[int, float]          # (entry id, exact squared L2 distance)
 
 
@@ -70,17 +72,11 @@ def rank_by_distance(ids: np.ndarray | Sequence[int], dists: np.ndarray | Sequen
     """Top-``k`` of ``(ids, dists)`` ordered by (distance asc, entry id asc); duplicates kept once.
 
     Example: ids [7, 3, 5], dists [0.5, 0.9, 0.5], k=2 -> [(5, 0.5), (7, 0.5)].
+    The one ranking kernel (:func:`cache.ranking.rank_hits`, score desc) on the negated
+    distances: negation is exact in floating point, so the order and the values are too.
     """
-    ids = np.asarray(ids, dtype=np.int64)
     d = np.asarray(dists, dtype=np.float64)
-    if ids.shape != d.shape:
-        raise ValueError(f"ids {ids.shape} and distances {d.shape} differ in shape")
-    if ids.size == 0 or k <= 0:
-        return []
-    ids, first = np.unique(ids, return_index=True)
-    d = d[first]
-    order = np.lexsort((ids, d))[:k]
-    return [(int(ids[i]), float(d[i])) for i in order]
+    return [(i, -s) for i, s in rank_hits(ids, -d, k)]
 
 
 def tolerance(bound: float, scale: float) -> float:
