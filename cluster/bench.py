@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.report import (BENCH_COLUMNS, ConfigRuns, ConfigSummary, bench_header, latency_chart,
+from cluster.report import (BENCH_COLUMNS, ConfigRuns, ConfigSummary, bench_header, exactness_status, latency_chart,
                             machine_note, markdown_table, summarize, write_report)
 from ralm.config import SpecConfig
 
@@ -120,9 +120,5 @@ def bench_main(args: argparse.Namespace) -> int:
     latency_chart(all_rows, args.out / "bench.png")
     print(md)
     print(f"wrote {args.out}/bench.json, bench.md, bench.png")
-    diffs = sum(r.requests - r.identical for r in all_rows)
-    if diffs:
-        print(f"FAIL: {diffs} RaLMSpec outputs differ from RaLMSeq", file=sys.stderr)
-        return 1
-    return 0
+    return exactness_status(sum(r.requests - r.identical for r in all_rows), "RaLMSpec outputs differ from RaLMSeq")
 

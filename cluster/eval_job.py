@@ -54,7 +54,7 @@ from actors.signals import preserve_fatal_signal_handlers
 from cluster.config_args import add_config_args, load_config
 from cluster.eval_items import SEQ, EvalItem, make_items
 from cluster.eval_report import write_outputs
-from cluster.report import bench_header
+from cluster.report import bench_header, exactness_status
 from ralm.config import SpecConfig
 
 log = logging.getLogger(__name__)
@@ -421,8 +421,7 @@ def eval_main(args: argparse.Namespace) -> int:
     print(res["markdown"])
     print(f"run {run_id}: computed {report.computed}, skipped {report.skipped} already recorded; "
           f"wrote {out}/results.jsonl, summary.md, summary.json" + (", latency.png" if res["summary"] else ""))
-    if counts["different"]:
-        print(f"FAIL: {counts['different']} RaLMSpec outputs differ from RaLMSeq", file=sys.stderr)
+    if exactness_status(counts["different"], "RaLMSpec outputs differ from RaLMSeq"):
         return 1
     if counts["missing"]:
         return 3

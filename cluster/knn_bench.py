@@ -25,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.report import KNN_COLUMNS, ConfigRuns, machine_note, markdown_table, summarize, write_report
+from cluster.report import (KNN_COLUMNS, ConfigRuns, exactness_status, machine_note, markdown_table, summarize,
+                            write_report)
 from ralm.config import SpecConfig
 
 log = logging.getLogger(__name__)
@@ -222,11 +223,8 @@ def knn_bench_main(args) -> int:
         "wall_s": time.perf_counter() - t_all}, md, default=str)
     print(md)
     print(f"wrote {args.out}/knn_bench.json, knn_bench.md")
-    diffs = sum(r.requests - r.identical for r in rows)
-    if diffs:
-        print(f"FAIL: {diffs} speculative KNN-LM outputs differ from the baseline", file=sys.stderr)
-        return 1
-    return 0
+    return exactness_status(sum(r.requests - r.identical for r in rows),
+                            "speculative KNN-LM outputs differ from the baseline")
 
 
 def main(argv=None) -> int:

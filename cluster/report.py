@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import platform
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import fmean
@@ -223,6 +224,16 @@ def write_report(out: Path, stem: str, data: Mapping[str, Any], markdown: str, *
     paths[0].write_text(json.dumps(data, indent=indent, default=default))
     paths[1].write_text(markdown)
     return paths
+
+
+def exactness_status(different: int, what: str) -> int:
+    """The exit status a benchmark returns for its exactness check: 0 when no output
+    differs from the baseline's, else 1 after saying on stderr how many did (``what``
+    names the compared outputs, e.g. "RaLMSpec outputs differ from RaLMSeq")."""
+    if different:
+        print(f"FAIL: {different} {what}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def latency_chart(rows: Sequence[ConfigSummary | Mapping[str, Any]], path: Path) -> None:
