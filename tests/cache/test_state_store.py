@@ -12,7 +12,7 @@ import pytest
 from cache.state import (KBKey, RequestCheckpoint, StateStoreConfig, StateStoreConfigError,
                          StoreCachedRetriever, open_state_store)
 
-BACKENDS = ["memory", "sqlite", "redis"]
+BACKENDS = ["memory", "sqlite", pytest.param("redis", marks=pytest.mark.integration)]
 
 
 def _open(kind: str, request, tmp_path, **cfg):
