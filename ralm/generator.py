@@ -6,7 +6,8 @@ and a corpus; the serving layer provides the same methods over Ray.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence, TypeAlias
+from collections.abc import Sequence
+from typing import Protocol, TypeAlias, cast
 
 from ralm.corpus import Corpus
 from ralm.drafting import StepOptions
@@ -58,11 +59,13 @@ class LocalGenerator:
         first ``options.num_docs`` are the prompt's documents, the rest are only listed as
         unrelated in the IDGR block. ``options``: :class:`ralm.drafting.StepOptions`.
         """
+        ids: list[int]
         if doc_id is None or isinstance(doc_id, (int,)) or not hasattr(doc_id, "__len__"):
-            text = self.corpus.text(doc_id) if doc_id is not None else None
+            one = cast("int | None", doc_id)        # also a numpy integer: no __len__
+            text = self.corpus.text(one) if one is not None else None
             if options is None:
                 return self.engine.step(text, context, k, ignore_eos=ignore_eos)
-            ids = [doc_id] if doc_id is not None else []
+            ids = [one] if one is not None else []
         else:
             ids = [int(d) for d in doc_id]
         n = options.num_docs if options is not None else len(ids)
