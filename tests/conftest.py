@@ -39,7 +39,10 @@ INTEGRATION_PATHS = (
     "tests/deployments/test_request_modes.py",
     "tests/deployments/test_state.py",
 )
-INTEGRATION_FIXTURES = frozenset({"ray_local", "redis_server", "fresh_redis", "redis_with_password"})
+INTEGRATION_FIXTURES = frozenset({
+    "ray_local", "redis_server", "fresh_redis", "redis_with_password",
+    "server", "served",        # tests/deployments' module fixtures: a Serve app on a local Ray (serve_app)
+})
 # tests that start Ray in their own body, in files that are otherwise unit
 INTEGRATION_TESTS = frozenset({
     "tests/deployments/test_generator.py::test_replica_in_a_strict_pack_placement_group",
