@@ -1,6 +1,7 @@
 # ralmspec: one command to serve, one to test. Both set everything up first.
 #   make serve   - venv + deps + demo indexes, then the server on the embedded defaults
 #   make test    - venv + deps (+ redis-server) then the test suite
+#   make test-fast - the unit tests only (no Ray, no redis-server): the edit-test loop
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -8,7 +9,7 @@ PIP    := $(VENV)/bin/pip
 # torch 2.13.0 installs a CPU build from this workplace's local wheel; set TORCH_SPEC on GPU hosts.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup system-deps serve demo index test test-all bench clean
+.PHONY: setup system-deps serve demo index test test-fast test-all bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +38,9 @@ serve: index
 test: setup system-deps
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "unit and not slow"
 
 test-all: setup system-deps
 	$(PY) -m pytest -q -m ""

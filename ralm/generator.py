@@ -6,20 +6,35 @@ and a corpus; the serving layer provides the same methods over Ray.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol, TypeAlias, cast
 
 from ralm.corpus import Corpus
+from ralm.drafting import StepOptions
 from ralm.engine import LMEngine, StepOutput
+
+#: What a step is conditioned on: one corpus id, a tuple of ranked ids (several documents
+#: or IDGR), or None (no document).
+DocIds: TypeAlias = int | Sequence[int] | None
 
 
 class Generator(Protocol):
+    """What a RaLM loop needs from the generator (:class:`LocalGenerator`, or a remote one)."""
+
     eos_token_id: int | None
 
     def encode_question(self, question: str) -> list[int]: ...
 
     def decode(self, tokens: Sequence[int]) -> str: ...
 
-    def step(self, doc_id: int | None, context: Sequence[int], k: int, ignore_eos: bool = False) -> StepOutput: ...
+    def step(self, doc_id: DocIds, context: Sequence[int], k: int, ignore_eos: bool = False,
+             options: StepOptions | None = None) -> StepOutput:
+        """``f``: up to ``k`` greedy tokens after ``context`` conditioned on ``doc_id``.
+
+        ``options=None`` is the plain step; callers pass it only for non-default generation
+        (drafting, FLARE, several documents, IDGR), so a generator may route the two apart.
+        """
+        ...
 
 
 class LocalGenerator:
@@ -36,19 +51,21 @@ class LocalGenerator:
     def decode(self, tokens: Sequence[int]) -> str:
         return self.engine.decode(tokens)
 
-    def step(self, doc_id, context: Sequence[int], k: int, ignore_eos: bool = False,
-             options=None) -> StepOutput:
+    def step(self, doc_id: DocIds, context: Sequence[int], k: int, ignore_eos: bool = False,
+             options: StepOptions | None = None) -> StepOutput:
         """``f`` on corpus passage ``doc_id`` (None: no document).
 
         ``doc_id`` may be a tuple of ranked ids (``RequestConfig.num_docs`` > 1 or IDGR): the
         first ``options.num_docs`` are the prompt's documents, the rest are only listed as
         unrelated in the IDGR block. ``options``: :class:`ralm.drafting.StepOptions`.
         """
+        ids: list[int]
         if doc_id is None or isinstance(doc_id, (int,)) or not hasattr(doc_id, "__len__"):
-            text = self.corpus.text(doc_id) if doc_id is not None else None
+            one = cast("int | None", doc_id)        # also a numpy integer: no __len__
+            text = self.corpus.text(one) if one is not None else None
             if options is None:
                 return self.engine.step(text, context, k, ignore_eos=ignore_eos)
-            ids = [doc_id] if doc_id is not None else []
+            ids = [one] if one is not None else []
         else:
             ids = [int(d) for d in doc_id]
         n = options.num_docs if options is not None else len(ids)

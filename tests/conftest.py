@@ -24,6 +24,51 @@ KINDS = ("edr", "adr", "sr")
 TEST_HNSW = dict(hnsw_m=16, hnsw_ef_construction=64, hnsw_ef_search=64)
 
 
+# ---------------------------------------------------------------- unit / integration markers
+# A test is `integration` when it needs a live external process: a local Ray cluster (actors,
+# Serve), a redis-server, or an eval job. Three ways to be one, checked in this order: an
+# explicit @pytest.mark.integration (or pytest.param(..., marks=...)); a file below that is
+# integration throughout; a fixture that starts Ray or redis-server. Everything else is `unit`
+# (in-process; the session's fixture indexes and tiny models are allowed).
+INTEGRATION_PATHS = (
+    "tests/actors/",
+    "tests/cache/test_redis_store.py",
+    "tests/cluster/test_eval_job.py",
+    "tests/deployments/test_http.py",
+    "tests/deployments/test_metrics.py",
+    "tests/deployments/test_request_modes.py",
+    "tests/deployments/test_state.py",
+)
+INTEGRATION_FIXTURES = frozenset({
+    "ray_local", "redis_server", "fresh_redis", "redis_with_password",
+    "server", "served",        # tests/deployments' module fixtures: a Serve app on a local Ray (serve_app)
+})
+# tests that start Ray in their own body, in files that are otherwise unit
+INTEGRATION_TESTS = frozenset({
+    "tests/deployments/test_generator.py::test_replica_in_a_strict_pack_placement_group",
+    "tests/ralm/test_signals.py::test_jvm_handlers_survive_ray_init_and_shutdown",
+})
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _is_integration(item: pytest.Item) -> bool:
+    if item.get_closest_marker("integration") is not None:
+        return True
+    rel = Path(str(item.path)).resolve().relative_to(_ROOT).as_posix()
+    if rel.startswith(INTEGRATION_PATHS):
+        return True
+    if f"{rel}::{item.originalname if isinstance(item, pytest.Function) else item.name}" in INTEGRATION_TESTS:
+        return True
+    return not INTEGRATION_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+
+
+@pytest.hookimpl(tryfirst=True)      # before -m deselects by these marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every collected test `integration` or `unit` (select with `-m unit`, `-m integration`)."""
+    for item in items:
+        item.add_marker(pytest.mark.integration if _is_integration(item) else pytest.mark.unit)
+
+
 @pytest.fixture(scope="session")
 def fixture_corpus() -> Corpus:
     return Corpus.load(FIXTURE_CORPUS)
