@@ -23,6 +23,7 @@ Asynchronous verification (A) is real overlap: ``run_spec`` submits the verifica
 the coordinator's thread pool, whose thread blocks on the verifier's ObjectRef while the
 main thread runs the next speculative step.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,8 +32,9 @@ import queue
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from ralm.config import GeneratorConfig, RequestConfig, SpecConfig
 from ralm.engine import LMEngine, StepOutput
@@ -58,19 +60,20 @@ class RemoteGenerator:
 
     def __init__(self, handle: Any, tokenizer: Any, cfg: GeneratorConfig, eos_token_id: int | None):
         self.handle = handle
-        self.tokenizer = tokenizer           # LMEngine.encode_question/decode only use these two
+        self.tokenizer = tokenizer  # LMEngine.encode_question/decode only use these two
         self.cfg = cfg
         self.eos_token_id = eos_token_id
         self.calls = 0
 
     def encode_question(self, question: str) -> list[int]:
-        return LMEngine.encode_question(self, question)   # the engine's own validation
+        return LMEngine.encode_question(self, question)  # the engine's own validation
 
     def decode(self, tokens: Sequence[int]) -> str:
         return LMEngine.decode(self, tokens)
 
-    def step(self, doc_id: Any, context: Sequence[int], k: int, ignore_eos: bool = False,
-             options: Any = None) -> StepOutput:
+    def step(
+        self, doc_id: Any, context: Sequence[int], k: int, ignore_eos: bool = False, options: Any = None
+    ) -> StepOutput:
         """``f`` on the generator deployment; ``doc_id`` may be a tuple of ranked ids and
         ``options`` a :class:`ralm.drafting.StepOptions` (drafting, FLARE, several documents)."""
         self.calls += 1
@@ -128,7 +131,7 @@ class VerifierKB:
         self.name = name
         self.verifier = verifier
         self.scorer = scorer
-        self.requester: str | None = None    # the request in flight, announced to the verifier
+        self.requester: str | None = None  # the request in flight, announced to the verifier
 
     def search(self, query: str, k: int) -> list[Hit]:
         return self.batch_search([query], k)[0]
@@ -159,19 +162,26 @@ class StreamDecoder:
     def push(self, tokens: Sequence[int], final: bool = False) -> str:
         self.tokens.extend(tokens)
         text = self.decode(self.tokens)
-        if not final and text.endswith("\ufffd"):    # a multi-byte character is not complete yet
+        if not final and text.endswith("\ufffd"):  # a multi-byte character is not complete yet
             return ""
-        if not text.startswith(self.sent):           # decoding is not prefix-stable: resend nothing
+        if not text.startswith(self.sent):  # decoding is not prefix-stable: resend nothing
             return ""
-        delta, self.sent = text[len(self.sent):], text
+        delta, self.sent = text[len(self.sent) :], text
         return delta
 
 
 class Coordinator:
     """Runs requests one at a time (body of the coordinator actor)."""
 
-    def __init__(self, generator: Any, verifiers: dict[str, Any], request_defaults: dict | None = None,
-                 spec_defaults: dict | None = None, verify_threads: int = 4, state: dict | None = None):
+    def __init__(
+        self,
+        generator: Any,
+        verifiers: dict[str, Any],
+        request_defaults: dict | None = None,
+        spec_defaults: dict | None = None,
+        verify_threads: int = 4,
+        state: dict | None = None,
+    ):
         """``state`` (optional): ``{"store": StateStoreConfig dict, "checkpoints": bool,
         "kb_cache": {kind: index_version}}`` - where to checkpoint requests (durable stores
         only) and which retrievers' verified KB results to cache across requests."""
@@ -181,10 +191,10 @@ class Coordinator:
         self.spec_defaults = SpecConfig.model_validate(spec_defaults or {})
         self.executor = ThreadPoolExecutor(max_workers=verify_threads, thread_name_prefix="coord-verify")
         self._gen: RemoteGenerator | None = None
-        self._kbs: dict[str, Any] = {}             # the retriever each request uses (maybe store-cached)
-        self._vkbs: dict[str, VerifierKB] = {}      # the verifier-backed one underneath
+        self._kbs: dict[str, Any] = {}  # the retriever each request uses (maybe store-cached)
+        self._vkbs: dict[str, VerifierKB] = {}  # the verifier-backed one underneath
         self._caches: dict[str, Any] = {}
-        self._me = uuid.uuid4().hex[:12]             # tags this coordinator's requests at the verifiers
+        self._me = uuid.uuid4().hex[:12]  # tags this coordinator's requests at the verifiers
         self.served = 0
         self.busy = False
         self.state = dict(state or {})
@@ -208,7 +218,7 @@ class Coordinator:
     def ready(self) -> dict:
         """Fetch the tokenizer and the scorers now, so the first request does not wait."""
         self._generator()
-        self._store()                    # a missing Redis or a wrong password fails at startup
+        self._store()  # a missing Redis or a wrong password fails at startup
         for kind in self.verifiers:
             self._kb(kind)
         return {"pid": os.getpid(), "kinds": sorted(self.verifiers), "checkpoints": self.checkpoints}
@@ -218,8 +228,7 @@ class Coordinator:
             h = self.generator_handle
             tok = _get(h.tokenizer.remote())
             info = _get(h.info.remote())
-            cfg = GeneratorConfig(max_prompt_tokens=info["max_prompt_tokens"],
-                                  max_new_tokens=info["max_new_tokens"])
+            cfg = GeneratorConfig(max_prompt_tokens=info["max_prompt_tokens"], max_new_tokens=info["max_new_tokens"])
             self._gen = RemoteGenerator(h, tok, cfg, info["eos_token_id"])
         return self._gen
 
@@ -237,7 +246,7 @@ class Coordinator:
             if version and self._store() is not None:
                 from cache.state import StoreCachedRetriever
 
-                kb = StoreCachedRetriever(kb, self._store(), version)   # exact: verified results only
+                kb = StoreCachedRetriever(kb, self._store(), version)  # exact: verified results only
             self._kbs[kind] = kb
             self._caches[kind] = SpeculativeCache(scorer)
         return self._kbs[kind]
@@ -246,7 +255,7 @@ class Coordinator:
     def _configs(self, request: dict) -> tuple[str, str, RequestConfig, SpecConfig]:
         kind = request.get("retriever") or next(iter(self.verifiers))
         method = request.get("method", "spec")
-        method_info(method)                  # RalmInputError for an unknown method
+        method_info(method)  # RalmInputError for an unknown method
         req = self.request_defaults.model_copy(update=request.get("request") or {})
         req = RequestConfig.model_validate(req.model_dump())
         spec = self.spec_defaults.model_copy(update=request.get("spec") or {})
@@ -271,10 +280,15 @@ class Coordinator:
         except Exception as e:
             log.warning("cannot load the checkpoint of request %s: %s", rid, e)
             return None
-        if cp is None or cp.meta.get("job") != digest or cp.prompt_len != len(q_tokens) \
-                or cp.tokens[:cp.prompt_len] != q_tokens or not cp.steps:
+        if (
+            cp is None
+            or cp.meta.get("job") != digest
+            or cp.prompt_len != len(q_tokens)
+            or cp.tokens[: cp.prompt_len] != q_tokens
+            or not cp.steps
+        ):
             return None
-        return VerifiedPrefix(cp.tokens[cp.prompt_len:], list(cp.doc_ids), bool(cp.meta.get("eos")))
+        return VerifiedPrefix(cp.tokens[cp.prompt_len :], list(cp.doc_ids), bool(cp.meta.get("eos")))
 
     def _checkpointer(self, rid: str, digest: str, q_tokens: list[int]):
         from cache.state import RequestCheckpoint
@@ -282,18 +296,25 @@ class Coordinator:
         store = self._store()
         try:
             import ray
+
             me = ray.get_runtime_context().get_actor_name() or ""
         except Exception:
             me = ""
 
         def save(generated: list[int], doc_ids: list, eos: bool) -> None:
-            cp = RequestCheckpoint(request_id=rid, tokens=list(q_tokens) + list(generated), doc_ids=list(doc_ids),
-                                   steps=len(doc_ids), prompt_len=len(q_tokens),
-                                   meta={"job": digest, "eos": bool(eos), "coordinator": me})
+            cp = RequestCheckpoint(
+                request_id=rid,
+                tokens=list(q_tokens) + list(generated),
+                doc_ids=list(doc_ids),
+                steps=len(doc_ids),
+                prompt_len=len(q_tokens),
+                meta={"job": digest, "eos": bool(eos), "coordinator": me},
+            )
             try:
                 store.save_checkpoint(cp)
-            except Exception as e:          # a checkpoint is an optimisation: never fail the request
+            except Exception as e:  # a checkpoint is an optimisation: never fail the request
                 log.warning("cannot save the checkpoint of request %s: %s", rid, e)
+
         return save
 
     def _run(self, request: dict, on_commit=None) -> RalmResult:
@@ -321,13 +342,23 @@ class Coordinator:
         vkb.begin(f"{self._me}:{self.served}")
         try:
             if not info.speculative:
-                res = run_seq(request["question"], gen, kb, req, on_commit=on_commit, resume=resume,
-                              on_verified=on_verified)
+                res = run_seq(
+                    request["question"], gen, kb, req, on_commit=on_commit, resume=resume, on_verified=on_verified
+                )
             else:
                 cache = self._caches[kind]
-                res = run_spec(request["question"], gen, kb, req, spec, cache=cache,
-                               executor=self.executor, on_commit=on_commit, resume=resume,
-                               on_verified=on_verified)
+                res = run_spec(
+                    request["question"],
+                    gen,
+                    kb,
+                    req,
+                    spec,
+                    cache=cache,
+                    executor=self.executor,
+                    on_commit=on_commit,
+                    resume=resume,
+                    on_verified=on_verified,
+                )
             if on_verified is not None:
                 try:
                     self._store().delete_checkpoint(rid)
@@ -349,8 +380,11 @@ class Coordinator:
 
         self.busy = True
         try:
-            res = _get(self.generator_handle.knn_generate.remote(
-                request["question"], method, request.get("knn") or {}, req.model_dump(), spec.model_dump()))
+            res = _get(
+                self.generator_handle.knn_generate.remote(
+                    request["question"], method, request.get("knn") or {}, req.model_dump(), spec.model_dump()
+                )
+            )
             if on_commit is not None and res.tokens:
                 on_commit(list(res.tokens))
             record_request(res.stats)
@@ -379,7 +413,7 @@ class Coordinator:
         def work():
             try:
                 box["result"] = self._run(request, on_commit=lambda toks: chunks.put(list(toks)))
-            except BaseException as e:       # re-raised in the generator below
+            except BaseException as e:  # re-raised in the generator below
                 box["error"] = e
             finally:
                 chunks.put(None)
@@ -403,9 +437,15 @@ class Coordinator:
 
     def info(self) -> dict:
         kb_cache = {k: {"hits": kb.hits, "misses": kb.misses} for k, kb in self._kbs.items() if hasattr(kb, "hits")}
-        return {"pid": os.getpid(), "served": self.served, "busy": self.busy,
-                "generator_calls": self._gen.calls if self._gen else 0, "resumed": self.resumed,
-                "checkpoints": self.checkpoints, "kb_cache": kb_cache}
+        return {
+            "pid": os.getpid(),
+            "served": self.served,
+            "busy": self.busy,
+            "generator_calls": self._gen.calls if self._gen else 0,
+            "resumed": self.resumed,
+            "checkpoints": self.checkpoints,
+            "kb_cache": kb_cache,
+        }
 
 
 def coordinator_actor_class(num_cpus: float = 0.05, max_concurrency: int = 4):

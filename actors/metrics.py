@@ -22,6 +22,7 @@ the shadow guesses of direct steps, per lookup); the gauges hold the last reques
 Recording is best effort: outside a Ray worker, or if Ray's metrics fail, it does nothing,
 and it never changes a result.
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,29 +51,54 @@ def _get() -> SimpleNamespace | None:
             return _metrics
         try:
             import ray
+
             if not ray.is_initialized():
                 return None
             from ray.util.metrics import Counter, Gauge, Histogram
 
             req = ("retriever", "method")
             _metrics = SimpleNamespace(
-                latency=Histogram(PREFIX + "request_latency_seconds", description="End-to-end latency of a request "
-                                  "in its coordinator.", boundaries=LATENCY_BOUNDS, tag_keys=req),
-                kb_calls=Counter(PREFIX + "kb_calls", description="Knowledge-base calls (a batched verification "
-                                 "counts once).", tag_keys=req),
-                cache_hit_rate=Gauge(PREFIX + "cache_hit_rate", description="Speculative cache hit rate of the last "
-                                     "request: right guesses (matched speculative steps and direct steps' shadow guesses) / cache lookups.", tag_keys=req),
-                rollbacks=Counter(PREFIX + "rollbacks", description="Verifications that rolled back a wrong "
-                                  "speculated document.", tag_keys=req),
-                gamma=Gauge(PREFIX + "gamma", description="OS3 speculation accuracy estimate at the end of the "
-                            "last request.", tag_keys=req),
-                batch_size=Histogram(PREFIX + "verifier_batch_size", description="Queries per batch flushed by the "
-                                     "cross-request verifier.", boundaries=BATCH_BOUNDS, tag_keys=("retriever",)),
-                shard_latency=Histogram(PREFIX + "shard_latency_seconds", description="Latency of one batched "
-                                        "search on one index shard.", boundaries=SHARD_BOUNDS,
-                                        tag_keys=("retriever", "shard")),
+                latency=Histogram(
+                    PREFIX + "request_latency_seconds",
+                    description="End-to-end latency of a request in its coordinator.",
+                    boundaries=LATENCY_BOUNDS,
+                    tag_keys=req,
+                ),
+                kb_calls=Counter(
+                    PREFIX + "kb_calls",
+                    description="Knowledge-base calls (a batched verification counts once).",
+                    tag_keys=req,
+                ),
+                cache_hit_rate=Gauge(
+                    PREFIX + "cache_hit_rate",
+                    description="Speculative cache hit rate of the last "
+                    "request: right guesses (matched speculative steps and direct steps' shadow guesses) / cache lookups.",
+                    tag_keys=req,
+                ),
+                rollbacks=Counter(
+                    PREFIX + "rollbacks",
+                    description="Verifications that rolled back a wrong speculated document.",
+                    tag_keys=req,
+                ),
+                gamma=Gauge(
+                    PREFIX + "gamma",
+                    description="OS3 speculation accuracy estimate at the end of the last request.",
+                    tag_keys=req,
+                ),
+                batch_size=Histogram(
+                    PREFIX + "verifier_batch_size",
+                    description="Queries per batch flushed by the cross-request verifier.",
+                    boundaries=BATCH_BOUNDS,
+                    tag_keys=("retriever",),
+                ),
+                shard_latency=Histogram(
+                    PREFIX + "shard_latency_seconds",
+                    description="Latency of one batched search on one index shard.",
+                    boundaries=SHARD_BOUNDS,
+                    tag_keys=("retriever", "shard"),
+                ),
             )
-        except Exception as e:          # never let metrics break serving
+        except Exception as e:  # never let metrics break serving
             log.warning("ralmspec metrics disabled: %s", e)
             _disabled = True
     return _metrics
@@ -99,7 +125,7 @@ def record_request(stats: Any) -> None:
 def _add(counter: Any, value: float, tags: dict) -> None:
     if value > 0:
         counter.inc(float(value), tags=tags)
-    else:                    # export the series at 0 (rate() shows 0, not "no data"); inc() refuses 0
+    else:  # export the series at 0 (rate() shows 0, not "no data"); inc() refuses 0
         try:
             counter._record(0.0, tags=tags)
         except Exception:

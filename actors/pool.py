@@ -7,26 +7,28 @@ beyond that, requests wait for a free coordinator (first come, first served). A
 coordinator that died is replaced, and the request is retried once on a fresh one
 (requests are deterministic, so a retry returns the same tokens).
 """
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class PoolStats:
-    size: int = 0             # coordinators alive
+    size: int = 0  # coordinators alive
     idle: int = 0
     created: int = 0
     replaced: int = 0
     leases: int = 0
-    waits: int = 0            # leases that had to wait for a coordinator
+    waits: int = 0  # leases that had to wait for a coordinator
     wait_s: float = 0.0
 
     def as_dict(self) -> dict:
@@ -51,7 +53,7 @@ class CoordinatorPool:
             raise ValueError(f"pool size {self.size} / max_size {self.max_size}: need 1 <= size <= max_size")
         self._idle = asyncio.Queue()
 
-    async def start(self) -> "CoordinatorPool":
+    async def start(self) -> CoordinatorPool:
         """Create and ready ``size`` coordinators (concurrently)."""
         handles = [self._new() for _ in range(self.size)]
         await asyncio.gather(*(self.ready(h) for h in handles))
@@ -103,8 +105,9 @@ class CoordinatorPool:
             self._all.remove(handle)
         try:
             import ray
+
             ray.kill(handle)
-        except Exception:        # already dead, or not an actor
+        except Exception:  # already dead, or not an actor
             pass
 
     async def replace(self, handle: Any) -> None:
@@ -153,6 +156,6 @@ class CoordinatorPool:
 def _is_actor_death(e: BaseException) -> bool:
     try:
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-    except ImportError:      # pragma: no cover
+    except ImportError:  # pragma: no cover
         return False
     return isinstance(e, (RayActorError, ActorDiedError, ActorUnavailableError))

@@ -40,6 +40,7 @@ Fault tolerance: shard actors restart (``max_restarts``) and reload their slice 
 disk in ``__init__``; in-flight calls are retried by Ray (``max_task_retries``) and, on
 top of that, by the router (:meth:`ShardedRetriever._call`) until ``retry_timeout_s``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,9 +48,10 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -87,8 +89,9 @@ def shard_root(index_dir: str | Path, n_shards: int) -> Path:
 
 def sub_corpus(corpus: Corpus, lo: int, hi: int) -> Corpus:
     """Passages ``lo..hi-1`` as a corpus of their own (local row = global row - lo)."""
-    return Corpus.from_records([{"id": corpus.ids[i], "title": corpus.titles[i], "contents": corpus.contents[i]}
-                                for i in range(lo, hi)])
+    return Corpus.from_records(
+        [{"id": corpus.ids[i], "title": corpus.titles[i], "contents": corpus.contents[i]} for i in range(lo, hi)]
+    )
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ class ShardSpec:
     lo: int
     hi: int
     shard_dir: str
-    retriever: dict          # RetrieverConfig as a dict
+    retriever: dict  # RetrieverConfig as a dict
 
     @property
     def rcfg(self) -> RetrieverConfig:
@@ -121,8 +124,14 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def prepare_shards(rcfg: RetrieverConfig, corpus: Corpus, index_dir: str | Path, n_shards: int,
-                   progress: bool = False, vectors_from: str | Path | None = None) -> list[ShardSpec]:
+def prepare_shards(
+    rcfg: RetrieverConfig,
+    corpus: Corpus,
+    index_dir: str | Path,
+    n_shards: int,
+    progress: bool = False,
+    vectors_from: str | Path | None = None,
+) -> list[ShardSpec]:
     """Build (once) the slice indexes of the full index at ``index_dir``; return their specs.
 
     The full index is built first if missing (``vectors_from``: an EDR index directory whose
@@ -134,17 +143,31 @@ def prepare_shards(rcfg: RetrieverConfig, corpus: Corpus, index_dir: str | Path,
 
     kind = rcfg.kind
     index_dir = Path(index_dir)
-    if vectors_from is not None and kind == "adr" and not (index_dir / MANIFEST).is_file() \
-            and (Path(vectors_from) / MANIFEST).is_file():
+    if (
+        vectors_from is not None
+        and kind == "adr"
+        and not (index_dir / MANIFEST).is_file()
+        and (Path(vectors_from) / MANIFEST).is_file()
+    ):
         # reuse the EDR index's passage vectors (same encoder) instead of encoding the corpus again
         from ralm.retrieval.factory import get_encoder
         from ralm.retrieval.index_build import read_manifest
 
         src = read_manifest(vectors_from)
-        if src.get("kind") == "edr" and (src.get("encoder") or {}).get("name") == rcfg.encoder \
-                and (src.get("corpus") or {}).get("sha256") == corpus.sha256:
-            build_index(kind, corpus, index_dir, rcfg, progress=progress, encoder=get_encoder(rcfg.encoder),
-                        vectors=np.load(Path(vectors_from) / "vectors.npy"))
+        if (
+            src.get("kind") == "edr"
+            and (src.get("encoder") or {}).get("name") == rcfg.encoder
+            and (src.get("corpus") or {}).get("sha256") == corpus.sha256
+        ):
+            build_index(
+                kind,
+                corpus,
+                index_dir,
+                rcfg,
+                progress=progress,
+                encoder=get_encoder(rcfg.encoder),
+                vectors=np.load(Path(vectors_from) / "vectors.npy"),
+            )
     ensure_index(rcfg, corpus, index_dir, progress=progress)
     manifest = validate_index(index_dir, rcfg, corpus, checksums=False)
     source = _sha256(index_dir / MANIFEST)
@@ -170,8 +193,15 @@ def prepare_shards(rcfg: RetrieverConfig, corpus: Corpus, index_dir: str | Path,
             if kind in DENSE:
                 if vectors is None:
                     vectors = np.load(index_dir / "vectors.npy", mmap_mode="r")
-                build_index(kind, sub, d, build_cfg, progress=progress,
-                            encoder=_EncoderInfo(manifest["encoder"]), vectors=np.asarray(vectors[lo:hi]))
+                build_index(
+                    kind,
+                    sub,
+                    d,
+                    build_cfg,
+                    progress=progress,
+                    encoder=_EncoderInfo(manifest["encoder"]),
+                    vectors=np.asarray(vectors[lo:hi]),
+                )
             else:
                 build_index(kind, sub, d, build_cfg, progress=progress)
                 (d / "ids.json").write_text(json.dumps(sub.ids))
@@ -202,12 +232,22 @@ class RetrievalShard:
             vectors = np.load(d / "vectors.npy", allow_pickle=False)
             index = faiss.read_index(str(d / "index.faiss"))
             if vectors.shape[0] != self.n_docs or int(index.ntotal) != self.n_docs:
-                raise ValueError(f"shard {spec.index} at {d}: {vectors.shape[0]} vectors / {index.ntotal} rows, "
-                                 f"expected {self.n_docs}; delete {d.parent} to rebuild the shards")
+                raise ValueError(
+                    f"shard {spec.index} at {d}: {vectors.shape[0]} vectors / {index.ntotal} rows, "
+                    f"expected {self.n_docs}; delete {d.parent} to rebuild the shards"
+                )
             pad = -(-rcfg.pad_to // spec.n_shards) if (self.kind == "edr" and rcfg.pad_to) else 0
-            self.local = DenseRetriever(self.kind, None, vectors, index, ef_search=rcfg.hnsw_ef_search,
-                                        pad_to=pad, rerank_margin=rcfg.rerank_margin,
-                                        faiss_threads=rcfg.faiss_threads, dense_scan=rcfg.dense_scan)
+            self.local = DenseRetriever(
+                self.kind,
+                None,
+                vectors,
+                index,
+                ef_search=rcfg.hnsw_ef_search,
+                pad_to=pad,
+                rerank_margin=rcfg.rerank_margin,
+                faiss_threads=rcfg.faiss_threads,
+                dense_scan=rcfg.dense_scan,
+            )
         else:
             from ralm.retrieval.bm25 import SparseRetriever
             from ralm.retrieval.index_build import LUCENE_SUBDIR
@@ -215,8 +255,9 @@ class RetrievalShard:
             ids = json.loads((d / "ids.json").read_text()) if (d / "ids.json").is_file() else None
             if ids is None:
                 ids = _lucene_ids(d / LUCENE_SUBDIR, self.n_docs)
-            self.local = SparseRetriever(d / LUCENE_SUBDIR, ids, k1=rcfg.bm25_k1, b=rcfg.bm25_b,
-                                         rerank_margin=rcfg.rerank_margin)
+            self.local = SparseRetriever(
+                d / LUCENE_SUBDIR, ids, k1=rcfg.bm25_k1, b=rcfg.bm25_b, rerank_margin=rcfg.rerank_margin
+            )
             sc = self.local.scorer
             if sc.max_doc != self.n_docs:
                 raise ValueError(f"shard {spec.index}: Lucene index has {sc.max_doc} documents, expected {self.n_docs}")
@@ -224,8 +265,16 @@ class RetrievalShard:
 
     # ---- identity / health
     def info(self) -> dict:
-        return {"kind": self.kind, "index": self.spec.index, "lo": self.lo, "hi": self.hi, "pid": self.pid,
-                "started": self.started, "calls": self.calls, **self.stats}
+        return {
+            "kind": self.kind,
+            "index": self.spec.index,
+            "lo": self.lo,
+            "hi": self.hi,
+            "pid": self.pid,
+            "started": self.started,
+            "calls": self.calls,
+            **self.stats,
+        }
 
     def ping(self) -> int:
         return self.pid
@@ -247,8 +296,11 @@ class RetrievalShard:
         """This slice's ``docCount``, ``sumTotalTermFreq`` and the df of each analysed term."""
         self.calls += 1
         sc = self.local.scorer
-        return {"doc_count": sc.doc_count, "sum_total_term_freq": sc.sum_total_term_freq,
-                "df": [sc.df(t) for t in terms]}
+        return {
+            "doc_count": sc.doc_count,
+            "sum_total_term_freq": sc.sum_total_term_freq,
+            "df": [sc.df(t) for t in terms],
+        }
 
     def search_bm25(self, texts: Sequence[str], reps: Sequence[Any], avgdl: float, k: int) -> list[list[Hit]]:
         """Exact top-``k`` of this slice under *global* BM25 (``reps``: global query reps)."""
@@ -285,6 +337,7 @@ class RetrievalShard:
 
     def _observe(self, seconds: float) -> None:
         from actors.metrics import record_shard_search
+
         record_shard_search(self.kind, self.spec.index, seconds)
 
     def _globalize(self, hits: list[Hit]) -> list[Hit]:
@@ -299,7 +352,7 @@ class RetrievalShard:
             raise ValueError(f"doc ids outside shard {self.spec.index} [{self.lo}, {self.hi})")
         keys = self.local.scorer.doc_keys(local)
         if self.kind in DENSE:
-            return [np.array(k) for k in keys]       # copies: not views of the whole matrix
+            return [np.array(k) for k in keys]  # copies: not views of the whole matrix
         return keys
 
 
@@ -316,7 +369,7 @@ def _bound_ratio(global_q, local_q, avgdl_g: float, avgdl_l: float) -> float:
     r = 1.0
     for t, w in zip(global_q.terms, global_q.weights):
         lw = local_w.get(t)
-        if lw:                          # a term absent from the slice contributes 0 to all its docs
+        if lw:  # a term absent from the slice contributes 0 to all its docs
             r = max(r, w / lw)
     return r * max(1.0, avgdl_g / avgdl_l if avgdl_l > 0 else 1.0)
 
@@ -329,6 +382,7 @@ def _retryable() -> tuple:
     global _RETRYABLE
     if not _RETRYABLE:
         from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
         _RETRYABLE = (RayActorError, ActorUnavailableError, GetTimeoutError)
     return _RETRYABLE
 
@@ -336,9 +390,15 @@ def _retryable() -> tuple:
 class ShardedRetriever:
     """:class:`~ralm.retrieval.base.Retriever` over shard actors; merges per-shard exact top-k."""
 
-    def __init__(self, kind: str, shards: Sequence[Any], bounds: Sequence[tuple[int, int]],
-                 rcfg: RetrieverConfig | dict | None = None, encoder: Any = None,
-                 retry_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        kind: str,
+        shards: Sequence[Any],
+        bounds: Sequence[tuple[int, int]],
+        rcfg: RetrieverConfig | dict | None = None,
+        encoder: Any = None,
+        retry_timeout_s: float = 120.0,
+    ):
         self.kind = kind
         self.name = kind
         self.shards = list(shards)
@@ -355,14 +415,16 @@ class ShardedRetriever:
         if kind in DENSE:
             if encoder is None:
                 from ralm.retrieval.factory import get_encoder
+
                 encoder = get_encoder(self.rcfg.encoder)
             self.scorer: Any = ShardedDenseScorer(self, encoder)
         else:
             self.scorer = ShardedBM25Scorer(self, self.rcfg.bm25_k1, self.rcfg.bm25_b)
 
     # ---- fan-out with retries
-    def _call(self, method: str, args_per_shard: Sequence[tuple] | None = None,
-              shard_ids: Sequence[int] | None = None) -> list[Any]:
+    def _call(
+        self, method: str, args_per_shard: Sequence[tuple] | None = None, shard_ids: Sequence[int] | None = None
+    ) -> list[Any]:
         """Call ``method`` on the given shards (all by default) and wait; a call that fails
         because its shard died is resubmitted until the shard is back (restarted by Ray)."""
         import ray
@@ -436,15 +498,20 @@ def shard_actor_class(num_cpus: float = 0.25, max_restarts: int = 5, max_task_re
     """``ray.remote`` class of :class:`RetrievalShard` with restart/retry options."""
     import ray
 
-    return ray.remote(num_cpus=num_cpus, max_restarts=max_restarts,
-                      max_task_retries=max_task_retries)(RetrievalShard)
+    return ray.remote(num_cpus=num_cpus, max_restarts=max_restarts, max_task_retries=max_task_retries)(RetrievalShard)
 
 
 SHARD_NAMESPACE = "ralmspec"
 
 
-def start_shards(specs: Sequence[ShardSpec], num_cpus: float = 0.25, max_restarts: int = 5,
-                 max_task_retries: int = 3, wait: bool = True, name_prefix: str | None = None) -> list[Any]:
+def start_shards(
+    specs: Sequence[ShardSpec],
+    num_cpus: float = 0.25,
+    max_restarts: int = 5,
+    max_task_retries: int = 3,
+    wait: bool = True,
+    name_prefix: str | None = None,
+) -> list[Any]:
     """Start one actor per shard spec (each loads its slice in ``__init__``).
 
     ``name_prefix``: name the actors ``{prefix}-{i}`` in namespace ``ralmspec`` (for operators
@@ -462,9 +529,17 @@ def start_shards(specs: Sequence[ShardSpec], num_cpus: float = 0.25, max_restart
     return actors
 
 
-def sharded_retriever(rcfg: RetrieverConfig, corpus: Corpus, index_dir: str | Path, n_shards: int,
-                      num_cpus: float = 0.25, max_restarts: int = 5, max_task_retries: int = 3,
-                      encoder: Any = None, progress: bool = False) -> ShardedRetriever:
+def sharded_retriever(
+    rcfg: RetrieverConfig,
+    corpus: Corpus,
+    index_dir: str | Path,
+    n_shards: int,
+    num_cpus: float = 0.25,
+    max_restarts: int = 5,
+    max_task_retries: int = 3,
+    encoder: Any = None,
+    progress: bool = False,
+) -> ShardedRetriever:
     """Prepare the shards of ``index_dir``, start their actors and return the router."""
     specs = prepare_shards(rcfg, corpus, index_dir, n_shards, progress=progress)
     actors = start_shards(specs, num_cpus, max_restarts, max_task_retries)

@@ -6,11 +6,13 @@ the *global* term statistics summed over the shards) and document keys are fetch
 the shards that own them and kept in an LRU. With these, the coordinator's cache ranks
 documents bit for bit as the unsharded KB would.
 """
+
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -29,9 +31,11 @@ def _jvm_lock():
     """pyserini's JVM is entered by one thread at a time (``lucene_env.JVM_LOCK``)."""
     try:
         from ralm.retrieval.lucene_env import JVM_LOCK
+
         return JVM_LOCK
-    except ImportError:        # pragma: no cover
+    except ImportError:  # pragma: no cover
         import contextlib
+
         return contextlib.nullcontext()
 
 
@@ -123,6 +127,7 @@ class ShardedBM25Scorer(_ShardScorer):
     def idf(self, df: int) -> float:
         """:func:`~ralm.retrieval.bm25.bm25_idf` over the global ``docCount``."""
         from ralm.retrieval.bm25 import bm25_idf
+
         return bm25_idf(df, self.doc_count)
 
     def _fetch_df(self, terms: list[str]) -> None:
@@ -147,7 +152,7 @@ class ShardedBM25Scorer(_ShardScorer):
             with self._df_lock:
                 missing = sorted({t for ts in analysed.values() for t in ts} - set(self._df))
             if missing:
-                self._fetch_df(missing)          # one dfs round trip for the whole batch
+                self._fetch_df(missing)  # one dfs round trip for the whole batch
             for q in todo:
                 self._memo[q] = self.encode_one(q, analysed[q])
             while len(self._memo) > 65536:

@@ -9,22 +9,27 @@ takes one of its ordinary faults. Measured: handler address JVM -> Ray -> SIG_DF
 :func:`preserve_fatal_signal_handlers` saves the handlers (``sigaction``) on entry and
 restores them on exit; it is a no-op where ``sigaction`` is unavailable.
 """
+
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import signal
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 _SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
 
 
 class _SigAction(ctypes.Structure):
     # glibc's struct sigaction on Linux: handler, 1024-bit mask, int flags, restorer
-    _fields_ = [("handler", ctypes.c_void_p), ("mask", ctypes.c_ulong * 16),
-                ("flags", ctypes.c_int), ("restorer", ctypes.c_void_p)]
+    _fields_ = [
+        ("handler", ctypes.c_void_p),
+        ("mask", ctypes.c_ulong * 16),
+        ("flags", ctypes.c_int),
+        ("restorer", ctypes.c_void_p),
+    ]
 
 
 def _libc():

@@ -29,14 +29,16 @@ The verifier is also where coordinators get the KB's query representations and
 document keys for their local caches (:meth:`Verifier.encode`, :meth:`Verifier.doc_keys`),
 so those are the very bits the KB uses.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 from ralm.retrieval.base import Hit
 
@@ -44,7 +46,7 @@ log = logging.getLogger(__name__)
 
 SearchFn = Callable[[list[str], int], Awaitable[list[list[Hit]]]]
 
-ACTIVE_TTL_S = 120.0     # an announced request that has not called for this long is forgotten
+ACTIVE_TTL_S = 120.0  # an announced request that has not called for this long is forgotten
 # Server defaults (deployments/app.py VerifierOptions). The window only bounds the wait: with
 # every in-flight request announced, a batch leaves as soon as all of them wait, so one request
 # alone is never delayed. It must cover one round of generation steps of all requests in
@@ -71,10 +73,10 @@ class _Item:
 class BatchStats:
     submissions: int = 0
     queries: int = 0
-    batches: int = 0                 # flushes
-    early_flushes: int = 0           # flushes because every announced request was waiting
-    searches: int = 0                # KB searches sent (one per distinct k per flush)
-    searched_queries: int = 0        # after de-duplication
+    batches: int = 0  # flushes
+    early_flushes: int = 0  # flushes because every announced request was waiting
+    searches: int = 0  # KB searches sent (one per distinct k per flush)
+    searched_queries: int = 0  # after de-duplication
     max_batch_queries: int = 0
     max_batch_submissions: int = 0
     sizes: Counter = field(default_factory=Counter)
@@ -95,8 +97,15 @@ class VerificationBatcher:
     :meth:`begin` has a submission pending or being searched.
     """
 
-    def __init__(self, search: SearchFn, window_ms: float = DEFAULT_WINDOW_MS, max_batch: int = 64,
-                 enabled: bool = True, max_inflight: int = DEFAULT_MAX_INFLIGHT, flush_when_all_waiting: bool = True):
+    def __init__(
+        self,
+        search: SearchFn,
+        window_ms: float = DEFAULT_WINDOW_MS,
+        max_batch: int = 64,
+        enabled: bool = True,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        flush_when_all_waiting: bool = True,
+    ):
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         self.search = search
@@ -104,7 +113,7 @@ class VerificationBatcher:
         self.max_batch = int(max_batch)
         self.enabled = bool(enabled)
         self.stats = BatchStats()
-        self.on_batch: Callable[[int], None] | None = None    # called with each flushed batch's size
+        self.on_batch: Callable[[int], None] | None = None  # called with each flushed batch's size
         self._pending: list[_Item] = []
         self._n_pending = 0
         self._wake: asyncio.Event | None = None
@@ -113,7 +122,7 @@ class VerificationBatcher:
         self._max_inflight = max(1, int(max_inflight))
         self._tasks: set[asyncio.Task] = set()
         self.flush_when_all_waiting = bool(flush_when_all_waiting)
-        self._active: dict[str, float] = {}        # announced request -> time of its last call (monotonic s)
+        self._active: dict[str, float] = {}  # announced request -> time of its last call (monotonic s)
 
     # ---- requests in flight
     def begin(self, requester: str) -> None:
@@ -196,9 +205,9 @@ class VerificationBatcher:
                     await asyncio.wait_for(self._wake.wait(), remaining)
                 except asyncio.TimeoutError:
                     break
-            sem = self._sem                      # (configure may swap it between batches)
-            await sem.acquire()                  # at most max_inflight batches in flight;
-            batch, total = [], 0                 # meanwhile more submissions accumulate
+            sem = self._sem  # (configure may swap it between batches)
+            await sem.acquire()  # at most max_inflight batches in flight;
+            batch, total = [], 0  # meanwhile more submissions accumulate
             while self._pending and (not batch or total + len(self._pending[0].queries) <= self.max_batch):
                 it = self._pending.pop(0)
                 batch.append(it)
@@ -221,7 +230,7 @@ class VerificationBatcher:
                 self.stats.searched_queries += len(uniq)
                 try:
                     res = await self.search(uniq, k)
-                except BaseException as e:      # every waiting request sees the error
+                except BaseException as e:  # every waiting request sees the error
                     for it in items:
                         if not it.future.done():
                             it.future.set_exception(e)
@@ -250,21 +259,32 @@ class VerificationBatcher:
 class Verifier:
     """Body of the verifier actor of one retriever kind (an async actor)."""
 
-    def __init__(self, kind: str, shards: Sequence[Any], bounds: Sequence[tuple[int, int]], retriever: dict,
-                 window_ms: float = DEFAULT_WINDOW_MS, max_batch: int = 64, batching: bool = True,
-                 max_inflight: int = DEFAULT_MAX_INFLIGHT, flush_when_all_waiting: bool = True):
+    def __init__(
+        self,
+        kind: str,
+        shards: Sequence[Any],
+        bounds: Sequence[tuple[int, int]],
+        retriever: dict,
+        window_ms: float = DEFAULT_WINDOW_MS,
+        max_batch: int = 64,
+        batching: bool = True,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        flush_when_all_waiting: bool = True,
+    ):
         from actors.shard import ShardedRetriever
         from ralm.config import RetrieverConfig
 
         self.kind = kind
         self.router = ShardedRetriever(kind, shards, bounds, RetrieverConfig.model_validate(retriever))
-        self.batcher = VerificationBatcher(self._search, window_ms, max_batch, batching, max_inflight,
-                                           flush_when_all_waiting)
+        self.batcher = VerificationBatcher(
+            self._search, window_ms, max_batch, batching, max_inflight, flush_when_all_waiting
+        )
         self.batcher.on_batch = self._observe_batch
         self.kb_time_s = 0.0
 
     def _observe_batch(self, n: int) -> None:
         from actors.metrics import record_batch
+
         record_batch(self.kind, n)
 
     async def _search(self, queries: list[str], k: int) -> list[list[Hit]]:
@@ -302,9 +322,14 @@ class Verifier:
         """The KB's pure, picklable scoring function ``(query_rep, keys) -> float64 scores``."""
         return self.router.scorer.score_function()
 
-    def configure(self, window_ms: float | None = None, max_batch: int | None = None,
-                  batching: bool | None = None, max_inflight: int | None = None,
-                  flush_when_all_waiting: bool | None = None) -> dict:
+    def configure(
+        self,
+        window_ms: float | None = None,
+        max_batch: int | None = None,
+        batching: bool | None = None,
+        max_inflight: int | None = None,
+        flush_when_all_waiting: bool | None = None,
+    ) -> dict:
         """Change the batching policy at run time (e.g. for a benchmark)."""
         b = self.batcher
         if window_ms is not None:
@@ -321,13 +346,23 @@ class Verifier:
 
     def policy(self) -> dict:
         b = self.batcher
-        return {"window_ms": b.window_s * 1000.0, "max_batch": b.max_batch, "batching": b.enabled,
-                "max_inflight": b.max_inflight, "flush_when_all_waiting": b.flush_when_all_waiting}
+        return {
+            "window_ms": b.window_s * 1000.0,
+            "max_batch": b.max_batch,
+            "batching": b.enabled,
+            "max_inflight": b.max_inflight,
+            "flush_when_all_waiting": b.flush_when_all_waiting,
+        }
 
     def stats(self, reset: bool = False) -> dict:
-        out = {"kind": self.kind, **self.policy(), **self.batcher.stats.as_dict(),
-               "kb_time_s": self.kb_time_s, "shard_retries": self.router.retries,
-               "active_requests": self.batcher.active_requests}
+        out = {
+            "kind": self.kind,
+            **self.policy(),
+            **self.batcher.stats.as_dict(),
+            "kb_time_s": self.kb_time_s,
+            "shard_retries": self.router.retries,
+            "active_requests": self.batcher.active_requests,
+        }
         if reset:
             self.batcher.stats = BatchStats()
             self.kb_time_s = 0.0

@@ -4,12 +4,14 @@ Exact by construction: a document's KV is always computed from the document toke
 alone (the document is the prompt's prefix), so a hit returns bit-identical tensors
 to a recomputation. Keyed by the document's token ids, bounded in bytes (LRU).
 """
+
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any
 
 
 @dataclass
@@ -91,6 +93,7 @@ class DocTreeStats(DocKVStats):
     KV volume served from the cache; ``prefix_hits`` counts lookups that reused a strict,
     non-empty prefix of a longer document sequence; ``shifted_reuses`` counts inexact
     position-shifted reuses (only with ``allow_inexact_shifted_reuse``)."""
+
     bytes_reused: int = 0
     lookups: int = 0
     full_hits: int = 0
@@ -127,7 +130,7 @@ class DocPrefixTree:
         return tuple(path) in self._nodes
 
     def _touch_path(self, path: DocSeq) -> None:
-        for j in range(len(path), 0, -1):         # leaf first, root-most last (= most recent)
+        for j in range(len(path), 0, -1):  # leaf first, root-most last (= most recent)
             p = path[:j]
             if p in self._nodes:
                 self._nodes.move_to_end(p)

@@ -3,6 +3,7 @@
 :mod:`ralm.errors` re-exports :class:`ConfigError` (the same class object), so
 ``except ConfigError`` catches errors raised here and in ``ralm`` alike.
 """
+
 from __future__ import annotations
 
 

@@ -13,9 +13,11 @@ cache's top-1 is that document, bit for bit.
 These live at the bottom layer (``cache``) so that the caches need nothing from
 ``ralm``; :mod:`ralm.retrieval.base` re-exports them.
 """
+
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -38,7 +40,7 @@ def rank_hits(doc_ids: np.ndarray | Sequence[int], scores: np.ndarray | Sequence
         return []
     ids, first = np.unique(ids, return_index=True)
     sc = sc[first]
-    order = np.lexsort((ids, -sc))[:k]      # last key is primary: -score, then id
+    order = np.lexsort((ids, -sc))[:k]  # last key is primary: -score, then id
     return [(int(ids[i]), float(sc[i])) for i in order]
 
 

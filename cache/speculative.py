@@ -11,10 +11,12 @@ float64 is exact, so the scores are the same as from the float32 keys), which is
 passed to ``scorer.score`` as one array; other keys (BM25 term statistics) are kept
 in a list.
 """
+
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +42,7 @@ class SpeculativeCache:
         self._ids: list[int] = []
         self._pos: dict[int, int] = {}
         self._keys: list[Any] = []
-        self._mat: np.ndarray | None = None      # dense mode: (capacity, dim) float64
+        self._mat: np.ndarray | None = None  # dense mode: (capacity, dim) float64
         self._dense: bool | None = None
 
     # ---------------------------------------------------------------- content
@@ -141,8 +143,7 @@ class SpeculativeCache:
         return self.search(self.scorer.encode([query])[0], k)
 
     def stats(self) -> dict[str, int]:
-        return {"size": len(self), "lookups": self.lookups, "inserts": self.inserts,
-                "duplicates": self.duplicates}
+        return {"size": len(self), "lookups": self.lookups, "inserts": self.inserts, "duplicates": self.duplicates}
 
     def __repr__(self) -> str:
         return f"SpeculativeCache(size={len(self)}, lookups={self.lookups}, inserts={self.inserts})"

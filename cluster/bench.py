@@ -7,17 +7,27 @@ output is compared token by token with RaLMSeq's; any difference makes the comma
 non-zero. Writes ``bench.json``, ``bench.md`` and ``bench.png`` (stacked generation /
 retrieval bars, like the RaLMSpec paper's Figure 4).
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 
-from cluster.report import (BENCH_COLUMNS, ConfigRuns, ConfigSummary, bench_header, exactness_status, latency_chart,
-                            machine_note, markdown_table, summarize, write_report)
+from cluster.report import (
+    BENCH_COLUMNS,
+    ConfigRuns,
+    ConfigSummary,
+    bench_header,
+    exactness_status,
+    latency_chart,
+    machine_note,
+    markdown_table,
+    summarize,
+    write_report,
+)
 from ralm.config import SpecConfig
 
 log = logging.getLogger(__name__)
@@ -29,21 +39,29 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--questions", type=Path, help="JSONL with a 'question' field (default: the demo set)")
     p.add_argument("-n", "--num-questions", type=int, default=20)
     p.add_argument("--retrievers", default="edr,adr,sr", help="comma-separated subset of edr,adr,sr")
-    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help="comma-separated configuration names (ralm.config.SpecConfig.parse): base, any of P/S/A, "
-                        "s=N for a fixed stride; append @G to set OS3's gamma cap (e.g. PSA@0.9)")
+    p.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help="comma-separated configuration names (ralm.config.SpecConfig.parse): base, any of P/S/A, "
+        "s=N for a fixed stride; append @G to set OS3's gamma cap (e.g. PSA@0.9)",
+    )
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up questions")
-    p.add_argument("--allow-eos", action="store_true",
-                   help="stop requests at EOS (default: fixed-length generation with EOS masked, as in the paper)")
+    p.add_argument(
+        "--allow-eos",
+        action="store_true",
+        help="stop requests at EOS (default: fixed-length generation with EOS masked, as in the paper)",
+    )
 
 
-def run_retriever(pipe, kind: str, questions: list[str], configs: list[str], warmup: int,
-                  progress: bool = True) -> tuple[list[ConfigSummary], list[dict]]:
+def run_retriever(
+    pipe, kind: str, questions: list[str], configs: list[str], warmup: int, progress: bool = True
+) -> tuple[list[ConfigSummary], list[dict]]:
     """Every question through RaLMSeq and each configuration (after ``warmup`` untimed
     questions): the summary rows (RaLMSeq first) and one record per question."""
     from tqdm import tqdm
+
     from ralm.seq import run_seq
     from ralm.spec import run_spec
 
@@ -51,13 +69,14 @@ def run_retriever(pipe, kind: str, questions: list[str], configs: list[str], war
     gen = pipe.generator
     req = pipe.cfg.request
     specs = {c: SpecConfig.parse(c) for c in configs}
-    for q in questions[:warmup]:                      # warm FAISS/Lucene/torch, untimed
+    for q in questions[:warmup]:  # warm FAISS/Lucene/torch, untimed
         run_seq(q, gen, kb, req)
         for c in configs:
             run_spec(q, gen, kb, req, specs[c])
     base = ConfigRuns("RaLMSeq")
     runs = {c: ConfigRuns(c) for c in configs}
     per_request: list[dict] = []
+
     def cold() -> None:
         # every request starts cold: no doc KV, no memoised query encodings or BM25
         # document vectors from an earlier configuration's run of the same question
@@ -97,15 +116,16 @@ def bench_main(args: argparse.Namespace) -> int:
     kinds = tuple(check_kind(k.strip()) for k in args.retrievers.split(",") if k.strip())
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in configs:
-        SpecConfig.parse(c)                           # fail fast on a bad name
+        SpecConfig.parse(c)  # fail fast on a bad name
     questions = load_questions(args.questions or C.DEMO_QUESTIONS, limit=args.num_questions + args.warmup)
-    warm, timed = questions[: args.warmup], questions[args.warmup:]
+    warm, timed = questions[: args.warmup], questions[args.warmup :]
     if not timed:
         timed, warm = questions, []
     pipe = Pipeline.from_config(cfg, kinds=kinds)
     notes = bench_header("bench", len(timed), cfg, kinds, f"{cfg.corpus} ({len(pipe.corpus)} passages)")
-    notes.append(machine_note({k: pipe.retriever(k).dense_scan for k in kinds
-                               if hasattr(pipe.retriever(k), "dense_scan")}))
+    notes.append(
+        machine_note({k: pipe.retriever(k).dense_scan for k in kinds if hasattr(pipe.retriever(k), "dense_scan")})
+    )
     all_rows: list[ConfigSummary] = []
     all_req: list[dict] = []
     t0 = time.perf_counter()
@@ -114,11 +134,19 @@ def bench_main(args: argparse.Namespace) -> int:
         all_rows += rows
         all_req += per_req
     md = markdown_table(all_rows, notes, BENCH_COLUMNS)
-    write_report(args.out, "bench", {"notes": notes, "summary": [r.as_dict() for r in all_rows],
-                                     "requests": all_req, "config": json.loads(cfg.model_dump_json()),
-                                     "wall_s": time.perf_counter() - t0}, md)
+    write_report(
+        args.out,
+        "bench",
+        {
+            "notes": notes,
+            "summary": [r.as_dict() for r in all_rows],
+            "requests": all_req,
+            "config": json.loads(cfg.model_dump_json()),
+            "wall_s": time.perf_counter() - t0,
+        },
+        md,
+    )
     latency_chart(all_rows, args.out / "bench.png")
     print(md)
     print(f"wrote {args.out}/bench.json, bench.md, bench.png")
     return exactness_status(sum(r.requests - r.identical for r in all_rows), "RaLMSpec outputs differ from RaLMSeq")
-

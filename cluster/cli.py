@@ -15,6 +15,7 @@
 Every command reads the same :class:`ralm.config.RalmConfig` (``--config FILE.yaml``),
 with the most common fields overridable by flags.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,8 @@ GENERATE_METHODS: tuple[str, ...] = DOCUMENT_METHODS
 
 
 def cmd_index(args) -> int:
-    from ralm.errors import ConfigError
     from ralm.corpus import Corpus
+    from ralm.errors import ConfigError
     from ralm.pipeline import RETRIEVER_KINDS, check_kind
     from ralm.retrieval.index_build import build_index, validate_index
 
@@ -48,7 +49,7 @@ def cmd_index(args) -> int:
         out = args.index_dir or cfg.index_dir(kind)
         rcfg = cfg.retriever.model_copy(update={"kind": kind})
         if (out / "manifest.json").is_file() and not args.force:
-            validate_index(out, rcfg, corpus)        # raises a clear error if stale or damaged
+            validate_index(out, rcfg, corpus)  # raises a clear error if stale or damaged
             print(f"{kind} index at {out} is up to date (use --force to rebuild)", file=sys.stderr)
             continue
         print(f"building {kind} index over {len(corpus)} passages -> {out}", file=sys.stderr)
@@ -72,10 +73,14 @@ def cmd_generate(args) -> int:
     s = res.stats
     print("\n--- statistics ---")
     print(f"method={s.method} retriever={s.retriever} tokens={len(res.tokens)} finish={res.finish_reason}")
-    print(f"steps={s.steps} kb_calls={s.kb_calls} kb_queries={s.kb_queries} rollbacks={s.rollbacks} "
-          f"regenerated_tokens={s.regenerated_tokens} strides={s.strides} gamma={s.gamma}")
-    print(f"time total={s.total_time_s*1000:.1f} ms generation={s.gen_time_s*1000:.1f} ms "
-          f"retrieval={s.retrieval_time_s*1000:.1f} ms")
+    print(
+        f"steps={s.steps} kb_calls={s.kb_calls} kb_queries={s.kb_queries} rollbacks={s.rollbacks} "
+        f"regenerated_tokens={s.regenerated_tokens} strides={s.strides} gamma={s.gamma}"
+    )
+    print(
+        f"time total={s.total_time_s * 1000:.1f} ms generation={s.gen_time_s * 1000:.1f} ms "
+        f"retrieval={s.retrieval_time_s * 1000:.1f} ms"
+    )
     titles = [pipe.corpus.titles[d] if d is not None else "-" for d in s.doc_ids]
     print("documents: " + ", ".join(dict.fromkeys(titles)))
     return 0
@@ -83,35 +88,89 @@ def cmd_generate(args) -> int:
 
 def cmd_assets(args) -> int:
     import importlib
-    mod = {"corpus": "build_corpus", "questions": "build_questions", "train": "train_generator",
-           "fixtures": "make_fixtures"}[args.what]
+
+    mod = {
+        "corpus": "build_corpus",
+        "questions": "build_questions",
+        "train": "train_generator",
+        "fixtures": "make_fixtures",
+    }[args.what]
     return importlib.import_module(f"cluster.assets.{mod}").main(args.rest) or 0
 
 
 # (command, module, add-arguments function, entry point, takes the common flags, help)
 _PLUGGED_COMMANDS = [
-    ("bench", "cluster.bench", "add_bench_args", "bench_main", True,
-     "benchmark RaLMSeq against RaLMSpec configurations"),
-    ("serve", "cluster.serve", "add_serve_args", "serve_main", True,
-     "start the HTTP server (Ray Serve) from serve_config.yaml"),
-    ("served-bench", "cluster.served_bench", "add_served_bench_args", "served_bench_main", False,
-     "served throughput/latency benchmark at several concurrencies"),
-    ("bench-gen", "cluster.gen_bench", "add_gen_bench_args", "gen_bench_main", False,
-     "generation-side benchmark: doc-KV reuse, n-gram vs dense drafting"),
-    ("costs", "cluster.costs", "add_costs_args", "costs_main", True,
-     "measured unit costs: retrieval at batch 1 and 16, prefill, decode"),
-    ("bench-knn", "cluster.knn_bench", "add_knn_bench_args", "knn_bench_main", False,
-     "KNN-LM benchmark: per-token retrieval baseline vs speculation"),
-    ("eval", "cluster.eval_job", "add_eval_args", "eval_main", True,
-     "resumable batch evaluation, RaLMSeq vs RaLMSpec (also under `ray job submit`)"),
-    ("k8s", "cluster.k8s_gen", "add_k8s_args", "k8s_main", False,
-     "regenerate the KubeRay manifests in k8s/ from serve_config.yaml"),
+    (
+        "bench",
+        "cluster.bench",
+        "add_bench_args",
+        "bench_main",
+        True,
+        "benchmark RaLMSeq against RaLMSpec configurations",
+    ),
+    (
+        "serve",
+        "cluster.serve",
+        "add_serve_args",
+        "serve_main",
+        True,
+        "start the HTTP server (Ray Serve) from serve_config.yaml",
+    ),
+    (
+        "served-bench",
+        "cluster.served_bench",
+        "add_served_bench_args",
+        "served_bench_main",
+        False,
+        "served throughput/latency benchmark at several concurrencies",
+    ),
+    (
+        "bench-gen",
+        "cluster.gen_bench",
+        "add_gen_bench_args",
+        "gen_bench_main",
+        False,
+        "generation-side benchmark: doc-KV reuse, n-gram vs dense drafting",
+    ),
+    (
+        "costs",
+        "cluster.costs",
+        "add_costs_args",
+        "costs_main",
+        True,
+        "measured unit costs: retrieval at batch 1 and 16, prefill, decode",
+    ),
+    (
+        "bench-knn",
+        "cluster.knn_bench",
+        "add_knn_bench_args",
+        "knn_bench_main",
+        False,
+        "KNN-LM benchmark: per-token retrieval baseline vs speculation",
+    ),
+    (
+        "eval",
+        "cluster.eval_job",
+        "add_eval_args",
+        "eval_main",
+        True,
+        "resumable batch evaluation, RaLMSeq vs RaLMSpec (also under `ray job submit`)",
+    ),
+    (
+        "k8s",
+        "cluster.k8s_gen",
+        "add_k8s_args",
+        "k8s_main",
+        False,
+        "regenerate the KubeRay manifests in k8s/ from serve_config.yaml",
+    ),
 ]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ralmspec", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="ralmspec", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
 
     pi = sub.add_parser("index", help="build retrieval indexes")
@@ -126,13 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument("question")
     pg.add_argument("--retriever", default="edr", help="edr, adr or sr")
     pg.add_argument("--method", choices=GENERATE_METHODS, default="spec")
-    pg.add_argument("--spec", default="PSA",
-                    help="RaLMSpec configuration: base, any of P, S, A, s=N; @G sets OS3's gamma cap (e.g. PSA@0.9)")
+    pg.add_argument(
+        "--spec",
+        default="PSA",
+        help="RaLMSpec configuration: base, any of P, S, A, s=N; @G sets OS3's gamma cap (e.g. PSA@0.9)",
+    )
     pg.add_argument("--max-new-tokens", type=int)
     pg.add_argument("--json", action="store_true", help="print the result as JSON")
     pg.set_defaults(func=cmd_generate)
 
     import importlib
+
     for name, module, add_args, entry, with_base, help_ in _PLUGGED_COMMANDS:
         mod = importlib.import_module(module)
         sp = sub.add_parser(name, help=help_)
@@ -152,16 +215,19 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    from ralm.errors import ConfigError, RalmInputError
+    logging.basicConfig(
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     from ralm.corpus import CorpusError
+    from ralm.errors import ConfigError, RalmInputError
+
     try:
         return int(args.func(args) or 0)
     except (RalmInputError, ConfigError, CorpusError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:      # index mismatch/corruption errors derive from ValueError
+    except ValueError as e:  # index mismatch/corruption errors derive from ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
 

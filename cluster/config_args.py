@@ -3,6 +3,7 @@
 
 Its own module so that the CLI imports the commands and no command imports the CLI.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,11 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="generator: local path or Hugging Face name")
     p.add_argument("--encoder", help="dense encoder: local:all-MiniLM-L6-v2, a path or a HF name")
     p.add_argument("--pad-to", type=int, help="pad the EDR flat index to N rows (cost emulation; results unchanged)")
-    p.add_argument("--dense-scan", choices=["auto", "faiss", "bf16"],
-                   help="EDR candidate scan: bf16 (bounded, exact after re-scoring), faiss, or auto")
+    p.add_argument(
+        "--dense-scan",
+        choices=["auto", "faiss", "bf16"],
+        help="EDR candidate scan: bf16 (bounded, exact after re-scoring), faiss, or auto",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
 
 

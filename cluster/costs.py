@@ -4,6 +4,7 @@ Retrieval per batch of 1 and of 16 queries for EDR, ADR and SR (query encoding/a
 reported separately from the search itself), and the generator's prefill and per-token
 decode. Medians over repeated runs with fresh queries, so no memo is hit.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,7 @@ def _queries(corpus, n: int, seed: int) -> list[str]:
         words = corpus.text(int(rng.integers(len(corpus)))).split()
         if len(words) >= 24:
             s = int(rng.integers(0, len(words) - 24))
-            out.append(" ".join(words[s:s + 24]))
+            out.append(" ".join(words[s : s + 24]))
     return out
 
 
@@ -40,15 +41,18 @@ def measure_retriever(kb, corpus, reps: int, salt: int = 0) -> dict:
         for r in range(reps):
             qs = _queries(corpus, bs, seed=100_000 * salt + 1000 * bs + r)
             t0 = time.perf_counter()
-            reps_ = kb.scorer.encode(qs)                     # memoised afterwards
+            reps_ = kb.scorer.encode(qs)  # memoised afterwards
             t1 = time.perf_counter()
-            kb.batch_search(qs, 20)                          # encoding now a memo hit
+            kb.batch_search(qs, 20)  # encoding now a memo hit
             t2 = time.perf_counter()
             enc_t.append(t1 - t0)
             search_t.append(t2 - t1)
             del reps_
-        res[f"batch{bs}"] = {"encode_ms": median(enc_t) * 1000, "search_ms": median(search_t) * 1000,
-                             "per_query_ms": (median(enc_t) + median(search_t)) * 1000 / bs}
+        res[f"batch{bs}"] = {
+            "encode_ms": median(enc_t) * 1000,
+            "search_ms": median(search_t) * 1000,
+            "per_query_ms": (median(enc_t) + median(search_t)) * 1000 / bs,
+        }
     return res
 
 
@@ -66,21 +70,36 @@ def measure_generator(engine, corpus, reps: int) -> dict:
     engine.step(doc, ctx, 1)
     warm = [engine.step(doc, ctx, 1).prefill_s for _ in range(reps)]
     n_doc = len(engine.doc_tokens(corpus.text(1)))
-    return {"prefill_doc_and_context_ms": median(pre) * 1000, "prefill_context_only_ms": median(warm) * 1000,
-            "decode_per_token_ms": median(dec) * 1000, "doc_tokens": n_doc, "context_tokens": len(ctx)}
+    return {
+        "prefill_doc_and_context_ms": median(pre) * 1000,
+        "prefill_context_only_ms": median(warm) * 1000,
+        "decode_per_token_ms": median(dec) * 1000,
+        "doc_tokens": n_doc,
+        "context_tokens": len(ctx),
+    }
 
 
 def costs_markdown(out: dict, reps: int) -> str:
     """The costs table and the generator line, from :func:`costs_main`'s measurements."""
-    rows = [(k.upper(), f"{r['batch1']['encode_ms']:.1f} / {r['batch1']['search_ms']:.1f}",
-             f"{r['batch16']['encode_ms']:.1f} / {r['batch16']['search_ms']:.1f}",
-             f"{r['batch16']['per_query_ms']:.1f} ms") for k, r in out["retrievers"].items()]
+    rows = [
+        (
+            k.upper(),
+            f"{r['batch1']['encode_ms']:.1f} / {r['batch1']['search_ms']:.1f}",
+            f"{r['batch16']['encode_ms']:.1f} / {r['batch16']['search_ms']:.1f}",
+            f"{r['batch16']['per_query_ms']:.1f} ms",
+        )
+        for k, r in out["retrievers"].items()
+    ]
     g = out["generator"]
-    lines = [f"Costs on {out['corpus_passages']} passages (median of {reps}):", "",
-             *table(["part", "batch 1: encode / search ms", "batch 16: encode / search ms", "per query at 16"], rows),
-             "", f"Generator: prefill of {g['doc_tokens']} doc + {g['context_tokens']} context tokens "
-             f"{g['prefill_doc_and_context_ms']:.1f} ms (context only, doc KV reused: "
-             f"{g['prefill_context_only_ms']:.1f} ms); decode {g['decode_per_token_ms']:.1f} ms/token."]
+    lines = [
+        f"Costs on {out['corpus_passages']} passages (median of {reps}):",
+        "",
+        *table(["part", "batch 1: encode / search ms", "batch 16: encode / search ms", "per query at 16"], rows),
+        "",
+        f"Generator: prefill of {g['doc_tokens']} doc + {g['context_tokens']} context tokens "
+        f"{g['prefill_doc_and_context_ms']:.1f} ms (context only, doc KV reused: "
+        f"{g['prefill_context_only_ms']:.1f} ms); decode {g['decode_per_token_ms']:.1f} ms/token.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -91,11 +110,16 @@ def costs_main(args) -> int:
     cfg = load_config(args)
     kinds = tuple(check_kind(k.strip()) for k in args.retrievers.split(",") if k.strip())
     pipe = Pipeline.from_config(cfg, kinds=kinds)
-    out = {"corpus_passages": len(pipe.corpus), "pad_to": cfg.retriever.pad_to,
-           "retrievers": {k: measure_retriever(pipe.retriever(k), pipe.corpus, args.reps, salt=i)
-                          for i, k in enumerate(kinds)},
-           "generator": measure_generator(pipe.engine, pipe.corpus, args.reps),
-           "model": cfg.generator.model, "torch_threads": cfg.generator.torch_threads}
+    out = {
+        "corpus_passages": len(pipe.corpus),
+        "pad_to": cfg.retriever.pad_to,
+        "retrievers": {
+            k: measure_retriever(pipe.retriever(k), pipe.corpus, args.reps, salt=i) for i, k in enumerate(kinds)
+        },
+        "generator": measure_generator(pipe.engine, pipe.corpus, args.reps),
+        "model": cfg.generator.model,
+        "torch_threads": cfg.generator.torch_threads,
+    }
     md = costs_markdown(out, args.reps)
     write_report(args.out, "costs", out, md)
     print(md)

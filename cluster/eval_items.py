@@ -3,16 +3,17 @@
 Shared by the job runner (:mod:`cluster.eval_job`, which re-exports these names) and
 its report (:mod:`cluster.eval_report`), so neither needs the other's module.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from ralm.config import SpecConfig
 
-SEQ = "seq"                       # the config name of the RaLMSeq baseline
+SEQ = "seq"  # the config name of the RaLMSeq baseline
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class EvalItem:
         qh = hashlib.sha256(self.question.encode("utf-8")).hexdigest()[:12]
         return f"{self.retriever}|{self.config}|q{self.qid:06d}-{qh}"
 
-    def spec(self) -> Optional[SpecConfig]:
+    def spec(self) -> SpecConfig | None:
         """The RaLMSpec configuration of the item; ``None`` for the RaLMSeq baseline."""
         return None if self.config == SEQ else SpecConfig.parse(self.config)
 
@@ -50,11 +51,10 @@ class EvalItem:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "EvalItem":
+    def from_dict(cls, d: dict) -> EvalItem:
         return cls(int(d["qid"]), d["question"], d["retriever"], d["config"])
 
 
 def make_items(questions: Sequence[str], kinds: Sequence[str], configs: Sequence[str]) -> list[EvalItem]:
     """Question-major order, baseline first: partial progress covers every config alike."""
-    return [EvalItem(qi, q, kind, c) for qi, q in enumerate(questions) for kind in kinds
-            for c in (SEQ, *configs)]
+    return [EvalItem(qi, q, kind, c) for qi, q in enumerate(questions) for kind in kinds for c in (SEQ, *configs)]

@@ -34,6 +34,7 @@ retrieval eliminated, gamma, KB calls, rollbacks, identical outputs), ``summary.
 ``latency.png`` and ``runs/<run id>.json`` (what this invocation computed and skipped).
 Exit status 1 if any output differs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,13 +47,14 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Protocol
 
 from actors.signals import preserve_fatal_signal_handlers
 from cluster.config_args import add_config_args, load_config
-from cluster.eval_items import SEQ, EvalItem, make_items
+from cluster.eval_items import EvalItem, make_items
 from cluster.eval_report import write_outputs
 from cluster.report import bench_header, exactness_status
 from ralm.config import SpecConfig
@@ -61,7 +63,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CONFIGS = "base,P,S,A,PSA"
 DEFAULT_RETRIEVERS = "edr,adr,sr"
-RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"      # set by Ray for a job's entrypoint process
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray for a job's entrypoint process
 
 
 # ====================================================================== backends
@@ -81,10 +83,10 @@ class EvalBackend(Protocol):
 def _answer(pipe, item: EvalItem) -> dict:
     from ralm.errors import RalmInputError
 
-    pipe.engine.doc_kv.clear()          # every request starts cold, like the benchmark
+    pipe.engine.doc_kv.clear()  # every request starts cold, like the benchmark
     try:
         res = pipe.answer(item.question, kind=item.retriever, method=item.method, spec=item.spec())
-    except RalmInputError as e:         # deterministic: record it, don't retry forever
+    except RalmInputError as e:  # deterministic: record it, don't retry forever
         return {"error": str(e)}
     return res.as_dict()
 
@@ -92,6 +94,7 @@ def _answer(pipe, item: EvalItem) -> dict:
 def _warm(pipe, questions: Sequence[str], kinds: Sequence[str]) -> None:
     """Untimed warm-up (FAISS, Lucene, torch lazy initialisation)."""
     from ralm.errors import RalmInputError
+
     for q in questions:
         for kind in kinds:
             try:
@@ -114,6 +117,7 @@ class LocalBackend:
     def pipe(self):
         if self._pipe is None:
             from ralm.pipeline import Pipeline
+
             self._pipe = Pipeline.from_config(self.cfg, kinds=self.kinds)
             _warm(self._pipe, self.warmup, self.kinds)
         return self._pipe
@@ -137,8 +141,7 @@ class _RayEvalWorker:
         from ralm.pipeline import Pipeline
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        self.pipe = Pipeline.from_config(RalmConfig.model_validate_json(cfg_json), kinds=tuple(kinds),
-                                         progress=False)
+        self.pipe = Pipeline.from_config(RalmConfig.model_validate_json(cfg_json), kinds=tuple(kinds), progress=False)
         _warm(self.pipe, warmup, kinds)
         self.where = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -160,16 +163,23 @@ class RayBackend:
 
     name = "ray"
 
-    def __init__(self, cfg, kinds: Sequence[str], workers: int = 1, num_cpus: float = 1.0,
-                 num_gpus: float = 0.0, warmup: Sequence[str] = ()):
+    def __init__(
+        self,
+        cfg,
+        kinds: Sequence[str],
+        workers: int = 1,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        warmup: Sequence[str] = (),
+    ):
         import ray
 
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS") or None
-            if address:                   # a Ray job's driver, or an explicit cluster
+            if address:  # a Ray job's driver, or an explicit cluster
                 with preserve_fatal_signal_handlers():  # keep the JVM's handlers (actors/signals.py)
                     ray.init(address=address)
-            else:                         # no cluster: start a local Ray instance
+            else:  # no cluster: start a local Ray instance
                 with preserve_fatal_signal_handlers():  # keep the JVM's handlers (actors/signals.py)
                     ray.init(include_dashboard=False)
         # a worker that dies is restarted once and its item retried there
@@ -209,8 +219,7 @@ class RequestFnBackend:
     serving layer's ``Coordinator.run`` through its pool, or an HTTP client of the native
     API. Runs up to ``concurrency`` requests at once in threads."""
 
-    def __init__(self, fn: Callable[[dict], dict], name: str = "request-fn", concurrency: int = 1,
-                 describe: str = ""):
+    def __init__(self, fn: Callable[[dict], dict], name: str = "request-fn", concurrency: int = 1, describe: str = ""):
         self.fn, self.name, self.concurrency = fn, name, max(1, concurrency)
         self._describe = describe or name
 
@@ -245,8 +254,12 @@ def register_backend(name: str, factory: BackendFactory) -> None:
 
 
 register_backend("local", lambda cfg, kinds, args, warm: LocalBackend(cfg, kinds, warm))
-register_backend("ray", lambda cfg, kinds, args, warm: RayBackend(
-    cfg, kinds, workers=args.workers, num_cpus=args.worker_cpus, num_gpus=args.worker_gpus, warmup=warm))
+register_backend(
+    "ray",
+    lambda cfg, kinds, args, warm: RayBackend(
+        cfg, kinds, workers=args.workers, num_cpus=args.worker_cpus, num_gpus=args.worker_gpus, warmup=warm
+    ),
+)
 
 
 def in_ray_job() -> bool:
@@ -258,6 +271,7 @@ def choose_backend(name: str) -> str:
         return "ray" if in_ray_job() else "local"
     if name not in _BACKENDS:
         from ralm.errors import ConfigError
+
         raise ConfigError(f"unknown eval backend {name!r}: choose auto or one of {', '.join(sorted(_BACKENDS))}")
     return name
 
@@ -284,11 +298,15 @@ class JobMismatch(ValueError):
 
 def check_resume(stored: dict, meta: dict, job_id: str) -> None:
     if stored.get("fingerprint") != meta["fingerprint"]:
-        diff = sorted(k for k in set(stored.get("fingerprint", {})) | set(meta["fingerprint"])
-                      if stored.get("fingerprint", {}).get(k) != meta["fingerprint"].get(k))
+        diff = sorted(
+            k
+            for k in set(stored.get("fingerprint", {})) | set(meta["fingerprint"])
+            if stored.get("fingerprint", {}).get(k) != meta["fingerprint"].get(k)
+        )
         raise JobMismatch(
             f"job {job_id!r} was started with a different setup ({', '.join(diff) or 'unknown'} "
-            f"differ); results would not be comparable. Use a new --job-id, or the original settings.")
+            f"differ); results would not be comparable. Use a new --job-id, or the original settings."
+        )
 
 
 @dataclass
@@ -302,8 +320,9 @@ class RunReport:
     wall_s: float
 
 
-def run_items(store, job_id: str, run_id: str, items: Sequence[EvalItem], backend: EvalBackend,
-              progress: bool = True) -> RunReport:
+def run_items(
+    store, job_id: str, run_id: str, items: Sequence[EvalItem], backend: EvalBackend, progress: bool = True
+) -> RunReport:
     """Answer every item not yet recorded under ``job_id`` and record it as it finishes."""
     from tqdm import tqdm
 
@@ -312,12 +331,19 @@ def run_items(store, job_id: str, run_id: str, items: Sequence[EvalItem], backen
     todo = [it for it in items if it.key not in done]
     skipped = len(items) - len(todo)
     computed: list[str] = []
-    bar = tqdm(total=len(items), initial=skipped, desc=f"eval {job_id}", unit="req",
-               disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=len(items), initial=skipped, desc=f"eval {job_id}", unit="req", disable=not progress, dynamic_ncols=True
+    )
     try:
         for item, result in backend.run(todo):
-            row = {**item.as_dict(), "key": item.key, "method": item.method, **result,
-                   "run_id": run_id, "recorded_at": time.time()}
+            row = {
+                **item.as_dict(),
+                "key": item.key,
+                "method": item.method,
+                **result,
+                "run_id": run_id,
+                "recorded_at": time.time(),
+            }
             store.record_item(job_id, item.key, row)
             computed.append(item.key)
             bar.update(1)
@@ -334,18 +360,28 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--questions", type=Path, help="JSONL with a 'question' field (default: the demo set)")
     p.add_argument("-n", "--num-questions", type=int, default=None, help="use the first N questions (default: all)")
     p.add_argument("--retrievers", default=DEFAULT_RETRIEVERS, help="comma-separated subset of edr,adr,sr")
-    p.add_argument("--configs", default=DEFAULT_CONFIGS,
-                   help="RaLMSpec configurations, comma-separated: base, any of P/S/A, or s=N (RaLMSeq always runs)")
+    p.add_argument(
+        "--configs",
+        default=DEFAULT_CONFIGS,
+        help="RaLMSpec configurations, comma-separated: base, any of P/S/A, or s=N (RaLMSeq always runs)",
+    )
     p.add_argument("--max-new-tokens", type=int)
-    p.add_argument("--state-url", default=None,
-                   help="state store for progress and results: redis://host:6379/0 (password from "
-                        "$RALMSPEC_REDIS_PASSWORD / $RALMSPEC_REDIS_PASSWORD_FILE), sqlite:///path.db, or "
-                        "memory:// (not resumable). Default: $RALMSPEC_STATE_URL, else sqlite://OUT/state.sqlite")
-    p.add_argument("--job-id", default=None,
-                   help="resume/identify the job; default: derived from the setup, so rerunning the same command resumes")
+    p.add_argument(
+        "--state-url",
+        default=None,
+        help="state store for progress and results: redis://host:6379/0 (password from "
+        "$RALMSPEC_REDIS_PASSWORD / $RALMSPEC_REDIS_PASSWORD_FILE), sqlite:///path.db, or "
+        "memory:// (not resumable). Default: $RALMSPEC_STATE_URL, else sqlite://OUT/state.sqlite",
+    )
+    p.add_argument(
+        "--job-id",
+        default=None,
+        help="resume/identify the job; default: derived from the setup, so rerunning the same command resumes",
+    )
     p.add_argument("--out", type=Path, default=Path("eval-out"), help="output directory")
-    p.add_argument("--backend", default="auto",
-                   help="auto (ray inside a Ray job, else local), local, ray, or a registered backend")
+    p.add_argument(
+        "--backend", default="auto", help="auto (ray inside a Ray job, else local), local, ray, or a registered backend"
+    )
     p.add_argument("--workers", type=int, default=1, help="ray backend: number of pipeline actors")
     p.add_argument("--worker-cpus", type=float, default=1.0, help="ray backend: CPUs per actor")
     p.add_argument("--worker-gpus", type=float, default=0.0, help="ray backend: GPUs per actor")
@@ -366,9 +402,10 @@ def eval_main(args: argparse.Namespace) -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if not kinds or not configs:
         from ralm.errors import ConfigError
+
         raise ConfigError("--retrievers and --configs must each name at least one entry")
     for c in configs:
-        SpecConfig.parse(c)                               # fail fast on a bad name
+        SpecConfig.parse(c)  # fail fast on a bad name
     qpath = Path(args.questions or C.DEMO_QUESTIONS)
     questions = load_questions(qpath, limit=args.num_questions)
     items = make_items(questions, kinds, configs)
@@ -385,10 +422,13 @@ def eval_main(args: argparse.Namespace) -> int:
         return 2
     with store:
         if not store.durable:
-            print("warning: the memory state store is not durable; a killed job cannot be resumed",
-                  file=sys.stderr)
-        meta = {"fingerprint": fp, "questions": str(qpath), "created_at": time.time(),
-                "created_by": f"{socket.gethostname()}:{os.getpid()}"}
+            print("warning: the memory state store is not durable; a killed job cannot be resumed", file=sys.stderr)
+        meta = {
+            "fingerprint": fp,
+            "questions": str(qpath),
+            "created_at": time.time(),
+            "created_by": f"{socket.gethostname()}:{os.getpid()}",
+        }
         try:
             check_resume(store.init_job(job_id, meta), meta, job_id)
         except StateStoreError as e:
@@ -396,9 +436,12 @@ def eval_main(args: argparse.Namespace) -> int:
             return 2
         done = store.finished_items(job_id)
         todo = sum(1 for it in items if it.key not in done)
-        print(f"job {job_id}: {len(items)} requests ({len(questions)} questions x {len(kinds)} retrievers x "
-              f"(RaLMSeq + {len(configs)} configs)); {len(items) - todo} already recorded in "
-              f"{store.describe()}; run {run_id}", file=sys.stderr)
+        print(
+            f"job {job_id}: {len(items)} requests ({len(questions)} questions x {len(kinds)} retrievers x "
+            f"(RaLMSeq + {len(configs)} configs)); {len(items) - todo} already recorded in "
+            f"{store.describe()}; run {run_id}",
+            file=sys.stderr,
+        )
         report = RunReport(job_id, run_id, len(items), len(items), 0, [], 0.0)
         try:
             if todo:
@@ -419,8 +462,10 @@ def eval_main(args: argparse.Namespace) -> int:
     (out / "runs" / f"{run_id}.json").write_text(json.dumps(dataclasses.asdict(report), indent=1))
     counts = res["counts"]
     print(res["markdown"])
-    print(f"run {run_id}: computed {report.computed}, skipped {report.skipped} already recorded; "
-          f"wrote {out}/results.jsonl, summary.md, summary.json" + (", latency.png" if res["summary"] else ""))
+    print(
+        f"run {run_id}: computed {report.computed}, skipped {report.skipped} already recorded; "
+        f"wrote {out}/results.jsonl, summary.md, summary.json" + (", latency.png" if res["summary"] else "")
+    )
     if exactness_status(counts["different"], "RaLMSpec outputs differ from RaLMSeq"):
         return 1
     if counts["missing"]:
@@ -430,22 +475,25 @@ def eval_main(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m cluster.eval_job``: the common flags and :func:`add_eval_args`."""
-    p = argparse.ArgumentParser(prog="ralmspec eval", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="ralmspec eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_config_args(p)
     add_eval_args(p)
     return p
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m cluster.eval_job ...``: the same as ``ralmspec eval ...``."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     from ralm.corpus import CorpusError
     from ralm.errors import ConfigError, RalmInputError
+
     try:
         return eval_main(args)
     except (RalmInputError, ConfigError, CorpusError, JobMismatch) as e:

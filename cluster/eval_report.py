@@ -8,12 +8,14 @@ table, over the questions whose baseline and every configuration are recorded: o
 :class:`cluster.report.ConfigSummary` per retriever and configuration, with its fields
 spelled out) and ``latency.png``.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from cluster.eval_items import SEQ, EvalItem
 from cluster.report import BENCH_COLUMNS, ConfigRuns, ConfigSummary, latency_chart, markdown_table, summarize
@@ -26,12 +28,20 @@ def _result_from_row(row: dict) -> RalmResult:
     return RalmResult(row.get("text", ""), list(row["tokens"]), stats, row.get("finish_reason", "length"))
 
 
-def build_report(rows_by_key: dict[str, dict], items: Sequence[EvalItem], configs: Sequence[str],
-                 kinds: Sequence[str]) -> tuple[list[dict], list[ConfigSummary], dict[str, int]]:
+def build_report(
+    rows_by_key: dict[str, dict], items: Sequence[EvalItem], configs: Sequence[str], kinds: Sequence[str]
+) -> tuple[list[dict], list[ConfigSummary], dict[str, int]]:
     """(per-request rows in item order, summary rows, counts) from stored results."""
     out_rows: list[dict] = []
-    counts = {"items": len(items), "recorded": 0, "missing": 0, "errors": 0, "compared": 0,
-              "identical": 0, "different": 0}
+    counts = {
+        "items": len(items),
+        "recorded": 0,
+        "missing": 0,
+        "errors": 0,
+        "compared": 0,
+        "identical": 0,
+        "different": 0,
+    }
     seq_of: dict[tuple[int, str], dict] = {}
     for it in items:
         row = rows_by_key.get(it.key)
@@ -57,21 +67,25 @@ def build_report(rows_by_key: dict[str, dict], items: Sequence[EvalItem], config
             if it.config == SEQ:
                 row["identical"] = True
             elif seq is None or "error" in seq:
-                row["identical"] = None          # baseline missing or failed: nothing to compare
+                row["identical"] = None  # baseline missing or failed: nothing to compare
             else:
                 row["identical"] = row["tokens"] == seq["tokens"]
                 counts["compared"] += 1
                 counts["identical" if row["identical"] else "different"] += 1
                 if not row["identical"]:
-                    n = next((i for i, (a, b) in enumerate(zip(row["tokens"], seq["tokens"])) if a != b),
-                             min(len(row["tokens"]), len(seq["tokens"])))
+                    n = next(
+                        (i for i, (a, b) in enumerate(zip(row["tokens"], seq["tokens"])) if a != b),
+                        min(len(row["tokens"]), len(seq["tokens"])),
+                    )
                     row["first_difference"] = n
             out_rows.append(row)
         # summary only over questions whose baseline and every config are recorded
         qtext = {it.qid: it.question for it in items if it.retriever == kind}
-        complete = [q for q in sorted(qtext)
-                    if all(_ok(rows_by_key.get(EvalItem(q, qtext[q], kind, c).key))
-                           for c in (SEQ, *configs))]
+        complete = [
+            q
+            for q in sorted(qtext)
+            if all(_ok(rows_by_key.get(EvalItem(q, qtext[q], kind, c).key)) for c in (SEQ, *configs))
+        ]
         for q in complete:
             question = qtext[q]
             s = rows_by_key[EvalItem(q, question, kind, SEQ).key]
@@ -87,12 +101,19 @@ def build_report(rows_by_key: dict[str, dict], items: Sequence[EvalItem], config
     return out_rows, summary, counts
 
 
-def _ok(row: Optional[dict]) -> bool:
+def _ok(row: dict | None) -> bool:
     return row is not None and "error" not in row
 
 
-def write_outputs(out: Path, job_id: str, store, items: Sequence[EvalItem], configs: Sequence[str],
-                  kinds: Sequence[str], notes: list[str]) -> dict[str, Any]:
+def write_outputs(
+    out: Path,
+    job_id: str,
+    store,
+    items: Sequence[EvalItem],
+    configs: Sequence[str],
+    kinds: Sequence[str],
+    notes: list[str],
+) -> dict[str, Any]:
     """Write the job's outputs to ``out`` from what ``store`` holds under ``job_id``; returns
     ``{"counts", "summary" (the ConfigSummary rows), "markdown"}``."""
     rows_by_key = store.job_results(job_id)
@@ -105,15 +126,26 @@ def write_outputs(out: Path, job_id: str, store, items: Sequence[EvalItem], conf
     notes = notes + [
         f"Job `{job_id}`: {counts['recorded']}/{counts['items']} requests recorded "
         f"(computed over {len(runs)} run(s)), {counts['errors']} errors; RaLMSpec outputs identical to "
-        f"RaLMSeq: {counts['identical']}/{counts['compared']}."]
+        f"RaLMSeq: {counts['identical']}/{counts['compared']}."
+    ]
     if counts["missing"]:
-        notes.append(f"INCOMPLETE: {counts['missing']} requests are not recorded yet; rerun with "
-                     f"--job-id {job_id} to finish.")
+        notes.append(
+            f"INCOMPLETE: {counts['missing']} requests are not recorded yet; rerun with --job-id {job_id} to finish."
+        )
     md = markdown_table(summary, notes, BENCH_COLUMNS) if summary else "\n".join(notes) + "\n"
     (out / "summary.md").write_text(md, encoding="utf-8")
-    (out / "summary.json").write_text(json.dumps(
-        {"job_id": job_id, "notes": notes, "counts": counts, "runs": runs,
-         "summary": [r.as_dict() for r in summary]}, indent=1))
+    (out / "summary.json").write_text(
+        json.dumps(
+            {
+                "job_id": job_id,
+                "notes": notes,
+                "counts": counts,
+                "runs": runs,
+                "summary": [r.as_dict() for r in summary],
+            },
+            indent=1,
+        )
+    )
     if summary:
         latency_chart(summary, out / "latency.png")
     return {"counts": counts, "summary": summary, "markdown": md}

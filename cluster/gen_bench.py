@@ -14,6 +14,7 @@
     its top-2 logit gap (a float32 near-tie is < DIVERGENCE_GAP).
 Writes gen_bench.json and gen_bench.md. ``--parts a`` runs only (a).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,26 +33,46 @@ def add_gen_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", type=Path, default=TEST_DATA / "fixture_corpus.jsonl")
     p.add_argument("--questions", type=Path, default=TEST_DATA / "fixture_questions.jsonl")
     p.add_argument("-n", "--num-questions", type=int, default=6, help="evaluation questions")
-    p.add_argument("--train-questions", type=int, default=12,
-                   help="questions (disjoint from the evaluation ones) whose generations build the dense datastore")
+    p.add_argument(
+        "--train-questions",
+        type=int,
+        default=12,
+        help="questions (disjoint from the evaluation ones) whose generations build the dense datastore",
+    )
     p.add_argument("--retriever", default="edr", choices=["edr", "adr", "sr"])
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--stride", type=int, default=4, help="k for the prefill measurement")
-    p.add_argument("--query-window", default=None,
-                   help="(a): query = last N tokens of question + generated text; comma-separated to measure "
-                        "several (default: the library's 32)")
-    p.add_argument("--workload", default="fixed", choices=["fixed", "flare", "iter_retgen"],
-                   help="(a): retrieval trigger of the measured loop (ralm.workloads; stride = --stride)")
+    p.add_argument(
+        "--query-window",
+        default=None,
+        help="(a): query = last N tokens of question + generated text; comma-separated to measure "
+        "several (default: the library's 32)",
+    )
+    p.add_argument(
+        "--workload",
+        default="fixed",
+        choices=["fixed", "flare", "iter_retgen"],
+        help="(a): retrieval trigger of the measured loop (ralm.workloads; stride = --stride)",
+    )
     p.add_argument("--decode-stride", type=int, default=16, help="k for the decode / end-to-end measurement")
-    p.add_argument("--spec", default="PSA", help="RaLMSpec configuration for (c) (a name for SpecConfig.parse, e.g. PSA@0.9)")
+    p.add_argument(
+        "--spec", default="PSA", help="RaLMSpec configuration for (c) (a name for SpecConfig.parse, e.g. PSA@0.9)"
+    )
     p.add_argument("--out", type=Path, default=Path("gen-bench-out"))
-    p.add_argument("--index-dir", type=Path, default=None,
-                   help="an already built index of --corpus for --retriever (validated); default: build one in a temp dir")
+    p.add_argument(
+        "--index-dir",
+        type=Path,
+        default=None,
+        help="an already built index of --corpus for --retriever (validated); default: build one in a temp dir",
+    )
     p.add_argument("--parts", default="abcd", help="which parts to run: a (prefill), b+d (decode), c (end to end)")
     p.add_argument("--prefill-docs", default="1,3", help="documents per prompt measured in (a)")
     p.add_argument("--prefill-reps", type=int, default=3, help="(a): repetitions per request and arm (median per step)")
-    p.add_argument("--prefill-scopes", default="request,run",
-                   help="(a): doc-KV cache cleared per 'request' (across iterations) and/or per 'run' (across requests)")
+    p.add_argument(
+        "--prefill-scopes",
+        default="request,run",
+        help="(a): doc-KV cache cleared per 'request' (across iterations) and/or per 'run' (across requests)",
+    )
 
 
 def _setup(args):
@@ -173,9 +194,9 @@ def measure_prefill(gen, gen_nc, kb, questions, req, reps: int = 3, scope: str =
     eng = gen.engine
     arms = [("with", StepLog(gen)), ("without", StepLog(gen_nc)), ("one", StepLog(gen_nc, one_forward=True))]
     eng.doc_kv.clear()
-    for _, g in arms:                                 # warm-up, every arm, not recorded
+    for _, g in arms:  # warm-up, every arm, not recorded
         run_seq(questions[0], g, kb, req)
-    steps: dict = {}                                  # (request, step) -> {arm: [records of the repetitions]}
+    steps: dict = {}  # (request, step) -> {arm: [records of the repetitions]}
     identical = [True] * len(questions)
     t0 = time.perf_counter()
     for r in range(reps):
@@ -183,7 +204,7 @@ def measure_prefill(gen, gen_nc, kb, questions, req, reps: int = 3, scope: str =
             eng.doc_kv.clear()
         for qi, q in enumerate(questions):
             toks = {}
-            for j in range(len(arms)):                # rotate the order of the arms
+            for j in range(len(arms)):  # rotate the order of the arms
                 arm, g = arms[(r + qi + j) % len(arms)]
                 if arm == "with" and scope == "request":
                     eng.doc_kv.clear()
@@ -197,30 +218,49 @@ def measure_prefill(gen, gen_nc, kb, questions, req, reps: int = 3, scope: str =
     for key in sorted(steps):
         a, b = steps[key]["with"], steps[key]["without"]
         o = a[0][0]
-        rows.append(dict(with_s=median(x[0].prefill_s for x in a), without_s=median(x[0].prefill_s for x in b),
-                         one_s=median(x[3] for x in steps[key]["one"]),
-                         reused=o.docs_reused, computed=o.docs_computed, hit=bool(o.doc_kv_hit),
-                         kv_bytes=o.kv_bytes_reused,
-                         ctx=a[0][1], doc=a[0][2]))
+        rows.append(
+            dict(
+                with_s=median(x[0].prefill_s for x in a),
+                without_s=median(x[0].prefill_s for x in b),
+                one_s=median(x[3] for x in steps[key]["one"]),
+                reused=o.docs_reused,
+                computed=o.docs_computed,
+                hit=bool(o.doc_kv_hit),
+                kv_bytes=o.kv_bytes_reused,
+                ctx=a[0][1],
+                doc=a[0][2],
+            )
+        )
     n = len(rows)
     sw, swo = sum(x["with_s"] for x in rows), sum(x["without_s"] for x in rows)
     hit = [x for x in rows if x["hit"]]
     miss = [x for x in rows if not x["hit"]]
     ms = lambda xs, key: 1e3 * fmean(x[key] for x in xs) if xs else None  # noqa: E731
     return {
-        "scope": scope, "workload": req.workload, "query_window": req.query_window,
-        "reps": reps, "requests": len(questions), "steps": n,
-        "prefill_ms_per_step_with": 1e3 * sw / n, "prefill_ms_per_step_without": 1e3 * swo / n,
+        "scope": scope,
+        "workload": req.workload,
+        "query_window": req.query_window,
+        "reps": reps,
+        "requests": len(questions),
+        "steps": n,
+        "prefill_ms_per_step_with": 1e3 * sw / n,
+        "prefill_ms_per_step_without": 1e3 * swo / n,
         "speedup": swo / sw,
         "prefill_ms_per_step_one_forward": 1e3 * sum(x["one_s"] for x in rows) / n,
         "speedup_vs_one_forward": sum(x["one_s"] for x in rows) / sw,
-        "doc_tokens_per_step": fmean(x["doc"] for x in rows), "context_tokens_per_step": fmean(x["ctx"] for x in rows),
+        "doc_tokens_per_step": fmean(x["doc"] for x in rows),
+        "context_tokens_per_step": fmean(x["ctx"] for x in rows),
         "token_ratio": sum(x["doc"] + x["ctx"] for x in rows) / sum(x["ctx"] for x in rows),
-        "docs_reused": sum(x["reused"] for x in rows), "docs_computed": sum(x["computed"] for x in rows),
-        "kv_mib_reused": sum(x["kv_bytes"] for x in rows) / 2**20, "full_hit_steps": len(hit),
-        "hit_steps_ms_with": ms(hit, "with_s"), "hit_steps_ms_without": ms(hit, "without_s"),
-        "miss_steps_ms_with": ms(miss, "with_s"), "miss_steps_ms_without": ms(miss, "without_s"),
-        "identical": sum(identical), "wall_s": wall,
+        "docs_reused": sum(x["reused"] for x in rows),
+        "docs_computed": sum(x["computed"] for x in rows),
+        "kv_mib_reused": sum(x["kv_bytes"] for x in rows) / 2**20,
+        "full_hit_steps": len(hit),
+        "hit_steps_ms_with": ms(hit, "with_s"),
+        "hit_steps_ms_without": ms(hit, "without_s"),
+        "miss_steps_ms_with": ms(miss, "with_s"),
+        "miss_steps_ms_without": ms(miss, "without_s"),
+        "identical": sum(identical),
+        "wall_s": wall,
     }
 
 
@@ -233,7 +273,7 @@ def gen_bench_main(args) -> int:
     t_all = time.perf_counter()
     corpus, questions, kb, eng, gen, gen_nc = _setup(args)
     evalq = questions[: args.num_questions]
-    trainq = questions[args.num_questions: args.num_questions + args.train_questions]
+    trainq = questions[args.num_questions : args.num_questions + args.train_questions]
     out: dict = {"args": {k: str(v) for k, v in vars(args).items() if k != "func"}}
 
     # (a) prefill per step with vs without doc-KV reuse
@@ -242,13 +282,19 @@ def gen_bench_main(args) -> int:
         pre = {"forward_overhead_ms": forward_overhead_ms(eng)}
         windows = _ints(getattr(args, "query_window", None)) or [None]
         for qw, nd in ((qw, nd) for qw in windows for nd in _ints(getattr(args, "prefill_docs", "1,3"))):
-            req = RequestConfig(max_new_tokens=args.max_new_tokens, generation_stride=args.stride,
-                                **({"query_window": qw} if qw else {}),
-                                workload=getattr(args, "workload", "fixed"), ignore_eos=True, num_docs=nd)
+            req = RequestConfig(
+                max_new_tokens=args.max_new_tokens,
+                generation_stride=args.stride,
+                **({"query_window": qw} if qw else {}),
+                workload=getattr(args, "workload", "fixed"),
+                ignore_eos=True,
+                num_docs=nd,
+            )
             for scope in (x.strip() for x in str(getattr(args, "prefill_scopes", "request")).split(",") if x.strip()):
                 key = f"{nd}_docs/{scope}" + (f"/window_{qw}" if len(windows) > 1 else "")
-                pre[key] = measure_prefill(gen, gen_nc, kb, evalq, req,
-                                           reps=getattr(args, "prefill_reps", 3), scope=scope)
+                pre[key] = measure_prefill(
+                    gen, gen_nc, kb, evalq, req, reps=getattr(args, "prefill_reps", 3), scope=scope
+                )
         out["prefill"] = pre
     if not parts & set("bcd"):
         return _write(args, out, t_all)
@@ -257,8 +303,12 @@ def gen_bench_main(args) -> int:
     req0 = RequestConfig(max_new_tokens=args.max_new_tokens, generation_stride=args.decode_stride, ignore_eos=True)
     t0 = time.perf_counter()
     store, n_keys = _dense_store(gen, kb, trainq, req0)
-    out["dense_datastore"] = {"entries": n_keys, "train_questions": len(trainq), "pca_dim": store.components.shape[0],
-                              "build_s": time.perf_counter() - t0}
+    out["dense_datastore"] = {
+        "entries": n_keys,
+        "train_questions": len(trainq),
+        "pca_dim": store.components.shape[0],
+        "build_s": time.perf_counter() - t0,
+    }
     eng.attach_dense_datastore(store)
     dec, runs = {}, {}
     for mode in ("none", "ngram", "dense"):
@@ -268,10 +318,13 @@ def gen_bench_main(args) -> int:
         st = [r.stats for r in rs]
         fp, tok = sum(s.forward_passes for s in st), sum(s.generated_tokens for s in st)
         dr, ac = sum(s.drafted_tokens for s in st), sum(s.accepted_tokens for s in st)
-        dec[mode] = {"forward_passes_per_token": fp / tok, "acceptance_rate": (ac / dr) if dr else None,
-                     "accepted_per_verify_pass": ac / max(1, sum(s.draft_rounds for s in st)),
-                     "decode_s_per_token": sum(s.decode_time_s for s in st) / tok,
-                     "gen_s_total": sum(s.gen_time_s for s in st)}
+        dec[mode] = {
+            "forward_passes_per_token": fp / tok,
+            "acceptance_rate": (ac / dr) if dr else None,
+            "accepted_per_verify_pass": ac / max(1, sum(s.draft_rounds for s in st)),
+            "decode_s_per_token": sum(s.decode_time_s for s in st) / tok,
+            "gen_s_total": sum(s.gen_time_s for s in st),
+        }
     for mode in ("ngram", "dense"):
         dec[mode]["fewer_forwards_x"] = dec["none"]["forward_passes_per_token"] / dec[mode]["forward_passes_per_token"]
     out["decode"] = dec
@@ -285,15 +338,22 @@ def gen_bench_main(args) -> int:
             if i is None:
                 continue
             d = b.stats.doc_ids[min(i // req0.generation_stride, len(b.stats.doc_ids) - 1)]
-            dv = first_divergence(eng, [corpus.text(d)] if d is not None else [], gen.encode_question(q)
-                                  + b.tokens[: i // req0.generation_stride * req0.generation_stride],
-                                  b.tokens[i // req0.generation_stride * req0.generation_stride:],
-                                  o.tokens[i // req0.generation_stride * req0.generation_stride:], True)
+            dv = first_divergence(
+                eng,
+                [corpus.text(d)] if d is not None else [],
+                gen.encode_question(q) + b.tokens[: i // req0.generation_stride * req0.generation_stride],
+                b.tokens[i // req0.generation_stride * req0.generation_stride :],
+                o.tokens[i // req0.generation_stride * req0.generation_stride :],
+                True,
+            )
             dd = dv.as_dict()
-            dd["position"] += i // req0.generation_stride * req0.generation_stride   # in the request's tokens
+            dd["position"] += i // req0.generation_stride * req0.generation_stride  # in the request's tokens
             divs.append({"question": q, **dd, "near_tie": dv.near_tie()})
-        ident[mode] = {"identical": sum(int(b.tokens == o.tokens) for b, o in zip(runs["none"], runs[mode])),
-                       "requests": len(evalq), "divergences": divs}
+        ident[mode] = {
+            "identical": sum(int(b.tokens == o.tokens) for b, o in zip(runs["none"], runs[mode])),
+            "requests": len(evalq),
+            "divergences": divs,
+        }
 
     # (c) end to end: RaLMSeq plain (no doc-KV reuse) vs RaLMSpec + reuse + drafting
     spec = SpecConfig.parse(args.spec)
@@ -312,8 +372,12 @@ def gen_bench_main(args) -> int:
             r = run_spec(q, gen, kb, req, spec)
             ts.append(r.stats.total_time_s)
             same += int(r.tokens == bt)
-        e2e[f"spec[{args.spec}]+reuse+{mode}"] = {"mean_s": fmean(ts), "speedup": e2e["seq_plain_s"] / fmean(ts),
-                                                  "identical_to_seq": same, "requests": len(evalq)}
+        e2e[f"spec[{args.spec}]+reuse+{mode}"] = {
+            "mean_s": fmean(ts),
+            "speedup": e2e["seq_plain_s"] / fmean(ts),
+            "identical_to_seq": same,
+            "requests": len(evalq),
+        }
     out["end_to_end"] = e2e
     out["identical"] = ident
     return _write(args, out, t_all)
@@ -340,41 +404,98 @@ def _markdown(o: dict) -> str:
         L += ["Arguments: " + ", ".join(f"`{k}={v}`" for k, v in o["args"].items() if k != "out"), ""]
     if "prefill" in o:
         p = o["prefill"]
-        L += ["## (a) prefill per step, doc-KV reuse (RaLMSeq loop, every step timed, median of repetitions)", "",
-              f"One-token forward (fixed cost of a forward pass): {f(p['forward_overhead_ms'])} ms. Without reuse a "
-              "step runs one forward per document and one for the context; a full hit runs only the context's.", ""]
-        L += table(["docs / cache scope", "query window", "steps", "doc + ctx tokens/step", "with reuse ms",
-                    "without ms", "**speed-up**", "one forward ms (speed-up)", "token ratio", "docs reused/computed",
-                    "full-hit steps", "hit steps: with / without ms", "miss steps: with / without ms", "identical"],
-                   ([k, r.get("query_window", "-"), r["steps"],
-                     f"{r['doc_tokens_per_step']:.0f} + {r['context_tokens_per_step']:.0f}",
-                     f(r["prefill_ms_per_step_with"]), f(r["prefill_ms_per_step_without"]), f"**{r['speedup']:.2f}x**",
-                     f"{f(r.get('prefill_ms_per_step_one_forward'))} ({f(r.get('speedup_vs_one_forward'))}x)",
-                     f"{r['token_ratio']:.2f}x", f"{r['docs_reused']}/{r['docs_computed']}", r["full_hit_steps"],
-                     f"{f(r['hit_steps_ms_with'])} / {f(r['hit_steps_ms_without'])}",
-                     f"{f(r['miss_steps_ms_with'])} / {f(r['miss_steps_ms_without'])}",
-                     f"{r['identical']}/{r['requests']}"] for k, r in p.items() if isinstance(r, dict)))
-        L += ["", "Without: the engine's exact computation without the cache (each document, then the context, "
-              "one forward each). One forward: the same prompt in a single forward pass, what a server without "
-              "reuse would run (not bit-identical to the engine's computation). Token ratio: (document + context "
-              "tokens) / context tokens, the ceiling of a compute-bound prefill if every step were a full hit. "
-              "Scope `request`: the doc-KV cache is cleared before every request (reuse across iterations only); "
-              "`run`: cleared once per repetition, reused across the run's requests.", ""]
+        L += [
+            "## (a) prefill per step, doc-KV reuse (RaLMSeq loop, every step timed, median of repetitions)",
+            "",
+            f"One-token forward (fixed cost of a forward pass): {f(p['forward_overhead_ms'])} ms. Without reuse a "
+            "step runs one forward per document and one for the context; a full hit runs only the context's.",
+            "",
+        ]
+        L += table(
+            [
+                "docs / cache scope",
+                "query window",
+                "steps",
+                "doc + ctx tokens/step",
+                "with reuse ms",
+                "without ms",
+                "**speed-up**",
+                "one forward ms (speed-up)",
+                "token ratio",
+                "docs reused/computed",
+                "full-hit steps",
+                "hit steps: with / without ms",
+                "miss steps: with / without ms",
+                "identical",
+            ],
+            (
+                [
+                    k,
+                    r.get("query_window", "-"),
+                    r["steps"],
+                    f"{r['doc_tokens_per_step']:.0f} + {r['context_tokens_per_step']:.0f}",
+                    f(r["prefill_ms_per_step_with"]),
+                    f(r["prefill_ms_per_step_without"]),
+                    f"**{r['speedup']:.2f}x**",
+                    f"{f(r.get('prefill_ms_per_step_one_forward'))} ({f(r.get('speedup_vs_one_forward'))}x)",
+                    f"{r['token_ratio']:.2f}x",
+                    f"{r['docs_reused']}/{r['docs_computed']}",
+                    r["full_hit_steps"],
+                    f"{f(r['hit_steps_ms_with'])} / {f(r['hit_steps_ms_without'])}",
+                    f"{f(r['miss_steps_ms_with'])} / {f(r['miss_steps_ms_without'])}",
+                    f"{r['identical']}/{r['requests']}",
+                ]
+                for k, r in p.items()
+                if isinstance(r, dict)
+            ),
+        )
+        L += [
+            "",
+            "Without: the engine's exact computation without the cache (each document, then the context, "
+            "one forward each). One forward: the same prompt in a single forward pass, what a server without "
+            "reuse would run (not bit-identical to the engine's computation). Token ratio: (document + context "
+            "tokens) / context tokens, the ceiling of a compute-bound prefill if every step were a full hit. "
+            "Scope `request`: the doc-KV cache is cleared before every request (reuse across iterations only); "
+            "`run`: cleared once per repetition, reused across the run's requests.",
+            "",
+        ]
     if "decode" not in o:
         return "\n".join(L) + "\n"
     L += [f"## (b) decode (dense datastore: {o['dense_datastore']})", ""]
-    L += table(["drafting", "fwd/token", "fewer fwd x", "acceptance", "accepted/verify", "decode s/token"],
-               ([k, f(r["forward_passes_per_token"]), f(r.get("fewer_forwards_x")), f(r["acceptance_rate"]),
-                 f(r["accepted_per_verify_pass"]), f(r["decode_s_per_token"])] for k, r in o["decode"].items()))
+    L += table(
+        ["drafting", "fwd/token", "fewer fwd x", "acceptance", "accepted/verify", "decode s/token"],
+        (
+            [
+                k,
+                f(r["forward_passes_per_token"]),
+                f(r.get("fewer_forwards_x")),
+                f(r["acceptance_rate"]),
+                f(r["accepted_per_verify_pass"]),
+                f(r["decode_s_per_token"]),
+            ]
+            for k, r in o["decode"].items()
+        ),
+    )
     L += ["", "## (c) end to end", "", f"RaLMSeq plain: {f(o['end_to_end']['seq_plain_s'])} s/request", ""]
-    L += table(["config", "s/request", "speed-up", "identical"],
-               ([k, f(r["mean_s"]), f(r["speedup"]), f"{r['identical_to_seq']}/{r['requests']}"]
-                for k, r in o["end_to_end"].items() if isinstance(r, dict)))
+    L += table(
+        ["config", "s/request", "speed-up", "identical"],
+        (
+            [k, f(r["mean_s"]), f(r["speedup"]), f"{r['identical_to_seq']}/{r['requests']}"]
+            for k, r in o["end_to_end"].items()
+            if isinstance(r, dict)
+        ),
+    )
     L += ["", "## (d) drafting vs plain: identical outputs and divergences", ""]
     for k, r in o["identical"].items():
-        L.append(f"- {k}: {r['identical']}/{r['requests']} identical; divergences: "
-                 + (", ".join(f"pos {d['position']} gap {d['top2_gap']:.2e} near_tie={d['near_tie']}"
-                              for d in r["divergences"]) or "none"))
+        L.append(
+            f"- {k}: {r['identical']}/{r['requests']} identical; divergences: "
+            + (
+                ", ".join(
+                    f"pos {d['position']} gap {d['top2_gap']:.2e} near_tie={d['near_tie']}" for d in r["divergences"]
+                )
+                or "none"
+            )
+        )
     return "\n".join(L) + "\n"
 
 

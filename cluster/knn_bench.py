@@ -17,6 +17,7 @@ built once into DIR and reused):
     ralmspec bench-knn --passages 2000 --datastore-dir DIR -n 3 --max-new-tokens 64 \
         --pad-to 2000000 --ks 1,16,256,1024 --configs s=4,s=8,s=16,S,S@0.9
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,15 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.report import (KNN_COLUMNS, ConfigRuns, exactness_status, machine_note, markdown_table, summarize,
-                            write_report)
+from cluster.report import (
+    KNN_COLUMNS,
+    ConfigRuns,
+    exactness_status,
+    machine_note,
+    markdown_table,
+    summarize,
+    write_report,
+)
 from ralm.config import SpecConfig
 
 log = logging.getLogger(__name__)
@@ -39,39 +47,69 @@ def add_knn_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", type=Path, default=C.DEMO_CORPUS, help="corpus JSONL(.gz) the datastore is built from")
     p.add_argument("--passages", type=int, default=400, help="datastore = the first N passages of the corpus")
     p.add_argument("--max-passage-tokens", type=int, default=C.KNN_MAX_PASSAGE_TOKENS)
-    p.add_argument("--datastore-dir", type=Path,
-                   help="load the datastore from here if it matches, else build and save it there "
-                        "(default: <out>/datastore)")
+    p.add_argument(
+        "--datastore-dir",
+        type=Path,
+        help="load the datastore from here if it matches, else build and save it there (default: <out>/datastore)",
+    )
     p.add_argument("--questions", type=Path, help="JSONL with a 'question' field (default: the demo set)")
     p.add_argument("-n", "--num-prompts", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--ks", default="1,16,256,1024", help="comma-separated k values (1..1024)")
     p.add_argument("--indexes", default="flat,hnsw", help="comma-separated subset of flat,hnsw")
-    p.add_argument("--configs", default="s=4,s=8,S",
-                   help="comma-separated configuration names (ralm.config.SpecConfig.parse): s=N (fixed stride) or "
-                        "S (OS3); prefix P to prefetch (e.g. Ps=8, PS); append @G to set OS3's gamma cap (e.g. S@0.9)")
-    p.add_argument("--prefetch-size", type=int, default=256,
-                   help="p for P configs: every KB search fetches the top-max(k, p) into the cache (<= 1024)")
-    p.add_argument("--cache-entries", type=int, default=0,
-                   help="speculative cache capacity in entries (0: --cache-retrievals KB answers)")
-    p.add_argument("--cache-retrievals", type=int, default=8,
-                   help="default cache capacity in KB answers, each p (n + 1) entries (KnnLMConfig.cache_retrievals)")
-    p.add_argument("--cache-project-dims", type=int, default=C.KNN_CACHE_PROJECT_DIMS,
-                   help="speculative cache scans PCA-projected keys of this many dims (0: full keys; "
-                        "KnnLMConfig.cache_project_dims; never changes results)")
-    p.add_argument("--scan", choices=("auto", "faiss", "bf16"), default="auto",
-                   help="flat index candidate scan (KnnLMConfig.scan)")
-    p.add_argument("--pad-to", type=int, default=0,
-                   help="pad the flat index to this many rows with far-away random vectors (never returned) "
-                        "to emulate a large datastore's search cost")
+    p.add_argument(
+        "--configs",
+        default="s=4,s=8,S",
+        help="comma-separated configuration names (ralm.config.SpecConfig.parse): s=N (fixed stride) or "
+        "S (OS3); prefix P to prefetch (e.g. Ps=8, PS); append @G to set OS3's gamma cap (e.g. S@0.9)",
+    )
+    p.add_argument(
+        "--prefetch-size",
+        type=int,
+        default=256,
+        help="p for P configs: every KB search fetches the top-max(k, p) into the cache (<= 1024)",
+    )
+    p.add_argument(
+        "--cache-entries",
+        type=int,
+        default=0,
+        help="speculative cache capacity in entries (0: --cache-retrievals KB answers)",
+    )
+    p.add_argument(
+        "--cache-retrievals",
+        type=int,
+        default=8,
+        help="default cache capacity in KB answers, each p (n + 1) entries (KnnLMConfig.cache_retrievals)",
+    )
+    p.add_argument(
+        "--cache-project-dims",
+        type=int,
+        default=C.KNN_CACHE_PROJECT_DIMS,
+        help="speculative cache scans PCA-projected keys of this many dims (0: full keys; "
+        "KnnLMConfig.cache_project_dims; never changes results)",
+    )
+    p.add_argument(
+        "--scan", choices=("auto", "faiss", "bf16"), default="auto", help="flat index candidate scan (KnnLMConfig.scan)"
+    )
+    p.add_argument(
+        "--pad-to",
+        type=int,
+        default=0,
+        help="pad the flat index to this many rows with far-away random vectors (never returned) "
+        "to emulate a large datastore's search cost",
+    )
     p.add_argument("--lmbda", type=float, default=C.KNN_LAMBDA)
     p.add_argument("--temperature", type=float, default=C.KNN_TEMPERATURE)
     p.add_argument("--spatial-next", type=int, default=C.KNN_SPATIAL_NEXT)
     p.add_argument("--hnsw-m", type=int, default=C.HNSW_M)
     p.add_argument("--hnsw-ef-construction", type=int, default=C.HNSW_EF_CONSTRUCTION)
     p.add_argument("--hnsw-ef-search", type=int, default=C.HNSW_EF_SEARCH)
-    p.add_argument("--gamma-max", type=float, default=C.OS3_GAMMA_MAX,
-                   help="OS3 cap on the gamma estimate (the paper's 0.6 by default)")
+    p.add_argument(
+        "--gamma-max",
+        type=float,
+        default=C.OS3_GAMMA_MAX,
+        help="OS3 cap on the gamma estimate (the paper's 0.6 by default)",
+    )
     p.add_argument("--max-stride", type=int, default=C.OS3_MAX_STRIDE, help="OS3 upper bound on s")
     p.add_argument("--threads", type=int, default=1, help="torch and FAISS threads")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up prompts")
@@ -84,10 +122,14 @@ def _spec(name: str, gamma_max: float = 0.6, max_stride: int = 16, prefetch_size
     for P. KNN-LM has no asynchronous verification, so a name with A is an error."""
     flags = SpecConfig.parse(name)
     if flags.async_verify:
-        raise ValueError(f"KNN-LM speculation config {name!r}: asynchronous verification (A) is not supported "
-                         "for KNN-LM; use [P]s=N or [P]S[@G]")
-    defaults = {**({"gamma_max": gamma_max, "max_stride": max_stride} if flags.adaptive_stride else {}),
-                **({"prefetch_size": prefetch_size} if flags.prefetch else {})}
+        raise ValueError(
+            f"KNN-LM speculation config {name!r}: asynchronous verification (A) is not supported "
+            "for KNN-LM; use [P]s=N or [P]S[@G]"
+        )
+    defaults = {
+        **({"gamma_max": gamma_max, "max_stride": max_stride} if flags.adaptive_stride else {}),
+        **({"prefetch_size": prefetch_size} if flags.prefetch else {}),
+    }
     return SpecConfig.parse(name, **defaults)
 
 
@@ -99,8 +141,10 @@ def _load_or_build(args, engine, corpus):
     want_hnsw = "hnsw" in args.indexes
     try:
         ds = Datastore.load(d, corpus=corpus, fingerprint=fp)
-        if ds.manifest.get("n_passages") != min(args.passages, len(corpus)) or \
-                ds.manifest.get("max_passage_tokens") != args.max_passage_tokens:
+        if (
+            ds.manifest.get("n_passages") != min(args.passages, len(corpus))
+            or ds.manifest.get("max_passage_tokens") != args.max_passage_tokens
+        ):
             raise DatastoreError("different size")
         if want_hnsw and (ds.hnsw is None or ds.manifest.get("hnsw", {}).get("m") != args.hnsw_m):
             ds.build_hnsw(args.hnsw_m, args.hnsw_ef_construction, progress=True)
@@ -109,9 +153,16 @@ def _load_or_build(args, engine, corpus):
         return ds, d, False
     except DatastoreError as e:
         log.info("building the datastore (%s)", e)
-    ds = build_datastore(engine, corpus, n_passages=args.passages, max_passage_tokens=args.max_passage_tokens,
-                         hnsw=want_hnsw, hnsw_m=args.hnsw_m, hnsw_ef_construction=args.hnsw_ef_construction,
-                         progress=True)
+    ds = build_datastore(
+        engine,
+        corpus,
+        n_passages=args.passages,
+        max_passage_tokens=args.max_passage_tokens,
+        hnsw=want_hnsw,
+        hnsw_m=args.hnsw_m,
+        hnsw_ef_construction=args.hnsw_ef_construction,
+        progress=True,
+    )
     ds.save(d)
     return ds, d, True
 
@@ -146,34 +197,47 @@ def knn_bench_main(args) -> int:
     corpus = Corpus.load(args.corpus, limit=args.passages)
     ds, ds_dir, built = _load_or_build(args, engine, corpus)
     prompts = load_questions(args.questions or C.DEMO_QUESTIONS, limit=args.num_prompts + args.warmup)
-    warm, timed = prompts[: args.warmup], prompts[args.warmup:]
+    warm, timed = prompts[: args.warmup], prompts[args.warmup :]
     if not timed:
         timed, warm = prompts, []
     req = RequestConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
-    notes = [f"# ralmspec bench-knn: {len(timed)} prompts x {args.max_new_tokens} tokens (EOS ignored), "
-             f"generator {args.model}, datastore {len(ds):,} entries x {ds.dim} dims from "
-             f"{ds.manifest['n_passages']} passages of {args.corpus}, lambda={args.lmbda}, temperature={args.temperature}, "
-             f"n={args.spatial_next}, OS3 gamma_max={args.gamma_max} (S@G: cap G), max stride {args.max_stride}, "
-             f"P prefetch size {args.prefetch_size}, cache capacity "
-             f"{args.cache_entries or f'max(4096, {args.cache_retrievals} p (n + 1)), p = entries fetched per query'}, "
-             f"cache scan {args.cache_project_dims or 'full'} dims, threads={args.threads}", machine_note()]
+    notes = [
+        f"# ralmspec bench-knn: {len(timed)} prompts x {args.max_new_tokens} tokens (EOS ignored), "
+        f"generator {args.model}, datastore {len(ds):,} entries x {ds.dim} dims from "
+        f"{ds.manifest['n_passages']} passages of {args.corpus}, lambda={args.lmbda}, temperature={args.temperature}, "
+        f"n={args.spatial_next}, OS3 gamma_max={args.gamma_max} (S@G: cap G), max stride {args.max_stride}, "
+        f"P prefetch size {args.prefetch_size}, cache capacity "
+        f"{args.cache_entries or f'max(4096, {args.cache_retrievals} p (n + 1)), p = entries fetched per query'}, "
+        f"cache scan {args.cache_project_dims or 'full'} dims, threads={args.threads}",
+        machine_note(),
+    ]
     rows, per_request = [], []
     t_all = time.perf_counter()
     for kind in kinds:
-        kb = KnnRetriever(ds, kind, pad_to=args.pad_to if kind == "flat" else 0,
-                          hnsw_ef_search=args.hnsw_ef_search, scan=args.scan)
+        kb = KnnRetriever(
+            ds, kind, pad_to=args.pad_to if kind == "flat" else 0, hnsw_ef_search=args.hnsw_ef_search, scan=args.scan
+        )
         notes.append(f"KB {kind}: {kb!r}")
         if kb.padded_rows:
-            notes.append(f"Note: the flat index is padded to {kb.padded_rows:,} rows ({len(ds):,} entries + "
-                         f"{kb.padded_rows - len(ds):,} random vectors of norm {C.KNN_PAD_NORM_FACTOR:g} x the "
-                         f"largest key norm, never returned) to emulate a large datastore's search cost; "
-                         f"results are unchanged.")
+            notes.append(
+                f"Note: the flat index is padded to {kb.padded_rows:,} rows ({len(ds):,} entries + "
+                f"{kb.padded_rows - len(ds):,} random vectors of norm {C.KNN_PAD_NORM_FACTOR:g} x the "
+                f"largest key norm, never returned) to emulate a large datastore's search cost; "
+                f"results are unchanged."
+            )
         for k in ks:
-            knn = KnnLMConfig(k=k, lmbda=args.lmbda, temperature=args.temperature, index=kind,
-                              spatial_next=args.spatial_next, pad_to=args.pad_to if kind == "flat" else 0,
-                              cache_max_entries=args.cache_entries, cache_retrievals=args.cache_retrievals,
-                              cache_project_dims=args.cache_project_dims,
-                              scan=args.scan)
+            knn = KnnLMConfig(
+                k=k,
+                lmbda=args.lmbda,
+                temperature=args.temperature,
+                index=kind,
+                spatial_next=args.spatial_next,
+                pad_to=args.pad_to if kind == "flat" else 0,
+                cache_max_entries=args.cache_entries,
+                cache_retrievals=args.cache_retrievals,
+                cache_project_dims=args.cache_project_dims,
+                scan=args.scan,
+            )
             for p in warm:
                 run_knn_seq(p, engine, kb, knn, req)
                 for c in configs:
@@ -202,8 +266,10 @@ def knn_bench_main(args) -> int:
             block = [summarize(base, base, pooled_strides=True, **where)]
             block += [summarize(base, res[c], caches=caches[c], pooled_strides=True, **where) for c in configs]
             rows += block
-            notes.append(f"{kind} k={k}: KB latency by batch size (ms, mean over calls): " + ", ".join(
-                f"{b}: {1000 * t / n:.0f} ({n})" for b, (n, t) in sorted(kb.batch_s.items())))
+            notes.append(
+                f"{kind} k={k}: KB latency by batch size (ms, mean over calls): "
+                + ", ".join(f"{b}: {1000 * t / n:.0f} ({n})" for b, (n, t) in sorted(kb.batch_s.items()))
+            )
             for c in configs:
                 strides = [x for r in res[c].results for x in r.stats.strides]
                 if specs[c].adaptive_stride and strides:
@@ -213,18 +279,32 @@ def knn_bench_main(args) -> int:
         notes.append(f"KB stats {kind}: {kb.stats}")
     share = [r for r in rows if r.config == "baseline" and r.index.startswith("flat")]
     if share:
-        notes.append("Baseline retrieval share (flat): " + ", ".join(
-            f"k={r.k}: {r.retrieval_share:.0%}" for r in share))
+        notes.append(
+            "Baseline retrieval share (flat): " + ", ".join(f"k={r.k}: {r.retrieval_share:.0%}" for r in share)
+        )
     md = markdown_table(rows, notes, KNN_COLUMNS)
-    write_report(args.out, "knn_bench", {
-        "notes": notes, "summary": [r.as_dict() for r in rows], "requests": per_request, "datastore": ds.manifest,
-        "datastore_dir": str(ds_dir), "datastore_built": built, "argv": sys.argv,
-        "args": {k: str(v) for k, v in vars(args).items() if k != "func"},
-        "wall_s": time.perf_counter() - t_all}, md, default=str)
+    write_report(
+        args.out,
+        "knn_bench",
+        {
+            "notes": notes,
+            "summary": [r.as_dict() for r in rows],
+            "requests": per_request,
+            "datastore": ds.manifest,
+            "datastore_dir": str(ds_dir),
+            "datastore_built": built,
+            "argv": sys.argv,
+            "args": {k: str(v) for k, v in vars(args).items() if k != "func"},
+            "wall_s": time.perf_counter() - t_all,
+        },
+        md,
+        default=str,
+    )
     print(md)
     print(f"wrote {args.out}/knn_bench.json, knn_bench.md")
-    return exactness_status(sum(r.requests - r.identical for r in rows),
-                            "speculative KNN-LM outputs differ from the baseline")
+    return exactness_status(
+        sum(r.requests - r.identical for r in rows), "speculative KNN-LM outputs differ from the baseline"
+    )
 
 
 def main(argv=None) -> int:

@@ -6,6 +6,7 @@ and the latency-breakdown chart.
 ``bench-gen`` and ``costs`` render their own rows with :func:`table`; every benchmark writes
 its ``<name>.json`` and ``<name>.md`` with :func:`write_report`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,10 +14,11 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import fmean
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any
 
 from ralm.results import RalmResult
 
@@ -24,6 +26,7 @@ from ralm.results import RalmResult
 @dataclass
 class ConfigRuns:
     """One configuration's results, in question order, and whether each equals the baseline's."""
+
     name: str
     results: list[RalmResult] = field(default_factory=list)
     identical: list[bool] = field(default_factory=list)
@@ -45,32 +48,38 @@ class ConfigSummary:
     The other fields are means over the requests (``mean_stride``: see :func:`summarize`).
     ``retriever`` (bench) or ``index`` and ``k`` (bench-knn) say which block a row is in.
     """
-    retriever: Optional[str] = None
-    index: Optional[str] = None
-    k: Optional[int] = None
+
+    retriever: str | None = None
+    index: str | None = None
+    k: int | None = None
     config: str
     requests: int
-    identical: int                       # requests whose tokens equal the baseline's
+    identical: int  # requests whose tokens equal the baseline's
     mean_latency_s: float
-    generation_s: float                  # mean wall time inside the generator
-    retrieval_s: float                   # mean of everything else (KB waits, caches, encoding)
+    generation_s: float  # mean wall time inside the generator
+    retrieval_s: float  # mean of everything else (KB waits, caches, encoding)
     retrieval_share: float
     speedup: float
     retrieval_eliminated: float
-    gamma: Optional[float]               # mean final OS3 estimate of the speculation accuracy
-    speculation_accuracy: Optional[float]
+    gamma: float | None  # mean final OS3 estimate of the speculation accuracy
+    speculation_accuracy: float | None
     kb_calls: float
     rollbacks: float
-    regenerated_tokens: Optional[float] = None
-    direct_steps: Optional[float] = None  # steps where OS3 chose s = 0 (plain KB retrieval)
-    mean_stride: Optional[float] = None
-    tokens: Optional[float] = None
-    cache_entries: Optional[float] = None     # KNN-LM: speculative cache size at the end
-    cache_lookup_ms: Optional[float] = None   # KNN-LM: mean speculative cache lookup
+    regenerated_tokens: float | None = None
+    direct_steps: float | None = None  # steps where OS3 chose s = 0 (plain KB retrieval)
+    mean_stride: float | None = None
+    tokens: float | None = None
+    cache_entries: float | None = None  # KNN-LM: speculative cache size at the end
+    cache_lookup_ms: float | None = None  # KNN-LM: mean speculative cache lookup
 
     # keys of results written before the fields were spelled out (docs/results/*.json)
-    LEGACY_KEYS = {"latency_s": "mean_latency_s", "gen_s": "generation_s", "E": "retrieval_eliminated",
-                   "spec_accuracy": "speculation_accuracy", "lookup_ms": "cache_lookup_ms"}
+    LEGACY_KEYS = {
+        "latency_s": "mean_latency_s",
+        "gen_s": "generation_s",
+        "E": "retrieval_eliminated",
+        "spec_accuracy": "speculation_accuracy",
+        "lookup_ms": "cache_lookup_ms",
+    }
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON row (the block labels that do not apply are left out)."""
@@ -78,19 +87,25 @@ class ConfigSummary:
         return {k: v for k, v in d.items() if v is not None or k not in ("retriever", "index", "k")}
 
     @classmethod
-    def from_dict(cls, row: Mapping[str, Any]) -> "ConfigSummary":
+    def from_dict(cls, row: Mapping[str, Any]) -> ConfigSummary:
         """A row read back from a results file, old key names included; unknown keys ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         data = {cls.LEGACY_KEYS.get(k, k): v for k, v in row.items()}
         return cls(**{k: v for k, v in data.items() if k in names})
 
     @classmethod
-    def coerce(cls, row: "ConfigSummary | Mapping[str, Any]") -> "ConfigSummary":
+    def coerce(cls, row: ConfigSummary | Mapping[str, Any]) -> ConfigSummary:
         return row if isinstance(row, cls) else cls.from_dict(row)
 
 
-def summarize(base: ConfigRuns, runs: ConfigRuns, *, caches: Optional[Sequence[Any]] = None,
-              pooled_strides: bool = False, **labels: Any) -> ConfigSummary:
+def summarize(
+    base: ConfigRuns,
+    runs: ConfigRuns,
+    *,
+    caches: Sequence[Any] | None = None,
+    pooled_strides: bool = False,
+    **labels: Any,
+) -> ConfigSummary:
     """Means over ``runs``' requests and the ratios against ``base``'s means (see
     :class:`ConfigSummary`). ``mean_stride``: the mean over requests of each request's mean
     verification window, or with ``pooled_strides`` the mean over every window of every
@@ -112,32 +127,42 @@ def summarize(base: ConfigRuns, runs: ConfigRuns, *, caches: Optional[Sequence[A
         mean_stride = fmean(per_request) if per_request else None
     lookups = sum(c.lookups for c in caches) if caches else 0
     return ConfigSummary(
-        **labels, config=runs.name, requests=len(runs.results), identical=sum(runs.identical),
-        mean_latency_s=mean_latency, generation_s=fmean(s.gen_time_s for s in stats), retrieval_s=retrieval,
+        **labels,
+        config=runs.name,
+        requests=len(runs.results),
+        identical=sum(runs.identical),
+        mean_latency_s=mean_latency,
+        generation_s=fmean(s.gen_time_s for s in stats),
+        retrieval_s=retrieval,
         retrieval_share=retrieval / mean_latency if mean_latency else 0.0,
         speedup=base_latency / mean_latency if mean_latency else 0.0,
         retrieval_eliminated=(base_latency - mean_latency) / base_retrieval if base_retrieval else 0.0,
         gamma=fmean(gammas) if gammas else None,
         speculation_accuracy=fmean(accuracies) if accuracies else None,
-        kb_calls=fmean(s.kb_calls for s in stats), rollbacks=fmean(s.rollbacks for s in stats),
+        kb_calls=fmean(s.kb_calls for s in stats),
+        rollbacks=fmean(s.rollbacks for s in stats),
         regenerated_tokens=fmean(s.regenerated_tokens for s in stats),
-        direct_steps=fmean(s.direct_steps for s in stats), mean_stride=mean_stride,
+        direct_steps=fmean(s.direct_steps for s in stats),
+        mean_stride=mean_stride,
         tokens=fmean(len(r.tokens) for r in runs.results),
         cache_entries=fmean(s.cache_entries for s in stats) if caches is not None else None,
-        cache_lookup_ms=1000 * sum(c.lookup_s for c in caches) / max(1, lookups) if caches else None)
+        cache_lookup_ms=1000 * sum(c.lookup_s for c in caches) / max(1, lookups) if caches else None,
+    )
 
 
 # ---------------------------------------------------------------- markdown
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align: str = "") -> list[str]:
     """The lines of a markdown table. ``align``: one character per column, ``r`` for a
     right-aligned one (``---:``); missing or anything else: the default (``---``)."""
-    out = ["| " + " | ".join(headers) + " |",
-           "|" + "".join("---:|" if align[i:i + 1] == "r" else "---|" for i in range(len(headers)))]
+    out = [
+        "| " + " | ".join(headers) + " |",
+        "|" + "".join("---:|" if align[i : i + 1] == "r" else "---|" for i in range(len(headers))),
+    ]
     out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return out
 
 
-def _opt(v: Optional[float], places: int = 2) -> str:
+def _opt(v: float | None, places: int = 2) -> str:
     return "-" if v is None else f"{v:.{places}f}"
 
 
@@ -147,33 +172,51 @@ def _ms(v: float) -> str:
 
 Column = tuple[str, Callable[[ConfigSummary], str]]
 
-_COLUMNS: dict[str, Column] = {c[0]: c for c in [
-    ("retriever", lambda s: s.retriever), ("index", lambda s: s.index), ("k", lambda s: s.k),
-    ("config", lambda s: s.config),
-    ("mean latency ms", lambda s: _ms(s.mean_latency_s)),
-    ("generation ms", lambda s: _ms(s.generation_s)),
-    ("retrieval ms", lambda s: _ms(s.retrieval_s)),
-    ("retrieval share", lambda s: f"{s.retrieval_share:.0%}"),
-    ("speed-up", lambda s: f"{s.speedup:.2f}x"),
-    ("retrieval eliminated", lambda s: _opt(s.retrieval_eliminated)),
-    ("gamma", lambda s: _opt(s.gamma)),
-    ("spec accuracy", lambda s: _opt(s.speculation_accuracy)),
-    ("KB calls", lambda s: f"{s.kb_calls:.1f}"),
-    ("rollbacks", lambda s: f"{s.rollbacks:.1f}"),
-    ("regenerated tokens", lambda s: _opt(s.regenerated_tokens, 1)),
-    ("direct steps", lambda s: _opt(s.direct_steps, 1)),
-    ("mean stride", lambda s: _opt(s.mean_stride, 1)),
-    ("cache lookup ms", lambda s: _opt(s.cache_lookup_ms)),
-    ("identical", lambda s: f"{s.identical}/{s.requests}"),
-]}
-_TIMES = ["mean latency ms", "generation ms", "retrieval ms", "retrieval share", "speed-up", "retrieval eliminated",
-          "gamma", "spec accuracy", "KB calls", "rollbacks"]
+_COLUMNS: dict[str, Column] = {
+    c[0]: c
+    for c in [
+        ("retriever", lambda s: s.retriever),
+        ("index", lambda s: s.index),
+        ("k", lambda s: s.k),
+        ("config", lambda s: s.config),
+        ("mean latency ms", lambda s: _ms(s.mean_latency_s)),
+        ("generation ms", lambda s: _ms(s.generation_s)),
+        ("retrieval ms", lambda s: _ms(s.retrieval_s)),
+        ("retrieval share", lambda s: f"{s.retrieval_share:.0%}"),
+        ("speed-up", lambda s: f"{s.speedup:.2f}x"),
+        ("retrieval eliminated", lambda s: _opt(s.retrieval_eliminated)),
+        ("gamma", lambda s: _opt(s.gamma)),
+        ("spec accuracy", lambda s: _opt(s.speculation_accuracy)),
+        ("KB calls", lambda s: f"{s.kb_calls:.1f}"),
+        ("rollbacks", lambda s: f"{s.rollbacks:.1f}"),
+        ("regenerated tokens", lambda s: _opt(s.regenerated_tokens, 1)),
+        ("direct steps", lambda s: _opt(s.direct_steps, 1)),
+        ("mean stride", lambda s: _opt(s.mean_stride, 1)),
+        ("cache lookup ms", lambda s: _opt(s.cache_lookup_ms)),
+        ("identical", lambda s: f"{s.identical}/{s.requests}"),
+    ]
+}
+_TIMES = [
+    "mean latency ms",
+    "generation ms",
+    "retrieval ms",
+    "retrieval share",
+    "speed-up",
+    "retrieval eliminated",
+    "gamma",
+    "spec accuracy",
+    "KB calls",
+    "rollbacks",
+]
 BENCH_COLUMNS = ["retriever", "config", *_TIMES, "regenerated tokens", "mean stride", "identical"]
 KNN_COLUMNS = ["index", "k", "config", *_TIMES, "direct steps", "mean stride", "cache lookup ms", "identical"]
 
 
-def markdown_table(rows: Sequence[ConfigSummary | Mapping[str, Any]], notes: Sequence[str],
-                   columns: Sequence[str] = tuple(BENCH_COLUMNS)) -> str:
+def markdown_table(
+    rows: Sequence[ConfigSummary | Mapping[str, Any]],
+    notes: Sequence[str],
+    columns: Sequence[str] = tuple(BENCH_COLUMNS),
+) -> str:
     """The header notes, a blank line and the summary table (``columns``: names from
     ``BENCH_COLUMNS`` / ``KNN_COLUMNS``). Rows may be dicts read back from a results file."""
     cols = [_COLUMNS[c] for c in columns]
@@ -185,12 +228,16 @@ def markdown_table(rows: Sequence[ConfigSummary | Mapping[str, Any]], notes: Seq
 def bench_header(tool: str, n_questions: int, cfg: Any, kinds: Sequence[str], corpus_desc: str) -> list[str]:
     """Header lines of a benchmark/evaluation report (``cfg``: the RalmConfig), with the
     padding disclosure when the EDR index is padded."""
-    notes = [f"# ralmspec {tool}: {n_questions} questions, corpus {corpus_desc}, generator {cfg.generator.model}, "
-             f"k={cfg.request.generation_stride}, max_new_tokens={cfg.request.max_new_tokens}"]
+    notes = [
+        f"# ralmspec {tool}: {n_questions} questions, corpus {corpus_desc}, generator {cfg.generator.model}, "
+        f"k={cfg.request.generation_stride}, max_new_tokens={cfg.request.max_new_tokens}"
+    ]
     if "edr" in kinds and cfg.retriever.pad_to:
-        notes.append(f"Note: the EDR flat index is padded to {cfg.retriever.pad_to:,} rows with random "
-                     f"vectors that never outrank a real passage, to emulate Wikipedia-scale search cost; "
-                     f"results are unchanged.")
+        notes.append(
+            f"Note: the EDR flat index is padded to {cfg.retriever.pad_to:,} rows with random "
+            f"vectors that never outrank a real passage, to emulate Wikipedia-scale search cost; "
+            f"results are unchanged."
+        )
     return notes
 
 
@@ -205,7 +252,7 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def machine_note(scans: Optional[Mapping[str, str]] = None) -> str:
+def machine_note(scans: Mapping[str, str] | None = None) -> str:
     """The header line naming the CPU and, per retriever, the candidate-scan kernel in use
     (``bf16``: the torch bf16 scan; ``faiss``: FAISS's float32 kernels)."""
     line = f"Machine: {cpu_name()}, {os.cpu_count()} logical CPUs"
@@ -215,8 +262,15 @@ def machine_note(scans: Optional[Mapping[str, str]] = None) -> str:
 
 
 # ---------------------------------------------------------------- files
-def write_report(out: Path, stem: str, data: Mapping[str, Any], markdown: str, *, indent: int = 1,
-                 default: Optional[Callable[[Any], Any]] = None) -> list[Path]:
+def write_report(
+    out: Path,
+    stem: str,
+    data: Mapping[str, Any],
+    markdown: str,
+    *,
+    indent: int = 1,
+    default: Callable[[Any], Any] | None = None,
+) -> list[Path]:
     """Write ``<out>/<stem>.json`` and ``<out>/<stem>.md`` (creating ``out``); returns them."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -240,6 +294,7 @@ def latency_chart(rows: Sequence[ConfigSummary | Mapping[str, Any]], path: Path)
     """Stacked generation / retrieval bars of each configuration's mean latency, one panel
     per retriever, each bar labelled with its speed-up (like the RaLMSpec paper's Figure 4)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

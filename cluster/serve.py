@@ -10,6 +10,7 @@ Equivalent to ``serve run serve_config.yaml`` with the common settings as flags:
 The file is validated as a Serve deploy config (``ServeDeploySchema``) and its ralmspec
 application's ``args`` as :class:`deployments.app.AppConfig` before anything starts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,12 @@ APP_NAME = "ralmspec"
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Flags of ``ralmspec serve`` (besides the common --config/--corpus/--work-dir/--model/--encoder/--pad-to)."""
-    p.add_argument("--serve-config", type=Path, default=DEFAULT_SERVE_CONFIG,
-                   help="Serve config YAML (default: the repository's serve_config.yaml)")
+    p.add_argument(
+        "--serve-config",
+        type=Path,
+        default=DEFAULT_SERVE_CONFIG,
+        help="Serve config YAML (default: the repository's serve_config.yaml)",
+    )
     p.add_argument("--host", help="HTTP host (default from the file: 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default from the file: 8000)")
     p.add_argument("--address", help="Ray cluster address (e.g. auto); default: start a local Ray")
@@ -117,19 +122,18 @@ def apply_overrides(data: dict, args: argparse.Namespace) -> dict:
     if getattr(args, "preset", None):
         a["generator_preset"] = args.preset
         if args.preset != "cpu":
-            a.pop("generator_deployment", None)     # let the preset place the generator
+            a.pop("generator_deployment", None)  # let the preset place the generator
             ralm.get("generator", {}).pop("device", None)
             ralm.get("generator", {}).pop("dtype", None)
             if not getattr(args, "model", None) and args.preset == "llama2-70b-4gpu":
                 ralm.get("generator", {}).pop("model", None)
     if getattr(args, "admin", False):
         a.setdefault("ingress", {})["admin"] = True
-    AppConfig.model_validate(a)              # fail early, with pydantic's message
+    AppConfig.model_validate(a)  # fail early, with pydantic's message
     return data
 
 
-def start_local_app(data: dict, address: str | None = None, num_cpus: int | None = None,
-                    blocking: bool = False) -> str:
+def start_local_app(data: dict, address: str | None = None, num_cpus: int | None = None, blocking: bool = False) -> str:
     """Start Ray (or connect), Serve and the ralmspec app of ``data``; returns the base URL."""
     import ray
     from ray import serve
@@ -137,7 +141,7 @@ def start_local_app(data: dict, address: str | None = None, num_cpus: int | None
     from deployments.app import build_app
 
     app = app_entry(data)
-    env = ((app.get("runtime_env") or {}).get("env_vars") or {})
+    env = (app.get("runtime_env") or {}).get("env_vars") or {}
     for k, v in env.items():
         os.environ.setdefault(k, str(v))
     paths = [str(C.PACKAGE_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -150,11 +154,20 @@ def start_local_app(data: dict, address: str | None = None, num_cpus: int | None
             with preserve_fatal_signal_handlers():  # keep the JVM's handlers (actors/signals.py)
                 ray.init(num_cpus=num_cpus, include_dashboard=False)
     http = dict(data.get("http_options") or {})
-    serve.start(http_options={k: v for k, v in http.items() if k in ("host", "port", "request_timeout_s",
-                                                                       "keep_alive_timeout_s", "root_path")},
-                proxy_location=data.get("proxy_location", "HeadOnly"))
-    serve.run(build_app(app.get("args") or {}), name=app.get("name", APP_NAME),
-              route_prefix=app.get("route_prefix", "/"), blocking=blocking)
+    serve.start(
+        http_options={
+            k: v
+            for k, v in http.items()
+            if k in ("host", "port", "request_timeout_s", "keep_alive_timeout_s", "root_path")
+        },
+        proxy_location=data.get("proxy_location", "HeadOnly"),
+    )
+    serve.run(
+        build_app(app.get("args") or {}),
+        name=app.get("name", APP_NAME),
+        route_prefix=app.get("route_prefix", "/"),
+        blocking=blocking,
+    )
     return f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
 
 
@@ -165,13 +178,15 @@ def serve_main(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(data, sort_keys=False))
         return 0
     t0 = time.time()
-    print("starting ralmspec (missing indexes are built on first start; this can take minutes)...",
-          file=sys.stderr)
+    print("starting ralmspec (missing indexes are built on first start; this can take minutes)...", file=sys.stderr)
     url = start_local_app(data, getattr(args, "address", None), getattr(args, "num_cpus", None))
-    print(f"ralmspec is serving on {url} (ready in {time.time() - t0:.0f} s)\n"
-          f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"prompt\": \"What does json.dumps do?\", \"max_tokens\": 32}}'\n"
-          f"  OpenAI client: base_url={url}/v1   (Ctrl-C stops the server)", file=sys.stderr)
+    print(
+        f"ralmspec is serving on {url} (ready in {time.time() - t0:.0f} s)\n"
+        f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"prompt": "What does json.dumps do?", "max_tokens": 32}}\'\n'
+        f"  OpenAI client: base_url={url}/v1   (Ctrl-C stops the server)",
+        file=sys.stderr,
+    )
     try:
         while True:
             time.sleep(3600)
@@ -179,14 +194,16 @@ def serve_main(args: argparse.Namespace) -> int:
         pass
     finally:
         from ray import serve
+
         serve.shutdown()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Standalone: ``python -m cluster.serve [flags]``."""
-    p = argparse.ArgumentParser(prog="ralmspec serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="ralmspec serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", type=Path, help="YAML RalmConfig replacing args.ralm of the serve config")
     p.add_argument("--corpus", type=Path)
     p.add_argument("--work-dir", type=Path)

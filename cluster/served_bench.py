@@ -15,6 +15,7 @@ Switching batching needs the admin API (``ingress.admin: true``, always on for t
 in-process server); without it only the server's current setting is measured.
 Writes ``served_bench.json`` and ``served_bench.md`` into ``--out``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,31 +38,47 @@ def add_served_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="base URL of a running ralmspec server (default: start one in-process)")
     p.add_argument("--serve-config", type=Path, help="serve config for the in-process server (default: the repo's)")
     p.add_argument("--port", type=int, default=8000, help="port of the in-process server")
-    p.add_argument("--pad-to", type=int, help="in-process server: pad the EDR index to N rows per KB "
-                   "(Wikipedia-scale search cost; results unchanged)")
+    p.add_argument(
+        "--pad-to",
+        type=int,
+        help="in-process server: pad the EDR index to N rows per KB (Wikipedia-scale search cost; results unchanged)",
+    )
     p.add_argument("--questions", type=Path, help="JSONL with a 'question' field (default: the demo set)")
     p.add_argument("-n", "--num-questions", type=int, default=16, help="requests per measurement")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of requests in flight")
     p.add_argument("--retrievers", default="edr", help="comma-separated retriever kinds")
-    p.add_argument("--methods", default="seq,spec:PSA",
-                   help="comma-separated: seq, or spec:<config> (base or any of P/S/A; append @G to set "
-                        "OS3's gamma cap, e.g. spec:PSA@0.9)")
+    p.add_argument(
+        "--methods",
+        default="seq,spec:PSA",
+        help="comma-separated: seq, or spec:<config> (base or any of P/S/A; append @G to set "
+        "OS3's gamma cap, e.g. spec:PSA@0.9)",
+    )
     p.add_argument("--batching", default="on,off", help="cross-request batching settings to measure: on,off")
     p.add_argument("--window-ms", type=float, help="verifier batching window (default: the server's)")
     p.add_argument("--max-inflight", type=int, help="verifier batches in flight per retriever (default: the server's)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--options", type=_options, default=None,
-                   help="JSON object of extra request fields sent with every request (the RaLMSeq reference "
-                        "included), to measure a generation-side mode, e.g. '{\"drafting\": \"ngram\", "
-                        "\"num_docs\": 2}' (any option of POST /v1/ralm/generate but question, retriever, "
-                        "method, spec and max_new_tokens)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up (0: none); it runs at the highest concurrency")
+    p.add_argument(
+        "--options",
+        type=_options,
+        default=None,
+        help="JSON object of extra request fields sent with every request (the RaLMSeq reference "
+        'included), to measure a generation-side mode, e.g. \'{"drafting": "ngram", '
+        '"num_docs": 2}\' (any option of POST /v1/ralm/generate but question, retriever, '
+        "method, spec and max_new_tokens)",
+    )
+    p.add_argument(
+        "--warmup", type=int, default=1, help="untimed warm-up (0: none); it runs at the highest concurrency"
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="HTTP timeout per request (s)")
     p.add_argument("--out", type=Path, default=Path("bench-out/served"), help="output directory")
-    p.add_argument("--no-in-process", dest="in_process", action="store_false",
-                   help="skip the in-process reference (by default, when the server is started here, the same "
-                        "requests first run one at a time through the in-process engine with the same config, "
-                        "and the 1-request served latency is reported against it)")
+    p.add_argument(
+        "--no-in-process",
+        dest="in_process",
+        action="store_false",
+        help="skip the in-process reference (by default, when the server is started here, the same "
+        "requests first run one at a time through the in-process engine with the same config, "
+        "and the 1-request served latency is reported against it)",
+    )
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -99,12 +116,14 @@ def mode_stats(outs: list[dict]) -> dict:
     """Generation-side statistics of a row's answers (pooled over the requests)."""
     st = [o["stats"] for o in outs]
     g = lambda name: sum(s.get(name, 0) or 0 for s in st)  # noqa: E731
-    return {"tokens_per_forward": _ratio(g("generated_tokens"), g("forward_passes")),
-            "acceptance_rate": _ratio(g("accepted_tokens"), g("drafted_tokens")),
-            "accepted_per_verify_pass": _ratio(g("accepted_tokens"), g("draft_rounds")),
-            "doc_kv_hit_rate": _ratio(g("doc_kv_docs_reused"), g("doc_kv_docs_reused") + g("doc_kv_misses")),
-            "doc_kv_bytes_reused_per_request": g("doc_kv_bytes_reused") / len(st) if st else 0.0,
-            "exact": all(o.get("exact", True) for o in outs)}
+    return {
+        "tokens_per_forward": _ratio(g("generated_tokens"), g("forward_passes")),
+        "acceptance_rate": _ratio(g("accepted_tokens"), g("drafted_tokens")),
+        "accepted_per_verify_pass": _ratio(g("accepted_tokens"), g("draft_rounds")),
+        "doc_kv_hit_rate": _ratio(g("doc_kv_docs_reused"), g("doc_kv_docs_reused") + g("doc_kv_misses")),
+        "doc_kv_bytes_reused_per_request": g("doc_kv_bytes_reused") / len(st) if st else 0.0,
+        "exact": all(o.get("exact", True) for o in outs),
+    }
 
 
 def _parse_methods(spec: str) -> list[tuple[str, str | None]]:
@@ -128,8 +147,9 @@ def _label(method: str, spec: str | None) -> str:
     if method == "seq":
         return "seq"
     sc = SpecConfig.parse(spec or "base")
-    name = "".join(c for c, on in (("P", sc.prefetch), ("S", sc.adaptive_stride), ("A", sc.async_verify))
-                   if on) or "base"
+    name = (
+        "".join(c for c, on in (("P", sc.prefetch), ("S", sc.adaptive_stride), ("A", sc.async_verify)) if on) or "base"
+    )
     cap = (spec or "").partition("@")[2]
     return f"spec[{name}{'@' + cap if cap else ''}]"
 
@@ -185,14 +205,26 @@ def _measure(client: Client, bodies: list[dict], concurrency: int) -> tuple[list
     return [o for o, _ in outs], [dt for _, dt in outs], wall
 
 
-def run_served_bench(client: Client, questions: list[str], kinds: list[str], methods: list[tuple[str, str | None]],
-                     levels: list[int], batching: list[bool], max_new: int, warmup: int,
-                     window_ms: float | None = None, progress: bool = True,
-                     options: dict | None = None, max_inflight: int | None = None) -> tuple[list[dict], list[str]]:
+def run_served_bench(
+    client: Client,
+    questions: list[str],
+    kinds: list[str],
+    methods: list[tuple[str, str | None]],
+    levels: list[int],
+    batching: list[bool],
+    max_new: int,
+    warmup: int,
+    window_ms: float | None = None,
+    progress: bool = True,
+    options: dict | None = None,
+    max_inflight: int | None = None,
+) -> tuple[list[dict], list[str]]:
     notes: list[str] = []
     extra = dict(options or {})
     if extra:
-        notes.append(f"every request (the RaLMSeq reference too) carried the options {json.dumps(extra, sort_keys=True)}")
+        notes.append(
+            f"every request (the RaLMSeq reference too) carried the options {json.dumps(extra, sort_keys=True)}"
+        )
     can_switch = client.admin({}) is not None
     if not can_switch:
         notes.append("the server's admin API is off: batching was measured at its current setting only")
@@ -203,27 +235,45 @@ def run_served_bench(client: Client, questions: list[str], kinds: list[str], met
         client.admin(policy)
     if can_switch:
         current = client.admin({}).get(kinds[0], {})
-        notes.append("verifier policy when batching is on: " + ", ".join(
-            f"{k} {current[k]}" for k in ("window_ms", "max_batch", "max_inflight", "flush_when_all_waiting")
-            if k in current))
+        notes.append(
+            "verifier policy when batching is on: "
+            + ", ".join(
+                f"{k} {current[k]}"
+                for k in ("window_ms", "max_batch", "max_inflight", "flush_when_all_waiting")
+                if k in current
+            )
+        )
     rows = []
     for kind in kinds:
-        if warmup:      # untimed; at the highest concurrency, so the coordinator pool has grown
-            wq = (questions * max(levels))[:max(warmup, max(levels))]
-            _measure(client, [{"question": q, "retriever": kind, "method": "seq", "max_new_tokens": max_new,
-                               **extra} for q in wq], max(levels))
+        if warmup:  # untimed; at the highest concurrency, so the coordinator pool has grown
+            wq = (questions * max(levels))[: max(warmup, max(levels))]
+            _measure(
+                client,
+                [{"question": q, "retriever": kind, "method": "seq", "max_new_tokens": max_new, **extra} for q in wq],
+                max(levels),
+            )
         ref: dict[str, list[int]] = {}
-        for q in questions:        # RaLMSeq reference answers (untimed)
-            out, _ = client.generate({"question": q, "retriever": kind, "method": "seq", "max_new_tokens": max_new,
-                                      **extra})
+        for q in questions:  # RaLMSeq reference answers (untimed)
+            out, _ = client.generate(
+                {"question": q, "retriever": kind, "method": "seq", "max_new_tokens": max_new, **extra}
+            )
             ref[q] = out["tokens"]
         for b in batching:
             if can_switch:
                 client.admin({"batching": b})
             for method, spec in methods:
                 for c in levels:
-                    bodies = [{"question": q, "retriever": kind, "method": method, "max_new_tokens": max_new,
-                               **({"spec": _spec_body(spec)} if spec else {}), **extra} for q in questions]
+                    bodies = [
+                        {
+                            "question": q,
+                            "retriever": kind,
+                            "method": method,
+                            "max_new_tokens": max_new,
+                            **({"spec": _spec_body(spec)} if spec else {}),
+                            **extra,
+                        }
+                        for q in questions
+                    ]
                     if can_switch:
                         client.admin({"reset_stats": True})
                     outs, lats, wall = _measure(client, bodies, c)
@@ -231,30 +281,48 @@ def run_served_bench(client: Client, questions: list[str], kinds: list[str], met
                     n_tok = sum(len(o["tokens"]) for o in outs)
                     identical = sum(o["tokens"] == ref[q] for o, q in zip(outs, questions))
                     row = {
-                        "retriever": kind, "method": _label(method, spec), "batching": b, "concurrency": c,
-                        "requests": len(outs), "identical": identical, "wall_s": wall,
+                        "retriever": kind,
+                        "method": _label(method, spec),
+                        "batching": b,
+                        "concurrency": c,
+                        "requests": len(outs),
+                        "identical": identical,
+                        "wall_s": wall,
                         "throughput_rps": len(outs) / wall if wall else 0.0,
                         "tokens_per_s": n_tok / wall if wall else 0.0,
-                        "mean_s": fmean(lats), "p50_s": percentile(lats, 50), "p95_s": percentile(lats, 95),
+                        "mean_s": fmean(lats),
+                        "p50_s": percentile(lats, 50),
+                        "p95_s": percentile(lats, 95),
                         "kb_calls_per_request": fmean(o["stats"]["kb_calls"] for o in outs),
                         "kb_searches": vst.get("searches"),
-                        "queries_per_search": (vst["searched_queries"] / vst["searches"]) if vst.get("searches") else None,
+                        "queries_per_search": (vst["searched_queries"] / vst["searches"])
+                        if vst.get("searches")
+                        else None,
                         "requests_per_batch": vst.get("mean_submissions_per_batch"),
-                        "options": extra, **mode_stats(outs),
+                        "options": extra,
+                        **mode_stats(outs),
                     }
                     rows.append(row)
                     if progress:
-                        print(f"{kind} {row['method']:<10} batching={'on ' if b else 'off'} c={c:<3} "
-                              f"{row['throughput_rps']:.2f} req/s p50={row['p50_s']:.2f}s p95={row['p95_s']:.2f}s "
-                              f"identical={identical}/{len(outs)}", file=sys.stderr)
+                        print(
+                            f"{kind} {row['method']:<10} batching={'on ' if b else 'off'} c={c:<3} "
+                            f"{row['throughput_rps']:.2f} req/s p50={row['p50_s']:.2f}s p95={row['p95_s']:.2f}s "
+                            f"identical={identical}/{len(outs)}",
+                            file=sys.stderr,
+                        )
         if can_switch:
             client.admin({"batching": True})
     return rows, notes
 
 
-def in_process_latencies(ralm: dict, questions: list[str], kinds: list[str],
-                         methods: list[tuple[str, str | None]], max_new: int,
-                         options: dict | None = None) -> dict[tuple[str, str], dict]:
+def in_process_latencies(
+    ralm: dict,
+    questions: list[str],
+    kinds: list[str],
+    methods: list[tuple[str, str | None]],
+    max_new: int,
+    options: dict | None = None,
+) -> dict[tuple[str, str], dict]:
     """Mean latency of each (retriever, method) answering ``questions`` one at a time with
     the in-process engine (:class:`ralm.pipeline.Pipeline`) and the server's RalmConfig:
     the reference for "served latency at 1 request is close to in-process"."""
@@ -269,7 +337,7 @@ def in_process_latencies(ralm: dict, questions: list[str], kinds: list[str],
     out: dict[tuple[str, str], dict] = {}
     try:
         for kind in kinds:
-            pipe.answer(questions[0], kind, "seq", req=req)                  # warm-up, untimed
+            pipe.answer(questions[0], kind, "seq", req=req)  # warm-up, untimed
             for method, spec in methods:
                 sc = SpecConfig.parse(spec, **cfg.spec.model_dump()) if method == "spec" else None
                 lats, toks = [], []
@@ -295,22 +363,32 @@ def one_request_rows(rows: list[dict], ref: dict[tuple[str, str], dict], questio
         if r["concurrency"] != 1 or not r["batching"] or key not in ref:
             continue
         ip = ref[key]["mean_s"]
-        out.append({"retriever": r["retriever"], "method": r["method"], "served_mean_s": r["mean_s"],
-                    "in_process_mean_s": ip, "served_over_in_process": r["mean_s"] / ip if ip else None})
+        out.append(
+            {
+                "retriever": r["retriever"],
+                "method": r["method"],
+                "served_mean_s": r["mean_s"],
+                "in_process_mean_s": ip,
+                "served_over_in_process": r["mean_s"] / ip if ip else None,
+            }
+        )
     return out
 
 
 def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] | None = None) -> str:
     """The served benchmark's report: header, notes, one row per measurement and, when
     measured, the 1-request served-vs-in-process rows."""
-    lines = ["# Served benchmark: RaLMSeq vs RaLMSpec under concurrent load",
-             "",
-             f"Server {meta['url']}, model `{meta['model']}`, {meta['requests']} requests per row, "
-             f"{meta['max_new_tokens']} new tokens each. Latency is per request (HTTP round trip); "
-             f"throughput is requests finished per second of wall time. `q/search`: queries per KB "
-             f"search sent by the verifier (cross-request batching); `req/batch`: requests per batch.",
-             ""]
+    lines = [
+        "# Served benchmark: RaLMSeq vs RaLMSpec under concurrent load",
+        "",
+        f"Server {meta['url']}, model `{meta['model']}`, {meta['requests']} requests per row, "
+        f"{meta['max_new_tokens']} new tokens each. Latency is per request (HTTP round trip); "
+        f"throughput is requests finished per second of wall time. `q/search`: queries per KB "
+        f"search sent by the verifier (cross-request batching); `req/batch`: requests per batch.",
+        "",
+    ]
     lines += [f"> {n}" for n in notes] + ([""] if notes else [])
+
     def f2(v: float | None) -> str:
         return f"{v:.2f}" if v is not None else "-"
 
@@ -318,20 +396,61 @@ def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] 
         return "RaLMSeq" if method == "seq" else "RaLMSpec " + method[5:-1]
 
     lines += table(
-        ["retriever", "method", "batching", "concurrency", "req/s", "tokens/s", "p50 (s)", "p95 (s)", "mean (s)",
-         "q/search", "req/batch", "tok/fwd", "accept", "doc-KV hit", "identical"],
-        ([r["retriever"], name(r["method"]), "on" if r["batching"] else "off", r["concurrency"],
-          f"{r['throughput_rps']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['p50_s']:.2f}", f"{r['p95_s']:.2f}",
-          f"{r['mean_s']:.2f}", f"{r['queries_per_search']:.2f}" if r["queries_per_search"] else "-",
-          f"{r['requests_per_batch']:.2f}" if r["requests_per_batch"] else "-", f2(r.get("tokens_per_forward")),
-          f2(r.get("acceptance_rate")), f2(r.get("doc_kv_hit_rate")), f"{r['identical']}/{r['requests']}"]
-         for r in rows), align="lllrrrrrrrrrrrr")
+        [
+            "retriever",
+            "method",
+            "batching",
+            "concurrency",
+            "req/s",
+            "tokens/s",
+            "p50 (s)",
+            "p95 (s)",
+            "mean (s)",
+            "q/search",
+            "req/batch",
+            "tok/fwd",
+            "accept",
+            "doc-KV hit",
+            "identical",
+        ],
+        (
+            [
+                r["retriever"],
+                name(r["method"]),
+                "on" if r["batching"] else "off",
+                r["concurrency"],
+                f"{r['throughput_rps']:.2f}",
+                f"{r['tokens_per_s']:.1f}",
+                f"{r['p50_s']:.2f}",
+                f"{r['p95_s']:.2f}",
+                f"{r['mean_s']:.2f}",
+                f"{r['queries_per_search']:.2f}" if r["queries_per_search"] else "-",
+                f"{r['requests_per_batch']:.2f}" if r["requests_per_batch"] else "-",
+                f2(r.get("tokens_per_forward")),
+                f2(r.get("acceptance_rate")),
+                f2(r.get("doc_kv_hit_rate")),
+                f"{r['identical']}/{r['requests']}",
+            ]
+            for r in rows
+        ),
+        align="lllrrrrrrrrrrrr",
+    )
     if one:
         lines += ["", "## One request in flight: served against the in-process engine", ""]
-        lines += table(["retriever", "method", "served mean (s)", "in-process mean (s)", "served / in-process"],
-                       ([o["retriever"], name(o["method"]), f"{o['served_mean_s']:.2f}",
-                         f"{o['in_process_mean_s']:.2f}", f"{o['served_over_in_process']:.2f}x"] for o in one),
-                       align="llrrr")
+        lines += table(
+            ["retriever", "method", "served mean (s)", "in-process mean (s)", "served / in-process"],
+            (
+                [
+                    o["retriever"],
+                    name(o["method"]),
+                    f"{o['served_mean_s']:.2f}",
+                    f"{o['in_process_mean_s']:.2f}",
+                    f"{o['served_over_in_process']:.2f}x",
+                ]
+                for o in one
+            ),
+            align="llrrr",
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -343,7 +462,7 @@ def served_bench_main(args: argparse.Namespace) -> int:
     questions = load_questions(args.questions or C.DEMO_QUESTIONS)
     n = args.num_questions
     if n > len(questions):
-        questions = (questions * (n // len(questions) + 1))
+        questions = questions * (n // len(questions) + 1)
     questions = questions[:n]
     levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
     kinds = [k.strip() for k in args.retrievers.split(",") if k.strip()]
@@ -355,39 +474,71 @@ def served_bench_main(args: argparse.Namespace) -> int:
     if not url:
         from cluster.serve import DEFAULT_SERVE_CONFIG, apply_overrides, load_serve_config, start_local_app
 
-        ns = argparse.Namespace(port=args.port, admin=True, pad_to=args.pad_to,
-                                retrievers=",".join(dict.fromkeys(kinds)))
+        ns = argparse.Namespace(
+            port=args.port, admin=True, pad_to=args.pad_to, retrievers=",".join(dict.fromkeys(kinds))
+        )
         data = apply_overrides(load_serve_config(args.serve_config or DEFAULT_SERVE_CONFIG), ns)
         if getattr(args, "in_process", True) and 1 in levels:
             from cluster.serve import app_entry
+
             print("in-process reference (same config, one request at a time)...", file=sys.stderr)
-            ref = in_process_latencies(app_entry(data)["args"].get("ralm", {}), questions, kinds, methods,
-                                       args.max_new_tokens, getattr(args, "options", None))
+            ref = in_process_latencies(
+                app_entry(data)["args"].get("ralm", {}),
+                questions,
+                kinds,
+                methods,
+                args.max_new_tokens,
+                getattr(args, "options", None),
+            )
         print("starting the server in-process...", file=sys.stderr)
         url = start_local_app(data)
         started_here = True
     client = Client(url, args.timeout)
     try:
         model = client.http.get("/v1/models").json()["data"][0]["id"]
-        rows, notes = run_served_bench(client, questions, kinds, methods, levels, batching,
-                                       args.max_new_tokens, args.warmup, args.window_ms,
-                                       options=getattr(args, "options", None),
-                                       max_inflight=getattr(args, "max_inflight", None))
+        rows, notes = run_served_bench(
+            client,
+            questions,
+            kinds,
+            methods,
+            levels,
+            batching,
+            args.max_new_tokens,
+            args.warmup,
+            args.window_ms,
+            options=getattr(args, "options", None),
+            max_inflight=getattr(args, "max_inflight", None),
+        )
         if started_here and args.pad_to:
-            notes.append(f"the EDR index was padded to {args.pad_to} rows with random vectors of norm "
-                         f"1e-3 (search cost of a Wikipedia-scale KB; results unchanged)")
+            notes.append(
+                f"the EDR index was padded to {args.pad_to} rows with random vectors of norm "
+                f"1e-3 (search cost of a Wikipedia-scale KB; results unchanged)"
+            )
     finally:
         if started_here:
             from ray import serve
+
             serve.shutdown()
-    meta = {"url": url, "model": model, "requests": len(questions), "max_new_tokens": args.max_new_tokens,
-            "concurrency": levels, "retrievers": kinds, "methods": [m for m, _ in methods],
-            "options": getattr(args, "options", None) or {},
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    meta = {
+        "url": url,
+        "model": model,
+        "requests": len(questions),
+        "max_new_tokens": args.max_new_tokens,
+        "concurrency": levels,
+        "retrievers": kinds,
+        "methods": [m for m, _ in methods],
+        "options": getattr(args, "options", None) or {},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     one = one_request_rows(rows, ref, questions)
     md = to_markdown(rows, meta, notes, one)
-    write_report(Path(args.out), "served_bench", {"meta": meta, "notes": notes, "rows": rows,
-                                                  "one_request_vs_in_process": one}, md, indent=2)
+    write_report(
+        Path(args.out),
+        "served_bench",
+        {"meta": meta, "notes": notes, "rows": rows, "one_request_vs_in_process": one},
+        md,
+        indent=2,
+    )
     print(md)
     bad = [r for r in rows if r["identical"] != r["requests"]]
     if bad:
@@ -397,8 +548,9 @@ def served_bench_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="ralmspec served-bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="ralmspec served-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_served_bench_args(p)
     return served_bench_main(p.parse_args(argv))
 

@@ -6,11 +6,12 @@ core uses (:class:`~ralm.config.RequestConfig`, :class:`~ralm.config.SpecConfig`
 :class:`~ralm.config.KnnLMConfig`), so a bad value gets a 400 naming the field, the
 constraint and the value, before any work starts.
 """
+
 # no "from __future__ import annotations": FastAPI must see the body models as classes
 import json
 import re
 import uuid
-from typing import Literal, Optional, Union
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
@@ -20,14 +21,21 @@ from ralm.methods import KNN_METHODS, MethodName, describe_methods, method_info
 
 # ------------------------------------------------------------------ errors
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 type_: str = "invalid_request_error", code: Optional[str] = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
-               code: Optional[str] = None) -> dict:
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -71,8 +79,10 @@ def _validated(model, data: dict, prefix: str = ""):
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        errs = [{**err, "loc": tuple(f"{prefix}{x}" if i == 0 and prefix else x
-                                     for i, x in enumerate(err.get("loc", ())))} for err in e.errors()]
+        errs = [
+            {**err, "loc": tuple(f"{prefix}{x}" if i == 0 and prefix else x for i, x in enumerate(err.get("loc", ())))}
+            for err in e.errors()
+        ]
         msg, param = describe(errs)
         raise ApiError(400, msg, param=param) from None
 
@@ -80,7 +90,7 @@ def _validated(model, data: dict, prefix: str = ""):
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
-def request_id(value: Optional[str]) -> str:
+def request_id(value: str | None) -> str:
     """The client's ``X-Request-ID`` (it names the request's checkpoint), or a fresh one."""
     if value is None or value == "":
         return uuid.uuid4().hex
@@ -94,87 +104,132 @@ class SpecOptions(BaseModel):
     """RaLMSpec options (any subset of :class:`~ralm.config.SpecConfig` fields)."""
 
     model_config = ConfigDict(extra="forbid")
-    prefetch: Optional[StrictBool] = None
-    prefetch_size: Optional[StrictInt] = None
-    adaptive_stride: Optional[StrictBool] = None
-    async_verify: Optional[StrictBool] = None
-    stride: Optional[StrictInt] = None
-    os3_window: Optional[StrictInt] = None
-    gamma_max: Optional[float] = None
-    max_stride: Optional[StrictInt] = None
+    prefetch: StrictBool | None = None
+    prefetch_size: StrictInt | None = None
+    adaptive_stride: StrictBool | None = None
+    async_verify: StrictBool | None = None
+    stride: StrictInt | None = None
+    os3_window: StrictInt | None = None
+    gamma_max: float | None = None
+    max_stride: StrictInt | None = None
 
 
 class KnnOptions(BaseModel):
     """KNN-LM options of a request (methods knnlm-seq/knnlm-spec; :class:`~ralm.config.KnnLMConfig`)."""
 
     model_config = ConfigDict(extra="forbid")
-    k: Optional[StrictInt] = Field(None, description="Neighbours retrieved per token (1..1024).")
-    temperature: Optional[StrictFloat] = Field(None, description="T of p_knn ~ exp(-dist/T).")
-    lmbda: Optional[StrictFloat] = Field(None, description="lambda: weight of p_knn in the interpolation (0..1).")
-    spatial_next: Optional[StrictInt] = Field(None, description="knnlm-spec: successors of each retrieved entry put into the cache.")
-    cache_max_entries: Optional[StrictInt] = Field(None, description="knnlm-spec: speculative cache capacity (0: automatic).")
+    k: StrictInt | None = Field(None, description="Neighbours retrieved per token (1..1024).")
+    temperature: StrictFloat | None = Field(None, description="T of p_knn ~ exp(-dist/T).")
+    lmbda: StrictFloat | None = Field(None, description="lambda: weight of p_knn in the interpolation (0..1).")
+    spatial_next: StrictInt | None = Field(
+        None, description="knnlm-spec: successors of each retrieved entry put into the cache."
+    )
+    cache_max_entries: StrictInt | None = Field(
+        None, description="knnlm-spec: speculative cache capacity (0: automatic)."
+    )
 
 
 # RequestConfig fields a request may set, beyond max tokens (their constraints are RequestConfig's)
-GENERATION_FIELDS = ("generation_stride", "query_window", "ignore_eos", "num_docs", "drafting", "ngram_n",
-                     "ngram_min_n", "ngram_m", "dense_num_drafts", "dense_draft_len", "dense_candidates", "workload",
-                     "flare_threshold", "iter_retgen_iterations", "idgr", "idgr_unrelated",
-                     "allow_inexact_shifted_reuse")
+GENERATION_FIELDS = (
+    "generation_stride",
+    "query_window",
+    "ignore_eos",
+    "num_docs",
+    "drafting",
+    "ngram_n",
+    "ngram_min_n",
+    "ngram_m",
+    "dense_num_drafts",
+    "dense_draft_len",
+    "dense_candidates",
+    "workload",
+    "flare_threshold",
+    "iter_retgen_iterations",
+    "idgr",
+    "idgr_unrelated",
+    "allow_inexact_shifted_reuse",
+)
 
 
 class RalmOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    retriever: Optional[StrictStr] = Field(None, description="edr, adr or sr (default: the server's first).")
-    method: Optional[MethodName] = Field(None, description=describe_methods() + " (KNN-LM: when the server "
-                                         "enables it).")
-    spec: Optional[Union[StrictStr, SpecOptions]] = Field(None, description="'base', any of P/S/A (e.g. 'PSA'), or an object of SpecConfig fields.")
-    stride: Optional[StrictInt] = Field(None, description="Fixed speculation stride s.")
-    prefetch_size: Optional[StrictInt] = Field(None, description="p, documents prefetched per query (with P).")
-    generation_stride: Optional[StrictInt] = Field(None, description="k, tokens generated per retrieval.")
-    query_window: Optional[StrictInt] = Field(None, description="Query = last N tokens.")
-    ignore_eos: Optional[StrictBool] = Field(None, description="Never stop at EOS (fixed-length generation).")
+    retriever: StrictStr | None = Field(None, description="edr, adr or sr (default: the server's first).")
+    method: MethodName | None = Field(None, description=describe_methods() + " (KNN-LM: when the server enables it).")
+    spec: StrictStr | SpecOptions | None = Field(
+        None, description="'base', any of P/S/A (e.g. 'PSA'), or an object of SpecConfig fields."
+    )
+    stride: StrictInt | None = Field(None, description="Fixed speculation stride s.")
+    prefetch_size: StrictInt | None = Field(None, description="p, documents prefetched per query (with P).")
+    generation_stride: StrictInt | None = Field(None, description="k, tokens generated per retrieval.")
+    query_window: StrictInt | None = Field(None, description="Query = last N tokens.")
+    ignore_eos: StrictBool | None = Field(None, description="Never stop at EOS (fixed-length generation).")
     # ---- generation-side modes (RequestConfig; exact unless stated)
-    num_docs: Optional[StrictInt] = Field(None, description="Documents per prompt (1..8): the KB's top-n in rank order; their KV is reused through the doc-KV prefix tree.")
-    drafting: Optional[Literal["none", "ngram", "dense"]] = Field(None, description="Draft tokens and verify them in one forward pass: 'ngram' (copy from documents/question) or 'dense' (DReSD datastore; needs a server that enables it).")
-    ngram_n: Optional[StrictInt] = Field(None, description="n-gram drafting: match the last N tokens (1..64).")
-    ngram_min_n: Optional[StrictInt] = Field(None, description="n-gram drafting: back off to matches of this length (1..64).")
-    ngram_m: Optional[StrictInt] = Field(None, description="n-gram drafting: tokens per draft (1..256).")
-    dense_num_drafts: Optional[StrictInt] = Field(None, description="dense drafting: drafts per batched verification (1..32).")
-    dense_draft_len: Optional[StrictInt] = Field(None, description="dense drafting: tokens per draft (1..256).")
-    dense_candidates: Optional[StrictInt] = Field(None, description="dense drafting: datastore neighbours fetched (1..1024).")
-    workload: Optional[Literal["fixed", "flare", "iter_retgen"]] = Field(None, description="Retrieval trigger: every k tokens ('fixed'), before a low-confidence token ('flare'), or per Iter-RetGen iteration ('iter_retgen').")
-    flare_threshold: Optional[StrictFloat] = Field(None, description="FLARE: a token with greedy probability below this ends the step (0 < t < 1).")
-    iter_retgen_iterations: Optional[StrictInt] = Field(None, description="Iter-RetGen: number of iterations (1..1024).")
-    idgr: Optional[StrictBool] = Field(None, description="IDGR instruction block listing related/unrelated doc ids. INEXACT: changes the output (the response says exact: false).")
-    idgr_unrelated: Optional[StrictInt] = Field(None, description="IDGR: lower-ranked doc ids listed as unrelated (0..64).")
-    allow_inexact_shifted_reuse: Optional[StrictBool] = Field(None, description="Reuse a document's stand-alone KV at another position (IDR2). INEXACT: changes the output (exact: false).")
-    knn: Optional[KnnOptions] = Field(None, description="KNN-LM options (methods knnlm-seq / knnlm-spec only).")
+    num_docs: StrictInt | None = Field(
+        None,
+        description="Documents per prompt (1..8): the KB's top-n in rank order; their KV is reused through the doc-KV prefix tree.",
+    )
+    drafting: Literal["none", "ngram", "dense"] | None = Field(
+        None,
+        description="Draft tokens and verify them in one forward pass: 'ngram' (copy from documents/question) or 'dense' (DReSD datastore; needs a server that enables it).",
+    )
+    ngram_n: StrictInt | None = Field(None, description="n-gram drafting: match the last N tokens (1..64).")
+    ngram_min_n: StrictInt | None = Field(
+        None, description="n-gram drafting: back off to matches of this length (1..64)."
+    )
+    ngram_m: StrictInt | None = Field(None, description="n-gram drafting: tokens per draft (1..256).")
+    dense_num_drafts: StrictInt | None = Field(
+        None, description="dense drafting: drafts per batched verification (1..32)."
+    )
+    dense_draft_len: StrictInt | None = Field(None, description="dense drafting: tokens per draft (1..256).")
+    dense_candidates: StrictInt | None = Field(
+        None, description="dense drafting: datastore neighbours fetched (1..1024)."
+    )
+    workload: Literal["fixed", "flare", "iter_retgen"] | None = Field(
+        None,
+        description="Retrieval trigger: every k tokens ('fixed'), before a low-confidence token ('flare'), or per Iter-RetGen iteration ('iter_retgen').",
+    )
+    flare_threshold: StrictFloat | None = Field(
+        None, description="FLARE: a token with greedy probability below this ends the step (0 < t < 1)."
+    )
+    iter_retgen_iterations: StrictInt | None = Field(None, description="Iter-RetGen: number of iterations (1..1024).")
+    idgr: StrictBool | None = Field(
+        None,
+        description="IDGR instruction block listing related/unrelated doc ids. INEXACT: changes the output (the response says exact: false).",
+    )
+    idgr_unrelated: StrictInt | None = Field(
+        None, description="IDGR: lower-ranked doc ids listed as unrelated (0..64)."
+    )
+    allow_inexact_shifted_reuse: StrictBool | None = Field(
+        None,
+        description="Reuse a document's stand-alone KV at another position (IDR2). INEXACT: changes the output (exact: false).",
+    )
+    knn: KnnOptions | None = Field(None, description="KNN-LM options (methods knnlm-seq / knnlm-spec only).")
 
 
 class CompletionRequest(RalmOptions):
-    model: Optional[StrictStr] = None
-    prompt: Union[StrictStr, list[StrictStr]]
-    max_tokens: Optional[StrictInt] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    n: Optional[StrictInt] = None
-    best_of: Optional[StrictInt] = None
+    model: StrictStr | None = None
+    prompt: StrictStr | list[StrictStr]
+    max_tokens: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: StrictInt | None = None
+    best_of: StrictInt | None = None
     stream: StrictBool = False
-    stream_options: Optional[dict] = None
-    logprobs: Optional[StrictInt] = None
+    stream_options: dict | None = None
+    logprobs: StrictInt | None = None
     echo: StrictBool = False
-    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
-    suffix: Optional[StrictStr] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict] = None
-    user: Optional[StrictStr] = None
-    seed: Optional[StrictInt] = None
+    stop: StrictStr | list[StrictStr] | None = None
+    suffix: StrictStr | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    user: StrictStr | None = None
+    seed: StrictInt | None = None
 
 
 class GenerateRequest(RalmOptions):
     question: StrictStr
-    max_new_tokens: Optional[StrictInt] = None
+    max_new_tokens: StrictInt | None = None
 
 
 class VerifierPolicyUpdate(BaseModel):
@@ -182,11 +237,11 @@ class VerifierPolicyUpdate(BaseModel):
     others keep their values; see :class:`deployments.config.VerifierOptions`)."""
 
     model_config = ConfigDict(extra="forbid")
-    batching: Optional[StrictBool] = None
-    window_ms: Optional[float] = None
-    max_batch: Optional[StrictInt] = Field(None, ge=1)
-    max_inflight: Optional[StrictInt] = Field(None, ge=1)
-    flush_when_all_waiting: Optional[StrictBool] = None
+    batching: StrictBool | None = None
+    window_ms: float | None = None
+    max_batch: StrictInt | None = Field(None, ge=1)
+    max_inflight: StrictInt | None = Field(None, ge=1)
+    flush_when_all_waiting: StrictBool | None = None
     reset_stats: StrictBool = False
 
 
@@ -200,9 +255,21 @@ def _not_enabled(what: str, how: str, param: str) -> ApiError:
     return ApiError(400, f"{what} is not enabled on this server: {how}", param=param, code="mode_not_enabled")
 
 
-def build_job(opts: RalmOptions, question: str, max_new: Optional[int], max_param: str, rid: Optional[str], *,
-              kinds: list, default_method: str, spec_defaults: SpecConfig, request_defaults: RequestConfig,
-              max_new_limit: int, features: dict, knn_defaults: Optional[KnnLMConfig] = None) -> dict:
+def build_job(
+    opts: RalmOptions,
+    question: str,
+    max_new: int | None,
+    max_param: str,
+    rid: str | None,
+    *,
+    kinds: list,
+    default_method: str,
+    spec_defaults: SpecConfig,
+    request_defaults: RequestConfig,
+    max_new_limit: int,
+    features: dict,
+    knn_defaults: KnnLMConfig | None = None,
+) -> dict:
     """The coordinator job of a validated body: ``{question, retriever, method, spec, request,
     request_id}`` (plus ``knn`` for KNN-LM). ``features``: ``{"dense_drafting": bool, "knnlm": bool}``
     of the generator. Raises :class:`ApiError` (400) for any invalid or unavailable option."""
@@ -210,17 +277,25 @@ def build_job(opts: RalmOptions, question: str, max_new: Optional[int], max_para
     info = method_info(method)
     knn_method = info.knn
     if knn_method and not features.get("knnlm"):
-        raise _not_enabled("knnlm", "start the server with knnlm.enabled: true in the app config "
-                           f"(serve_config.yaml args) to serve methods {' and '.join(KNN_METHODS)}", "method")
+        raise _not_enabled(
+            "knnlm",
+            "start the server with knnlm.enabled: true in the app config "
+            f"(serve_config.yaml args) to serve methods {' and '.join(KNN_METHODS)}",
+            "method",
+        )
     if knn_method and opts.retriever is not None:
-        raise ApiError(400, f"retriever does not apply to method {method!r}: KNN-LM retrieves from its token "
-                            "datastore", param="retriever")
+        raise ApiError(
+            400,
+            f"retriever does not apply to method {method!r}: KNN-LM retrieves from its token datastore",
+            param="retriever",
+        )
     kind = opts.retriever or kinds[0]
     if not knn_method and kind not in kinds:
         raise ApiError(400, f"unknown retriever {kind!r}: this server serves {', '.join(kinds)}", param="retriever")
     if opts.knn is not None and not knn_method:
-        raise ApiError(400, f"knn options apply only to methods {' and '.join(KNN_METHODS)} (method is {method!r})",
-                       param="knn")
+        raise ApiError(
+            400, f"knn options apply only to methods {' and '.join(KNN_METHODS)} (method is {method!r})", param="knn"
+        )
 
     spec_upd: dict = {}
     if isinstance(opts.spec, str):
@@ -248,23 +323,40 @@ def build_job(opts: RalmOptions, question: str, max_new: Optional[int], max_para
     if knn_method:
         doc_level = sorted(n for n in req_upd if n not in ("max_new_tokens", "ignore_eos"))
         if doc_level:
-            raise ApiError(400, f"{', '.join(doc_level)} {'does' if len(doc_level) == 1 else 'do'} not apply to "
-                                f"method {method!r}: KNN-LM is a "
-                                "token-level loop (it takes max tokens, ignore_eos, spec and knn)", param=doc_level[0])
+            raise ApiError(
+                400,
+                f"{', '.join(doc_level)} {'does' if len(doc_level) == 1 else 'do'} not apply to "
+                f"method {method!r}: KNN-LM is a "
+                "token-level loop (it takes max tokens, ignore_eos, spec and knn)",
+                param=doc_level[0],
+            )
         if spec_upd.get("async_verify") and not info.async_verify:
-            raise ApiError(400, "asynchronous verification (A) is not supported for KNN-LM (as in the RaLMSpec "
-                                "paper); use a fixed stride or S", param="spec")
-        spec_upd.setdefault("async_verify", False)       # the server's default A does not apply to KNN-LM
+            raise ApiError(
+                400,
+                "asynchronous verification (A) is not supported for KNN-LM (as in the RaLMSpec "
+                "paper); use a fixed stride or S",
+                param="spec",
+            )
+        spec_upd.setdefault("async_verify", False)  # the server's default A does not apply to KNN-LM
         base_req = RequestConfig(max_new_tokens=request_defaults.max_new_tokens, ignore_eos=request_defaults.ignore_eos)
     else:
         base_req = request_defaults
     spec = _validated(SpecConfig, {**spec_defaults.model_dump(), **spec_upd})
     req = _validated(RequestConfig, {**base_req.model_dump(), **req_upd})
     if req.drafting == "dense" and not features.get("dense_drafting"):
-        raise _not_enabled("dense drafting", "no DReSD datastore is configured (app config dense_drafting.datastore); "
-                           "use drafting 'ngram' or 'none'", "drafting")
-    job = {"question": question, "retriever": "knn" if knn_method else kind, "method": method,
-           "spec": spec.model_dump(), "request": req.model_dump(), "request_id": request_id(rid)}
+        raise _not_enabled(
+            "dense drafting",
+            "no DReSD datastore is configured (app config dense_drafting.datastore); use drafting 'ngram' or 'none'",
+            "drafting",
+        )
+    job = {
+        "question": question,
+        "retriever": "knn" if knn_method else kind,
+        "method": method,
+        "spec": spec.model_dump(),
+        "request": req.model_dump(),
+        "request_id": request_id(rid),
+    }
     if knn_method:
         over = opts.knn.model_dump(exclude_none=True) if opts.knn is not None else {}
         base = (knn_defaults or KnnLMConfig()).model_dump()

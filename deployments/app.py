@@ -10,6 +10,7 @@ HTTP ingress (:mod:`deployments.serve_ingress`) over the generator deployment
 actors and the verifier, and the pool of coordinators; missing indexes are built on first
 start into ``ralm.work_dir``.
 """
+
 from __future__ import annotations
 
 from deployments.config import AppConfig, VerifierOptions
@@ -26,9 +27,12 @@ def build_app(args: dict | None = None):
 
     cfg = AppConfig.model_validate(dict(args or {})).resolved()
     gen = generator_deployment(cfg.generator_deployment).bind(
-        cfg.ralm.generator.model_dump(mode="json"), str(cfg.ralm.corpus),
+        cfg.ralm.generator.model_dump(mode="json"),
+        str(cfg.ralm.corpus),
         cfg.generator_deployment.serialize_steps,
-        cfg.dense_drafting.model_dump(mode="json"), cfg.knnlm.model_dump(mode="json"))
+        cfg.dense_drafting.model_dump(mode="json"),
+        cfg.knnlm.model_dump(mode="json"),
+    )
     ingress = Ingress.options(
         ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,

@@ -12,9 +12,11 @@ method, spec, request, request_id}`` (plus ``knn`` for KNN-LM). A *result* is
 ``{"delta": text, "tokens": [...]}`` chunks as tokens are verified (the deltas concatenate
 to the text), then ``{"delta": text, "tokens": [], "done": True, "result": result}``.
 """
+
 from __future__ import annotations
 
-from typing import AsyncIterator, Awaitable, Callable, Protocol, runtime_checkable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol, runtime_checkable
 
 
 class BackendUnavailable(Exception):
@@ -31,9 +33,9 @@ class RalmBackend(Protocol):
     server cannot run) are raised as :class:`~ralm.errors.RalmInputError` or
     :class:`~ralm.errors.ConfigError` (the ingress answers 400); anything else is a 500."""
 
-    features: dict[str, bool]     # optional modes the generator serves: {"dense_drafting", "knnlm"}
-    max_prompt_tokens: int        # longest accepted question, in tokens
-    max_new_tokens: int           # most tokens a request may ask for
+    features: dict[str, bool]  # optional modes the generator serves: {"dense_drafting", "knnlm"}
+    max_prompt_tokens: int  # longest accepted question, in tokens
+    max_new_tokens: int  # most tokens a request may ask for
 
     def encode_question(self, question: str) -> list[int]:
         """The question's token ids with the generator's tokenizer (RalmInputError when it is
@@ -68,4 +70,3 @@ class RalmBackend(Protocol):
 BackendFactory = Callable[..., Awaitable[RalmBackend]]
 
 __all__ = ["BackendFactory", "BackendUnavailable", "RalmBackend"]
-

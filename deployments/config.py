@@ -4,10 +4,11 @@ Serve config (``serve_config.yaml``), with every option of the deployments it st
 Pure pydantic (no Ray): :mod:`cluster.serve` validates a config with it before anything
 starts, and :func:`deployments.app.build_app` builds the application from it.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -27,53 +28,87 @@ class _Opts(BaseModel):
 class ShardingOptions(_Opts):
     n_shards: int = Field(2, ge=1, le=256, description="Contiguous corpus slices per retriever, one shard actor each.")
     num_cpus: float = Field(0.1, ge=0, description="CPUs reserved per shard actor (a scheduling reservation).")
-    max_restarts: int = Field(5, ge=-1, description="Restarts of a shard actor that died (-1: unlimited); it reloads its slice.")
+    max_restarts: int = Field(
+        5, ge=-1, description="Restarts of a shard actor that died (-1: unlimited); it reloads its slice."
+    )
     max_task_retries: int = Field(3, ge=-1, description="Ray retries of a shard call interrupted by the shard's death.")
-    build_num_cpus: float = Field(0.1, ge=0, description="CPUs reserved by the one-off task that builds missing indexes and shards.")
+    build_num_cpus: float = Field(
+        0.1, ge=0, description="CPUs reserved by the one-off task that builds missing indexes and shards."
+    )
 
 
 class VerifierOptions(_Opts):
-    batching: bool = Field(True, description="Batch KB calls across in-flight requests (off: each call is searched on its own).")
-    window_ms: float = Field(DEFAULT_WINDOW_MS, ge=0, le=5000, description="Longest wait to fill a batch after its first query (a batch leaves earlier when every request in flight is waiting, see flush_when_all_waiting).")
+    batching: bool = Field(
+        True, description="Batch KB calls across in-flight requests (off: each call is searched on its own)."
+    )
+    window_ms: float = Field(
+        DEFAULT_WINDOW_MS,
+        ge=0,
+        le=5000,
+        description="Longest wait to fill a batch after its first query (a batch leaves earlier when every request in flight is waiting, see flush_when_all_waiting).",
+    )
     max_batch: int = Field(64, ge=1, description="A batch is sent as soon as this many queries wait.")
     max_inflight: int = Field(DEFAULT_MAX_INFLIGHT, ge=1, description="Batches in flight at once per retriever.")
-    flush_when_all_waiting: bool = Field(True, description="Send a batch before the window ends as soon as every request in flight is waiting on the verifier (one request alone never waits for the window).")
+    flush_when_all_waiting: bool = Field(
+        True,
+        description="Send a batch before the window ends as soon as every request in flight is waiting on the verifier (one request alone never waits for the window).",
+    )
     num_cpus: float = Field(0.1, ge=0, description="CPUs reserved per verifier actor (it encodes queries).")
 
 
 class PoolOptions(_Opts):
     size: int = Field(4, ge=1, description="Coordinators started with the server.")
-    max_size: int = Field(16, ge=1, description="Most coordinators (= most requests in flight); further requests queue.")
+    max_size: int = Field(
+        16, ge=1, description="Most coordinators (= most requests in flight); further requests queue."
+    )
     num_cpus: float = Field(0.02, ge=0, description="CPUs reserved per coordinator actor.")
 
     @model_validator(mode="after")
-    def _check(self) -> "PoolOptions":
+    def _check(self) -> PoolOptions:
         if self.max_size < self.size:
             raise ValueError("pool.max_size must be >= pool.size")
         return self
 
 
 class IngressOptions(_Opts):
-    served_model_name: Optional[str] = Field(None, description="Model id in the OpenAI API (default: the generator's directory or hub name).")
+    served_model_name: str | None = Field(
+        None, description="Model id in the OpenAI API (default: the generator's directory or hub name)."
+    )
     num_cpus: float = Field(0.1, ge=0, description="CPUs reserved by the ingress replica.")
-    max_ongoing_requests: int = Field(256, ge=1, description="Concurrent HTTP requests the ingress accepts (beyond the pool they wait).")
-    max_prompt_chars: int = Field(20_000, ge=1, description="Prompts longer than this are rejected before tokenisation.")
-    admin: bool = Field(False, description="Enable POST /v1/ralm/admin/verifier (change batching at run time; for benchmarks).")
-    max_body_bytes: int = Field(1_048_576, ge=1, description="Request bodies larger than this are rejected with 413 before they are parsed.")
+    max_ongoing_requests: int = Field(
+        256, ge=1, description="Concurrent HTTP requests the ingress accepts (beyond the pool they wait)."
+    )
+    max_prompt_chars: int = Field(
+        20_000, ge=1, description="Prompts longer than this are rejected before tokenisation."
+    )
+    admin: bool = Field(
+        False, description="Enable POST /v1/ralm/admin/verifier (change batching at run time; for benchmarks)."
+    )
+    max_body_bytes: int = Field(
+        1_048_576, ge=1, description="Request bodies larger than this are rejected with 413 before they are parsed."
+    )
 
 
 class StateOptions(_Opts):
     # a rejected store config may hold a password: never echo it in errors
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), hide_input_in_errors=True)
 
-    store: Optional[StateStoreConfig] = Field(
-        None, description="State store for request checkpoints and the verified-KB cache (cache.state.StateStoreConfig; "
+    store: StateStoreConfig | None = Field(
+        None,
+        description="State store for request checkpoints and the verified-KB cache (cache.state.StateStoreConfig; "
         "no secrets: the Redis password comes from RALMSPEC_REDIS_PASSWORD or RALMSPEC_REDIS_PASSWORD_FILE). "
-        "None: the URL in RALMSPEC_STATE_URL if set, else no store (checkpoints and the KB cache are off).")
-    checkpoints: bool = Field(True, description="With a durable store (Redis, SQLite): save each request's verified prefix as "
-                              "it commits, so a request whose coordinator died resumes from it on a replacement.")
-    kb_cache: list[RetrieverKind] = Field(default_factory=list, description="Retrievers whose verified KB results are "
-                                          "cached across requests in the store (exact; keyed by index version).")
+        "None: the URL in RALMSPEC_STATE_URL if set, else no store (checkpoints and the KB cache are off).",
+    )
+    checkpoints: bool = Field(
+        True,
+        description="With a durable store (Redis, SQLite): save each request's verified prefix as "
+        "it commits, so a request whose coordinator died resumes from it on a replacement.",
+    )
+    kb_cache: list[RetrieverKind] = Field(
+        default_factory=list,
+        description="Retrievers whose verified KB results are "
+        "cached across requests in the store (exact; keyed by index version).",
+    )
 
 
 class AppConfig(_Opts):
@@ -82,29 +117,51 @@ class AppConfig(_Opts):
     # state.store may hold a (rejected) password: errors name fields, never echo input values
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), hide_input_in_errors=True)
 
-    ralm: RalmConfig = Field(default_factory=RalmConfig, description="Corpus, work dir, retriever, generator, speculation and request defaults (ralm.config.RalmConfig).")
-    retrievers: list[RetrieverKind] = Field(default_factory=lambda: ["edr", "adr", "sr"], min_length=1,
-                                            description="Retriever kinds served; the first is the default of a request.")
+    ralm: RalmConfig = Field(
+        default_factory=RalmConfig,
+        description="Corpus, work dir, retriever, generator, speculation and request defaults (ralm.config.RalmConfig).",
+    )
+    retrievers: list[RetrieverKind] = Field(
+        default_factory=lambda: ["edr", "adr", "sr"],
+        min_length=1,
+        description="Retriever kinds served; the first is the default of a request.",
+    )
     default_method: MethodName = Field(
-        "spec", description="Method of a request that names none (knnlm-*: needs knnlm.enabled).")
-    generator_preset: Optional[Literal["cpu", "gpu", "llama2-70b-4gpu"]] = Field(
-        None, description="Generator preset; fills generator settings not given explicitly (see deployments.generator.preset).")
-    generator_deployment: GeneratorDeploymentOptions = Field(default_factory=GeneratorDeploymentOptions,
-                                                             description="Replicas, CPUs/GPUs, autoscaling and placement group of the generator.")
+        "spec", description="Method of a request that names none (knnlm-*: needs knnlm.enabled)."
+    )
+    generator_preset: Literal["cpu", "gpu", "llama2-70b-4gpu"] | None = Field(
+        None,
+        description="Generator preset; fills generator settings not given explicitly (see deployments.generator.preset).",
+    )
+    generator_deployment: GeneratorDeploymentOptions = Field(
+        default_factory=GeneratorDeploymentOptions,
+        description="Replicas, CPUs/GPUs, autoscaling and placement group of the generator.",
+    )
     sharding: ShardingOptions = Field(default_factory=ShardingOptions, description="Retrieval shards.")
-    verifier: VerifierOptions = Field(default_factory=VerifierOptions, description="Cross-request verification batching.")
+    verifier: VerifierOptions = Field(
+        default_factory=VerifierOptions, description="Cross-request verification batching."
+    )
     pool: PoolOptions = Field(default_factory=PoolOptions, description="Pre-started coordinator actors.")
     ingress: IngressOptions = Field(default_factory=IngressOptions, description="HTTP front end.")
-    state: StateOptions = Field(default_factory=StateOptions, description="Request checkpoints and the cross-request "
-                                "verified-KB cache (off unless a store is configured).")
-    build_indexes: bool = Field(True, description="Build missing indexes and shards on start (else a missing index is an error).")
-    dense_drafting: DenseDraftingOptions = Field(default_factory=DenseDraftingOptions, description="DReSD datastore "
-                                                 "for requests with drafting='dense' (off unless a datastore is given).")
-    knnlm: KnnServeOptions = Field(default_factory=KnnServeOptions, description="KNN-LM requests (method knnlm-seq / "
-                                   "knnlm-spec), run in the generator replicas over a token datastore (off by default).")
+    state: StateOptions = Field(
+        default_factory=StateOptions,
+        description="Request checkpoints and the cross-request verified-KB cache (off unless a store is configured).",
+    )
+    build_indexes: bool = Field(
+        True, description="Build missing indexes and shards on start (else a missing index is an error)."
+    )
+    dense_drafting: DenseDraftingOptions = Field(
+        default_factory=DenseDraftingOptions,
+        description="DReSD datastore for requests with drafting='dense' (off unless a datastore is given).",
+    )
+    knnlm: KnnServeOptions = Field(
+        default_factory=KnnServeOptions,
+        description="KNN-LM requests (method knnlm-seq / "
+        "knnlm-spec), run in the generator replicas over a token datastore (off by default).",
+    )
 
     @model_validator(mode="after")
-    def _check(self) -> "AppConfig":
+    def _check(self) -> AppConfig:
         if len(set(self.retrievers)) != len(self.retrievers):
             raise ValueError("retrievers lists a kind twice")
         if set(self.state.kb_cache) - set(self.retrievers):
@@ -115,7 +172,7 @@ class AppConfig(_Opts):
             raise ValueError(f"default_method is {self.default_method!r} but knnlm.enabled is false")
         return self
 
-    def resolved(self) -> "AppConfig":
+    def resolved(self) -> AppConfig:
         """The config with paths made absolute and the generator preset applied (explicit settings win).
 
         Relative paths (corpus, work dir, a local model directory) are taken relative to the
@@ -136,18 +193,33 @@ class AppConfig(_Opts):
         model = gen.model
         if _looks_local(model):
             model = str(_abs(model))
-        ralm = ralm.model_copy(update={
-            "corpus": _abs(ralm.corpus), "work_dir": _abs(ralm.work_dir),
-            "generator": gen.model_copy(update={"model": model}),
-            "retriever": ralm.retriever.model_copy(update={
-                "index_dir": _abs(ralm.retriever.index_dir) if ralm.retriever.index_dir else None}),
-        })
+        ralm = ralm.model_copy(
+            update={
+                "corpus": _abs(ralm.corpus),
+                "work_dir": _abs(ralm.work_dir),
+                "generator": gen.model_copy(update={"model": model}),
+                "retriever": ralm.retriever.model_copy(
+                    update={"index_dir": _abs(ralm.retriever.index_dir) if ralm.retriever.index_dir else None}
+                ),
+            }
+        )
         upd["ralm"] = ralm
         if self.dense_drafting.datastore is not None:
-            upd["dense_drafting"] = self.dense_drafting.model_copy(update={"datastore": _abs(self.dense_drafting.datastore)})
+            upd["dense_drafting"] = self.dense_drafting.model_copy(
+                update={"datastore": _abs(self.dense_drafting.datastore)}
+            )
         knn = self.knnlm.config
-        upd["knnlm"] = self.knnlm.model_copy(update={"config": knn.model_copy(update={
-            "datastore_dir": _abs(knn.datastore_dir) if knn.datastore_dir else Path(ralm.work_dir) / "knn-datastore"})})
+        upd["knnlm"] = self.knnlm.model_copy(
+            update={
+                "config": knn.model_copy(
+                    update={
+                        "datastore_dir": _abs(knn.datastore_dir)
+                        if knn.datastore_dir
+                        else Path(ralm.work_dir) / "knn-datastore"
+                    }
+                )
+            }
+        )
         return self.model_copy(update=upd)
 
     @property

@@ -17,13 +17,15 @@ replica runs in bundle 0 and sees only its own GPU at first; :func:`claim_placem
 parks a probe actor in every other bundle, learns their GPU ids and makes all of them
 visible to the replica before CUDA starts.
 """
+
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
 import threading
-from typing import Any, Literal, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -44,25 +46,35 @@ class AutoscalingOptions(BaseModel):
     max_replicas: int = Field(2, ge=1, description="Most replicas started under load.")
     target_ongoing_requests: float = Field(4.0, gt=0, description="Ongoing step calls per replica that Serve aims for.")
     upscale_delay_s: float = Field(5.0, ge=0, description="Load must stay high this long before a replica is added.")
-    downscale_delay_s: float = Field(60.0, ge=0, description="Load must stay low this long before a replica is removed.")
+    downscale_delay_s: float = Field(
+        60.0, ge=0, description="Load must stay low this long before a replica is removed."
+    )
 
 
 class GeneratorDeploymentOptions(BaseModel):
     """How the generator deployment is placed and scaled (Serve deployment options)."""
 
     model_config = ConfigDict(extra="forbid")
-    preset: Optional[str] = Field(None, description="Name of the preset these options came from (informational).")
+    preset: str | None = Field(None, description="Name of the preset these options came from (informational).")
     num_replicas: int = Field(1, ge=1, description="Replicas when autoscaling is off.")
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per replica (a scheduling reservation).")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved per replica actor (with a placement group: in bundle 0).")
+    num_gpus: float = Field(
+        0.0, ge=0, description="GPUs reserved per replica actor (with a placement group: in bundle 0)."
+    )
     max_ongoing_requests: int = Field(16, ge=1, description="Concurrent step calls a replica accepts.")
-    autoscaling: Optional[AutoscalingOptions] = Field(None, description="Autoscaling instead of a fixed replica count.")
-    placement_group_bundles: Optional[list[dict[str, float]]] = Field(
-        None, description="Per-replica placement group; the replica actor runs in the first bundle.")
-    placement_group_strategy: Optional[Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]] = Field(
-        None, description="Placement group strategy (STRICT_PACK: every bundle on one node).")
-    serialize_steps: bool = Field(True, description="Run one step at a time per replica (steps never share a forward pass).")
-    env_vars: dict[str, str] = Field(default_factory=dict, description="Environment variables of the replica processes.")
+    autoscaling: AutoscalingOptions | None = Field(None, description="Autoscaling instead of a fixed replica count.")
+    placement_group_bundles: list[dict[str, float]] | None = Field(
+        None, description="Per-replica placement group; the replica actor runs in the first bundle."
+    )
+    placement_group_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = Field(
+        None, description="Placement group strategy (STRICT_PACK: every bundle on one node)."
+    )
+    serialize_steps: bool = Field(
+        True, description="Run one step at a time per replica (steps never share a forward pass)."
+    )
+    env_vars: dict[str, str] = Field(
+        default_factory=dict, description="Environment variables of the replica processes."
+    )
 
     def deployment_options(self, name: str = "Generator") -> dict:
         """Keyword arguments for ``Deployment.options``."""
@@ -71,14 +83,20 @@ class GeneratorDeploymentOptions(BaseModel):
             actor["num_gpus"] = self.num_gpus
         if self.env_vars:
             actor["runtime_env"] = {"env_vars": dict(self.env_vars)}
-        opts: dict[str, Any] = {"name": name, "ray_actor_options": actor,
-                                "max_ongoing_requests": self.max_ongoing_requests}
+        opts: dict[str, Any] = {
+            "name": name,
+            "ray_actor_options": actor,
+            "max_ongoing_requests": self.max_ongoing_requests,
+        }
         if self.autoscaling is not None:
             a = self.autoscaling
             opts["autoscaling_config"] = {
-                "min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+                "min_replicas": a.min_replicas,
+                "max_replicas": a.max_replicas,
                 "target_ongoing_requests": a.target_ongoing_requests,
-                "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s}
+                "upscale_delay_s": a.upscale_delay_s,
+                "downscale_delay_s": a.downscale_delay_s,
+            }
         else:
             opts["num_replicas"] = self.num_replicas
         if self.placement_group_bundles:
@@ -109,10 +127,15 @@ def preset(name: str, model: str | None = None) -> tuple[dict, GeneratorDeployme
     elif name == "llama2-70b-4gpu":
         gen = {"model": LLAMA2_70B, "device": "auto", "dtype": "float16"}
         opts = GeneratorDeploymentOptions(
-            preset=name, num_replicas=1, num_cpus=1, num_gpus=1, max_ongoing_requests=32,
+            preset=name,
+            num_replicas=1,
+            num_cpus=1,
+            num_gpus=1,
+            max_ongoing_requests=32,
             placement_group_bundles=[{"CPU": 1, "GPU": 1}, {"GPU": 1}, {"GPU": 1}, {"GPU": 1}],
             placement_group_strategy="STRICT_PACK",
-            env_vars={NOSET_CUDA_ENV: "1"})
+            env_vars={NOSET_CUDA_ENV: "1"},
+        )
     else:
         raise ValueError(f"unknown generator preset {name!r}: choose one of {', '.join(PRESETS)}")
     if model:
@@ -129,6 +152,7 @@ class _BundleProbe:
 
     def gpu_ids(self) -> list[str]:
         import ray
+
         return [str(g) for g in ray.get_gpu_ids()]
 
 
@@ -143,7 +167,7 @@ def claim_placement_group_gpus(timeout_s: float = 120.0) -> tuple[list, list[str
         import ray
         from ray.util.placement_group import get_current_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    except ImportError:       # pragma: no cover
+    except ImportError:  # pragma: no cover
         return [], []
     if not ray.is_initialized():
         return [], []
@@ -153,10 +177,13 @@ def claim_placement_group_gpus(timeout_s: float = 120.0) -> tuple[list, list[str
     probe_cls = ray.remote(_BundleProbe)
     probes = []
     for i, bundle in enumerate(pg.bundle_specs[1:], start=1):
-        probes.append(probe_cls.options(
-            num_cpus=0, num_gpus=bundle.get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-        ).remote())
+        probes.append(
+            probe_cls.options(
+                num_cpus=0,
+                num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            ).remote()
+        )
     ids = [str(g) for g in ray.get_gpu_ids()]
     for p in probes:
         ids += ray.get(p.gpu_ids.remote(), timeout=timeout_s)
@@ -175,8 +202,14 @@ def load_engine(cfg: GeneratorConfig) -> LMEngine:
 class GeneratorServer:
     """Body of the generator deployment (also usable in-process, e.g. in tests)."""
 
-    def __init__(self, generator: dict, corpus: str, serialize_steps: bool = True,
-                 dense_drafting: Optional[dict] = None, knnlm: Optional[dict] = None):
+    def __init__(
+        self,
+        generator: dict,
+        corpus: str,
+        serialize_steps: bool = True,
+        dense_drafting: dict | None = None,
+        knnlm: dict | None = None,
+    ):
         """``dense_drafting`` / ``knnlm``: :class:`deployments.modes.DenseDraftingOptions` /
         :class:`~deployments.modes.KnnServeOptions` as dicts (None: the mode is off)."""
         from deployments.modes import knn_server, load_dense_datastore
@@ -191,8 +224,9 @@ class GeneratorServer:
         self.dense = load_dense_datastore(dense_drafting, self.engine, self.corpus)
         self.knn = knn_server(knnlm, self.engine, self.corpus, self._lock)
 
-    def step(self, doc_id: Any, context: Sequence[int], k: int, ignore_eos: bool = False,
-             options: Any = None) -> StepOutput:
+    def step(
+        self, doc_id: Any, context: Sequence[int], k: int, ignore_eos: bool = False, options: Any = None
+    ) -> StepOutput:
         """``f(doc_id, context, k)`` on this replica's engine. ``doc_id``: an id, None, or a tuple of
         ranked ids (several documents, IDGR); ``options``: :class:`ralm.drafting.StepOptions`
         (drafting, FLARE, ...; None: the plain step)."""
@@ -202,8 +236,14 @@ class GeneratorServer:
                 return self.local.step(doc_id, list(context), int(k), ignore_eos=bool(ignore_eos))
             return self.local.step(doc_id, list(context), int(k), ignore_eos=bool(ignore_eos), options=options)
 
-    def knn_generate(self, question: str, method: str, knn: Optional[dict] = None, request: Optional[dict] = None,
-                     spec: Optional[dict] = None):
+    def knn_generate(
+        self,
+        question: str,
+        method: str,
+        knn: dict | None = None,
+        request: dict | None = None,
+        spec: dict | None = None,
+    ):
         """One KNN-LM request (``method`` knnlm-seq or knnlm-spec) on this replica; a
         :class:`~ralm.results.RalmResult`. Each forward pass takes the step lock."""
         from ralm.errors import RalmInputError
@@ -223,13 +263,20 @@ class GeneratorServer:
     def info(self) -> dict:
         model = self.engine.model
         return {
-            "model": self.cfg.model, "dtype": self.cfg.dtype, "device": str(self.engine.device),
+            "model": self.cfg.model,
+            "dtype": self.cfg.dtype,
+            "device": str(self.engine.device),
             "hf_device_map": {k: str(v) for k, v in (getattr(model, "hf_device_map", None) or {}).items()},
-            "gpu_ids": self.gpu_ids, "eos_token_id": self.engine.eos_token_id,
-            "max_prompt_tokens": self.cfg.max_prompt_tokens, "max_new_tokens": self.cfg.max_new_tokens,
-            "corpus_size": len(self.corpus), "corpus_sha256": self.corpus.sha256, "steps": self.steps,
+            "gpu_ids": self.gpu_ids,
+            "eos_token_id": self.engine.eos_token_id,
+            "max_prompt_tokens": self.cfg.max_prompt_tokens,
+            "max_new_tokens": self.cfg.max_new_tokens,
+            "corpus_size": len(self.corpus),
+            "corpus_sha256": self.corpus.sha256,
+            "steps": self.steps,
             "doc_kv": self.engine.doc_kv.stats.as_dict() if hasattr(self.engine.doc_kv, "stats") else None,
-            "features": self.features(), "dense_drafting": self.dense,
+            "features": self.features(),
+            "dense_drafting": self.dense,
             "knnlm": self.knn.info() if self.knn is not None else None,
             "pid": os.getpid(),
         }

@@ -36,6 +36,7 @@ done by a :class:`~deployments.backend.RalmBackend` (served: the Ray topology of
 :mod:`deployments.ray_backend`, wrapped as a Serve deployment in
 :mod:`deployments.serve_ingress`), so the app can be built and tested without Ray.
 """
+
 # no "from __future__ import annotations": FastAPI must see the body models as classes
 import hmac
 import json
@@ -43,20 +44,30 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Mapping, Optional
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from deployments.api import (ApiError, CompletionRequest, GenerateRequest, RalmOptions, build_job, describe,
-                             error_body, message_of, verifier_policy_update)
+from deployments.api import (
+    ApiError,
+    CompletionRequest,
+    GenerateRequest,
+    RalmOptions,
+    build_job,
+    describe,
+    error_body,
+    message_of,
+    verifier_policy_update,
+)
 from deployments.backend import BackendUnavailable, RalmBackend
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 from ralm.errors import ConfigError, RalmInputError
 
-if TYPE_CHECKING:        # the config module pulls in the generator's (torch); the HTTP layer needs none of it
+if TYPE_CHECKING:  # the config module pulls in the generator's (torch); the HTTP layer needs none of it
     from deployments.config import AppConfig
 
 log = logging.getLogger(__name__)
@@ -67,9 +78,9 @@ log = logging.getLogger(__name__)
 class IngressSettings:
     """What the HTTP layer needs of the app config (and the API key, from the environment)."""
 
-    model_name: str                       # the model id in the OpenAI API
-    model_ids: tuple[str, ...]            # ids a request's ``model`` may name
-    retrievers: tuple[str, ...]           # served retriever kinds; the first is the default
+    model_name: str  # the model id in the OpenAI API
+    model_ids: tuple[str, ...]  # ids a request's ``model`` may name
+    retrievers: tuple[str, ...]  # served retriever kinds; the first is the default
     default_method: str
     spec_defaults: SpecConfig
     request_defaults: RequestConfig
@@ -77,16 +88,24 @@ class IngressSettings:
     max_prompt_chars: int = 20_000
     max_body_bytes: int = 1_048_576
     admin: bool = False
-    api_key: Optional[str] = None
+    api_key: str | None = None
 
     @classmethod
-    def from_config(cls, cfg: "AppConfig", api_key: Optional[str] = None) -> "IngressSettings":
+    def from_config(cls, cfg: "AppConfig", api_key: str | None = None) -> "IngressSettings":
         """The settings of a validated app config (:class:`~deployments.config.AppConfig`)."""
-        return cls(model_name=cfg.model_name, model_ids=(cfg.model_name, str(cfg.ralm.generator.model)),
-                   retrievers=tuple(cfg.retrievers), default_method=cfg.default_method,
-                   spec_defaults=cfg.ralm.spec, request_defaults=cfg.ralm.request, knn_defaults=cfg.knnlm.config,
-                   max_prompt_chars=cfg.ingress.max_prompt_chars, max_body_bytes=cfg.ingress.max_body_bytes,
-                   admin=cfg.ingress.admin, api_key=api_key)
+        return cls(
+            model_name=cfg.model_name,
+            model_ids=(cfg.model_name, str(cfg.ralm.generator.model)),
+            retrievers=tuple(cfg.retrievers),
+            default_method=cfg.default_method,
+            spec_defaults=cfg.ralm.spec,
+            request_defaults=cfg.ralm.request,
+            knn_defaults=cfg.knnlm.config,
+            max_prompt_chars=cfg.ingress.max_prompt_chars,
+            max_body_bytes=cfg.ingress.max_body_bytes,
+            admin=cfg.ingress.admin,
+            api_key=api_key,
+        )
 
 
 # ------------------------------------------------------------------ API key and body size
@@ -95,7 +114,7 @@ API_KEY_FILE_ENV = "RALMSPEC_API_KEY_FILE"
 OPEN_PATHS = frozenset({"/healthz"})
 
 
-def read_api_key(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+def read_api_key(environ: Mapping[str, str] | None = None) -> str | None:
     """The API key from ``RALMSPEC_API_KEY`` or the file named by ``RALMSPEC_API_KEY_FILE``
     (None: no key, the API is open). Never from a config file."""
     env = os.environ if environ is None else environ
@@ -107,7 +126,9 @@ def read_api_key(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
             with open(path, encoding="utf-8") as fh:
                 key = fh.read().strip()
         except OSError as e:
-            raise ValueError(f"cannot read the API key file named by {API_KEY_FILE_ENV} ({path}): {e.strerror}") from None
+            raise ValueError(
+                f"cannot read the API key file named by {API_KEY_FILE_ENV} ({path}): {e.strerror}"
+            ) from None
         if not key:
             raise ValueError(f"the API key file {path} is empty")
     return key.strip() if key else None
@@ -117,17 +138,22 @@ class GuardMiddleware:
     """ASGI middleware: bearer-token check (when a key is set) and a request body size limit
     (checked on Content-Length and while reading, before the JSON is parsed)."""
 
-    def __init__(self, app, api_key: Optional[str] = None, max_body_bytes: int = 1_048_576):
+    def __init__(self, app, api_key: str | None = None, max_body_bytes: int = 1_048_576):
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
 
     @staticmethod
-    async def _reply(send, status: int, message: str, code: str, headers: Optional[list] = None) -> None:
+    async def _reply(send, status: int, message: str, code: str, headers: list | None = None) -> None:
         body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())] + (headers or [])})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+                + (headers or []),
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope, receive, send):
@@ -136,18 +162,28 @@ class GuardMiddleware:
         path = scope.get("path", "")
         root = scope.get("root_path", "")
         if root and path.startswith(root):
-            path = path[len(root):] or "/"
+            path = path[len(root) :] or "/"
         headers = {k.lower(): v for k, v in scope.get("headers") or []}
         key = self.api_key
         if key and path not in OPEN_PATHS:
             auth = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, token = auth.partition(" ")
             if not auth:
-                return await self._reply(send, 401, "missing API key: send the header 'Authorization: Bearer <key>'",
-                                         "missing_api_key", [(b"www-authenticate", b"Bearer")])
+                return await self._reply(
+                    send,
+                    401,
+                    "missing API key: send the header 'Authorization: Bearer <key>'",
+                    "missing_api_key",
+                    [(b"www-authenticate", b"Bearer")],
+                )
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-                return await self._reply(send, 401, "invalid API key", "invalid_api_key",
-                                         [(b"www-authenticate", b'Bearer error="invalid_token"')])
+                return await self._reply(
+                    send,
+                    401,
+                    "invalid API key",
+                    "invalid_api_key",
+                    [(b"www-authenticate", b'Bearer error="invalid_token"')],
+                )
         limit = self.max_body_bytes
         too_big = (f"request body is larger than the limit of {limit} bytes", "request_too_large")
         length = headers.get(b"content-length")
@@ -184,6 +220,7 @@ def _replay(messages: list, receive):
         if pending:
             return pending.pop(0)
         return await receive()
+
     return replay
 
 
@@ -202,8 +239,10 @@ def _check_greedy(body: CompletionRequest) -> None:
         raise ApiError(400, f"{param}: {why}", param=param)
 
     if body.temperature not in (None, 0, 0.0):
-        bad("temperature", "only greedy decoding is supported (temperature 0): ralmspec returns exactly "
-                           "the tokens of greedy RaLMSeq")
+        bad(
+            "temperature",
+            "only greedy decoding is supported (temperature 0): ralmspec returns exactly the tokens of greedy RaLMSeq",
+        )
     if body.top_p not in (None, 1, 1.0):
         bad("top_p", "only greedy decoding is supported (top_p 1)")
     if body.n not in (None, 1):
@@ -225,8 +264,13 @@ def _check_greedy(body: CompletionRequest) -> None:
 
 def _ralm_block(job: dict, res: dict) -> dict:
     """The ``ralm`` part of an OpenAI-style response: method, tokens, exactness and statistics."""
-    return {"retriever": job["retriever"], "method": job["method"], "tokens": res["tokens"],
-            "exact": res.get("exact", True), "stats": res["stats"]}
+    return {
+        "retriever": job["retriever"],
+        "method": job["method"],
+        "tokens": res["tokens"],
+        "exact": res.get("exact", True),
+        "stats": res["stats"],
+    }
 
 
 # ------------------------------------------------------------------ endpoints
@@ -241,30 +285,49 @@ class Endpoints:
         self.errors = 0
 
     # ---------------------------------------------------------------- validation
-    def _check_model(self, model: Optional[str]) -> None:
+    def _check_model(self, model: str | None) -> None:
         if model is None:
             return
         if model not in self.settings.model_ids:
-            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.settings.model_name!r}",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"model {model!r} does not exist; this server serves {self.settings.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def _validate_prompt(self, prompt: str, param: str) -> int:
         limit = self.settings.max_prompt_chars
         if len(prompt) > limit:
-            raise ApiError(400, f"{param} is {len(prompt)} characters long; the limit is {limit} characters "
-                                f"(and {self.backend.max_prompt_tokens} tokens)", param=param)
+            raise ApiError(
+                400,
+                f"{param} is {len(prompt)} characters long; the limit is {limit} characters "
+                f"(and {self.backend.max_prompt_tokens} tokens)",
+                param=param,
+            )
         try:
             return len(self.backend.encode_question(prompt))
         except RalmInputError as e:
             raise ApiError(400, f"{param}: {e}", param=param) from None
 
-    def _job(self, question: str, opts: RalmOptions, max_new: Optional[int], max_param: str,
-             rid: Optional[str] = None) -> dict:
+    def _job(
+        self, question: str, opts: RalmOptions, max_new: int | None, max_param: str, rid: str | None = None
+    ) -> dict:
         s = self.settings
-        return build_job(opts, question, max_new, max_param, rid, kinds=list(s.retrievers),
-                         default_method=s.default_method, spec_defaults=s.spec_defaults,
-                         request_defaults=s.request_defaults, max_new_limit=self.backend.max_new_tokens,
-                         features=self.backend.features, knn_defaults=s.knn_defaults)
+        return build_job(
+            opts,
+            question,
+            max_new,
+            max_param,
+            rid,
+            kinds=list(s.retrievers),
+            default_method=s.default_method,
+            spec_defaults=s.spec_defaults,
+            request_defaults=s.request_defaults,
+            max_new_limit=self.backend.max_new_tokens,
+            features=self.backend.features,
+            knn_defaults=s.knn_defaults,
+        )
 
     # ---------------------------------------------------------------- running
     async def _run(self, job: dict) -> dict:
@@ -281,13 +344,20 @@ class Endpoints:
             log.exception("request failed")
             raise ApiError(500, f"internal error: {message_of(e)}", type_="server_error") from None
 
-    def _chunk(self, cid: str, created: int, text: str, finish: Optional[str], **extra) -> str:
-        obj = {"id": cid, "object": "text_completion", "created": created, "model": self.settings.model_name,
-               "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}], **extra}
+    def _chunk(self, cid: str, created: int, text: str, finish: str | None, **extra) -> str:
+        obj = {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": self.settings.model_name,
+            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
+            **extra,
+        }
         return f"data: {json.dumps(obj)}\n\n"
 
-    async def _sse(self, job: dict, cid: str, created: int, echo: str, n_prompt: int,
-                   include_usage: bool) -> AsyncIterator[str]:
+    async def _sse(
+        self, job: dict, cid: str, created: int, echo: str, n_prompt: int, include_usage: bool
+    ) -> AsyncIterator[str]:
         self.requests += 1
         stream = self.backend.stream(job)
         try:
@@ -301,8 +371,11 @@ class Endpoints:
                     n_out = len(res["tokens"])
                     extra = {"ralm": _ralm_block(job, res)}
                     if include_usage:
-                        extra["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                                          "total_tokens": n_prompt + n_out}
+                        extra["usage"] = {
+                            "prompt_tokens": n_prompt,
+                            "completion_tokens": n_out,
+                            "total_tokens": n_prompt + n_out,
+                        }
                     yield self._chunk(cid, created, "", res["finish_reason"], **extra)
                 elif chunk["delta"]:
                     yield self._chunk(cid, created, chunk["delta"], None)
@@ -313,7 +386,7 @@ class Endpoints:
             msg = message_of(e)
             yield f"data: {json.dumps(error_body(msg, 'invalid_request_error' if status == 400 else 'server_error'))}\n\n"
         finally:
-            await stream.aclose()         # the client went away: the backend cancels the request
+            await stream.aclose()  # the client went away: the backend cancels the request
 
     # ---------------------------------------------------------------- routes
     async def healthz(self):
@@ -321,14 +394,29 @@ class Endpoints:
             extra = await self.backend.health()
         except BackendUnavailable as e:
             return JSONResponse({"status": "unhealthy", "reason": e.reason}, status_code=503)
-        return {"status": "ok", "model": self.settings.model_name, "retrievers": list(self.settings.retrievers),
-                **extra, "uptime_s": time.time() - self.started}
+        return {
+            "status": "ok",
+            "model": self.settings.model_name,
+            "retrievers": list(self.settings.retrievers),
+            **extra,
+            "uptime_s": time.time() - self.started,
+        }
 
     async def models(self):
         s = self.settings
-        return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": int(self.started),
-                                            "owned_by": "ralmspec", "retrievers": list(s.retrievers),
-                                            "features": self.backend.features}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": s.model_name,
+                    "object": "model",
+                    "created": int(self.started),
+                    "owned_by": "ralmspec",
+                    "retrievers": list(s.retrievers),
+                    "features": self.backend.features,
+                }
+            ],
+        }
 
     async def stats(self):
         parts = await self.backend.stats()
@@ -344,22 +432,28 @@ class Endpoints:
         upd = verifier_policy_update(body)
         return await self.backend.configure_verifiers(upd.model_dump(exclude={"reset_stats"}), upd.reset_stats)
 
-    async def generate(self, body: GenerateRequest, x_request_id: Optional[str] = Header(None)):
+    async def generate(self, body: GenerateRequest, x_request_id: str | None = Header(None)):
         n_prompt = self._validate_prompt(body.question, "question")
         job = self._job(body.question, body, body.max_new_tokens, "max_new_tokens", x_request_id)
         res = await self._run(job)
         res["prompt_tokens"] = n_prompt
-        return {"model": self.settings.model_name, "retriever": job["retriever"], "method": job["method"],
-                "request_id": job["request_id"], **res}
+        return {
+            "model": self.settings.model_name,
+            "retriever": job["retriever"],
+            "method": job["method"],
+            "request_id": job["request_id"],
+            **res,
+        }
 
-    async def completions(self, body: CompletionRequest, x_request_id: Optional[str] = Header(None)):
+    async def completions(self, body: CompletionRequest, x_request_id: str | None = Header(None)):
         self._check_model(body.model)
         _check_greedy(body)
         prompt = body.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1:
-                raise ApiError(400, f"prompt: exactly one prompt per request is supported, got {len(prompt)}",
-                               param="prompt")
+                raise ApiError(
+                    400, f"prompt: exactly one prompt per request is supported, got {len(prompt)}", param="prompt"
+                )
             prompt = prompt[0]
         n_prompt = self._validate_prompt(prompt, "prompt")
         job = self._job(prompt, body, body.max_tokens, "max_tokens", x_request_id)
@@ -367,23 +461,32 @@ class Endpoints:
         created = int(time.time())
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse(job, cid, created, prompt if body.echo else "", n_prompt,
-                                               include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                self._sse(job, cid, created, prompt if body.echo else "", n_prompt, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         res = await self._run(job)
         text = (prompt if body.echo else "") + res["text"]
         n_out = len(res["tokens"])
-        return {"id": cid, "object": "text_completion", "created": created, "model": self.settings.model_name,
-                "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": res["finish_reason"]}],
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
-                "ralm": _ralm_block(job, res)}
+        return {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": self.settings.model_name,
+            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": res["finish_reason"]}],
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
+            "ralm": _ralm_block(job, res),
+        }
 
 
 def build_http_app(backend: RalmBackend, settings: IngressSettings) -> FastAPI:
     """The FastAPI app of the ralmspec HTTP API over ``backend`` (no Ray needed)."""
-    app = FastAPI(title="ralmspec", version="0.1.0",
-                  description="Iterative retrieval-augmented LM serving with exact speculative retrieval.")
+    app = FastAPI(
+        title="ralmspec",
+        version="0.1.0",
+        description="Iterative retrieval-augmented LM serving with exact speculative retrieval.",
+    )
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
@@ -398,5 +501,12 @@ def build_http_app(backend: RalmBackend, settings: IngressSettings) -> FastAPI:
     return app
 
 
-__all__ = ["API_KEY_ENV", "API_KEY_FILE_ENV", "Endpoints", "GuardMiddleware", "IngressSettings", "build_http_app",
-           "read_api_key"]
+__all__ = [
+    "API_KEY_ENV",
+    "API_KEY_FILE_ENV",
+    "Endpoints",
+    "GuardMiddleware",
+    "IngressSettings",
+    "build_http_app",
+    "read_api_key",
+]

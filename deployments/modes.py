@@ -16,6 +16,7 @@ that lives in every generator replica, and are switched on in the app config:
 
 A request asking for a mode the server has not enabled gets a 400 from the ingress.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,7 +24,6 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -42,16 +42,21 @@ class _Opts(BaseModel):
 
 
 class DenseDraftingOptions(_Opts):
-    datastore: Optional[Path] = Field(
-        None, description="DReSD datastore file (.npz written by ralm.drafting.dense.DenseDatastore.save), loaded "
-        "by every generator replica. None: dense drafting is off and requests with drafting='dense' get 400.")
+    datastore: Path | None = Field(
+        None,
+        description="DReSD datastore file (.npz written by ralm.drafting.dense.DenseDatastore.save), loaded "
+        "by every generator replica. None: dense drafting is off and requests with drafting='dense' get 400.",
+    )
     build_passages: int = Field(
-        0, ge=0, description="When the datastore file is missing: build one at replica start from the first N "
-        "corpus passages (teacher-forced hidden states) and save it there. 0: a missing file is a start-up error.")
+        0,
+        ge=0,
+        description="When the datastore file is missing: build one at replica start from the first N "
+        "corpus passages (teacher-forced hidden states) and save it there. 0: a missing file is a start-up error.",
+    )
 
     @field_validator("datastore")
     @classmethod
-    def _npz(cls, v: Optional[Path]) -> Optional[Path]:
+    def _npz(cls, v: Path | None) -> Path | None:
         if v is not None and Path(v).suffix != ".npz":
             raise ValueError("dense_drafting.datastore must be a .npz file")
         return v
@@ -62,13 +67,21 @@ class DenseDraftingOptions(_Opts):
 
 
 class KnnServeOptions(_Opts):
-    enabled: bool = Field(False, description="Serve KNN-LM requests (method 'knnlm-seq' or 'knnlm-spec'). Off: they get 400.")
-    config: KnnLMConfig = Field(default_factory=KnnLMConfig, description="The token datastore, its index and the "
-                                "request defaults (k, temperature, lmbda, spatial_next); datastore_dir None: "
-                                "<work_dir>/knn-datastore.")
-    build: bool = Field(True, description="Build a missing (or stale) datastore when a generator replica starts "
-                        "(else that is a start-up error).")
-    n_passages: Optional[int] = Field(None, ge=1, description="Corpus passages in a datastore built at start (None: all).")
+    enabled: bool = Field(
+        False, description="Serve KNN-LM requests (method 'knnlm-seq' or 'knnlm-spec'). Off: they get 400."
+    )
+    config: KnnLMConfig = Field(
+        default_factory=KnnLMConfig,
+        description="The token datastore, its index and the "
+        "request defaults (k, temperature, lmbda, spatial_next); datastore_dir None: "
+        "<work_dir>/knn-datastore.",
+    )
+    build: bool = Field(
+        True,
+        description="Build a missing (or stale) datastore when a generator replica starts "
+        "(else that is a start-up error).",
+    )
+    n_passages: int | None = Field(None, ge=1, description="Corpus passages in a datastore built at start (None: all).")
 
 
 # ------------------------------------------------------------------ dense drafting
@@ -84,15 +97,17 @@ def load_dense_datastore(opts: dict | DenseDraftingOptions | None, engine, corpu
     built = False
     if not path.is_file():
         if not opts.build_passages:
-            raise RalmInputError(f"dense_drafting.datastore {path} does not exist (set dense_drafting.build_passages "
-                                 f"to build it at start, or build it with ralm.drafting.dense)")
+            raise RalmInputError(
+                f"dense_drafting.datastore {path} does not exist (set dense_drafting.build_passages "
+                f"to build it at start, or build it with ralm.drafting.dense)"
+            )
         n = min(opts.build_passages, len(corpus))
         log.info("building a dense drafting datastore from %d passages into %s", n, path)
         keys, values = collect_corpus(engine, (corpus.text(i) for i in range(n)))
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.stem}-{uuid.uuid4().hex[:8]}.npz")
         build_datastore(keys, values).save(tmp)
-        os.replace(tmp, path)                        # atomic: replicas may build at the same time
+        os.replace(tmp, path)  # atomic: replicas may build at the same time
         built = True
     try:
         store = DenseDatastore.load(path)
@@ -100,8 +115,10 @@ def load_dense_datastore(opts: dict | DenseDraftingOptions | None, engine, corpu
         raise RalmInputError(f"cannot load the dense drafting datastore {path}: {e}") from None
     hidden = engine.model.config.hidden_size if hasattr(engine.model.config, "hidden_size") else None
     if hidden is not None and store.mean is not None and len(store.mean) != hidden:
-        raise RalmInputError(f"dense drafting datastore {path} has {len(store.mean)}-dim keys; "
-                             f"this model's hidden size is {hidden}: rebuild it with this model")
+        raise RalmInputError(
+            f"dense drafting datastore {path} has {len(store.mean)}-dim keys; "
+            f"this model's hidden size is {hidden}: rebuild it with this model"
+        )
     engine.attach_dense_datastore(store)
     return {"datastore": str(path), "entries": len(store), "built": built}
 
@@ -148,24 +165,33 @@ def _load_or_build_knn(opts: KnnServeOptions, engine, corpus):
     want = min(opts.n_passages or len(corpus), len(corpus))
     try:
         ds = Datastore.load(d, corpus=corpus, fingerprint=fp)
-        if opts.build and (ds.manifest.get("n_passages") != want
-                           or ds.manifest.get("max_passage_tokens") != min(cfg.max_passage_tokens, engine.max_positions)):
+        if opts.build and (
+            ds.manifest.get("n_passages") != want
+            or ds.manifest.get("max_passage_tokens") != min(cfg.max_passage_tokens, engine.max_positions)
+        ):
             raise DatastoreError(f"datastore at {d} has another size than configured")
         return ds, False
     except DatastoreError as e:
         if not opts.build:
             raise
         log.info("building the KNN-LM datastore (%s)", e)
-    ds = build_datastore(engine, corpus, n_passages=want, max_passage_tokens=cfg.max_passage_tokens,
-                         hnsw=cfg.index == "hnsw", hnsw_m=cfg.hnsw_m, hnsw_ef_construction=cfg.hnsw_ef_construction,
-                         progress=False)
+    ds = build_datastore(
+        engine,
+        corpus,
+        n_passages=want,
+        max_passage_tokens=cfg.max_passage_tokens,
+        hnsw=cfg.index == "hnsw",
+        hnsw_m=cfg.hnsw_m,
+        hnsw_ef_construction=cfg.hnsw_ef_construction,
+        progress=False,
+    )
     tmp = d.with_name(f".{d.name}-{uuid.uuid4().hex[:8]}")
     ds.save(tmp)
     try:
         if d.exists():
             shutil.rmtree(d)
         os.replace(tmp, d)
-    except OSError:                                  # another replica was faster: use ours in memory
+    except OSError:  # another replica was faster: use ours in memory
         shutil.rmtree(tmp, ignore_errors=True)
     return ds, True
 
@@ -182,7 +208,8 @@ class KnnServer:
         self.ds, self.built = _load_or_build_knn(self.opts, engine, corpus)
         self.kb = load_knn_retriever(self.ds, self.opts.config)
         from ralm.knnlm.projection import projection_for
-        projection_for(self.ds, self.opts.config.cache_project_dims)   # fit it now, not in the first request
+
+        projection_for(self.ds, self.opts.config.cache_project_dims)  # fit it now, not in the first request
         self.lm = _KnnLM(engine, lock)
         self.requests = 0
 
@@ -206,16 +233,27 @@ class KnnServer:
         return run_knn_spec(question, self.lm, self.kb, cfg, req, SpecConfig.model_validate(spec or {}))
 
     def info(self) -> dict:
-        return {"entries": len(self.ds), "index": self.kb.name, "datastore": str(self.opts.config.datastore_dir),
-                "built": self.built, "requests": self.requests,
-                "defaults": {k: getattr(self.opts.config, k) for k in KNN_REQUEST_FIELDS}}
+        return {
+            "entries": len(self.ds),
+            "index": self.kb.name,
+            "datastore": str(self.opts.config.datastore_dir),
+            "built": self.built,
+            "requests": self.requests,
+            "defaults": {k: getattr(self.opts.config, k) for k in KNN_REQUEST_FIELDS},
+        }
 
 
-def knn_server(opts: dict | None, engine, corpus, lock) -> Optional[KnnServer]:
+def knn_server(opts: dict | None, engine, corpus, lock) -> KnnServer | None:
     """A :class:`KnnServer` when KNN-LM is enabled in ``opts``, else None."""
     o = KnnServeOptions.model_validate(opts or {})
     return KnnServer(o, engine, corpus, lock) if o.enabled else None
 
 
-__all__ = ["DenseDraftingOptions", "KnnServeOptions", "KnnServer", "KNN_REQUEST_FIELDS", "knn_server",
-           "load_dense_datastore"]
+__all__ = [
+    "DenseDraftingOptions",
+    "KnnServeOptions",
+    "KnnServer",
+    "KNN_REQUEST_FIELDS",
+    "knn_server",
+    "load_dense_datastore",
+]

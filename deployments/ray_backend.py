@@ -8,6 +8,7 @@ each holding handles to the generator deployment and every verifier, and the sta
 settings (request checkpoints, the verified-KB cache). Every request leases a coordinator,
 which runs the core loop; this class only routes jobs to the pool and collects statistics.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,8 @@ import hashlib
 import logging
 import os
 import uuid
-from typing import Any, AsyncIterator, Optional
+from collections.abc import AsyncIterator
+from typing import Any
 
 import ray
 
@@ -34,11 +36,12 @@ log = logging.getLogger(__name__)
 _BUILD_ORDER = {"edr": 0, "sr": 1, "adr": 2}
 
 
-def _prepare_shards_task(rcfg: dict, corpus_path: str, index_dir: str, n_shards: int, build: bool,
-                         vectors_from: Optional[str] = None):
+def _prepare_shards_task(
+    rcfg: dict, corpus_path: str, index_dir: str, n_shards: int, build: bool, vectors_from: str | None = None
+):
     """One-off task: build missing indexes and shard slices; returns the shard specs and the
     index version (the hash of its manifest)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")     # before the encoder libraries are imported
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before the encoder libraries are imported
     from actors.shard import prepare_shards
     from ralm.config import RetrieverConfig
     from ralm.corpus import Corpus
@@ -48,17 +51,20 @@ def _prepare_shards_task(rcfg: dict, corpus_path: str, index_dir: str, n_shards:
     cfg = RetrieverConfig.model_validate(rcfg)
     missing = not os.path.isfile(os.path.join(index_dir, MANIFEST))
     if missing and not build:
-        raise IndexNotFoundError(f"no {cfg.kind} index at {index_dir} and build_indexes is off; build it with "
-                                 f"`ralmspec index --retriever {cfg.kind}`")
+        raise IndexNotFoundError(
+            f"no {cfg.kind} index at {index_dir} and build_indexes is off; build it with "
+            f"`ralmspec index --retriever {cfg.kind}`"
+        )
     if missing and cfg.kind in ("edr", "adr"):
         import torch
-        torch.set_num_threads(os.cpu_count() or 1)    # Ray gives tasks OMP_NUM_THREADS=1; encode on every core
+
+        torch.set_num_threads(os.cpu_count() or 1)  # Ray gives tasks OMP_NUM_THREADS=1; encode on every core
     if missing:
-        print(f"ralmspec: no {cfg.kind} index at {index_dir}: building it (first start; progress below)",
-              flush=True)
-    specs = prepare_shards(cfg, Corpus.load(corpus_path), index_dir, n_shards, progress=missing,
-                           vectors_from=vectors_from)
-    with open(os.path.join(index_dir, MANIFEST), "rb") as fh:     # identifies the index build
+        print(f"ralmspec: no {cfg.kind} index at {index_dir}: building it (first start; progress below)", flush=True)
+    specs = prepare_shards(
+        cfg, Corpus.load(corpus_path), index_dir, n_shards, progress=missing, vectors_from=vectors_from
+    )
+    with open(os.path.join(index_dir, MANIFEST), "rb") as fh:  # identifies the index build
         version = hashlib.sha256(fh.read()).hexdigest()
     return specs, version
 
@@ -75,30 +81,37 @@ class RayBackend:
         self.generator = generator
         self.kinds = list(cfg.retrievers)
         self.features: dict[str, bool] = {}
-        self.codec: Optional[RemoteGenerator] = None
+        self.codec: RemoteGenerator | None = None
         self.shards: dict[str, list] = {}
         self.shard_names: dict[str, list[str]] = {}
         self.verifiers: dict[str, Any] = {}
         self.index_versions: dict[str, str] = {}
         self.state_info: dict = {}
-        self.pool: Optional[CoordinatorPool] = None
+        self.pool: CoordinatorPool | None = None
 
     # ---------------------------------------------------------------- start-up
-    async def start(self) -> "RayBackend":
+    async def start(self) -> RayBackend:
         """Start the topology: shards and a verifier per retriever, then the coordinator pool."""
         cfg = self.cfg
         info = await self.generator.info.remote()
         tok = await self.generator.tokenizer.remote()
-        self.features = dict(info.get("features") or {})     # optional modes: dense drafting, KNN-LM
-        self.codec = RemoteGenerator(None, tok, GeneratorConfig(max_prompt_tokens=info["max_prompt_tokens"],
-                                                                max_new_tokens=info["max_new_tokens"]),
-                                     info["eos_token_id"])
+        self.features = dict(info.get("features") or {})  # optional modes: dense drafting, KNN-LM
+        self.codec = RemoteGenerator(
+            None,
+            tok,
+            GeneratorConfig(max_prompt_tokens=info["max_prompt_tokens"], max_new_tokens=info["max_new_tokens"]),
+            info["eos_token_id"],
+        )
         for kind in sorted(self.kinds, key=_BUILD_ORDER.__getitem__):
             await self._start_retriever(kind)
         await asyncio.gather(*(v.ping.remote() for v in self.verifiers.values()))
         await self._start_pool(self._state())
-        log.info("ralmspec backend ready: retrievers %s, %d shards each, pool %d",
-                 self.kinds, cfg.sharding.n_shards, cfg.pool.size)
+        log.info(
+            "ralmspec backend ready: retrievers %s, %d shards each, pool %d",
+            self.kinds,
+            cfg.sharding.n_shards,
+            cfg.pool.size,
+        )
         return self
 
     async def _start_retriever(self, kind: str) -> None:
@@ -109,17 +122,31 @@ class RayBackend:
         if kind != "edr":
             rcfg = rcfg.model_copy(update={"pad_to": 0})
         specs, self.index_versions[kind] = await prep.remote(
-            rcfg.model_dump(mode="json"), str(cfg.ralm.corpus), str(cfg.ralm.index_dir(kind)), sh.n_shards,
-            cfg.build_indexes, str(cfg.ralm.index_dir("edr")))
+            rcfg.model_dump(mode="json"),
+            str(cfg.ralm.corpus),
+            str(cfg.ralm.index_dir(kind)),
+            sh.n_shards,
+            cfg.build_indexes,
+            str(cfg.ralm.index_dir("edr")),
+        )
         prefix = f"shard-{kind}-{uuid.uuid4().hex[:8]}"
-        actors = await asyncio.to_thread(start_shards, specs, sh.num_cpus, sh.max_restarts, sh.max_task_retries,
-                                         True, prefix)
+        actors = await asyncio.to_thread(
+            start_shards, specs, sh.num_cpus, sh.max_restarts, sh.max_task_retries, True, prefix
+        )
         self.shards[kind] = actors
         self.shard_names[kind] = [f"{prefix}-{s.index}" for s in specs]
         vcls = verifier_actor_class(v.num_cpus)
-        self.verifiers[kind] = vcls.remote(kind, actors, [(s.lo, s.hi) for s in specs], rcfg.model_dump(mode="json"),
-                                           v.window_ms, v.max_batch, v.batching, v.max_inflight,
-                                           v.flush_when_all_waiting)
+        self.verifiers[kind] = vcls.remote(
+            kind,
+            actors,
+            [(s.lo, s.hi) for s in specs],
+            rcfg.model_dump(mode="json"),
+            v.window_ms,
+            v.max_batch,
+            v.batching,
+            v.max_inflight,
+            v.flush_when_all_waiting,
+        )
 
     def _state(self) -> dict:
         """The coordinators' state-store settings (and the redacted summary for ``stats``)."""
@@ -127,12 +154,16 @@ class RayBackend:
         store_cfg = cfg.state.store
         if store_cfg is None and os.environ.get(STATE_URL_ENV):
             store_cfg = StateStoreConfig.from_env()
-        state = {"store": store_cfg.model_dump(mode="json") if store_cfg is not None else None,
-                 "checkpoints": cfg.state.checkpoints,
-                 "kb_cache": {k: self.index_versions[k] for k in cfg.state.kb_cache} if store_cfg else {}}
-        self.state_info = {"store": redact_url(store_cfg.url) if store_cfg else None,
-                           "checkpoints": bool(store_cfg and cfg.state.checkpoints and store_cfg.scheme != "memory"),
-                           "kb_cache": sorted(state["kb_cache"])}
+        state = {
+            "store": store_cfg.model_dump(mode="json") if store_cfg is not None else None,
+            "checkpoints": cfg.state.checkpoints,
+            "kb_cache": {k: self.index_versions[k] for k in cfg.state.kb_cache} if store_cfg else {},
+        }
+        self.state_info = {
+            "store": redact_url(store_cfg.url) if store_cfg else None,
+            "checkpoints": bool(store_cfg and cfg.state.checkpoints and store_cfg.scheme != "memory"),
+            "kb_cache": sorted(state["kb_cache"]),
+        }
         return state
 
     async def _start_pool(self, state: dict) -> None:
@@ -144,7 +175,8 @@ class RayBackend:
 
         def factory():
             return coord_cls.options(name=f"coordinator-{uuid.uuid4().hex[:12]}", namespace="ralmspec").remote(
-                generator, verifiers, req_defaults, spec_defaults, state=state)
+                generator, verifiers, req_defaults, spec_defaults, state=state
+            )
 
         async def ready(h):
             await h.ready.remote()
@@ -185,7 +217,7 @@ class RayBackend:
                 self.pool.release(coord)
             raise
         finally:
-            if not done:          # the client went away: keep the lease until the coordinator is free
+            if not done:  # the client went away: keep the lease until the coordinator is free
                 asyncio.ensure_future(self._drain(refs, coord))
 
     async def _drain(self, refs, coord) -> None:
@@ -206,9 +238,13 @@ class RayBackend:
     async def stats(self) -> dict:
         vstats = await asyncio.gather(*(v.stats.remote() for v in self.verifiers.values()))
         ginfo = await self.generator.info.remote()
-        return {"pool": self.pool.stats.as_dict(), "verifiers": dict(zip(self.verifiers, vstats)), "generator": ginfo,
-                "shards": {k: {"namespace": "ralmspec", "names": v} for k, v in self.shard_names.items()},
-                "state": self.state_info}
+        return {
+            "pool": self.pool.stats.as_dict(),
+            "verifiers": dict(zip(self.verifiers, vstats)),
+            "generator": ginfo,
+            "shards": {k: {"namespace": "ralmspec", "names": v} for k, v in self.shard_names.items()},
+            "state": self.state_info,
+        }
 
     async def configure_verifiers(self, policy: dict, reset_stats: bool = False) -> dict:
         out = {}

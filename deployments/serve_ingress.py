@@ -13,6 +13,7 @@ routes are the plain :func:`~deployments.ingress.build_http_app` ones, with no m
 app or class-bound routes. Another backend (another topology, a test double) is another
 factory; the HTTP layer does not change.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,11 +39,14 @@ class Ingress:
         self.cfg = AppConfig.model_validate(config)
         self.settings = IngressSettings.from_config(self.cfg, read_api_key())
         if self.settings.api_key:
-            log.info("ralmspec ingress: API key required (from %s)",
-                     API_KEY_FILE_ENV if os.environ.get(API_KEY_FILE_ENV) else API_KEY_ENV)
+            log.info(
+                "ralmspec ingress: API key required (from %s)",
+                API_KEY_FILE_ENV if os.environ.get(API_KEY_FILE_ENV) else API_KEY_ENV,
+            )
         self.backend: RalmBackend = await backend_factory(self.cfg, *factory_args)
-        log.info("ralmspec ingress ready: model %s, retrievers %s", self.settings.model_name,
-                 list(self.settings.retrievers))
+        log.info(
+            "ralmspec ingress ready: model %s, retrievers %s", self.settings.model_name, list(self.settings.retrievers)
+        )
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_http_app(self.backend, self.settings)

@@ -2,10 +2,11 @@
 
 Every field has a description; defaults come from :mod:`ralm.constants`.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -19,54 +20,90 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
-def _expand_user(p: Optional[Path]) -> Optional[Path]:
-    """"~/.cache/ralmspec" from YAML must mean the home directory in every entry point (the
+def _expand_user(p: Path | None) -> Path | None:
+    """ "~/.cache/ralmspec" from YAML must mean the home directory in every entry point (the
     served app, the CLI and Python), never a directory literally named "~"."""
     return None if p is None else Path(p).expanduser()
 
 
 class RetrieverConfig(_Strict):
-    kind: RetrieverKind = Field("edr", description="edr: exact dense (FAISS flat IP); adr: approximate dense (FAISS HNSW); sr: sparse BM25 (pyserini Lucene).")
-    index_dir: Optional[Path] = Field(None, description="Directory of a built index (with manifest.json). None: <work_dir>/indexes/<kind>.")
+    kind: RetrieverKind = Field(
+        "edr",
+        description="edr: exact dense (FAISS flat IP); adr: approximate dense (FAISS HNSW); sr: sparse BM25 (pyserini Lucene).",
+    )
+    index_dir: Path | None = Field(
+        None, description="Directory of a built index (with manifest.json). None: <work_dir>/indexes/<kind>."
+    )
 
-    encoder: str = Field("local:all-MiniLM-L6-v2", description="Dense query/passage encoder: 'local:all-MiniLM-L6-v2' (the offline pip package, sha256-checked), a local path, or any Hugging Face model name.")
+    encoder: str = Field(
+        "local:all-MiniLM-L6-v2",
+        description="Dense query/passage encoder: 'local:all-MiniLM-L6-v2' (the offline pip package, sha256-checked), a local path, or any Hugging Face model name.",
+    )
     hnsw_m: int = Field(C.HNSW_M, ge=4, le=256, description="HNSW graph degree M (adr).")
     hnsw_ef_construction: int = Field(C.HNSW_EF_CONSTRUCTION, ge=8, description="HNSW efConstruction (adr).")
     hnsw_ef_search: int = Field(C.HNSW_EF_SEARCH, ge=8, description="HNSW efSearch (adr).")
     bm25_k1: float = Field(C.BM25_K1, gt=0, description="BM25 k1 (sr).")
     bm25_b: float = Field(C.BM25_B, ge=0, le=1, description="BM25 b (sr).")
-    pad_to: int = Field(0, ge=0, description="edr only: pad the flat index with random vectors up to this many rows to emulate Wikipedia-scale search cost (results unchanged; reported wherever used).")
-    rerank_margin: int = Field(C.RERANK_MARGIN, ge=1, description="Extra candidates fetched before exact float64 re-scoring.")
-    dense_scan: Literal["auto", "faiss", "bf16"] = Field("auto", description="edr only: candidate scan of the flat index. 'bf16': a bfloat16 copy scanned with torch (one pass per verification batch, cost nearly flat in the batch size) and a proven error bound, so the exact re-scoring still returns exactly the float64 top-k; 'faiss': FAISS's float32 kernels; 'auto': bf16 when the CPU has bf16 instructions (AMX/AVX512-BF16) and the kernel passes its accumulation probe. Never changes results.")
-    faiss_threads: int = Field(C.FAISS_THREADS, ge=0, description="OpenMP threads FAISS may use (process-wide; 0 keeps FAISS's default of one per core). 1 avoids oversubscription when generation and asynchronous verification share the cores.")
+    pad_to: int = Field(
+        0,
+        ge=0,
+        description="edr only: pad the flat index with random vectors up to this many rows to emulate Wikipedia-scale search cost (results unchanged; reported wherever used).",
+    )
+    rerank_margin: int = Field(
+        C.RERANK_MARGIN, ge=1, description="Extra candidates fetched before exact float64 re-scoring."
+    )
+    dense_scan: Literal["auto", "faiss", "bf16"] = Field(
+        "auto",
+        description="edr only: candidate scan of the flat index. 'bf16': a bfloat16 copy scanned with torch (one pass per verification batch, cost nearly flat in the batch size) and a proven error bound, so the exact re-scoring still returns exactly the float64 top-k; 'faiss': FAISS's float32 kernels; 'auto': bf16 when the CPU has bf16 instructions (AMX/AVX512-BF16) and the kernel passes its accumulation probe. Never changes results.",
+    )
+    faiss_threads: int = Field(
+        C.FAISS_THREADS,
+        ge=0,
+        description="OpenMP threads FAISS may use (process-wide; 0 keeps FAISS's default of one per core). 1 avoids oversubscription when generation and asynchronous verification share the cores.",
+    )
 
     _expand_index_dir = field_validator("index_dir", mode="after")(_expand_user)
 
 
 class GeneratorConfig(_Strict):
     model: str = Field(str(C.DEMO_MODEL_DIR), description="Hugging Face causal LM: a local path or a hub name.")
-    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:0, or 'auto' (spread layers over visible GPUs).")
+    device: str = Field(
+        "cpu", description="torch device: cpu, cuda, cuda:0, or 'auto' (spread layers over visible GPUs)."
+    )
     dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="Weights/activation dtype.")
     max_doc_tokens: int = Field(C.MAX_DOC_TOKENS, ge=1, description="Retrieved document truncated to this many tokens.")
-    max_prompt_tokens: int = Field(C.MAX_PROMPT_TOKENS, ge=1, description="Longest accepted question, in tokens; longer input is rejected.")
+    max_prompt_tokens: int = Field(
+        C.MAX_PROMPT_TOKENS, ge=1, description="Longest accepted question, in tokens; longer input is rejected."
+    )
     max_new_tokens: int = Field(C.MAX_NEW_TOKENS, ge=1, description="Upper bound on generated tokens per request.")
-    doc_kv_cache_bytes: int = Field(C.DOC_KV_CACHE_BYTES, ge=0, description="Byte budget of the per-engine doc-KV LRU (0 disables it).")
-    torch_threads: int = Field(C.TORCH_THREADS, ge=1, description="torch intra-op threads; fixed so numerics are the same in every process.")
+    doc_kv_cache_bytes: int = Field(
+        C.DOC_KV_CACHE_BYTES, ge=0, description="Byte budget of the per-engine doc-KV LRU (0 disables it)."
+    )
+    torch_threads: int = Field(
+        C.TORCH_THREADS, ge=1, description="torch intra-op threads; fixed so numerics are the same in every process."
+    )
 
 
 class SpecConfig(_Strict):
-    prefetch: bool = Field(False, description="P: insert the KB's top-p documents into the cache at start and at every verification.")
+    prefetch: bool = Field(
+        False, description="P: insert the KB's top-p documents into the cache at start and at every verification."
+    )
     prefetch_size: int = Field(C.PREFETCH_SIZE, ge=1, description="p, documents inserted per query when prefetching.")
     adaptive_stride: bool = Field(False, description="S: choose the speculation stride with OS3.")
     async_verify: bool = Field(False, description="A: run the next speculative step while a verification is in flight.")
-    stride: int = Field(C.DEFAULT_SPEC_STRIDE, ge=1, le=256, description="Fixed speculation stride s when adaptive_stride is off.")
+    stride: int = Field(
+        C.DEFAULT_SPEC_STRIDE, ge=1, le=256, description="Fixed speculation stride s when adaptive_stride is off."
+    )
     os3_window: int = Field(C.OS3_WINDOW, ge=1, description="w: verifications used to estimate gamma.")
     gamma_max: float = Field(C.OS3_GAMMA_MAX, gt=0, lt=1, description="Cap on the gamma estimate.")
     max_stride: int = Field(C.OS3_MAX_STRIDE, ge=1, description="Upper bound on the OS3 stride.")
-    allow_direct: bool = Field(True, description="With S: let OS3 choose s = 0 (retrieve from the KB directly, as RaLMSeq does) when its model says speculation cannot pay off, e.g. when retrieval is much cheaper than a rollback. The cache still predicts each step ('shadow speculation') so gamma stays current.")
+    allow_direct: bool = Field(
+        True,
+        description="With S: let OS3 choose s = 0 (retrieve from the KB directly, as RaLMSeq does) when its model says speculation cannot pay off, e.g. when retrieval is much cheaper than a rollback. The cache still predicts each step ('shadow speculation') so gamma stays current.",
+    )
 
     @classmethod
-    def named(cls, name: str, **overrides) -> "SpecConfig":
+    def named(cls, name: str, **overrides) -> SpecConfig:
         """A configuration by its paper name: base, P, S, A, PS, PA, SA, PSA."""
         name = name.upper()
         if name == "BASE":
@@ -76,7 +113,7 @@ class SpecConfig(_Strict):
         return cls(prefetch="P" in name, adaptive_stride="S" in name, async_verify="A" in name, **overrides)
 
     @classmethod
-    def parse(cls, name: str, **defaults: Any) -> "SpecConfig":
+    def parse(cls, name: str, **defaults: Any) -> SpecConfig:
         """A configuration by its name: the one grammar of the CLI, the benchmarks and the
         evaluation job (:meth:`named` extended with fixed strides, the gamma cap and the
         served benchmark's ``spec:`` prefix)::
@@ -120,56 +157,109 @@ class SpecConfig(_Strict):
             body = body[5:]
         body = body.strip()
         if not body:
-            raise ValueError(f"empty RaLMSpec configuration name {name!r}: use base, a combination of P, S, A, "
-                             "or [P][A]s=N")
+            raise ValueError(
+                f"empty RaLMSpec configuration name {name!r}: use base, a combination of P, S, A, or [P][A]s=N"
+            )
         fields = {k: v for k, v in defaults.items() if k not in ("prefetch", "adaptive_stride", "async_verify")}
         if at:
             try:
                 fields["gamma_max"] = float(cap)
             except ValueError:
-                raise ValueError(f"the gamma cap of RaLMSpec configuration {name!r} is not a number: "
-                                 f"{cap!r}") from None
+                raise ValueError(f"the gamma cap of RaLMSpec configuration {name!r} is not a number: {cap!r}") from None
         letters, fixed, stride = body.partition("s=")
         flags = "" if letters.upper() == "BASE" and not fixed else letters.upper()
         if set(flags) - set("PSA"):
-            raise ValueError(f"unknown RaLMSpec configuration {name!r}: use base, a combination of P, S, A, "
-                             "or [P][A]s=N, optionally followed by @GAMMA (e.g. PSA@0.9)")
+            raise ValueError(
+                f"unknown RaLMSpec configuration {name!r}: use base, a combination of P, S, A, "
+                "or [P][A]s=N, optionally followed by @GAMMA (e.g. PSA@0.9)"
+            )
         if fixed:
             if "S" in flags:
-                raise ValueError(f"RaLMSpec configuration {name!r}: a fixed stride s=N cannot be combined "
-                                 "with S (OS3 chooses the stride)")
+                raise ValueError(
+                    f"RaLMSpec configuration {name!r}: a fixed stride s=N cannot be combined "
+                    "with S (OS3 chooses the stride)"
+                )
             try:
                 fields["stride"] = int(stride)
             except ValueError:
-                raise ValueError(f"the stride of RaLMSpec configuration {name!r} is not an integer: "
-                                 f"{stride!r}") from None
+                raise ValueError(
+                    f"the stride of RaLMSpec configuration {name!r} is not an integer: {stride!r}"
+                ) from None
         try:
             return cls.named(flags, **fields)
         except ValidationError as e:
-            raise ValueError(f"invalid RaLMSpec configuration {name!r}: " + "; ".join(
-                f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
+            raise ValueError(
+                f"invalid RaLMSpec configuration {name!r}: "
+                + "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+            ) from None
 
 
 class RequestConfig(_Strict):
     max_new_tokens: int = Field(C.MAX_NEW_TOKENS, ge=1, description="Tokens to generate at most.")
     generation_stride: int = Field(C.GENERATION_STRIDE, ge=1, description="k: tokens generated per retrieval.")
-    query_window: int = Field(C.QUERY_WINDOW_TOKENS, ge=1, description="Query = decoded last N tokens of question + generated text.")
-    ignore_eos: bool = Field(False, description="Never stop at EOS: the EOS logit is masked, so every request generates max_new_tokens (fixed-length workloads for benchmarks, as in the RaLMSpec paper).")
+    query_window: int = Field(
+        C.QUERY_WINDOW_TOKENS, ge=1, description="Query = decoded last N tokens of question + generated text."
+    )
+    ignore_eos: bool = Field(
+        False,
+        description="Never stop at EOS: the EOS logit is masked, so every request generates max_new_tokens (fixed-length workloads for benchmarks, as in the RaLMSpec paper).",
+    )
     # ---- generation-side acceleration (docs/design.md, "Generation-side acceleration": IDR2, DReSD); exact unless stated ----
-    num_docs: int = Field(C.NUM_DOCS, ge=1, le=8, description="Documents per prompt: [doc1]..[docn][context] with the KB's top-n in rank order. Their KV is reused through the doc-KV prefix tree (longest cached prefix of the document sequence); exact.")
-    drafting: Literal["none", "ngram", "dense"] = Field("none", description="Draft tokens inside a step and verify them in one forward pass: 'ngram' (IGPG: copy from the documents/question), 'dense' (DReSD: hidden-state datastore attached to the engine). Same greedy tokens as 'none' up to float32 near-ties (a multi-token forward rounds differently).")
+    num_docs: int = Field(
+        C.NUM_DOCS,
+        ge=1,
+        le=8,
+        description="Documents per prompt: [doc1]..[docn][context] with the KB's top-n in rank order. Their KV is reused through the doc-KV prefix tree (longest cached prefix of the document sequence); exact.",
+    )
+    drafting: Literal["none", "ngram", "dense"] = Field(
+        "none",
+        description="Draft tokens inside a step and verify them in one forward pass: 'ngram' (IGPG: copy from the documents/question), 'dense' (DReSD: hidden-state datastore attached to the engine). Same greedy tokens as 'none' up to float32 near-ties (a multi-token forward rounds differently).",
+    )
     ngram_n: int = Field(C.NGRAM_N, ge=1, le=64, description="n-gram drafting: match the last N tokens of the context.")
-    ngram_min_n: int = Field(C.NGRAM_MIN_N, ge=1, le=64, description="n-gram drafting: back off to matches down to this length.")
+    ngram_min_n: int = Field(
+        C.NGRAM_MIN_N, ge=1, le=64, description="n-gram drafting: back off to matches down to this length."
+    )
     ngram_m: int = Field(C.NGRAM_M, ge=1, le=256, description="n-gram drafting: tokens proposed per draft.")
-    dense_num_drafts: int = Field(C.DENSE_NUM_DRAFTS, ge=1, le=32, description="dense drafting: drafts verified together in one batched forward pass.")
+    dense_num_drafts: int = Field(
+        C.DENSE_NUM_DRAFTS,
+        ge=1,
+        le=32,
+        description="dense drafting: drafts verified together in one batched forward pass.",
+    )
     dense_draft_len: int = Field(C.DENSE_DRAFT_LEN, ge=1, le=256, description="dense drafting: tokens per draft.")
-    dense_candidates: int = Field(C.DENSE_CANDIDATES, ge=1, le=1024, description="dense drafting: datastore neighbours fetched before keeping those whose first token is the model's next token.")
-    workload: Literal["fixed", "flare", "iter_retgen"] = Field("fixed", description="Retrieval trigger/query: 'fixed' (every generation_stride tokens, query = last query_window tokens), 'flare' (a step ends before the first low-confidence token, then re-retrieve; generation_stride caps a step), 'iter_retgen' (iter_retgen_iterations iterations; query = question + the previous iteration's whole generation). All exact under RaLMSpec.")
-    flare_threshold: float = Field(C.FLARE_THRESHOLD, gt=0, lt=1, description="FLARE: a token whose greedy probability is below this ends the step (it is regenerated after a new retrieval).")
-    iter_retgen_iterations: int = Field(C.ITER_RETGEN_ITERATIONS, ge=1, le=1024, description="Iter-RetGen: number of iterations; each generates ceil(max_new_tokens / iterations) tokens.")
-    idgr: bool = Field(False, description="IDGR instruction block (IDR2) listing related and unrelated doc ids and their relevance rank before the context. CHANGES OUTPUTS (a different prompt); off by default.")
-    idgr_unrelated: int = Field(C.IDGR_UNRELATED, ge=0, le=64, description="IDGR: lower-ranked retrieved doc ids listed as unrelated.")
-    allow_inexact_shifted_reuse: bool = Field(False, description="IDR2 position-shifted doc-KV reuse: reuse a document's stand-alone KV at a later position in a multi-document prompt without recomputation. INEXACT: CHANGES OUTPUTS; off by default.")
+    dense_candidates: int = Field(
+        C.DENSE_CANDIDATES,
+        ge=1,
+        le=1024,
+        description="dense drafting: datastore neighbours fetched before keeping those whose first token is the model's next token.",
+    )
+    workload: Literal["fixed", "flare", "iter_retgen"] = Field(
+        "fixed",
+        description="Retrieval trigger/query: 'fixed' (every generation_stride tokens, query = last query_window tokens), 'flare' (a step ends before the first low-confidence token, then re-retrieve; generation_stride caps a step), 'iter_retgen' (iter_retgen_iterations iterations; query = question + the previous iteration's whole generation). All exact under RaLMSpec.",
+    )
+    flare_threshold: float = Field(
+        C.FLARE_THRESHOLD,
+        gt=0,
+        lt=1,
+        description="FLARE: a token whose greedy probability is below this ends the step (it is regenerated after a new retrieval).",
+    )
+    iter_retgen_iterations: int = Field(
+        C.ITER_RETGEN_ITERATIONS,
+        ge=1,
+        le=1024,
+        description="Iter-RetGen: number of iterations; each generates ceil(max_new_tokens / iterations) tokens.",
+    )
+    idgr: bool = Field(
+        False,
+        description="IDGR instruction block (IDR2) listing related and unrelated doc ids and their relevance rank before the context. CHANGES OUTPUTS (a different prompt); off by default.",
+    )
+    idgr_unrelated: int = Field(
+        C.IDGR_UNRELATED, ge=0, le=64, description="IDGR: lower-ranked retrieved doc ids listed as unrelated."
+    )
+    allow_inexact_shifted_reuse: bool = Field(
+        False,
+        description="IDR2 position-shifted doc-KV reuse: reuse a document's stand-alone KV at a later position in a multi-document prompt without recomputation. INEXACT: CHANGES OUTPUTS; off by default.",
+    )
 
     @property
     def inexact_options(self) -> list[str]:
@@ -186,22 +276,70 @@ class RequestConfig(_Strict):
 
 class KnnLMConfig(_Strict):
     """KNN-LM (token-level iterative RaLM): datastore, retrieval and interpolation."""
-    k: int = Field(C.KNN_K, ge=1, le=C.KNN_MAX_K, description="Nearest datastore entries retrieved per generated token (1..1024).")
-    temperature: float = Field(C.KNN_TEMPERATURE, gt=0, description="T in p_knn(y) ~ sum over neighbours with value y of exp(-dist/T); dist is the exact float64 squared L2 distance.")
-    lmbda: float = Field(C.KNN_LAMBDA, ge=0, le=1, description="lambda: next token = argmax(lambda p_knn + (1 - lambda) p_lm), ties to the lowest token id.")
-    index: Literal["flat", "hnsw"] = Field("flat", description="Datastore index: flat (exact, FAISS IndexFlatL2) or hnsw (approximate, FAISS IndexHNSWFlat L2); both re-scored exactly.")
+
+    k: int = Field(
+        C.KNN_K, ge=1, le=C.KNN_MAX_K, description="Nearest datastore entries retrieved per generated token (1..1024)."
+    )
+    temperature: float = Field(
+        C.KNN_TEMPERATURE,
+        gt=0,
+        description="T in p_knn(y) ~ sum over neighbours with value y of exp(-dist/T); dist is the exact float64 squared L2 distance.",
+    )
+    lmbda: float = Field(
+        C.KNN_LAMBDA,
+        ge=0,
+        le=1,
+        description="lambda: next token = argmax(lambda p_knn + (1 - lambda) p_lm), ties to the lowest token id.",
+    )
+    index: Literal["flat", "hnsw"] = Field(
+        "flat",
+        description="Datastore index: flat (exact, FAISS IndexFlatL2) or hnsw (approximate, FAISS IndexHNSWFlat L2); both re-scored exactly.",
+    )
     hnsw_m: int = Field(C.HNSW_M, ge=4, le=256, description="HNSW graph degree M (index=hnsw).")
     hnsw_ef_construction: int = Field(C.HNSW_EF_CONSTRUCTION, ge=8, description="HNSW efConstruction (index=hnsw).")
-    hnsw_ef_search: int = Field(C.HNSW_EF_SEARCH, ge=8, description="HNSW efSearch (index=hnsw); FAISS uses max(efSearch, candidates asked).")
-    pad_to: int = Field(0, ge=0, description="flat only: pad the index with far-away random vectors up to this many rows to emulate a large datastore's search cost (never returned; results unchanged; reported wherever used).")
-    scan: Literal["auto", "faiss", "bf16"] = Field("auto", description="index=flat only: candidate scan. 'bf16': a bfloat16 copy of the keys (and padding) scanned with torch, one pass per verification batch (cost nearly flat in the batch size), with a proven error bound (each row's own norm), so the exact float64 re-scoring still returns exactly the top-k; 'faiss': FAISS IndexFlatL2; 'auto': bf16 when the CPU has bf16 instructions (AMX/AVX512-BF16) and the kernel passes its accumulation probe. Never changes results.")
-    rerank_margin: int = Field(C.KNN_RERANK_MARGIN, ge=1, description="Extra candidates (at least; k/8 for large k) fetched from FAISS before exact float64 re-scoring.")
-    spatial_next: int = Field(C.KNN_SPATIAL_NEXT, ge=0, description="n: after each KB retrieval, the retrieved entries and the n entries after each (same passage) go into the speculative cache.")
-    cache_max_entries: int = Field(0, ge=0, description="Speculative cache capacity in entries (oldest evicted first); 0: max(KNN_CACHE_MIN_ENTRIES, cache_retrievals p (n + 1)), p = entries fetched per query (k, or the prefetch size with P).")
-    cache_project_dims: int = Field(C.KNN_CACHE_PROJECT_DIMS, ge=0, description="The speculative cache scans its keys PCA-projected to this many dimensions (a lower bound of the L2 distance, then exact re-scoring: the cache's answer is unchanged, only cheaper to find); 0 or >= the key dimension: scan the full keys; requests with k > KNN_PROJECTED_MAX_K (256) always scan the full keys (the bound then needs thousands of candidates). The basis is fitted once per datastore, on first use.")
-    cache_retrievals: int = Field(8, ge=1, description="Default cache capacity in KB answers (each p (n + 1) entries); a verification inserts a whole window's answers at once, so this should not be below the usual stride. Used when cache_max_entries is 0.")
-    max_passage_tokens: int = Field(C.KNN_MAX_PASSAGE_TOKENS, ge=2, description="Datastore build: each passage is truncated to this many tokens.")
-    datastore_dir: Optional[Path] = Field(None, description="Directory of a built datastore (with manifest.json). None: <work_dir>/knn-datastore.")
+    hnsw_ef_search: int = Field(
+        C.HNSW_EF_SEARCH, ge=8, description="HNSW efSearch (index=hnsw); FAISS uses max(efSearch, candidates asked)."
+    )
+    pad_to: int = Field(
+        0,
+        ge=0,
+        description="flat only: pad the index with far-away random vectors up to this many rows to emulate a large datastore's search cost (never returned; results unchanged; reported wherever used).",
+    )
+    scan: Literal["auto", "faiss", "bf16"] = Field(
+        "auto",
+        description="index=flat only: candidate scan. 'bf16': a bfloat16 copy of the keys (and padding) scanned with torch, one pass per verification batch (cost nearly flat in the batch size), with a proven error bound (each row's own norm), so the exact float64 re-scoring still returns exactly the top-k; 'faiss': FAISS IndexFlatL2; 'auto': bf16 when the CPU has bf16 instructions (AMX/AVX512-BF16) and the kernel passes its accumulation probe. Never changes results.",
+    )
+    rerank_margin: int = Field(
+        C.KNN_RERANK_MARGIN,
+        ge=1,
+        description="Extra candidates (at least; k/8 for large k) fetched from FAISS before exact float64 re-scoring.",
+    )
+    spatial_next: int = Field(
+        C.KNN_SPATIAL_NEXT,
+        ge=0,
+        description="n: after each KB retrieval, the retrieved entries and the n entries after each (same passage) go into the speculative cache.",
+    )
+    cache_max_entries: int = Field(
+        0,
+        ge=0,
+        description="Speculative cache capacity in entries (oldest evicted first); 0: max(KNN_CACHE_MIN_ENTRIES, cache_retrievals p (n + 1)), p = entries fetched per query (k, or the prefetch size with P).",
+    )
+    cache_project_dims: int = Field(
+        C.KNN_CACHE_PROJECT_DIMS,
+        ge=0,
+        description="The speculative cache scans its keys PCA-projected to this many dimensions (a lower bound of the L2 distance, then exact re-scoring: the cache's answer is unchanged, only cheaper to find); 0 or >= the key dimension: scan the full keys; requests with k > KNN_PROJECTED_MAX_K (256) always scan the full keys (the bound then needs thousands of candidates). The basis is fitted once per datastore, on first use.",
+    )
+    cache_retrievals: int = Field(
+        8,
+        ge=1,
+        description="Default cache capacity in KB answers (each p (n + 1) entries); a verification inserts a whole window's answers at once, so this should not be below the usual stride. Used when cache_max_entries is 0.",
+    )
+    max_passage_tokens: int = Field(
+        C.KNN_MAX_PASSAGE_TOKENS, ge=2, description="Datastore build: each passage is truncated to this many tokens."
+    )
+    datastore_dir: Path | None = Field(
+        None, description="Directory of a built datastore (with manifest.json). None: <work_dir>/knn-datastore."
+    )
 
 
 class RalmConfig(_Strict):
@@ -213,7 +351,7 @@ class RalmConfig(_Strict):
     request: RequestConfig = Field(default_factory=RequestConfig, description="Per-request defaults.")
 
     @model_validator(mode="after")
-    def _check(self) -> "RalmConfig":
+    def _check(self) -> RalmConfig:
         if self.request.max_new_tokens > self.generator.max_new_tokens:
             raise ValueError("request.max_new_tokens exceeds generator.max_new_tokens")
         return self
@@ -227,7 +365,7 @@ class RalmConfig(_Strict):
         return Path(self.work_dir) / "indexes" / kind
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "RalmConfig":
+    def from_yaml(cls, path: str | Path) -> RalmConfig:
         with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh) or {}
         return cls.model_validate(data)

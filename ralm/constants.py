@@ -3,68 +3,69 @@
 Config models (``ralm.config``) read their defaults from here, so the Python API,
 the CLI and ``serve_config.yaml`` agree.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 
 # ---- layout of a request (docs/design.md, "What it is"; RaLMSpec paper, section 5) ----
-MAX_DOC_TOKENS = 256          # retrieved document is truncated to this many tokens
-MAX_PROMPT_TOKENS = 512       # question (prompt) limit; longer input is rejected
-MAX_NEW_TOKENS = 128          # default and maximum generation length
-GENERATION_STRIDE = 4         # k: tokens generated per retrieval
-QUERY_WINDOW_TOKENS = 32      # query = last 32 tokens of question + generated text
+MAX_DOC_TOKENS = 256  # retrieved document is truncated to this many tokens
+MAX_PROMPT_TOKENS = 512  # question (prompt) limit; longer input is rejected
+MAX_NEW_TOKENS = 128  # default and maximum generation length
+GENERATION_STRIDE = 4  # k: tokens generated per retrieval
+QUERY_WINDOW_TOKENS = 32  # query = last 32 tokens of question + generated text
 
 # ---- speculation (RaLMSpec paper, section 5 and appendix A.2) ----
-DEFAULT_SPEC_STRIDE = 3       # constant s when OS3 is off
-PREFETCH_SIZE = 20            # p: top-p inserted into the cache with prefetching
-OS3_WINDOW = 5                # w: verifications used to estimate gamma
-OS3_GAMMA_MAX = 0.6           # cap on the gamma estimate
-OS3_MAX_STRIDE = 16           # upper bound on s chosen by OS3
+DEFAULT_SPEC_STRIDE = 3  # constant s when OS3 is off
+PREFETCH_SIZE = 20  # p: top-p inserted into the cache with prefetching
+OS3_WINDOW = 5  # w: verifications used to estimate gamma
+OS3_GAMMA_MAX = 0.6  # cap on the gamma estimate
+OS3_MAX_STRIDE = 16  # upper bound on s chosen by OS3
 OS3_INITIAL_STRIDE = 1
 
 # ---- retrieval ----
-RERANK_MARGIN = 16            # extra candidates fetched before exact re-scoring
-TIE_EPS = 1e-4                # scores closer than this are "near-ties" for candidate expansion
+RERANK_MARGIN = 16  # extra candidates fetched before exact re-scoring
+TIE_EPS = 1e-4  # scores closer than this are "near-ties" for candidate expansion
 HNSW_M = 32
 HNSW_EF_CONSTRUCTION = 200
 HNSW_EF_SEARCH = 128
-BM25_K1 = 0.9                 # pyserini/Anserini defaults
+BM25_K1 = 0.9  # pyserini/Anserini defaults
 BM25_B = 0.4
-FAISS_THREADS = 1             # OpenMP threads for FAISS; more oversubscribes a 2-core box (measured 10x slower under load)
-PAD_VECTOR_NORM = 1e-3        # norm of padding vectors: they cost a scan but (almost) never rank
+FAISS_THREADS = 1  # OpenMP threads for FAISS; more oversubscribes a 2-core box (measured 10x slower under load)
+PAD_VECTOR_NORM = 1e-3  # norm of padding vectors: they cost a scan but (almost) never rank
 
 # ---- engine ----
 DOC_KV_CACHE_BYTES = 256 * 2**20
 # ---- generation-side acceleration (docs/design.md, "Generation-side acceleration") ----
-NUM_DOCS = 1                  # documents per prompt ([doc1]..[docn][context]); prefix-reused KV
-NGRAM_N = 5                   # IGPG: match the last N tokens (IDR2's best N=5) ...
-NGRAM_MIN_N = 2               # ... backing off to shorter matches down to this length
-NGRAM_M = 7                   # ... and propose the M tokens that follow (IDR2's best M=7)
-DENSE_NUM_DRAFTS = 3          # DReSD: drafts verified in one batched forward (paper's best: 3 x 20)
+NUM_DOCS = 1  # documents per prompt ([doc1]..[docn][context]); prefix-reused KV
+NGRAM_N = 5  # IGPG: match the last N tokens (IDR2's best N=5) ...
+NGRAM_MIN_N = 2  # ... backing off to shorter matches down to this length
+NGRAM_M = 7  # ... and propose the M tokens that follow (IDR2's best M=7)
+DENSE_NUM_DRAFTS = 3  # DReSD: drafts verified in one batched forward (paper's best: 3 x 20)
 DENSE_DRAFT_LEN = 20
-DENSE_CANDIDATES = 16         # neighbours fetched from the datastore before the first-token filter
-DENSE_PCA_DIM = 64            # keys: z-score, PCA to this many dims, L2 norm
-FLARE_THRESHOLD = 0.4         # FLARE: re-retrieve when a token's probability falls below this
-ITER_RETGEN_ITERATIONS = 4    # Iter-RetGen: fixed number of retrieval-generation iterations
-IDGR_UNRELATED = 2            # IDGR: lower-ranked doc ids listed as unrelated
-DIVERGENCE_GAP = 1e-3         # a drafted/plain divergence is a float near-tie below this top-2 logit gap
-TORCH_THREADS = 1             # 1 avoids oversubscription (FAISS/Lucene/other requests share the cores)
+DENSE_CANDIDATES = 16  # neighbours fetched from the datastore before the first-token filter
+DENSE_PCA_DIM = 64  # keys: z-score, PCA to this many dims, L2 norm
+FLARE_THRESHOLD = 0.4  # FLARE: re-retrieve when a token's probability falls below this
+ITER_RETGEN_ITERATIONS = 4  # Iter-RetGen: fixed number of retrieval-generation iterations
+IDGR_UNRELATED = 2  # IDGR: lower-ranked doc ids listed as unrelated
+DIVERGENCE_GAP = 1e-3  # a drafted/plain divergence is a float near-tie below this top-2 logit gap
+TORCH_THREADS = 1  # 1 avoids oversubscription (FAISS/Lucene/other requests share the cores)
 
 # ---- KNN-LM (token level; docs/design.md "KNN-LM"; RaLMSpec paper section 5.3) ----
-KNN_K = 16                    # neighbours retrieved per token (1..1024)
+KNN_K = 16  # neighbours retrieved per token (1..1024)
 KNN_MAX_K = 1024
-KNN_TEMPERATURE = 1.0         # p_knn(y) ~ sum_{v_j = y} exp(-dist_j / T), dist = squared L2
-KNN_LAMBDA = 0.25             # next token = argmax(lambda p_knn + (1 - lambda) p_lm) (Khandelwal et al.)
-KNN_SPATIAL_NEXT = 10         # n: entries after each retrieved one inserted into the speculative cache
+KNN_TEMPERATURE = 1.0  # p_knn(y) ~ sum_{v_j = y} exp(-dist_j / T), dist = squared L2
+KNN_LAMBDA = 0.25  # next token = argmax(lambda p_knn + (1 - lambda) p_lm) (Khandelwal et al.)
+KNN_SPATIAL_NEXT = 10  # n: entries after each retrieved one inserted into the speculative cache
 KNN_CACHE_MIN_ENTRIES = 4096  # speculative cache capacity = max(this, 2 k (n + 1)) unless set
 KNN_MAX_PASSAGE_TOKENS = 256  # datastore: a passage is truncated to this many tokens
-KNN_PAD_NORM_FACTOR = 1e3     # L2 padding vectors: norm = this x the largest key norm (never in a top-k)
-KNN_CACHE_PROJECT_DIMS = 64   # speculative cache scans keys PCA-projected to this many dims (0: full keys)
+KNN_PAD_NORM_FACTOR = 1e3  # L2 padding vectors: norm = this x the largest key norm (never in a top-k)
+KNN_CACHE_PROJECT_DIMS = 64  # speculative cache scans keys PCA-projected to this many dims (0: full keys)
 KNN_PROJECTED_MIN_CANDIDATES = 256  # first candidate count of a projected cache scan: at least this,
 KNN_PROJECTED_CANDIDATE_FACTOR = 4  # and this many times k + margin (then doubled while the bound says so)
-KNN_PROJECTED_MAX_K = 256     # above this k a request's cache scans the full keys (projection slower there)
-KNN_PROJECTION_SAMPLE = 65536 # keys sampled (evenly strided) to fit that PCA basis
-KNN_RERANK_MARGIN = 16        # extra candidates (at least; k/8 for large k) before exact re-scoring
+KNN_PROJECTED_MAX_K = 256  # above this k a request's cache scans the full keys (projection slower there)
+KNN_PROJECTION_SAMPLE = 65536  # keys sampled (evenly strided) to fit that PCA basis
+KNN_RERANK_MARGIN = 16  # extra candidates (at least; k/8 for large k) before exact re-scoring
 
 # ---- paths ----
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent

@@ -3,6 +3,7 @@
 Accepts ``.jsonl`` or ``.jsonl.gz``. A passage's *doc id* everywhere in ralmspec is
 its row number in the file; its string id is kept for display and for Lucene.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -44,7 +45,7 @@ class Corpus:
         return self._row_of[string_id]
 
     @classmethod
-    def from_records(cls, records: list[dict]) -> "Corpus":
+    def from_records(cls, records: list[dict]) -> Corpus:
         blob = "\n".join(json.dumps(r, sort_keys=True) for r in records).encode()
         return cls(
             ids=[str(r["id"]) for r in records],
@@ -54,7 +55,7 @@ class Corpus:
         )
 
     @classmethod
-    def load(cls, path: str | Path, limit: int | None = None) -> "Corpus":
+    def load(cls, path: str | Path, limit: int | None = None) -> Corpus:
         """Load a JsonCollection file; ``limit`` keeps the first rows only."""
         path = Path(path)
         if not path.is_file():

@@ -19,11 +19,12 @@ up to float32 near-ties) and the FLARE stop; see :mod:`ralm.drafting.decode`.
 The result depends only on ``(doc tokens, context tokens, k)``: the same bits whether the
 doc KV came from the cache or was just computed, and whatever ran before.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -38,20 +39,20 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 @dataclass
 class StepOutput:
-    tokens: list[int]          # generated token ids, EOS excluded
-    eos: bool                  # the step ended on EOS
-    prefill_s: float           # doc-KV (on a miss) + context prefill wall time
-    decode_s: float            # incremental decode wall time
+    tokens: list[int]  # generated token ids, EOS excluded
+    eos: bool  # the step ended on EOS
+    prefill_s: float  # doc-KV (on a miss) + context prefill wall time
+    decode_s: float  # incremental decode wall time
     doc_kv_hit: bool
     # additive statistics (drafting, multi-document KV reuse, FLARE)
-    forward_passes: int = 0        # model forward passes, prefill included (doc KV excluded)
+    forward_passes: int = 0  # model forward passes, prefill included (doc KV excluded)
     draft_rounds: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-    docs_reused: int = 0           # documents whose KV came from the doc-KV cache
+    docs_reused: int = 0  # documents whose KV came from the doc-KV cache
     docs_computed: int = 0
     kv_bytes_reused: int = 0
-    low_confidence: bool = False   # FLARE: the step ended before a low-probability token
+    low_confidence: bool = False  # FLARE: the step ended before a low-probability token
 
 
 def _kv_bytes(cache) -> int:
@@ -78,18 +79,18 @@ class LMEngine:
         self.device = next(model.parameters()).device
         self.max_positions = self._max_positions(model.config)
         self.doc_kv = DocPrefixTree(self.cfg.doc_kv_cache_bytes, segment_bytes)
-        self.dense_store = None        # DenseDatastore for drafting='dense' (attach_dense_datastore)
+        self.dense_store = None  # DenseDatastore for drafting='dense' (attach_dense_datastore)
         self._doc_tok_memo: dict[str, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_config(cls, cfg: GeneratorConfig) -> "LMEngine":
+    def from_config(cls, cfg: GeneratorConfig) -> LMEngine:
         """Load ``cfg.model`` (local path or Hugging Face name) with its tokenizer."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         kwargs: dict = {"dtype": _DTYPES[cfg.dtype]}
         if cfg.device == "auto":
-            kwargs["device_map"] = "auto"     # spread layers over the visible GPUs
+            kwargs["device_map"] = "auto"  # spread layers over the visible GPUs
         try:
             tok = AutoTokenizer.from_pretrained(cfg.model)
             model = AutoModelForCausalLM.from_pretrained(cfg.model, **kwargs)
@@ -158,17 +159,25 @@ class LMEngine:
     def _drafter(self, docs, context, opts: StepOptions):
         if opts.drafting == "ngram":
             from ralm.drafting.ngram import NGramDrafter
+
             return NGramDrafter(docs, opts.ngram_n, opts.ngram_m, opts.ngram_min_n)
         if opts.drafting == "dense":
             from ralm.drafting.dense import DenseDrafter
+
             if self.dense_store is None:
                 raise RalmInputError("drafting='dense' needs a datastore: engine.attach_dense_datastore(...)")
             return DenseDrafter(self.dense_store, opts.dense_num_drafts, opts.dense_draft_len, opts.dense_candidates)
         return None
 
     @torch.inference_mode()
-    def step(self, doc_text: str | Sequence[str] | None, context: Sequence[int], k: int, ignore_eos: bool = False,
-             options: StepOptions | None = None) -> StepOutput:
+    def step(
+        self,
+        doc_text: str | Sequence[str] | None,
+        context: Sequence[int],
+        k: int,
+        ignore_eos: bool = False,
+        options: StepOptions | None = None,
+    ) -> StepOutput:
         """``f(doc, context, k)``: up to ``k`` greedy tokens after ``[doc][context]``.
 
         ``doc_text`` may be a list of documents: the prompt is ``[doc1]..[docn][context]``.
@@ -193,12 +202,22 @@ class LMEngine:
         kv = dict(docs_reused=info.docs_reused, docs_computed=info.docs_computed, kv_bytes_reused=info.bytes_reused)
         if not opts.plain:
             from ralm.drafting.decode import drafted_decode
+
             r = drafted_decode(self, past, context, k, ignore_eos, opts, self._drafter(docs, context, opts))
             t2 = time.perf_counter()
-            return StepOutput(r.tokens, r.eos, r.prefill_end - t0, t2 - r.prefill_end, info.hit,
-                              forward_passes=r.forward_passes, draft_rounds=r.draft_rounds,
-                              drafted_tokens=r.drafted_tokens, accepted_tokens=r.accepted_tokens,
-                              low_confidence=r.low_confidence, **kv)
+            return StepOutput(
+                r.tokens,
+                r.eos,
+                r.prefill_end - t0,
+                t2 - r.prefill_end,
+                info.hit,
+                forward_passes=r.forward_passes,
+                draft_rounds=r.draft_rounds,
+                drafted_tokens=r.drafted_tokens,
+                accepted_tokens=r.accepted_tokens,
+                low_confidence=r.low_confidence,
+                **kv,
+            )
         hit = info.hit
         ids = torch.tensor([list(context)], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, past_key_values=past, use_cache=True, **last_logits_kwargs(self.model))
@@ -213,7 +232,7 @@ class LMEngine:
             if mask_eos:
                 scores = scores.clone()
                 scores[self.eos_token_id] = float("-inf")
-            nxt = int(torch.argmax(scores))           # first index of the max: lowest id on ties
+            nxt = int(torch.argmax(scores))  # first index of the max: lowest id on ties
             if self.eos_token_id is not None and nxt == self.eos_token_id:
                 eos = True
                 break

@@ -3,6 +3,7 @@
 :class:`ConfigError` is defined in :mod:`cache.errors` (the bottom layer raises it too)
 and re-exported here as the same class object.
 """
+
 from __future__ import annotations
 
 from cache.errors import ConfigError

@@ -4,6 +4,7 @@ The loops only need: tokenise a question, decode tokens, and run a step on a doc
 id. :class:`LocalGenerator` does that in-process with an :class:`~ralm.engine.LMEngine`
 and a corpus; the serving layer provides the same methods over Ray.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -27,8 +28,14 @@ class Generator(Protocol):
 
     def decode(self, tokens: Sequence[int]) -> str: ...
 
-    def step(self, doc_id: DocIds, context: Sequence[int], k: int, ignore_eos: bool = False,
-             options: StepOptions | None = None) -> StepOutput:
+    def step(
+        self,
+        doc_id: DocIds,
+        context: Sequence[int],
+        k: int,
+        ignore_eos: bool = False,
+        options: StepOptions | None = None,
+    ) -> StepOutput:
         """``f``: up to ``k`` greedy tokens after ``context`` conditioned on ``doc_id``.
 
         ``options=None`` is the plain step; callers pass it only for non-default generation
@@ -51,8 +58,14 @@ class LocalGenerator:
     def decode(self, tokens: Sequence[int]) -> str:
         return self.engine.decode(tokens)
 
-    def step(self, doc_id: DocIds, context: Sequence[int], k: int, ignore_eos: bool = False,
-             options: StepOptions | None = None) -> StepOutput:
+    def step(
+        self,
+        doc_id: DocIds,
+        context: Sequence[int],
+        k: int,
+        ignore_eos: bool = False,
+        options: StepOptions | None = None,
+    ) -> StepOutput:
         """``f`` on corpus passage ``doc_id`` (None: no document).
 
         ``doc_id`` may be a tuple of ranked ids (``RequestConfig.num_docs`` > 1 or IDGR): the
@@ -61,7 +74,7 @@ class LocalGenerator:
         """
         ids: list[int]
         if doc_id is None or isinstance(doc_id, (int,)) or not hasattr(doc_id, "__len__"):
-            one = cast("int | None", doc_id)        # also a numpy integer: no __len__
+            one = cast("int | None", doc_id)  # also a numpy integer: no __len__
             text = self.corpus.text(one) if one is not None else None
             if options is None:
                 return self.engine.step(text, context, k, ignore_eos=ignore_eos)
@@ -72,5 +85,6 @@ class LocalGenerator:
         texts = [self.corpus.text(d) for d in ids[:n]]
         if options is not None and options.idgr:
             from ralm.drafting.idgr import idgr_block
+
             texts.append(idgr_block(ids[:n], ids[n:]))
         return self.engine.step(texts, context, k, ignore_eos=ignore_eos, options=options)

@@ -13,6 +13,7 @@ A method names the loop that answers a request:
 The names are the JSON wire values (``"method": "spec"``); :data:`MethodName` is the
 matching ``Literal`` for request bodies and configs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,32 +26,32 @@ from ralm.errors import RalmInputError
 class MethodInfo:
     """One request method: what it is, and which options apply to it."""
 
-    name: str               # the wire value
-    knn: bool               # a KNN-LM (token-level) loop, not a document-level RaLM loop
-    speculative: bool       # takes RaLMSpec options (SpecConfig)
-    async_verify: bool      # asynchronous verification (A) is supported
+    name: str  # the wire value
+    knn: bool  # a KNN-LM (token-level) loop, not a document-level RaLM loop
+    speculative: bool  # takes RaLMSpec options (SpecConfig)
+    async_verify: bool  # asynchronous verification (A) is supported
     description: str
 
 
 _TABLE = (
-    MethodInfo("seq", knn=False, speculative=False, async_verify=False,
-               description="RaLMSeq"),
-    MethodInfo("spec", knn=False, speculative=True, async_verify=True,
-               description="RaLMSpec"),
-    MethodInfo("knnlm-seq", knn=True, speculative=False, async_verify=False,
-               description="KNN-LM without speculative retrieval"),
-    MethodInfo("knnlm-spec", knn=True, speculative=True, async_verify=False,
-               description="KNN-LM with speculative retrieval"),
+    MethodInfo("seq", knn=False, speculative=False, async_verify=False, description="RaLMSeq"),
+    MethodInfo("spec", knn=False, speculative=True, async_verify=True, description="RaLMSpec"),
+    MethodInfo(
+        "knnlm-seq", knn=True, speculative=False, async_verify=False, description="KNN-LM without speculative retrieval"
+    ),
+    MethodInfo(
+        "knnlm-spec", knn=True, speculative=True, async_verify=False, description="KNN-LM with speculative retrieval"
+    ),
 )
 
 METHODS: dict[str, MethodInfo] = {m.name: m for m in _TABLE}
 METHOD_NAMES: tuple[str, ...] = tuple(METHODS)
 KNN_METHODS: tuple[str, ...] = tuple(m.name for m in _TABLE if m.knn)
-DOCUMENT_METHODS: tuple[str, ...] = tuple(m.name for m in _TABLE if not m.knn)   # what ralm.pipeline runs
+DOCUMENT_METHODS: tuple[str, ...] = tuple(m.name for m in _TABLE if not m.knn)  # what ralm.pipeline runs
 
 MethodName = Literal["seq", "spec", "knnlm-seq", "knnlm-spec"]
 # the Literal is spelled out for type checkers; it must list exactly the table's names
-if get_args(MethodName) != METHOD_NAMES:                     # pragma: no cover - a broken edit of this file
+if get_args(MethodName) != METHOD_NAMES:  # pragma: no cover - a broken edit of this file
     raise ImportError(f"MethodName {get_args(MethodName)} does not list the method table's names {METHOD_NAMES}")
 
 
@@ -73,5 +74,14 @@ def describe_methods() -> str:
     return "; ".join(f"{m.name}: {m.description}" for m in _TABLE)
 
 
-__all__ = ["DOCUMENT_METHODS", "KNN_METHODS", "METHODS", "METHOD_NAMES", "MethodInfo", "MethodName", "describe_methods", "is_knn",
-           "method_info"]
+__all__ = [
+    "DOCUMENT_METHODS",
+    "KNN_METHODS",
+    "METHODS",
+    "METHOD_NAMES",
+    "MethodInfo",
+    "MethodName",
+    "describe_methods",
+    "is_knn",
+    "method_info",
+]

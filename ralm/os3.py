@@ -35,6 +35,7 @@ starts speculating at s = 1 as the paper does. Before any speculative step, ``a`
 estimated as generation plus the measured lookup (encoding + cache search), the two
 parts a speculative step consists of.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -50,8 +51,7 @@ def expected_verified(gamma: float, s: int) -> float:
     return (1.0 - gamma**s) / (1.0 - gamma)
 
 
-def window_latency(s: int, gamma: float, a: float, b: float, asynchronous: bool,
-                   correction: float = 0.0) -> float:
+def window_latency(s: int, gamma: float, a: float, b: float, asynchronous: bool, correction: float = 0.0) -> float:
     """Expected wall time of a window of ``s`` (plus ``correction`` on a mismatch)."""
     gs = gamma**s
     if asynchronous:
@@ -61,8 +61,7 @@ def window_latency(s: int, gamma: float, a: float, b: float, asynchronous: bool,
     return lat + (1 - gs) * correction
 
 
-def objective(s: int, gamma: float, a: float, b: float, asynchronous: bool,
-              correction: float = 0.0) -> float:
+def objective(s: int, gamma: float, a: float, b: float, asynchronous: bool, correction: float = 0.0) -> float:
     """Expected verified documents per second for stride ``s`` (a, b in seconds)."""
     return expected_verified(gamma, s) / max(window_latency(s, gamma, a, b, asynchronous, correction), 1e-12)
 
@@ -72,12 +71,12 @@ class StrideScheduler:
 
     def __init__(self, cfg: SpecConfig, history: int = 16):
         self.cfg = cfg
-        self._windows: deque[tuple[int, int]] = deque(maxlen=cfg.os3_window)   # (s, matched)
-        self._step_lat: deque[float] = deque(maxlen=history)                    # speculative step, s
-        self._gen_lat: deque[float] = deque(maxlen=history)                     # generation only, s
-        self._verify_lat: deque[tuple[int, float]] = deque(maxlen=history)     # (batch size, s)
-        self._direct_lat: deque[float] = deque(maxlen=history)                  # direct retrieval, s
-        self._lookup_lat: deque[float] = deque(maxlen=history)                  # query + cache lookup, s
+        self._windows: deque[tuple[int, int]] = deque(maxlen=cfg.os3_window)  # (s, matched)
+        self._step_lat: deque[float] = deque(maxlen=history)  # speculative step, s
+        self._gen_lat: deque[float] = deque(maxlen=history)  # generation only, s
+        self._verify_lat: deque[tuple[int, float]] = deque(maxlen=history)  # (batch size, s)
+        self._direct_lat: deque[float] = deque(maxlen=history)  # direct retrieval, s
+        self._lookup_lat: deque[float] = deque(maxlen=history)  # query + cache lookup, s
         self.decisions: list[int] = []
 
     # ---- measurements
@@ -165,7 +164,7 @@ class StrideScheduler:
             return cfg.stride
         g, a = self.gamma, self.step_latency()
         if a is None or not self._verify_lat:
-            s = 1                        # start at s = 1 until there is something to estimate
+            s = 1  # start at s = 1 until there is something to estimate
         else:
             start = g is None
             # No accuracy observed yet: the paper starts at s = 1. With the s = 0 extension,
@@ -179,8 +178,7 @@ class StrideScheduler:
                 gen = fmean(self._gen_lat)
                 # a direct step costs generation + one KB retrieval (measured, or b(1) plus
                 # the speculative step's non-generation overhead)
-                b1 = fmean(self._direct_lat) if self._direct_lat else \
-                    self.verify_latency(1) + max(0.0, a - gen)
+                b1 = fmean(self._direct_lat) if self._direct_lat else self.verify_latency(1) + max(0.0, a - gen)
                 if 1.0 / max(gen + b1, 1e-12) > rate:
                     s = 0
         self.decisions.append(s)

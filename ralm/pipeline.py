@@ -3,6 +3,7 @@
 This is what the CLI, the benchmark and the tests' factories use; the serving layer
 builds the same parts inside Ray actors and deployments.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,9 +42,15 @@ class Pipeline:
         return LocalGenerator(self.engine, self.corpus)
 
     @classmethod
-    def from_config(cls, cfg: RalmConfig, kinds: tuple[str, ...] | None = None,
-                    build_missing: bool = True, engine: LMEngine | None = None,
-                    corpus: Corpus | None = None, progress: bool = True) -> "Pipeline":
+    def from_config(
+        cls,
+        cfg: RalmConfig,
+        kinds: tuple[str, ...] | None = None,
+        build_missing: bool = True,
+        engine: LMEngine | None = None,
+        corpus: Corpus | None = None,
+        progress: bool = True,
+    ) -> Pipeline:
         """Load the corpus, the engine and the retrievers (building missing indexes)."""
         from ralm.retrieval.factory import ensure_index, load_retriever
 
@@ -64,11 +71,19 @@ class Pipeline:
     def retriever(self, kind: str) -> Retriever:
         check_kind(kind)
         if kind not in self.retrievers:
-            raise ConfigError(f"retriever {kind!r} is not loaded in this pipeline (loaded: {', '.join(self.retrievers)})")
+            raise ConfigError(
+                f"retriever {kind!r} is not loaded in this pipeline (loaded: {', '.join(self.retrievers)})"
+            )
         return self.retrievers[kind]
 
-    def answer(self, question: str, kind: str | None = None, method: str = "spec",
-               spec: SpecConfig | None = None, req: RequestConfig | None = None) -> RalmResult:
+    def answer(
+        self,
+        question: str,
+        kind: str | None = None,
+        method: str = "spec",
+        spec: SpecConfig | None = None,
+        req: RequestConfig | None = None,
+    ) -> RalmResult:
         """Answer one question with RaLMSeq (``method='seq'``) or RaLMSpec (``'spec'``)."""
         kb = self.retriever(kind or self.cfg.retriever.kind)
         req = req or self.cfg.request

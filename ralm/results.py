@@ -1,4 +1,5 @@
 """What a request returns: its text and tokens with the statistics that explain its latency."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -6,48 +7,48 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class RequestStats:
-    method: str = "seq"                  # "seq" (RaLMSeq) or "spec[P,S,A]" (RaLMSpec)
+    method: str = "seq"  # "seq" (RaLMSeq) or "spec[P,S,A]" (RaLMSpec)
     retriever: str = ""
-    steps: int = 0                       # committed steps (one document each)
-    kb_calls: int = 0                    # calls to the knowledge base (a batch counts once)
-    kb_queries: int = 0                  # queries sent to the knowledge base
-    spec_steps: int = 0                  # speculative steps run (including discarded ones)
-    cache_lookups: int = 0               # speculative steps' lookups and direct steps' shadow guesses
+    steps: int = 0  # committed steps (one document each)
+    kb_calls: int = 0  # calls to the knowledge base (a batch counts once)
+    kb_queries: int = 0  # queries sent to the knowledge base
+    spec_steps: int = 0  # speculative steps run (including discarded ones)
+    cache_lookups: int = 0  # speculative steps' lookups and direct steps' shadow guesses
     verifications: int = 0
-    matched_steps: int = 0               # speculative steps confirmed by verification
-    shadow_hits: int = 0                 # direct steps whose cache guess was the KB's answer
+    matched_steps: int = 0  # speculative steps confirmed by verification
+    shadow_hits: int = 0  # direct steps whose cache guess was the KB's answer
     rollbacks: int = 0
-    regenerated_tokens: int = 0          # tokens thrown away by rollbacks
-    async_steps_kept: int = 0            # async steps that became the next window's first step
+    regenerated_tokens: int = 0  # tokens thrown away by rollbacks
+    async_steps_kept: int = 0  # async steps that became the next window's first step
     async_steps_discarded: int = 0
-    direct_steps: int = 0                # OS3 chose s = 0: plain KB retrieval for the step
-    strides: list[int] = field(default_factory=list)   # window size of each verification
-    gamma: float | None = None           # final OS3 estimate of speculation accuracy
-    gen_time_s: float = 0.0              # G: wall time inside the generator
-    retrieval_time_s: float = 0.0        # R: everything else (KB waits, caches, encoding)
+    direct_steps: int = 0  # OS3 chose s = 0: plain KB retrieval for the step
+    strides: list[int] = field(default_factory=list)  # window size of each verification
+    gamma: float | None = None  # final OS3 estimate of speculation accuracy
+    gen_time_s: float = 0.0  # G: wall time inside the generator
+    retrieval_time_s: float = 0.0  # R: everything else (KB waits, caches, encoding)
     total_time_s: float = 0.0
     doc_kv_hits: int = 0
-    doc_ids: list[int] = field(default_factory=list)   # document used at each committed step
+    doc_ids: list[int] = field(default_factory=list)  # document used at each committed step
     # ---- generation-side statistics (additive; summed over every step run, rolled back or not)
-    workload: str = "fixed"              # fixed | flare | iter_retgen
-    drafting: str = "none"               # none | ngram | dense
-    forward_passes: int = 0              # model forward passes (context prefill + decode/verify)
-    generated_tokens: int = 0            # tokens produced by those steps
-    draft_rounds: int = 0                # verify passes that carried a draft
+    workload: str = "fixed"  # fixed | flare | iter_retgen
+    drafting: str = "none"  # none | ngram | dense
+    forward_passes: int = 0  # model forward passes (context prefill + decode/verify)
+    generated_tokens: int = 0  # tokens produced by those steps
+    draft_rounds: int = 0  # verify passes that carried a draft
     drafted_tokens: int = 0
-    accepted_tokens: int = 0             # draft tokens accepted
-    doc_kv_misses: int = 0               # documents whose KV had to be computed
-    doc_kv_docs_reused: int = 0          # documents whose KV came from the doc-KV cache
+    accepted_tokens: int = 0  # draft tokens accepted
+    doc_kv_misses: int = 0  # documents whose KV had to be computed
+    doc_kv_docs_reused: int = 0  # documents whose KV came from the doc-KV cache
     doc_kv_bytes_reused: int = 0
-    prefill_time_s: float = 0.0          # doc KV (misses) + context prefill
+    prefill_time_s: float = 0.0  # doc KV (misses) + context prefill
     decode_time_s: float = 0.0
-    low_confidence_stops: int = 0        # FLARE: steps ended by a low-probability token
-    gen_steps: int = 0                   # generator steps run (committed, speculative, discarded, corrections)
-    num_docs: int = 1                    # documents per prompt
-    exact: bool = True                   # output is, by construction, plain RaLMSeq's (False: an inexact option is on)
-    inexact_options: list[str] = field(default_factory=list)   # the options that made it inexact
+    low_confidence_stops: int = 0  # FLARE: steps ended by a low-probability token
+    gen_steps: int = 0  # generator steps run (committed, speculative, discarded, corrections)
+    num_docs: int = 1  # documents per prompt
+    exact: bool = True  # output is, by construction, plain RaLMSeq's (False: an inexact option is on)
+    inexact_options: list[str] = field(default_factory=list)  # the options that made it inexact
 
-    def set_request(self, req) -> "RequestStats":
+    def set_request(self, req) -> RequestStats:
         """Record the request's generation-side modes (a :class:`~ralm.config.RequestConfig`)."""
         self.workload, self.drafting, self.num_docs = req.workload, req.drafting, req.num_docs
         self.inexact_options = list(req.inexact_options)
@@ -90,10 +91,11 @@ class RequestStats:
         self.prefill_time_s += g("prefill_s")
         self.decode_time_s += g("decode_s")
         self.low_confidence_stops += int(bool(g("low_confidence")))
-    resumed_tokens: int = 0              # tokens taken from a verified prefix (a resumed request)
+
+    resumed_tokens: int = 0  # tokens taken from a verified prefix (a resumed request)
     resumed_steps: int = 0
-    knn_k: int = 0                       # KNN-LM: neighbours per token (0: a document-level request)
-    cache_entries: int = 0               # KNN-LM: speculative cache size at the end of the request
+    knn_k: int = 0  # KNN-LM: neighbours per token (0: a document-level request)
+    cache_entries: int = 0  # KNN-LM: speculative cache size at the end of the request
 
     @property
     def speculation_accuracy(self) -> float | None:
@@ -127,7 +129,9 @@ class VerifiedPrefix:
 
     def check(self, max_new_tokens: int) -> None:
         if len(self.tokens) > max_new_tokens:
-            raise ValueError(f"verified prefix has {len(self.tokens)} tokens, more than max_new_tokens={max_new_tokens}")
+            raise ValueError(
+                f"verified prefix has {len(self.tokens)} tokens, more than max_new_tokens={max_new_tokens}"
+            )
         if self.tokens and not self.doc_ids:
             raise ValueError("verified prefix has tokens but no steps")
 
@@ -135,10 +139,15 @@ class VerifiedPrefix:
 @dataclass
 class RalmResult:
     text: str
-    tokens: list[int]                    # generated tokens (EOS excluded)
+    tokens: list[int]  # generated tokens (EOS excluded)
     stats: RequestStats
-    finish_reason: str = "length"        # "stop" (EOS) or "length"
+    finish_reason: str = "length"  # "stop" (EOS) or "length"
 
     def as_dict(self) -> dict:
-        return {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
-                "exact": self.stats.exact, "stats": self.stats.as_dict()}
+        return {
+            "text": self.text,
+            "tokens": self.tokens,
+            "finish_reason": self.finish_reason,
+            "exact": self.stats.exact,
+            "stats": self.stats.as_dict(),
+        }

@@ -2,10 +2,11 @@
 
 ``X = question``; until EOS or ``max_new_tokens``: ``d = KB.top1(query(X)); X += f(d, X, k)``.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from ralm.config import RequestConfig
 from ralm.generator import Generator
@@ -19,8 +20,9 @@ def query_text(gen: Generator, tokens: list[int], window: int) -> str:
     return gen.decode(tokens[-window:])
 
 
-def finish(gen: Generator, question_len: int, tokens: list[int], eos: bool, stats: RequestStats,
-           t_start: float) -> RalmResult:
+def finish(
+    gen: Generator, question_len: int, tokens: list[int], eos: bool, stats: RequestStats, t_start: float
+) -> RalmResult:
     """The request's result: the tokens after the question, decoded, and the timing split
     (total since ``t_start``; retrieval = everything that was not generation)."""
     stats.total_time_s = time.perf_counter() - t_start
@@ -29,8 +31,9 @@ def finish(gen: Generator, question_len: int, tokens: list[int], eos: bool, stat
     return RalmResult(gen.decode(out), out, stats, "stop" if eos else "length")
 
 
-def apply_resume(resume: VerifiedPrefix, tokens: list[int], stats: RequestStats,
-                 max_new_tokens: int) -> tuple[list[int], bool]:
+def apply_resume(
+    resume: VerifiedPrefix, tokens: list[int], stats: RequestStats, max_new_tokens: int
+) -> tuple[list[int], bool]:
     """Start a request from a verified prefix (steps are deterministic, so the rest of the
     run is the same as from scratch): returns (question + prefix tokens, eos) and records
     the prefix's steps and documents in ``stats``."""
@@ -42,10 +45,15 @@ def apply_resume(resume: VerifiedPrefix, tokens: list[int], stats: RequestStats,
     return tokens, bool(resume.eos)
 
 
-def run_seq(question: str, gen: Generator, kb: Retriever, req: RequestConfig | None = None,
-            on_commit: Optional[Callable[[list[int]], None]] = None,
-            resume: Optional[VerifiedPrefix] = None,
-            on_verified: Optional[Callable[[list[int], list, bool], None]] = None) -> RalmResult:
+def run_seq(
+    question: str,
+    gen: Generator,
+    kb: Retriever,
+    req: RequestConfig | None = None,
+    on_commit: Callable[[list[int]], None] | None = None,
+    resume: VerifiedPrefix | None = None,
+    on_verified: Callable[[list[int], list, bool], None] | None = None,
+) -> RalmResult:
     """Answer ``question`` with RaLMSeq: one KB retrieval before every ``k`` tokens.
 
     ``on_commit(tokens)``, if given, is called with each step's tokens as soon as they
@@ -58,7 +66,7 @@ def run_seq(question: str, gen: Generator, kb: Retriever, req: RequestConfig | N
     X = gen.encode_question(question)
     n_q = len(X)
     stats = RequestStats(method="seq", retriever=getattr(kb, "name", "")).set_request(req)
-    query = make_query_fn(gen, req, n_q)          # workload's query (default: last query_window tokens)
+    query = make_query_fn(gen, req, n_q)  # workload's query (default: last query_window tokens)
     eos = False
     if resume is not None:
         X, eos = apply_resume(resume, X, stats, req.max_new_tokens)
@@ -66,7 +74,7 @@ def run_seq(question: str, gen: Generator, kb: Retriever, req: RequestConfig | N
         hits = kb.search(query(X), retrieval_depth(req))
         stats.kb_calls += 1
         stats.kb_queries += 1
-        doc_id = doc_from_hits(hits, req)          # no hit (e.g. a BM25 query of stopwords): no document
+        doc_id = doc_from_hits(hits, req)  # no hit (e.g. a BM25 query of stopwords): no document
         k = step_budget(req, len(X) - n_q)
         t0 = time.perf_counter()
         out = call_step(gen, doc_id, X, k, req)

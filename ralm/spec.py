@@ -19,12 +19,13 @@ Exactness: every committed step's document is the KB's top-1 for its query, and 
 step is ``f(doc, X, k)`` over the same ``X`` RaLMSeq would have, so the tokens are equal
 (the argument in full: :mod:`ralm.speculation`).
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 from cache.speculative import SpeculativeCache
 from ralm.config import RequestConfig, SpecConfig
@@ -49,8 +50,8 @@ def _default_pool() -> ThreadPoolExecutor:
 @dataclass
 class _Step:
     query: str
-    doc_id: int | None       # speculated document
-    mark: int                # len(X) before the step
+    doc_id: int | None  # speculated document
+    mark: int  # len(X) before the step
     eos: bool
 
 
@@ -67,29 +68,38 @@ class _SpecRun:
     truth of a window is the KB's top-p of each query, all of which are cached.
     """
 
-    def __init__(self, question: str, gen: Generator, kb: Retriever, req: RequestConfig,
-                 spec: SpecConfig, cache: SpeculativeCache | None,
-                 on_commit: Optional[Callable[[list[int]], None]] = None,
-                 resume: Optional[VerifiedPrefix] = None,
-                 on_verified: Optional[Callable[[list[int], list, bool], None]] = None):
+    def __init__(
+        self,
+        question: str,
+        gen: Generator,
+        kb: Retriever,
+        req: RequestConfig,
+        spec: SpecConfig,
+        cache: SpeculativeCache | None,
+        on_commit: Callable[[list[int]], None] | None = None,
+        resume: VerifiedPrefix | None = None,
+        on_verified: Callable[[list[int], list, bool], None] | None = None,
+    ):
         self.gen, self.kb, self.req, self.spec = gen, kb, req, spec
         self.on_commit = on_commit
         self.on_verified = on_verified
         self.t_start = time.perf_counter()
         self.X: list[int] = gen.encode_question(question)
         self.n_q = len(self.X)
-        self.emitted = self.n_q              # X[:emitted] was passed to on_commit
+        self.emitted = self.n_q  # X[:emitted] was passed to on_commit
         self.eos = False
         self.cache = cache if cache is not None else SpeculativeCache(kb.scorer)
-        self.depth = retrieval_depth(req)      # ranked ids a step uses (1 unless num_docs > 1 / IDGR)
+        self.depth = retrieval_depth(req)  # ranked ids a step uses (1 unless num_docs > 1 / IDGR)
         self.p = max(spec.prefetch_size if spec.prefetch else 1, self.depth)
         self.query = make_query_fn(gen, req, self.n_q)
         self.sched = StrideScheduler(spec)
         self.async_verify = spec.async_verify
-        name = "".join(c for c, on in (("P", spec.prefetch), ("S", spec.adaptive_stride),
-                                         ("A", spec.async_verify)) if on) or "base"
+        name = (
+            "".join(c for c, on in (("P", spec.prefetch), ("S", spec.adaptive_stride), ("A", spec.async_verify)) if on)
+            or "base"
+        )
         self.stats = RequestStats(method=f"spec[{name}]", retriever=getattr(kb, "name", "")).set_request(req)
-        if resume is not None:               # start from a verified prefix (steps are deterministic)
+        if resume is not None:  # start from a verified prefix (steps are deterministic)
             self.X, self.eos = apply_resume(resume, self.X, self.stats, req.max_new_tokens)
             self.emitted = len(self.X)
 
@@ -127,20 +137,19 @@ class _SpecRun:
         self.sched.record_step(time.perf_counter() - t0)
         return _Step(q, doc_id, mark, eos)
 
-    def emit(self, pending: "_Step | None") -> None:
+    def emit(self, pending: _Step | None) -> None:
         """Pass newly verified tokens to ``on_commit`` (all of X except a pending async step),
         and the whole verified prefix to ``on_verified``."""
         if self.on_commit is None and self.on_verified is None:
             return
         upto = pending.mark if pending is not None else len(self.X)
         if upto > self.emitted:
-            chunk = self.X[self.emitted:upto]
+            chunk = self.X[self.emitted : upto]
             self.emitted = upto
             if self.on_commit is not None:
                 self.on_commit(list(chunk))
             if self.on_verified is not None:
-                self.on_verified(self.X[self.n_q:upto], list(self.stats.doc_ids),
-                                 self.eos and pending is None)
+                self.on_verified(self.X[self.n_q : upto], list(self.stats.doc_ids), self.eos and pending is None)
 
     def _commit_kb_step(self, hits: Sequence[Hit]) -> int:
         """Run a step on the KB's own ranking ``hits`` for the current query (already a
@@ -165,7 +174,7 @@ class _SpecRun:
         t0 = time.perf_counter()
         self.kb.scorer.encode([q])
         t1 = time.perf_counter()
-        first = self.kb.search(q, self.p)    # reuses the memoised vector (dense)
+        first = self.kb.search(q, self.p)  # reuses the memoised vector (dense)
         self.sched.record_lookup(t1 - t0)
         self.sched.record_kb_latency(1, time.perf_counter() - t1)
         self._add_to_cache([first])
@@ -193,8 +202,7 @@ class _SpecRun:
     def verify(self, window: Sequence[_Step]) -> tuple[list[list[Hit]], float]:
         return _timed_batch_search(self.kb, [w.query for w in window], self.p)
 
-    def first_mismatch(self, window: Sequence[_Step],
-                       truth: Sequence[Sequence[Hit]]) -> tuple[int, object] | None:
+    def first_mismatch(self, window: Sequence[_Step], truth: Sequence[Sequence[Hit]]) -> tuple[int, object] | None:
         for i, (w, t) in enumerate(zip(window, truth)):
             right = doc_from_hits(t, self.req)
             if w.doc_id != right:
@@ -202,7 +210,7 @@ class _SpecRun:
         return None
 
     def cache_truth(self, truth: Sequence[Sequence[Hit]], upto: int) -> None:
-        self._add_to_cache(truth)            # every answer, also those after a mismatch
+        self._add_to_cache(truth)  # every answer, also those after a mismatch
 
     def accept(self, steps: Sequence[_Step]) -> None:
         self.stats.doc_ids.extend(w.doc_id for w in steps)
@@ -214,7 +222,7 @@ class _SpecRun:
         return dropped
 
     def commit_correction(self, doc_id) -> None:
-        self._generate(doc_id)                # correction step with the KB's document
+        self._generate(doc_id)  # correction step with the KB's document
         self.stats.doc_ids.append(doc_id)
 
     def run(self, executor: Executor) -> RalmResult:
@@ -222,12 +230,18 @@ class _SpecRun:
         return finish(self.gen, self.n_q, self.X, self.eos, self.stats, self.t_start)
 
 
-def run_spec(question: str, gen: Generator, kb: Retriever, req: RequestConfig | None = None,
-             spec: SpecConfig | None = None, cache: SpeculativeCache | None = None,
-             executor: Executor | None = None,
-             on_commit: Optional[Callable[[list[int]], None]] = None,
-             resume: Optional[VerifiedPrefix] = None,
-             on_verified: Optional[Callable[[list[int], list, bool], None]] = None) -> RalmResult:
+def run_spec(
+    question: str,
+    gen: Generator,
+    kb: Retriever,
+    req: RequestConfig | None = None,
+    spec: SpecConfig | None = None,
+    cache: SpeculativeCache | None = None,
+    executor: Executor | None = None,
+    on_commit: Callable[[list[int]], None] | None = None,
+    resume: VerifiedPrefix | None = None,
+    on_verified: Callable[[list[int], list, bool], None] | None = None,
+) -> RalmResult:
     """Answer ``question`` with RaLMSpec; the tokens equal :func:`ralm.seq.run_seq`'s.
 
     ``on_commit(tokens)``, if given, is called with tokens once they are verified (they

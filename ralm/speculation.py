@@ -51,10 +51,12 @@ steps 4..7 would be kept and step 8 would become the first step of the next wind
 (``async_steps_kept``), still to be verified there; nothing after step 7 is emitted
 until then.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Executor
-from typing import Any, Protocol, Sequence, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ralm.os3 import StrideScheduler
 from ralm.results import RequestStats
@@ -118,8 +120,9 @@ def _count_kb_step(stats: RequestStats) -> None:
     stats.steps += 1
 
 
-def speculate(strategy: Strategy, sched: StrideScheduler, stats: RequestStats,
-              executor: Executor | None = None) -> None:
+def speculate(
+    strategy: Strategy, sched: StrideScheduler, stats: RequestStats, executor: Executor | None = None
+) -> None:
     """Run the speculation cycle until ``strategy.finished`` (see the module docstring).
 
     ``sched`` chooses each window's stride and is told every verification's outcome;
@@ -129,11 +132,11 @@ def speculate(strategy: Strategy, sched: StrideScheduler, stats: RequestStats,
     ``strategy.async_verify``).
     """
     st = stats
-    if not strategy.finished:                 # (a resumed request may already be complete)
+    if not strategy.finished:  # (a resumed request may already be complete)
         strategy.first_step()
         _count_kb_step(st)
         strategy.emit(None)
-    pending = None                            # an async step waiting to open the next window
+    pending = None  # an async step waiting to open the next window
     while not strategy.finished or pending is not None:
         s = sched.next_stride()
         if s == 0 and pending is None:
@@ -151,7 +154,7 @@ def speculate(strategy: Strategy, sched: StrideScheduler, stats: RequestStats,
             if executor is None:
                 raise ValueError("asynchronous verification needs an executor")
             fut = executor.submit(strategy.verify, window)
-            extra = strategy.speculative_step()             # overlaps with the verification
+            extra = strategy.speculative_step()  # overlaps with the verification
             truth, b = fut.result()
         else:
             truth, b = strategy.verify(window)
@@ -167,14 +170,14 @@ def speculate(strategy: Strategy, sched: StrideScheduler, stats: RequestStats,
         strategy.accept(window[:matched])
         if found is None:
             if extra is not None:
-                pending = extra                             # verified next window, first
+                pending = extra  # verified next window, first
                 st.async_steps_kept += 1
         else:
             st.rollbacks += 1
             if extra is not None:
-                st.async_steps_discarded += 1               # it ran after the mismatch
+                st.async_steps_discarded += 1  # it ran after the mismatch
             st.regenerated_tokens += strategy.rollback(window[matched])
-            strategy.commit_correction(found[1])            # the baseline's step m
+            strategy.commit_correction(found[1])  # the baseline's step m
             st.steps += 1
         sched.record_verification(len(window), matched, b)
         strategy.emit(pending)

@@ -21,18 +21,24 @@ Workloads (``RequestConfig.workload``):
   question plus iteration ``i-1``'s whole generation. (Generation continues the text
   rather than restarting it, so the loops' append-only exactness argument holds.)
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ralm.config import RequestConfig
 from ralm.drafting import StepOptions
 
 
 def _default_generation(req: RequestConfig) -> bool:
-    return (req.drafting == "none" and req.workload != "flare" and req.num_docs == 1 and not req.idgr
-            and not req.allow_inexact_shifted_reuse)
+    return (
+        req.drafting == "none"
+        and req.workload != "flare"
+        and req.num_docs == 1
+        and not req.idgr
+        and not req.allow_inexact_shifted_reuse
+    )
 
 
 def retrieval_depth(req: RequestConfig) -> int:
@@ -44,7 +50,7 @@ def doc_from_hits(hits: Sequence, req: RequestConfig):
     """The step's document: a doc id (or None) by default, else the tuple of ranked ids."""
     if req.num_docs == 1 and not req.idgr:
         return hits[0][0] if hits else None
-    ids = tuple(int(h[0]) for h in hits[:retrieval_depth(req)])
+    ids = tuple(int(h[0]) for h in hits[: retrieval_depth(req)])
     return ids or None
 
 
@@ -67,8 +73,9 @@ def make_query_fn(gen, req: RequestConfig, n_q: int) -> Callable[[list[int]], st
 
         def query(X: list[int]) -> str:
             g = len(X) - n_q
-            start = n_q + max(0, (g - 1) // L * L) if g else n_q     # start of the previous iteration
+            start = n_q + max(0, (g - 1) // L * L) if g else n_q  # start of the previous iteration
             return gen.decode(X[:n_q] + X[start:])
+
         return query
 
     w = req.query_window

@@ -1,11 +1,12 @@
 """Session fixtures shared by all tests: the fixture corpus, its questions, and the
 three KB indexes (EDR, ADR, SR) built once from it into a temporary directory."""
+
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")        # the hub is unreachable: never try it
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the hub is unreachable: never try it
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -39,15 +40,23 @@ INTEGRATION_PATHS = (
     "tests/deployments/test_request_modes.py",
     "tests/deployments/test_state.py",
 )
-INTEGRATION_FIXTURES = frozenset({
-    "ray_local", "redis_server", "fresh_redis", "redis_with_password",
-    "server", "served",        # tests/deployments' module fixtures: a Serve app on a local Ray (serve_app)
-})
+INTEGRATION_FIXTURES = frozenset(
+    {
+        "ray_local",
+        "redis_server",
+        "fresh_redis",
+        "redis_with_password",
+        "server",
+        "served",  # tests/deployments' module fixtures: a Serve app on a local Ray (serve_app)
+    }
+)
 # tests that start Ray in their own body, in files that are otherwise unit
-INTEGRATION_TESTS = frozenset({
-    "tests/deployments/test_generator.py::test_replica_in_a_strict_pack_placement_group",
-    "tests/ralm/test_signals.py::test_jvm_handlers_survive_ray_init_and_shutdown",
-})
+INTEGRATION_TESTS = frozenset(
+    {
+        "tests/deployments/test_generator.py::test_replica_in_a_strict_pack_placement_group",
+        "tests/ralm/test_signals.py::test_jvm_handlers_survive_ray_init_and_shutdown",
+    }
+)
 _ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -62,7 +71,7 @@ def _is_integration(item: pytest.Item) -> bool:
     return not INTEGRATION_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
 
 
-@pytest.hookimpl(tryfirst=True)      # before -m deselects by these marks
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark every collected test `integration` or `unit` (select with `-m unit`, `-m integration`)."""
     for item in items:
@@ -101,8 +110,15 @@ def index_dirs(tmp_path_factory, fixture_corpus, dense_encoder, retriever_config
     dirs = {kind: root / kind for kind in KINDS}
     build_index("edr", fixture_corpus, dirs["edr"], retriever_configs["edr"], progress=False, encoder=dense_encoder)
     vectors = np.load(dirs["edr"] / "vectors.npy")
-    build_index("adr", fixture_corpus, dirs["adr"], retriever_configs["adr"], progress=False,
-                encoder=dense_encoder, vectors=vectors)
+    build_index(
+        "adr",
+        fixture_corpus,
+        dirs["adr"],
+        retriever_configs["adr"],
+        progress=False,
+        encoder=dense_encoder,
+        vectors=vectors,
+    )
     build_index("sr", fixture_corpus, dirs["sr"], retriever_configs["sr"], progress=False)
     return dirs
 
@@ -112,8 +128,10 @@ def retrievers(index_dirs, fixture_corpus, dense_encoder, retriever_configs) -> 
     """kind -> loaded KB retriever (validated through its manifest)."""
     from ralm.retrieval.factory import load_retriever
 
-    return {kind: load_retriever(retriever_configs[kind], fixture_corpus, index_dirs[kind], encoder=dense_encoder)
-            for kind in KINDS}
+    return {
+        kind: load_retriever(retriever_configs[kind], fixture_corpus, index_dirs[kind], encoder=dense_encoder)
+        for kind in KINDS
+    }
 
 
 @pytest.fixture(scope="session")
@@ -127,7 +145,7 @@ def sample_queries(fixture_corpus, fixture_questions) -> list[str]:
             continue
         n = int(rng.integers(4, 33))
         s = int(rng.integers(0, max(1, len(words) - n)))
-        out.append(" ".join(words[s:s + n]))
+        out.append(" ".join(words[s : s + n]))
     return out + list(fixture_questions)
 
 

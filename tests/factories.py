@@ -9,12 +9,13 @@ Token encoding of the scripted generator: the token at position ``i`` of X gener
 with document ``d`` is ``1000 * i + (d + 1)`` (``d = -1`` when there is no document), so
 tokens depend on both position and document, and the KB can read a query's position.
 """
+
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from ralm.retrieval.base import rank_hits
 class ScriptedGenerator:
     def __init__(self, eos_at: int | None = None, step_sleep: float = 0.0):
         self.eos_token_id = -1
-        self.eos_at = eos_at             # generated-token index that is EOS
+        self.eos_at = eos_at  # generated-token index that is EOS
         self.step_sleep = step_sleep
         self.n_q = 0
         self.calls: list[tuple[int | None, int, int]] = []
@@ -60,7 +61,7 @@ class ScriptedGenerator:
 class _ScriptedScorer:
     """score(q, d) = 1.0 if d is the KB's choice for q, else 0.5 - 0.001 d."""
 
-    def __init__(self, kb: "ScriptedKB"):
+    def __init__(self, kb: ScriptedKB):
         self.kb = kb
 
     def encode(self, queries):
@@ -94,7 +95,7 @@ class ScriptedKB:
 
     def step_index(self, query: str) -> int:
         last = int(query.split()[-1])
-        length = last // 1000 + 1                 # len(X) when the query was made
+        length = last // 1000 + 1  # len(X) when the query was made
         return (length - self.n_q) // self.k
 
     def choice(self, query: str) -> int:
@@ -121,41 +122,64 @@ def tiny_tokenizer(texts: list[str] | None = None, vocab_size: int = 400):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    texts = texts or [
-        "Return a new list containing all items from the iterable in ascending order.",
-        "Serialize obj to a JSON formatted str using this conversion table.",
-        "Recursively copy an entire directory tree rooted at src to a directory named dst.",
-        "what does the json module do? how do I copy a tree of files?",
-    ] * 4
+    texts = (
+        texts
+        or [
+            "Return a new list containing all items from the iterable in ascending order.",
+            "Serialize obj to a JSON formatted str using this conversion table.",
+            "Recursively copy an entire directory tree rooted at src to a directory named dst.",
+            "what does the json module do? how do I copy a tree of files?",
+        ]
+        * 4
+    )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
-                                   bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
 
 
 def tiny_causal_lm(family: str, vocab_size: int, eos_token_id: int, seed: int = 0):
     """A 2-layer random causal LM of the given family, built from a config."""
     import torch
-    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                              OPTConfig, OPTForCausalLM)
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab_size, bos_token_id=eos_token_id, eos_token_id=eos_token_id,
-                  pad_token_id=eos_token_id)
+    common = dict(
+        vocab_size=vocab_size, bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=eos_token_id
+    )
     if family == "gpt2":
         cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=1024, **common)
         model = GPT2LMHeadModel(cfg)
     elif family == "opt":
-        cfg = OPTConfig(num_hidden_layers=2, hidden_size=64, ffn_dim=128, num_attention_heads=4,
-                        max_position_embeddings=1024, word_embed_proj_dim=64, **common)
+        cfg = OPTConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            ffn_dim=128,
+            num_attention_heads=4,
+            max_position_embeddings=1024,
+            word_embed_proj_dim=64,
+            **common,
+        )
         model = OPTForCausalLM(cfg)
     elif family == "llama":
-        cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **common)
+        cfg = LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            **common,
+        )
         model = LlamaForCausalLM(cfg)
     else:
         raise ValueError(family)

@@ -16,14 +16,16 @@ It holds three kinds of state (docs/design.md, "Architecture"):
 Values are JSON: every backend serialises on write, so what a test reads back from the
 memory store is exactly what it would read back from Redis.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any
 
 from cache.ranking import Hit
 from cache.state.config import StateStoreConfig
@@ -54,7 +56,7 @@ class RequestCheckpoint:
 
     request_id: str
     tokens: list[int]
-    doc_ids: list[Optional[int]]
+    doc_ids: list[int | None]
     steps: int
     prompt_len: int = 0
     meta: dict = field(default_factory=dict)
@@ -72,12 +74,17 @@ class RequestCheckpoint:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, s: str | bytes) -> "RequestCheckpoint":
+    def from_json(cls, s: str | bytes) -> RequestCheckpoint:
         d = json.loads(s)
-        return cls(request_id=d["request_id"], tokens=[int(t) for t in d["tokens"]],
-                   doc_ids=[None if x is None else int(x) for x in d["doc_ids"]],
-                   steps=int(d["steps"]), prompt_len=int(d.get("prompt_len", 0)),
-                   meta=d.get("meta") or {}, updated_at=float(d.get("updated_at", 0.0)))
+        return cls(
+            request_id=d["request_id"],
+            tokens=[int(t) for t in d["tokens"]],
+            doc_ids=[None if x is None else int(x) for x in d["doc_ids"]],
+            steps=int(d["steps"]),
+            prompt_len=int(d.get("prompt_len", 0)),
+            meta=d.get("meta") or {},
+            updated_at=float(d.get("updated_at", 0.0)),
+        )
 
 
 @dataclass(frozen=True)
@@ -91,8 +98,9 @@ class KBKey:
     k: int
 
     def digest(self) -> str:
-        blob = json.dumps([self.retriever, self.index_version, self.query, int(self.k)],
-                          ensure_ascii=False, separators=(",", ":"))
+        blob = json.dumps(
+            [self.retriever, self.index_version, self.query, int(self.k)], ensure_ascii=False, separators=(",", ":")
+        )
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
@@ -128,13 +136,13 @@ class StateStore(ABC):
     def describe(self) -> str:
         """Where the state lives, safe to log (no password)."""
 
-    def ping(self) -> None:
+    def ping(self) -> None:  # noqa: B027 - optional hook: a store that is always usable keeps this no-op
         """Raise :class:`StateStoreError` unless the store is usable."""
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 - optional hook: a store with no connection keeps this no-op
+        """Release the store's connections (default: nothing to release)."""
 
-    def __enter__(self) -> "StateStore":
+    def __enter__(self) -> StateStore:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -147,7 +155,7 @@ class StateStore(ABC):
         (the existing one when the job was created before)."""
 
     @abstractmethod
-    def get_job_meta(self, job_id: str) -> Optional[dict]:
+    def get_job_meta(self, job_id: str) -> dict | None:
         """The job's meta, or None when there is no such job."""
 
     @abstractmethod
@@ -166,7 +174,7 @@ class StateStore(ABC):
         """Every recorded item's result, by item key."""
 
     @abstractmethod
-    def get_item(self, job_id: str, item_key: str) -> Optional[dict]:
+    def get_item(self, job_id: str, item_key: str) -> dict | None:
         """One recorded result, or None."""
 
     @abstractmethod
@@ -183,7 +191,7 @@ class StateStore(ABC):
         writer); returns whether it was stored."""
 
     @abstractmethod
-    def load_checkpoint(self, request_id: str) -> Optional[RequestCheckpoint]:
+    def load_checkpoint(self, request_id: str) -> RequestCheckpoint | None:
         """The request's checkpoint, or None."""
 
     @abstractmethod
@@ -192,14 +200,14 @@ class StateStore(ABC):
 
     # ---- (c) verified KB results
     @abstractmethod
-    def get_kb_hits(self, keys: Sequence[KBKey]) -> list[Optional[list[Hit]]]:
+    def get_kb_hits(self, keys: Sequence[KBKey]) -> list[list[Hit] | None]:
         """Cached hits for each key (None where absent), in one round trip."""
 
     @abstractmethod
     def put_kb_hits(self, items: Iterable[tuple[KBKey, Sequence[Hit]]]) -> None:
         """Cache verified hits (overwrites; the same key always maps to the same hits)."""
 
-    def get_kb_hit(self, key: KBKey) -> Optional[list[Hit]]:
+    def get_kb_hit(self, key: KBKey) -> list[Hit] | None:
         return self.get_kb_hits([key])[0]
 
     def put_kb_hit(self, key: KBKey, hits: Sequence[Hit]) -> None:

@@ -1,13 +1,12 @@
 """Open the state store a configuration (or a bare URL) names."""
-from __future__ import annotations
 
-from typing import Union
+from __future__ import annotations
 
 from cache.state.base import StateStore
 from cache.state.config import StateStoreConfig
 
 
-def open_state_store(cfg: Union[StateStoreConfig, str, None] = None, **overrides) -> StateStore:
+def open_state_store(cfg: StateStoreConfig | str | None = None, **overrides) -> StateStore:
     """A ready-to-use store: memory for ``None``/``memory://``, Redis for ``redis://``,
     ``rediss://`` and ``unix://``, SQLite for ``sqlite://PATH``.
 
@@ -22,17 +21,19 @@ def open_state_store(cfg: Union[StateStoreConfig, str, None] = None, **overrides
     scheme = cfg.scheme
     if scheme == "memory":
         from cache.state.memory import MemoryStateStore
+
         return MemoryStateStore(cfg)
     if scheme in ("redis", "rediss", "unix"):
         from cache.state.redis_store import RedisStateStore
+
         return RedisStateStore(cfg)
     if scheme == "sqlite":
         from cache.state.sqlite_store import SqliteStateStore
+
         return SqliteStateStore(cfg)
-    raise AssertionError(scheme)     # the config validator rejects other schemes
+    raise AssertionError(scheme)  # the config validator rejects other schemes
 
 
 def store_from_env(**overrides) -> StateStore:
     """The store named by ``RALMSPEC_STATE_URL`` (unset: memory)."""
     return open_state_store(StateStoreConfig.from_env(**overrides))
-

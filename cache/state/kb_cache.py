@@ -6,9 +6,10 @@ what the KB returned. The cache is exact: the key holds the retriever name, the 
 version (e.g. the sha256 of the index manifest), the query text and k, and the KB's
 result for a query does not depend on the batch it came in (docs/design.md, "The exactness contract", deterministic retrieval).
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from cache.state.base import Hit, KBKey, StateStore
 
@@ -42,4 +43,4 @@ class StoreCachedRetriever:
             self.store.put_kb_hits((keys[i], hits) for i, hits in zip(missing, fresh))
             for i, hits in zip(missing, fresh):
                 cached[i] = [(int(d), float(s)) for d, s in hits]
-        return cached   # type: ignore[return-value]
+        return cached  # type: ignore[return-value]

@@ -3,16 +3,16 @@
 Values are stored as JSON strings, exactly as the durable stores keep them, so the
 behaviour (what round-trips, what is rejected) is the same everywhere.
 """
+
 from __future__ import annotations
 
 import json
 import threading
 import time
 from collections import OrderedDict
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
-from cache.state.base import (Hit, KBKey, RequestCheckpoint, StateStore, dump_json, hits_from_json,
-                              hits_to_json)
+from cache.state.base import Hit, KBKey, RequestCheckpoint, StateStore, dump_json, hits_from_json, hits_to_json
 from cache.state.config import StateStoreConfig
 
 
@@ -21,7 +21,7 @@ class _Expiring:
 
     __slots__ = ("value", "expires_at")
 
-    def __init__(self, value, ttl: Optional[int]):
+    def __init__(self, value, ttl: int | None):
         self.value = value
         self.expires_at = time.time() + ttl if ttl else None
 
@@ -33,8 +33,8 @@ class MemoryStateStore(StateStore):
     def __init__(self, cfg: StateStoreConfig | None = None):
         super().__init__(cfg or StateStoreConfig())
         self._lock = threading.RLock()
-        self._jobs: dict[str, _Expiring] = {}                 # job id -> {"meta": str, "items": {key: str}}
-        self._ckpt: dict[str, _Expiring] = {}                 # request id -> JSON
+        self._jobs: dict[str, _Expiring] = {}  # job id -> {"meta": str, "items": {key: str}}
+        self._ckpt: dict[str, _Expiring] = {}  # request id -> JSON
         self._kb: OrderedDict[str, _Expiring] = OrderedDict()  # digest -> JSON hits (LRU)
 
     @property
@@ -45,7 +45,7 @@ class MemoryStateStore(StateStore):
         return "memory://"
 
     # ---- jobs
-    def _job(self, job_id: str, create: bool = False) -> Optional[dict]:
+    def _job(self, job_id: str, create: bool = False) -> dict | None:
         e = self._jobs.get(job_id)
         if e is not None and not e.alive(time.time()):
             del self._jobs[job_id]
@@ -69,7 +69,7 @@ class MemoryStateStore(StateStore):
             self._touch_job(job_id)
             return json.loads(job["meta"])
 
-    def get_job_meta(self, job_id: str) -> Optional[dict]:
+    def get_job_meta(self, job_id: str) -> dict | None:
         with self._lock:
             job = self._job(job_id)
             return json.loads(job["meta"]) if job and job["meta"] is not None else None
@@ -97,7 +97,7 @@ class MemoryStateStore(StateStore):
             items = dict(job["items"]) if job else {}
         return {k: json.loads(v) for k, v in items.items()}
 
-    def get_item(self, job_id: str, item_key: str) -> Optional[dict]:
+    def get_item(self, job_id: str, item_key: str) -> dict | None:
         with self._lock:
             job = self._job(job_id)
             blob = job["items"].get(item_key) if job else None
@@ -122,7 +122,7 @@ class MemoryStateStore(StateStore):
             self._ckpt[cp.request_id] = _Expiring(self._stamp(cp).to_json(), self.cfg.checkpoint_ttl_s)
             return True
 
-    def load_checkpoint(self, request_id: str) -> Optional[RequestCheckpoint]:
+    def load_checkpoint(self, request_id: str) -> RequestCheckpoint | None:
         with self._lock:
             e = self._ckpt.get(request_id)
             if e is None:
@@ -137,9 +137,9 @@ class MemoryStateStore(StateStore):
             self._ckpt.pop(request_id, None)
 
     # ---- KB cache
-    def get_kb_hits(self, keys: Sequence[KBKey]) -> list[Optional[list[Hit]]]:
+    def get_kb_hits(self, keys: Sequence[KBKey]) -> list[list[Hit] | None]:
         now = time.time()
-        out: list[Optional[list[Hit]]] = []
+        out: list[list[Hit] | None] = []
         with self._lock:
             for key in keys:
                 d = key.digest()

@@ -17,21 +17,37 @@ Failure handling:
   idempotent (HSETNX, SET NX, compare-and-set, plain SET), so a retry after a lost reply
   is harmless. Nothing acknowledged is lost if the server persists (``appendonly yes``).
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import time
-from typing import Callable, Iterable, Optional, Sequence, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import (AuthenticationError, ConnectionError as RedisConnectionError,
-                              ReadOnlyError, ResponseError, TimeoutError as RedisTimeoutError)
+from redis.exceptions import (
+    AuthenticationError,
+    ConnectionError as RedisConnectionError,
+    ReadOnlyError,
+    ResponseError,
+    TimeoutError as RedisTimeoutError,
+)
 from redis.retry import Retry
 
-from cache.state.base import (Hit, KBKey, RequestCheckpoint, StateStore, StateStoreAuthError,
-                              StateStoreUnavailable, dump_json, hits_from_json, hits_to_json)
+from cache.state.base import (
+    Hit,
+    KBKey,
+    RequestCheckpoint,
+    StateStore,
+    StateStoreAuthError,
+    StateStoreUnavailable,
+    dump_json,
+    hits_from_json,
+    hits_to_json,
+)
 from cache.state.config import StateStoreConfig, redact_url
 
 log = logging.getLogger(__name__)
@@ -55,9 +71,14 @@ class RedisStateStore(StateStore):
         if cfg.scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"RedisStateStore needs a redis://, rediss:// or unix:// URL, got {redact_url(cfg.url)}")
         self._password = cfg.read_password()
-        kwargs = dict(socket_connect_timeout=cfg.connect_timeout_s, socket_timeout=cfg.socket_timeout_s,
-                      decode_responses=True, retry=Retry(NoBackoff(), 0), health_check_interval=0,
-                      client_name="ralmspec")
+        kwargs = dict(
+            socket_connect_timeout=cfg.connect_timeout_s,
+            socket_timeout=cfg.socket_timeout_s,
+            decode_responses=True,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+            client_name="ralmspec",
+        )
         if self._password is not None:
             kwargs["password"] = self._password
         if cfg.username:
@@ -78,22 +99,28 @@ class RedisStateStore(StateStore):
             return StateStoreAuthError(
                 f"Redis at {where} requires a password and none was given: set the environment "
                 f"variable {self.cfg.password_env} (or {self.cfg.password_file_env} to a file "
-                f"holding it, e.g. a mounted Kubernetes Secret). Server said: {msg}")
+                f"holding it, e.g. a mounted Kubernetes Secret). Server said: {msg}"
+            )
         if "without any password configured" in msg or "no password is set" in msg.lower():
             return StateStoreAuthError(
                 f"Redis at {where} has no password configured, but {self.cfg.password_env}/"
                 f"{self.cfg.password_file_env} provided one: unset it or configure requirepass "
-                f"on the server. Server said: {msg}")
+                f"on the server. Server said: {msg}"
+            )
         return StateStoreAuthError(
             f"Redis at {where} rejected the password from {self.cfg.password_env}/"
             f"{self.cfg.password_file_env} (wrong password or user"
-            f"{' ' + repr(self.cfg.username) if self.cfg.username else ''}). Server said: {msg}")
+            f"{' ' + repr(self.cfg.username) if self.cfg.username else ''}). Server said: {msg}"
+        )
 
     @staticmethod
     def _is_auth_response(e: ResponseError) -> bool:
         s = str(e)
-        return s.startswith(("NOAUTH", "WRONGPASS")) or "AUTH" in s.split(" ", 3)[:3] or \
-            "without any password configured" in s
+        return (
+            s.startswith(("NOAUTH", "WRONGPASS"))
+            or "AUTH" in s.split(" ", 3)[:3]
+            or "without any password configured" in s
+        )
 
     def _startup_ping(self) -> None:
         deadline = time.monotonic() + self.cfg.startup_wait_s
@@ -107,7 +134,9 @@ class RedisStateStore(StateStore):
             except ResponseError as e:
                 if self._is_auth_response(e):
                     raise self._auth_error(e) from None
-                raise StateStoreUnavailable(f"Redis at {redact_url(self.cfg.url)} answered PING with an error: {e}") from None
+                raise StateStoreUnavailable(
+                    f"Redis at {redact_url(self.cfg.url)} answered PING with an error: {e}"
+                ) from None
             except _RETRYABLE as e:
                 now = time.monotonic()
                 if now >= deadline:
@@ -115,21 +144,26 @@ class RedisStateStore(StateStore):
                         f"cannot reach the Redis state store at {redact_url(self.cfg.url)}: {e}. "
                         f"Is redis-server running there? (locally: `make system-deps` installs it; "
                         f"on Kubernetes: check the ralmspec-redis Service and pod; or drop the state "
-                        f"URL to use the in-process store)") from None
+                        f"URL to use the in-process store)"
+                    ) from None
                 time.sleep(min(delay, max(0.0, deadline - now)))
                 delay = min(delay * 2, self.cfg.retry_backoff_max_s)
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         """Run ``fn``; on connection loss retry with backoff for ``retry_timeout_s``."""
-        deadline: Optional[float] = None
+        deadline: float | None = None
         delay = self.cfg.retry_backoff_s
         attempts = 0
         while True:
             try:
                 out = fn()
                 if attempts:
-                    log.warning("Redis state store at %s is back after %d retries (%s)",
-                                redact_url(self.cfg.url), attempts, what)
+                    log.warning(
+                        "Redis state store at %s is back after %d retries (%s)",
+                        redact_url(self.cfg.url),
+                        attempts,
+                        what,
+                    )
                 return out
             except AuthenticationError as e:
                 raise self._auth_error(e) from None
@@ -145,14 +179,20 @@ class RedisStateStore(StateStore):
             now = time.monotonic()
             if deadline is None:
                 deadline = now + self.cfg.retry_timeout_s
-                log.warning("Redis state store at %s unavailable during %s (%s); retrying for up to %.0f s",
-                            redact_url(self.cfg.url), what, err, self.cfg.retry_timeout_s)
+                log.warning(
+                    "Redis state store at %s unavailable during %s (%s); retrying for up to %.0f s",
+                    redact_url(self.cfg.url),
+                    what,
+                    err,
+                    self.cfg.retry_timeout_s,
+                )
             if now >= deadline:
                 raise StateStoreUnavailable(
                     f"Redis state store at {redact_url(self.cfg.url)} has been unreachable for "
                     f"{self.cfg.retry_timeout_s:.0f} s (during {what}; {attempts} retries): {err}. "
                     f"Nothing acknowledged before was lost if the server persists its data "
-                    f"(appendonly yes); rerun the job with the same job id to resume.") from None
+                    f"(appendonly yes); rerun the job with the same job id to resume."
+                ) from None
             time.sleep(min(delay, max(0.0, deadline - now)))
             delay = min(delay * 2, self.cfg.retry_backoff_max_s)
             attempts += 1
@@ -163,7 +203,7 @@ class RedisStateStore(StateStore):
     def close(self) -> None:
         try:
             self._r.close()
-        except Exception:           # noqa: BLE001 - closing a dead connection
+        except Exception:  # noqa: BLE001 - closing a dead connection
             pass
 
     def _k(self, *parts: str) -> str:
@@ -186,9 +226,10 @@ class RedisStateStore(StateStore):
             pipe.get(key)
             self._expire_job(pipe, job_id)
             return pipe.execute()[1]
+
         return json.loads(self._call("init_job", op))
 
-    def get_job_meta(self, job_id: str) -> Optional[dict]:
+    def get_job_meta(self, job_id: str) -> dict | None:
         blob = self._call("get_job_meta", lambda: self._r.get(self._k("job", job_id, "meta")))
         return json.loads(blob) if blob is not None else None
 
@@ -203,6 +244,7 @@ class RedisStateStore(StateStore):
             pipe.hsetnx(key, item_key, blob)
             self._expire_job(pipe, job_id)
             return pipe.execute()[0]
+
         return bool(self._call("record_item", op))
 
     def finished_items(self, job_id: str) -> set[str]:
@@ -213,7 +255,7 @@ class RedisStateStore(StateStore):
         raw = self._call("job_results", lambda: dict(self._r.hscan_iter(key, count=1000)))
         return {k: json.loads(v) for k, v in raw.items()}
 
-    def get_item(self, job_id: str, item_key: str) -> Optional[dict]:
+    def get_item(self, job_id: str, item_key: str) -> dict | None:
         blob = self._call("get_item", lambda: self._r.hget(self._k("job", job_id, "items"), item_key))
         return json.loads(blob) if blob is not None else None
 
@@ -221,8 +263,9 @@ class RedisStateStore(StateStore):
         return int(self._call("count_items", lambda: self._r.hlen(self._k("job", job_id, "items"))))
 
     def delete_job(self, job_id: str) -> None:
-        self._call("delete_job", lambda: self._r.delete(self._k("job", job_id, "meta"),
-                                                        self._k("job", job_id, "items")))
+        self._call(
+            "delete_job", lambda: self._r.delete(self._k("job", job_id, "meta"), self._k("job", job_id, "items"))
+        )
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, cp: RequestCheckpoint) -> bool:
@@ -230,10 +273,9 @@ class RedisStateStore(StateStore):
         data = self._stamp(cp).to_json()
         key = self._k("ckpt", cp.request_id)
         ttl = self.cfg.checkpoint_ttl_s or 0
-        return bool(self._call("save_checkpoint",
-                               lambda: self._save_ckpt(keys=[key], args=[data, cp.steps, ttl])))
+        return bool(self._call("save_checkpoint", lambda: self._save_ckpt(keys=[key], args=[data, cp.steps, ttl])))
 
-    def load_checkpoint(self, request_id: str) -> Optional[RequestCheckpoint]:
+    def load_checkpoint(self, request_id: str) -> RequestCheckpoint | None:
         blob = self._call("load_checkpoint", lambda: self._r.hget(self._k("ckpt", request_id), "data"))
         return RequestCheckpoint.from_json(blob) if blob is not None else None
 
@@ -241,7 +283,7 @@ class RedisStateStore(StateStore):
         self._call("delete_checkpoint", lambda: self._r.delete(self._k("ckpt", request_id)))
 
     # ---------------------------------------------------------------- KB cache
-    def get_kb_hits(self, keys: Sequence[KBKey]) -> list[Optional[list[Hit]]]:
+    def get_kb_hits(self, keys: Sequence[KBKey]) -> list[list[Hit] | None]:
         if not keys:
             return []
         names = [self._k("kb", key.digest()) for key in keys]
@@ -259,4 +301,5 @@ class RedisStateStore(StateStore):
             for name, blob in rows:
                 pipe.set(name, blob, ex=ttl)
             pipe.execute()
+
         self._call("put_kb_hits", op)

@@ -8,17 +8,26 @@ different nodes cannot share it - use Redis there.
 
 URL: ``sqlite:///abs/path.db`` (three slashes + absolute path) or ``sqlite://rel/path.db``.
 """
+
 from __future__ import annotations
 
 import json
 import sqlite3
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
 
-from cache.state.base import (Hit, KBKey, RequestCheckpoint, StateStore, StateStoreUnavailable,
-                              dump_json, hits_from_json, hits_to_json)
+from cache.state.base import (
+    Hit,
+    KBKey,
+    RequestCheckpoint,
+    StateStore,
+    StateStoreUnavailable,
+    dump_json,
+    hits_from_json,
+    hits_to_json,
+)
 from cache.state.config import StateStoreConfig
 
 _SCHEMA = """
@@ -32,7 +41,7 @@ CREATE TABLE IF NOT EXISTS kb_cache (digest TEXT PRIMARY KEY, hits TEXT NOT NULL
 
 
 def sqlite_path(url: str) -> Path:
-    return Path(url[len("sqlite://"):])
+    return Path(url[len("sqlite://") :])
 
 
 class SqliteStateStore(StateStore):
@@ -41,8 +50,9 @@ class SqliteStateStore(StateStore):
         self.path = sqlite_path(cfg.url)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(self.path), timeout=max(cfg.retry_timeout_s, 1.0),
-                                       check_same_thread=False, isolation_level=None)
+            self._db = sqlite3.connect(
+                str(self.path), timeout=max(cfg.retry_timeout_s, 1.0), check_same_thread=False, isolation_level=None
+            )
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
@@ -57,7 +67,7 @@ class SqliteStateStore(StateStore):
         with self._lock:
             self._db.close()
 
-    def _exp(self, ttl: Optional[int]) -> Optional[float]:
+    def _exp(self, ttl: int | None) -> float | None:
         return time.time() + ttl if ttl else None
 
     def _q(self, sql: str, params: Sequence = ()) -> list[tuple]:
@@ -94,19 +104,23 @@ class SqliteStateStore(StateStore):
 
         def tx(cur):
             self._job_alive(cur, job_id)
-            cur.execute("INSERT OR IGNORE INTO jobs(job_id, meta, expires_at) VALUES (?,?,?)",
-                        (job_id, blob, self._exp(self.cfg.job_ttl_s)))
+            cur.execute(
+                "INSERT OR IGNORE INTO jobs(job_id, meta, expires_at) VALUES (?,?,?)",
+                (job_id, blob, self._exp(self.cfg.job_ttl_s)),
+            )
             cur.execute("UPDATE jobs SET meta=? WHERE job_id=? AND meta='null'", (blob, job_id))
             if self.cfg.job_ttl_s:
                 cur.execute("UPDATE jobs SET expires_at=? WHERE job_id=?", (self._exp(self.cfg.job_ttl_s), job_id))
             return cur.execute("SELECT meta FROM jobs WHERE job_id=?", (job_id,)).fetchone()[0]
+
         return json.loads(self._tx(tx))
 
-    def get_job_meta(self, job_id: str) -> Optional[dict]:
+    def get_job_meta(self, job_id: str) -> dict | None:
         def tx(cur):
             if not self._job_alive(cur, job_id):
                 return None
             return cur.execute("SELECT meta FROM jobs WHERE job_id=?", (job_id,)).fetchone()[0]
+
         blob = self._tx(tx)
         return json.loads(blob) if blob is not None else None
 
@@ -117,13 +131,17 @@ class SqliteStateStore(StateStore):
 
         def tx(cur):
             if not self._job_alive(cur, job_id):
-                cur.execute("INSERT INTO jobs(job_id, meta, expires_at) VALUES (?,?,?)",
-                            (job_id, "null", self._exp(self.cfg.job_ttl_s)))
+                cur.execute(
+                    "INSERT INTO jobs(job_id, meta, expires_at) VALUES (?,?,?)",
+                    (job_id, "null", self._exp(self.cfg.job_ttl_s)),
+                )
             elif self.cfg.job_ttl_s:
                 cur.execute("UPDATE jobs SET expires_at=? WHERE job_id=?", (self._exp(self.cfg.job_ttl_s), job_id))
-            cur.execute("INSERT OR IGNORE INTO items(job_id, item_key, result) VALUES (?,?,?)",
-                        (job_id, item_key, blob))
+            cur.execute(
+                "INSERT OR IGNORE INTO items(job_id, item_key, result) VALUES (?,?,?)", (job_id, item_key, blob)
+            )
             return cur.rowcount == 1
+
         return bool(self._tx(tx))
 
     def _items(self, job_id: str, cols: str, extra: str = "", params: tuple = ()) -> list[tuple]:
@@ -131,6 +149,7 @@ class SqliteStateStore(StateStore):
             if not self._job_alive(cur, job_id):
                 return []
             return cur.execute(f"SELECT {cols} FROM items WHERE job_id=?{extra}", (job_id, *params)).fetchall()
+
         return self._tx(tx)
 
     def finished_items(self, job_id: str) -> set[str]:
@@ -139,7 +158,7 @@ class SqliteStateStore(StateStore):
     def job_results(self, job_id: str) -> dict[str, dict]:
         return {k: json.loads(v) for k, v in self._items(job_id, "item_key, result")}
 
-    def get_item(self, job_id: str, item_key: str) -> Optional[dict]:
+    def get_item(self, job_id: str, item_key: str) -> dict | None:
         rows = self._items(job_id, "result", " AND item_key=?", (item_key,))
         return json.loads(rows[0][0]) if rows else None
 
@@ -151,6 +170,7 @@ class SqliteStateStore(StateStore):
         def tx(cur):
             cur.execute("DELETE FROM jobs WHERE job_id=?", (job_id,))
             cur.execute("DELETE FROM items WHERE job_id=?", (job_id,))
+
         self._tx(tx)
 
     # ---- checkpoints
@@ -159,16 +179,20 @@ class SqliteStateStore(StateStore):
         data = self._stamp(cp).to_json()
 
         def tx(cur):
-            row = cur.execute("SELECT steps, expires_at FROM checkpoints WHERE request_id=?",
-                              (cp.request_id,)).fetchone()
+            row = cur.execute(
+                "SELECT steps, expires_at FROM checkpoints WHERE request_id=?", (cp.request_id,)
+            ).fetchone()
             if row is not None and (row[1] is None or row[1] > time.time()) and row[0] > cp.steps:
                 return False
-            cur.execute("INSERT OR REPLACE INTO checkpoints(request_id, steps, data, expires_at) VALUES (?,?,?,?)",
-                        (cp.request_id, cp.steps, data, self._exp(self.cfg.checkpoint_ttl_s)))
+            cur.execute(
+                "INSERT OR REPLACE INTO checkpoints(request_id, steps, data, expires_at) VALUES (?,?,?,?)",
+                (cp.request_id, cp.steps, data, self._exp(self.cfg.checkpoint_ttl_s)),
+            )
             return True
+
         return self._tx(tx)
 
-    def load_checkpoint(self, request_id: str) -> Optional[RequestCheckpoint]:
+    def load_checkpoint(self, request_id: str) -> RequestCheckpoint | None:
         rows = self._q("SELECT data, expires_at FROM checkpoints WHERE request_id=?", (request_id,))
         if not rows or (rows[0][1] is not None and rows[0][1] <= time.time()):
             return None
@@ -178,9 +202,9 @@ class SqliteStateStore(StateStore):
         self._tx(lambda cur: cur.execute("DELETE FROM checkpoints WHERE request_id=?", (request_id,)))
 
     # ---- KB cache
-    def get_kb_hits(self, keys: Sequence[KBKey]) -> list[Optional[list[Hit]]]:
+    def get_kb_hits(self, keys: Sequence[KBKey]) -> list[list[Hit] | None]:
         now = time.time()
-        out: list[Optional[list[Hit]]] = []
+        out: list[list[Hit] | None] = []
         for key in keys:
             rows = self._q("SELECT hits, expires_at FROM kb_cache WHERE digest=?", (key.digest(),))
             if rows and (rows[0][1] is None or rows[0][1] > now):
@@ -192,5 +216,8 @@ class SqliteStateStore(StateStore):
     def put_kb_hits(self, items: Iterable[tuple[KBKey, Sequence[Hit]]]) -> None:
         rows = [(key.digest(), hits_to_json(hits), self._exp(self.cfg.kb_cache_ttl_s)) for key, hits in items]
         if rows:
-            self._tx(lambda cur: cur.executemany(
-                "INSERT OR REPLACE INTO kb_cache(digest, hits, expires_at) VALUES (?,?,?)", rows))
+            self._tx(
+                lambda cur: cur.executemany(
+                    "INSERT OR REPLACE INTO kb_cache(digest, hits, expires_at) VALUES (?,?,?)", rows
+                )
+            )

@@ -24,6 +24,7 @@ Passages
 Output: pyserini JsonCollection records ``{"id", "title", "contents"}`` in a gzip file
 written with ``mtime=0``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,24 +46,53 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO_ROOT / "assets" / "corpus" / "pydocs.jsonl.gz"
 
-TARGET_WORDS = 100     # aim of a passage
-MAX_WORDS = 130        # a passage grows past this only to absorb a short tail
-MIN_WORDS = 40         # passages shorter than this are merged or dropped
-MIN_DOC_WORDS = 4      # member docstrings shorter than this carry no information
+TARGET_WORDS = 100  # aim of a passage
+MAX_WORDS = 130  # a passage grows past this only to absorb a short tail
+MIN_WORDS = 40  # passages shorter than this are merged or dropped
+MIN_DOC_WORDS = 4  # member docstrings shorter than this carry no information
 
 # Modules (and packages, with all their submodules) never imported: side effects on
 # import (browser, printing, files written), GUI toolkits, the test suite, deprecated
 # duplicates, and platform-specific modules.
-SKIP_MODULES = frozenset({
-    "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test",
-    "lib2to3", "distutils", "readline", "ensurepip", "venv", "pydoc_data",
-    "sre_compile", "sre_constants", "sre_parse", "xxlimited", "xxlimited_35",
-    "xxsubtype", "msilib", "msvcrt", "winreg", "winsound", "nt", "_winapi",
-    "idle", "__main__", "sitecustomize", "usercustomize", "site", "encodings",
-})
+SKIP_MODULES = frozenset(
+    {
+        "antigravity",
+        "this",
+        "idlelib",
+        "tkinter",
+        "turtle",
+        "turtledemo",
+        "test",
+        "lib2to3",
+        "distutils",
+        "readline",
+        "ensurepip",
+        "venv",
+        "pydoc_data",
+        "sre_compile",
+        "sre_constants",
+        "sre_parse",
+        "xxlimited",
+        "xxlimited_35",
+        "xxsubtype",
+        "msilib",
+        "msvcrt",
+        "winreg",
+        "winsound",
+        "nt",
+        "_winapi",
+        "idle",
+        "__main__",
+        "sitecustomize",
+        "usercustomize",
+        "site",
+        "encodings",
+    }
+)
 # Submodule name components that are never imported.
-SKIP_COMPONENTS = frozenset({"__main__", "test", "tests", "testing", "_test", "conftest", "distutils",
-                             "setup", "idle_test"})
+SKIP_COMPONENTS = frozenset(
+    {"__main__", "test", "tests", "testing", "_test", "conftest", "distutils", "setup", "idle_test"}
+)
 
 # Display names for implementation modules that users know under another name.
 MODULE_ALIASES = {"posixpath": "os.path"}
@@ -71,11 +101,12 @@ MODULE_ALIASES = {"posixpath": "os.path"}
 @dataclass(frozen=True)
 class Doc:
     """One docstring: ``qualname`` of the object, ``parent`` (its class or module)."""
+
     qualname: str
     parent: str
     name: str
     text: str
-    kind: str          # module | class | function | method | property
+    kind: str  # module | class | function | method | property
 
 
 # --------------------------------------------------------------------------- text
@@ -103,7 +134,7 @@ def strip_markup(doc: str) -> str:
         s = line.strip()
         nxt = lines[i + 1].strip() if i + 1 < len(lines) else ""
         if s in _SECTION_END and _RULE.match(nxt or ""):
-            break                      # numpydoc Examples section: code, to the end
+            break  # numpydoc Examples section: code, to the end
         if s.startswith(">>>"):
             in_code = True
         if in_code:
@@ -120,8 +151,7 @@ def strip_markup(doc: str) -> str:
 def paragraphs(doc: str) -> list[str]:
     """Docstring -> cleaned paragraphs (split on blank lines)."""
     out = [clean(p) for p in re.split(r"\n\s*\n", strip_markup(doc))]
-    return [p for p in out if p and p not in _SECTION_END
-            and not (p.endswith("::") and len(p.split()) <= 12)]
+    return [p for p in out if p and p not in _SECTION_END and not (p.endswith("::") and len(p.split()) <= 12)]
 
 
 def _units(paras: list[str]) -> list[tuple[str, bool]]:
@@ -135,7 +165,7 @@ def _units(paras: list[str]) -> list[tuple[str, bool]]:
             for s in _SENT.split(p):
                 words = s.split()
                 for i in range(0, len(words), TARGET_WORDS):
-                    pieces.append(" ".join(words[i:i + TARGET_WORDS]))
+                    pieces.append(" ".join(words[i : i + TARGET_WORDS]))
         for j, piece in enumerate(pieces):
             units.append((piece, j == len(pieces) - 1))
     return units
@@ -158,13 +188,14 @@ def chunk(paras: list[str]) -> list[str]:
             cur, n = [], 0
     if cur:
         if chunks and n < MIN_WORDS:
-            chunks[-1].extend(cur)          # a short tail joins the previous passage
+            chunks[-1].extend(cur)  # a short tail joins the previous passage
         else:
             chunks.append(cur)
     return [" ".join(c) for c in chunks]
 
 
 # --------------------------------------------------------------------- extraction
+
 
 def _skipped(modname: str) -> bool:
     parts = modname.split(".")
@@ -176,11 +207,10 @@ def _skipped(modname: str) -> bool:
 def _quiet_import(modname: str) -> types.ModuleType | None:
     sink = io.StringIO()
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(sink), \
-                contextlib.redirect_stderr(sink):
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
             warnings.simplefilter("ignore")
             return importlib.import_module(modname)
-    except (Exception, SystemExit):   # noqa: BLE001 - any failure means "skip it"
+    except (Exception, SystemExit):  # noqa: BLE001 - any failure means "skip it"
         return None
 
 
@@ -228,8 +258,7 @@ def _belongs(obj, modname: str, name: str, public: set[str] | None) -> bool:
 
 
 _GENERIC = {  # docstrings every class gets from ``object``/``type``
-    clean(d) for d in (object.__doc__, object.__init__.__doc__, type.__doc__,
-                       dict.__doc__, Exception.__doc__) if d
+    clean(d) for d in (object.__doc__, object.__init__.__doc__, type.__doc__, dict.__doc__, Exception.__doc__) if d
 }
 
 
@@ -245,10 +274,12 @@ def _member_doc(name: str, value) -> tuple[str, str] | None:
     if isinstance(value, (types.GetSetDescriptorType, types.MemberDescriptorType)):
         doc = _own_doc(value)
         return ("property", doc) if doc else None
-    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType,
-                          types.MethodDescriptorType, types.ClassMethodDescriptorType)):
+    if isinstance(
+        value,
+        (types.FunctionType, types.BuiltinFunctionType, types.MethodDescriptorType, types.ClassMethodDescriptorType),
+    ):
         if name.startswith("__") and not isinstance(value, types.FunctionType):
-            return None   # slot wrappers of C types: generic text
+            return None  # slot wrappers of C types: generic text
         doc = _own_doc(value)
         return ("method", doc) if doc else None
     return None
@@ -316,8 +347,12 @@ def _class_docs(qual: str, parent: str, name: str, cls: type, depth: int) -> lis
     for mname, value in members:
         if not isinstance(mname, str):
             continue
-        if inspect.isclass(value) and depth < 1 and not mname.startswith("_") \
-                and getattr(value, "__qualname__", "").endswith(f"{cls.__name__}.{mname}"):
+        if (
+            inspect.isclass(value)
+            and depth < 1
+            and not mname.startswith("_")
+            and getattr(value, "__qualname__", "").endswith(f"{cls.__name__}.{mname}")
+        ):
             out.extend(_class_docs(f"{qual}.{mname}", qual, mname, value, depth + 1))
             continue
         md = _member_doc(mname, value)
@@ -327,6 +362,7 @@ def _class_docs(qual: str, parent: str, name: str, cls: type, depth: int) -> lis
 
 
 # ----------------------------------------------------------------------- passages
+
 
 def passages_from_docs(docs: list[Doc]) -> list[tuple[str, int, str]]:
     """Docs -> sorted, deduplicated ``(title, part, contents)``."""
@@ -362,7 +398,7 @@ def passages_from_docs(docs: list[Doc]) -> list[tuple[str, int, str]]:
                 groups[-1].extend(cur)
             else:
                 groups.append(cur)
-        base = 1000 if parent in long_titles else 0   # after the parent's own passages
+        base = 1000 if parent in long_titles else 0  # after the parent's own passages
         for j, g in enumerate(groups):
             text = " ".join(g)
             if len(text.split()) >= MIN_WORDS:
@@ -401,8 +437,7 @@ def extract(modules: list[str] | None = None, packages: list[str] = ()) -> list[
 
 
 def to_records(rows: list[tuple[str, int, str]], prefix: str = "pydoc-", width: int = 6) -> list[dict]:
-    return [{"id": f"{prefix}{i:0{width}d}", "title": t, "contents": c}
-            for i, (t, _, c) in enumerate(rows)]
+    return [{"id": f"{prefix}{i:0{width}d}", "title": t, "contents": c} for i, (t, _, c) in enumerate(rows)]
 
 
 def write_jsonl_gz(records: list[dict], out: Path) -> bytes:
@@ -419,6 +454,7 @@ def write_jsonl_gz(records: list[dict], out: Path) -> bytes:
 
 def _versions(packages: list[str]) -> dict[str, str]:
     from importlib import metadata
+
     out = {"python": platform.python_version(), "implementation": platform.python_implementation()}
     for p in packages:
         try:
@@ -431,6 +467,7 @@ def _versions(packages: list[str]) -> dict[str, str]:
 def write_readme(out: Path, records: list[dict], packages: list[str], shown: list[str]) -> None:
     """README.md next to ``out``: source, versions, count, and the rebuild command."""
     import hashlib
+
     vers = _versions(packages)
     words = sorted(len(r["contents"].split()) for r in records)
     median = words[len(words) // 2] if words else 0
@@ -457,7 +494,7 @@ packages {pkg_line}.
 | --- | --- |
 {src_lines}
 
-- Built with CPython {vers['python']}; packages: {pkg_line}. Other versions give a
+- Built with CPython {vers["python"]}; packages: {pkg_line}. Other versions give a
   slightly different corpus; the same versions give the same bytes.
 - Format: pyserini JsonCollection, one JSON object per line:
   `{{"id": "pydoc-000000", "title": "<qualified name>", "contents": "<text>"}}`.
@@ -485,20 +522,32 @@ DEFAULT_PACKAGES = ("numpy", "scipy")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output .jsonl.gz")
-    ap.add_argument("--min-passages", type=int, default=10_000,
-                    help="fail if the corpus has fewer passages (default 10000)")
-    ap.add_argument("--modules", default="",
-                    help="comma-separated modules to extract, with their submodules "
-                         "(default: the whole stdlib and the language reference topics)")
-    ap.add_argument("--packages", default=None,
-                    help="comma-separated installed packages to add "
-                         f"(default: {','.join(DEFAULT_PACKAGES)} for the full build, "
-                         "none with --modules)")
-    ap.add_argument("--readme", action=argparse.BooleanOptionalAction, default=None,
-                    help="write README.md next to the output (default: for the full build)")
+    ap.add_argument(
+        "--min-passages", type=int, default=10_000, help="fail if the corpus has fewer passages (default 10000)"
+    )
+    ap.add_argument(
+        "--modules",
+        default="",
+        help="comma-separated modules to extract, with their submodules "
+        "(default: the whole stdlib and the language reference topics)",
+    )
+    ap.add_argument(
+        "--packages",
+        default=None,
+        help="comma-separated installed packages to add "
+        f"(default: {','.join(DEFAULT_PACKAGES)} for the full build, "
+        "none with --modules)",
+    )
+    ap.add_argument(
+        "--readme",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="write README.md next to the output (default: for the full build)",
+    )
     args = ap.parse_args(argv)
     modules = [m.strip() for m in args.modules.split(",") if m.strip()]
     if args.packages is None:
@@ -508,18 +557,18 @@ def main(argv: list[str] | None = None) -> int:
     rows = extract(modules or None, packages)
     records = to_records(rows)
     if len(records) < args.min_passages:
-        print(f"error: only {len(records)} passages (< --min-passages {args.min_passages})",
-              file=sys.stderr)
+        print(f"error: only {len(records)} passages (< --min-passages {args.min_passages})", file=sys.stderr)
         return 1
     write_jsonl_gz(records, args.out)
     if args.readme if args.readme is not None else not modules:
-        shown = [] if (not modules and list(packages) == list(DEFAULT_PACKAGES)) else \
-            ([f"--modules {','.join(modules)}"] if modules else []) + \
-            [f"--packages '{','.join(packages)}'"]
+        shown = (
+            []
+            if (not modules and list(packages) == list(DEFAULT_PACKAGES))
+            else ([f"--modules {','.join(modules)}"] if modules else []) + [f"--packages '{','.join(packages)}'"]
+        )
         write_readme(args.out, records, packages, shown)
     words = sorted(len(r["contents"].split()) for r in records)
-    print(f"wrote {len(records)} passages to {args.out} "
-          f"(median {words[len(words) // 2]} words)")
+    print(f"wrote {len(records)} passages to {args.out} (median {words[len(words) // 2]} words)")
     return 0
 
 

@@ -15,6 +15,7 @@ title with ``pydoc.locate``; titles that do not resolve fall back to name heuris
 
 Output: JSONL, one ``{"question", "doc_id", "title"}`` object per line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,24 +36,31 @@ DEFAULT_CORPUS = REPO_ROOT / "assets" / "corpus" / "pydocs.jsonl.gz"
 DEFAULT_OUT = REPO_ROOT / "assets" / "questions" / "pydocs-questions.jsonl"
 
 TEMPLATES = {
-    "module": ["What is the {t} module for?", "What does the {t} module provide?",
-               "When should I use the {t} module?"],
-    "class": ["What is {t} used for?", "How do I create a {t} object?",
-              "What is the {t} class?", "What does {t} represent?"],
-    "function": ["What does {t} do?", "How do I use the {t} function?",
-                 "What does {t} return?", "What arguments does {t} accept?",
-                 "When should I call {t}?"],
-    "method": ["What does the {t} method do?", "How do I call {t}?",
-               "What does {t} return?"],
+    "module": ["What is the {t} module for?", "What does the {t} module provide?", "When should I use the {t} module?"],
+    "class": [
+        "What is {t} used for?",
+        "How do I create a {t} object?",
+        "What is the {t} class?",
+        "What does {t} represent?",
+    ],
+    "function": [
+        "What does {t} do?",
+        "How do I use the {t} function?",
+        "What does {t} return?",
+        "What arguments does {t} accept?",
+        "When should I call {t}?",
+    ],
+    "method": ["What does the {t} method do?", "How do I call {t}?", "What does {t} return?"],
     "property": ["What is {t}?", "What does the {t} attribute hold?"],
     "member": ["What does {t} do?", "How do I use {t}?"],
-    "topic": ["What does the Python language reference say about {t}?",
-              "How does {t} work in Python?", "Explain {t} in Python."],
-    "more": ["What else should I know about {t}?", "Explain the details of {t}.",
-             "What are the caveats of {t}?"],
+    "topic": [
+        "What does the Python language reference say about {t}?",
+        "How does {t} work in Python?",
+        "Explain {t} in Python.",
+    ],
+    "more": ["What else should I know about {t}?", "Explain the details of {t}.", "What are the caveats of {t}?"],
     "params": ["What are the parameters of {t}?", "Which options does {t} take?"],
-    "diff": ["What is the difference between {t} and {u}?",
-             "Should I use {t} or {u}?"],
+    "diff": ["What is the difference between {t} and {u}?", "Should I use {t} or {u}?"],
 }
 
 
@@ -70,8 +78,7 @@ def load_records(path: str | Path) -> list[dict]:
 def _locate(title: str):
     sink = io.StringIO()
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(sink), \
-                contextlib.redirect_stderr(sink):
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
             warnings.simplefilter("ignore")
             return pydoc.locate(title)
     except Exception:  # noqa: BLE001
@@ -104,8 +111,23 @@ _MEMBER = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*): ")
 
 def _group(title: str) -> str:
     parts = title.split(".")
-    if parts[0] in ("numpy", "scipy", "reference", "os", "email", "xml", "http",
-                    "urllib", "importlib", "concurrent", "multiprocessing") and len(parts) > 2:
+    if (
+        parts[0]
+        in (
+            "numpy",
+            "scipy",
+            "reference",
+            "os",
+            "email",
+            "xml",
+            "http",
+            "urllib",
+            "importlib",
+            "concurrent",
+            "multiprocessing",
+        )
+        and len(parts) > 2
+    ):
         return ".".join(parts[:2])
     return parts[0]
 
@@ -131,8 +153,7 @@ def question_for(rec: dict, part: int, kind: str, sibling: str | None, salt: str
         opts = TEMPLATES["diff"]
         return opts[(pick // 5) % len(opts)].format(t=title, u=sibling)
     if part > 0:
-        opts = TEMPLATES["params"] if "Parameters" in text.split()[:3] or " : " in text[:60] \
-            else TEMPLATES["more"]
+        opts = TEMPLATES["params"] if "Parameters" in text.split()[:3] or " : " in text[:60] else TEMPLATES["more"]
         return opts[pick % len(opts)].format(t=title)
     opts = TEMPLATES[kind]
     return opts[pick % len(opts)].format(t=title)
@@ -172,8 +193,7 @@ def make_questions(records: list[dict], n: int, seed: int = 0) -> list[dict]:
                 kind = kind_of(r["title"])
                 sib = None
                 if "." in r["title"]:
-                    sibs = [s for s in siblings.get(r["title"].rsplit(".", 1)[0], [])
-                            if s != r["title"]]
+                    sibs = [s for s in siblings.get(r["title"].rsplit(".", 1)[0], []) if s != r["title"]]
                     if sibs:
                         sib = sibs[_h(salt, "sib", r["id"]) % len(sibs)]
                 q = question_for(r, parts_of[i], kind, sib, salt)
@@ -205,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: only {len(qs)} questions", file=sys.stderr)
         return 1
     write_jsonl(qs, args.out)
-    print(f"wrote {len(qs)} questions about {len({q['doc_id'] for q in qs})} passages "
-          f"to {args.out}")
+    print(f"wrote {len(qs)} questions about {len({q['doc_id'] for q in qs})} passages to {args.out}")
     return 0
 
 

@@ -6,6 +6,7 @@ the demo corpus's format with ids re-assigned ``fx-0000``... in file order.
 ``fixture_questions.jsonl`` holds questions about those passages, made by
 ``build_questions.make_questions``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,10 +21,36 @@ DEFAULT_DIR = REPO_ROOT / "tests" / "data"
 
 # About 300 passages in all (with CPython 3.11).
 FIXTURE_MODULES = (
-    "json", "posixpath", "shutil", "re", "collections", "itertools", "functools",
-    "pathlib", "datetime", "random", "math", "statistics", "string", "textwrap", "heapq",
-    "bisect", "copy", "operator", "fnmatch", "glob", "tempfile", "csv", "subprocess",
-    "argparse", "contextlib", "dataclasses", "enum", "queue", "time", "base64",
+    "json",
+    "posixpath",
+    "shutil",
+    "re",
+    "collections",
+    "itertools",
+    "functools",
+    "pathlib",
+    "datetime",
+    "random",
+    "math",
+    "statistics",
+    "string",
+    "textwrap",
+    "heapq",
+    "bisect",
+    "copy",
+    "operator",
+    "fnmatch",
+    "glob",
+    "tempfile",
+    "csv",
+    "subprocess",
+    "argparse",
+    "contextlib",
+    "dataclasses",
+    "enum",
+    "queue",
+    "time",
+    "base64",
 )
 
 
@@ -34,8 +61,11 @@ DEDUP_WITH = ("builtins",)
 
 def fixture_records(modules: tuple[str, ...] = FIXTURE_MODULES) -> list[dict]:
     shown = {MODULE_ALIASES.get(m, m) for m in modules}
-    rows = [row for row in extract(list(modules) + list(DEDUP_WITH))
-            if any(row[0] == m or row[0].startswith(m + ".") for m in shown)]
+    rows = [
+        row
+        for row in extract(list(modules) + list(DEDUP_WITH))
+        if any(row[0] == m or row[0].startswith(m + ".") for m in shown)
+    ]
     return to_records(rows, prefix="fx-", width=4)
 
 

@@ -28,6 +28,7 @@ Model
     float16 with safetensors; the held-out perplexity is measured on the saved weights,
     reloaded in float32.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,9 +50,16 @@ DOC_TOKENS = 256
 ANSWER_TOKENS = 128
 
 QUESTION_TEMPLATES = (
-    "What does {t} do?", "How do I use {t}?", "What is {t}?", "What is {t} used for?",
-    "Explain {t}.", "What does {t} return?", "When should I use {t}?",
-    "What are the parameters of {t}?", "Tell me about {t}.", "How does {t} work?",
+    "What does {t} do?",
+    "How do I use {t}?",
+    "What is {t}?",
+    "What is {t} used for?",
+    "Explain {t}.",
+    "What does {t} return?",
+    "When should I use {t}?",
+    "What are the parameters of {t}?",
+    "Tell me about {t}.",
+    "How does {t} work?",
 )
 
 
@@ -75,13 +83,21 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=EOS, unk_token=EOS,
-        model_max_length=1024, clean_up_tokenization_spaces=False,
+        tokenizer_object=tok,
+        bos_token=EOS,
+        eos_token=EOS,
+        pad_token=EOS,
+        unk_token=EOS,
+        model_max_length=1024,
+        clean_up_tokenization_spaces=False,
     )
 
 
@@ -116,6 +132,7 @@ def build_stream(records: list[dict], tok, seed: int, ralm_frac: float) -> tuple
 
 def blocks(stream: list[int], block: int):
     import torch
+
     n = len(stream) // block
     return torch.tensor(stream[: n * block], dtype=torch.long).view(n, block)
 
@@ -130,14 +147,16 @@ def lr_at(step: int, total: int, warmup: int, peak: float, floor_frac: float = 0
 def evaluate(model, data, batch: int) -> float:
     """Mean token cross-entropy of ``data`` blocks (every token but each block's first)."""
     import torch
+
     model.eval()
     tot, n = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(data), batch):
-            x = data[i:i + batch]
+            x = data[i : i + batch]
             logits = model(input_ids=x).logits[:, :-1].float()
             loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1), reduction="sum")
+                logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1), reduction="sum"
+            )
             tot += loss.item()
             n += x[:, 1:].numel()
     model.train()
@@ -146,6 +165,7 @@ def evaluate(model, data, batch: int) -> float:
 
 def _native_bf16() -> bool:
     import torch
+
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except Exception:  # noqa: BLE001
@@ -168,12 +188,12 @@ def _command(ap: argparse.ArgumentParser, args: argparse.Namespace, steps: int) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--minutes", type=float, default=6.0,
-                    help="training time budget, used when --steps is not given")
+    ap.add_argument("--minutes", type=float, default=6.0, help="training time budget, used when --steps is not given")
     ap.add_argument("--steps", type=int, default=None, help="exact number of optimizer steps")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--seed", type=int, default=0)
@@ -189,22 +209,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-steps", type=int, default=50)
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--ralm-frac", type=float, default=0.3)
-    ap.add_argument("--shift-frac", type=float, default=0.2,
-                    help="fraction of batches whose position ids are shifted by a random "
-                         "offset, so that positions past --block-size are trained too")
+    ap.add_argument(
+        "--shift-frac",
+        type=float,
+        default=0.2,
+        help="fraction of batches whose position ids are shifted by a random "
+        "offset, so that positions past --block-size are trained too",
+    )
     ap.add_argument("--heldout-per-mille", type=int, default=20)
-    ap.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
-                    help="bfloat16 autocast for training matmuls (auto: when the CPU has "
-                         "native bf16, e.g. AMX/AVX512-BF16); weights and optimizer stay fp32")
-    ap.add_argument("--probe-steps", type=int, default=3,
-                    help="steps timed to size a --minutes run")
+    ap.add_argument(
+        "--bf16",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="bfloat16 autocast for training matmuls (auto: when the CPU has "
+        "native bf16, e.g. AMX/AVX512-BF16); weights and optimizer stay fp32",
+    )
+    ap.add_argument("--probe-steps", type=int, default=3, help="steps timed to size a --minutes run")
     ap.add_argument("--max-passages", type=int, default=None, help="use the first N passages (tests)")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import tokenizers
     import torch
     import transformers
-    import tokenizers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     t_start = time.time()
@@ -215,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(REPO_ROOT))
     from cluster.assets.build_questions import load_records
+
     records = load_records(args.corpus)
     if args.max_passages:
         records = records[: args.max_passages]
@@ -229,23 +257,37 @@ def main(argv: list[str] | None = None) -> int:
         held_stream.extend(ids + [tok.eos_token_id])
     train_data = blocks(stream, args.block_size)
     held_data = blocks(held_stream, args.block_size)
-    print(f"tokenizer: {len(tok)} tokens in {tok_s:.1f}s; train {len(train_recs)} passages, "
-          f"{len(stream):,} tokens, {len(train_data)} blocks; held-out {len(held_recs)} "
-          f"passages, {len(held_data)} blocks", flush=True)
+    print(
+        f"tokenizer: {len(tok)} tokens in {tok_s:.1f}s; train {len(train_recs)} passages, "
+        f"{len(stream):,} tokens, {len(train_data)} blocks; held-out {len(held_recs)} "
+        f"passages, {len(held_data)} blocks",
+        flush=True,
+    )
 
     config = GPT2Config(
-        vocab_size=len(tok), n_positions=args.n_positions, n_embd=args.n_embd,
-        n_layer=args.n_layer, n_head=args.n_head, bos_token_id=tok.eos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
-        tie_word_embeddings=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=len(tok),
+        n_positions=args.n_positions,
+        n_embd=args.n_embd,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+        tie_word_embeddings=True,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     model = GPT2LMHeadModel(config)
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     gen = torch.Generator().manual_seed(args.seed)
     shift_rng = random.Random(args.seed + 1)
     perm = torch.randperm(len(train_data), generator=gen)
@@ -293,15 +335,18 @@ def main(argv: list[str] | None = None) -> int:
         losses.append(loss.item())
         step += 1
         if step % 25 == 0 or step == total:
-            print(f"step {step}/{total} loss {sum(losses[-25:]) / len(losses[-25:]):.3f} "
-                  f"lr {opt.param_groups[0]['lr']:.2e} {time.time() - t_train:.0f}s", flush=True)
+            print(
+                f"step {step}/{total} loss {sum(losses[-25:]) / len(losses[-25:]):.3f} "
+                f"lr {opt.param_groups[0]['lr']:.2e} {time.time() - t_train:.0f}s",
+                flush=True,
+            )
     train_s = time.time() - t_train
 
     # Save in float16, then measure on the saved weights (reloaded in float32).
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     for pattern in ("*.safetensors", "*.json", "*.bin", "merges.txt", "vocab.*"):
-        for f in out.glob(pattern):      # files of a previous model only
+        for f in out.glob(pattern):  # files of a previous model only
             f.unlink()
     model.eval()
     model.generation_config.eos_token_id = tok.eos_token_id
@@ -320,24 +365,32 @@ def main(argv: list[str] | None = None) -> int:
     prompt = "json.dumps\nSerialize obj"
     ids = tok2(prompt, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
-        g = loaded.generate(**ids, max_new_tokens=40, do_sample=False,
-                            pad_token_id=tok2.eos_token_id)
+        g = loaded.generate(**ids, max_new_tokens=40, do_sample=False, pad_token_id=tok2.eos_token_id)
     sample = tok2.decode(g[0], skip_special_tokens=True)
 
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    tail = losses[-max(1, min(50, len(losses))):]
+    tail = losses[-max(1, min(50, len(losses))) :]
     report = {
         "model": "GPT-2 (transformers.GPT2LMHeadModel)",
         "corpus": _rel(args.corpus),
         "corpus_sha256": hashlib.sha256(args.corpus.read_bytes()).hexdigest(),
         "command": _command(ap, args, step),
-        "hyperparameters": {k: (_rel(v) if isinstance(v, Path) else v)
-                            for k, v in vars(args).items()},
-        "config": {"vocab_size": config.vocab_size, "n_positions": config.n_positions,
-                   "n_embd": config.n_embd, "n_layer": config.n_layer, "n_head": config.n_head,
-                   "tie_word_embeddings": True, "saved_dtype": "float16"},
-        "optimizer": {"name": "AdamW", "betas": [0.9, 0.95], "eps": 1e-8,
-                      "schedule": "linear warm-up then cosine decay to 10% of peak"},
+        "hyperparameters": {k: (_rel(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": {
+            "vocab_size": config.vocab_size,
+            "n_positions": config.n_positions,
+            "n_embd": config.n_embd,
+            "n_layer": config.n_layer,
+            "n_head": config.n_head,
+            "tie_word_embeddings": True,
+            "saved_dtype": "float16",
+        },
+        "optimizer": {
+            "name": "AdamW",
+            "betas": [0.9, 0.95],
+            "eps": 1e-8,
+            "schedule": "linear warm-up then cosine decay to 10% of peak",
+        },
         "seed": args.seed,
         "parameters": n_params,
         "steps": step,
@@ -354,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         "heldout_loss": round(held_loss, 4),
         "heldout_perplexity": round(math.exp(held_loss), 3) if held_loss == held_loss else None,
         "heldout_perplexity_note": "per token of this tokenizer, on the saved float16 weights "
-                                   "loaded in float32; held-out passages packed like training",
+        "loaded in float32; held-out passages packed like training",
         "tokenizer_train_s": round(tok_s, 1),
         "train_wall_s": round(train_s, 1),
         "total_wall_s": round(time.time() - t_start, 1),
@@ -370,8 +423,21 @@ def main(argv: list[str] | None = None) -> int:
         "sample_greedy": sample,
     }
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    print(json.dumps({k: report[k] for k in ("steps", "tokens_seen", "train_loss_last50",
-                                             "heldout_perplexity", "train_wall_s", "size_bytes")}))
+    print(
+        json.dumps(
+            {
+                k: report[k]
+                for k in (
+                    "steps",
+                    "tokens_seen",
+                    "train_loss_last50",
+                    "heldout_perplexity",
+                    "train_wall_s",
+                    "size_bytes",
+                )
+            }
+        )
+    )
     print("sample:", repr(sample))
     return 0
 

@@ -11,10 +11,10 @@ Drafting changes how ``f`` computes, not what it means: accepted tokens are exac
 greedy argmax of the verifying forward pass. In float32 a multi-token forward can differ
 from one-token-at-a-time in the last bits, so outputs can differ only at near-ties.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from ralm import constants as C
 
@@ -22,30 +22,38 @@ from ralm import constants as C
 @dataclass(frozen=True)
 class StepOptions:
     """Per-step options of :meth:`ralm.engine.LMEngine.step` (built from a RequestConfig)."""
-    drafting: str = "none"                    # none | ngram | dense
+
+    drafting: str = "none"  # none | ngram | dense
     ngram_n: int = C.NGRAM_N
     ngram_min_n: int = C.NGRAM_MIN_N
     ngram_m: int = C.NGRAM_M
     dense_num_drafts: int = C.DENSE_NUM_DRAFTS
     dense_draft_len: int = C.DENSE_DRAFT_LEN
     dense_candidates: int = C.DENSE_CANDIDATES
-    flare_threshold: Optional[float] = None   # FLARE: end the step before a token with p < threshold
-    num_docs: int = 1                         # documents placed in the prompt (the rest of a doc tuple: IDGR 'unrelated')
-    idgr: bool = False                        # prepend the IDGR instruction block (changes outputs)
+    flare_threshold: float | None = None  # FLARE: end the step before a token with p < threshold
+    num_docs: int = 1  # documents placed in the prompt (the rest of a doc tuple: IDGR 'unrelated')
+    idgr: bool = False  # prepend the IDGR instruction block (changes outputs)
     allow_inexact_shifted_reuse: bool = False  # IDR2 position-shifted doc-KV reuse (changes outputs)
 
     @property
     def plain(self) -> bool:
-        return (self.drafting == "none" and self.flare_threshold is None)
+        return self.drafting == "none" and self.flare_threshold is None
 
     @classmethod
-    def from_request(cls, req) -> "StepOptions":
-        return cls(drafting=req.drafting, ngram_n=req.ngram_n, ngram_min_n=req.ngram_min_n, ngram_m=req.ngram_m,
-                   dense_num_drafts=req.dense_num_drafts, dense_draft_len=req.dense_draft_len,
-                   dense_candidates=req.dense_candidates,
-                   flare_threshold=req.flare_threshold if req.workload == "flare" else None,
-                   num_docs=req.num_docs, idgr=req.idgr,
-                   allow_inexact_shifted_reuse=req.allow_inexact_shifted_reuse)
+    def from_request(cls, req) -> StepOptions:
+        return cls(
+            drafting=req.drafting,
+            ngram_n=req.ngram_n,
+            ngram_min_n=req.ngram_min_n,
+            ngram_m=req.ngram_m,
+            dense_num_drafts=req.dense_num_drafts,
+            dense_draft_len=req.dense_draft_len,
+            dense_candidates=req.dense_candidates,
+            flare_threshold=req.flare_threshold if req.workload == "flare" else None,
+            num_docs=req.num_docs,
+            idgr=req.idgr,
+            allow_inexact_shifted_reuse=req.allow_inexact_shifted_reuse,
+        )
 
 
 DEFAULT_OPTIONS = StepOptions()

@@ -10,6 +10,7 @@ accepted length. Never more than ``k`` tokens: drafts are cut to ``k - emitted -
 With ``flare_threshold`` the step ends before the first token (after the first) whose
 greedy probability is below the threshold.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,12 +22,12 @@ import torch
 class DecodeResult:
     tokens: list[int]
     eos: bool
-    forward_passes: int = 0        # including the context prefill
-    draft_rounds: int = 0          # verification forwards that carried a draft
-    drafted_tokens: int = 0        # tokens of the selected draft, summed over rounds
-    accepted_tokens: int = 0       # draft tokens accepted
-    low_confidence: bool = False   # FLARE: ended before a low-probability token
-    prefill_end: float = 0.0       # perf_counter() after the prefill
+    forward_passes: int = 0  # including the context prefill
+    draft_rounds: int = 0  # verification forwards that carried a draft
+    drafted_tokens: int = 0  # tokens of the selected draft, summed over rounds
+    accepted_tokens: int = 0  # draft tokens accepted
+    low_confidence: bool = False  # FLARE: ended before a low-probability token
+    prefill_end: float = 0.0  # perf_counter() after the prefill
 
 
 def _prob(scores: torch.Tensor, tok: int) -> float:
@@ -73,8 +74,12 @@ def drafted_decode(engine, past, context, k: int, ignore_eos: bool, opts, drafte
         drafts = drafter.propose(history + tokens, hidden, nxt, m) if (drafter is not None and m > 0) else []
         drafts = [list(d[:m]) for d in drafts if len(d)]
         if not drafts:
-            out = model(input_ids=torch.tensor([[nxt]], dtype=torch.long, device=dev), past_key_values=past,
-                        use_cache=True, output_hidden_states=need_hidden)
+            out = model(
+                input_ids=torch.tensor([[nxt]], dtype=torch.long, device=dev),
+                past_key_values=past,
+                use_cache=True,
+                output_hidden_states=need_hidden,
+            )
             res.forward_passes += 1
             logits, past = out.logits[0, -1], out.past_key_values
             hidden = out.hidden_states[-1][0, -1] if need_hidden else None
@@ -84,11 +89,15 @@ def drafted_decode(engine, past, context, k: int, ignore_eos: bool, opts, drafte
         base = past.get_seq_length()
         if B > 1:
             past.batch_repeat_interleave(B)
-        out = model(input_ids=torch.tensor(rows, dtype=torch.long, device=dev), past_key_values=past,
-                    use_cache=True, output_hidden_states=need_hidden)
+        out = model(
+            input_ids=torch.tensor(rows, dtype=torch.long, device=dev),
+            past_key_values=past,
+            use_cache=True,
+            output_hidden_states=need_hidden,
+        )
         res.forward_passes += 1
         res.draft_rounds += 1
-        sc = scores(out.logits)                       # [B, L+1, V]
+        sc = scores(out.logits)  # [B, L+1, V]
         preds = torch.argmax(sc, dim=-1).tolist()
         best, best_a = 0, -1
         for b, d in enumerate(drafts):
@@ -104,7 +113,7 @@ def drafted_decode(engine, past, context, k: int, ignore_eos: bool, opts, drafte
             past.batch_select_indices(torch.tensor([best], device=dev))
         drop = past.get_seq_length() - (base + 1 + best_a)
         if drop > 0:
-            past.crop(-drop)                          # negative: remove that many trailing positions
+            past.crop(-drop)  # negative: remove that many trailing positions
         tokens.extend(drafts[best][:best_a])
         res.drafted_tokens += len(drafts[best])
         res.accepted_tokens += best_a

@@ -12,10 +12,11 @@ Build it from the corpus (teacher-forced passages, :func:`collect_corpus`) or, b
 from the model's own greedy generations on the workload ("in-distribution",
 :func:`collect_sequences` over ``[docs][question + generated]`` sequences).
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -24,8 +25,13 @@ from ralm import constants as C
 
 
 class DenseDatastore:
-    def __init__(self, pca_dim: int = C.DENSE_PCA_DIM, value_len: int = C.DENSE_DRAFT_LEN + 1,
-                 index: str = "flat", hnsw_m: int = 32):
+    def __init__(
+        self,
+        pca_dim: int = C.DENSE_PCA_DIM,
+        value_len: int = C.DENSE_DRAFT_LEN + 1,
+        index: str = "flat",
+        hnsw_m: int = 32,
+    ):
         self.pca_dim, self.value_len, self.index_kind, self.hnsw_m = int(pca_dim), int(value_len), index, hnsw_m
         self.mean = self.std = self.components = None
         self.values: np.ndarray | None = None
@@ -41,7 +47,7 @@ class DenseDatastore:
         p /= np.maximum(np.linalg.norm(p, axis=1, keepdims=True), 1e-12)
         return np.ascontiguousarray(p, dtype=np.float32)
 
-    def fit(self, keys: np.ndarray, values: np.ndarray) -> "DenseDatastore":
+    def fit(self, keys: np.ndarray, values: np.ndarray) -> DenseDatastore:
         """``keys`` [n, d] float, ``values`` [n, value_len] int (-1 pads short tails)."""
         import faiss
 
@@ -81,14 +87,21 @@ class DenseDatastore:
 
     # ---------------------------------------------------------------- persistence
     def save(self, path: str | Path) -> None:
-        np.savez(path, mean=self.mean, std=self.std, components=self.components, values=self.values,
-                 keys=self._keys_proj(), meta=np.array([self.pca_dim, self.value_len]))
+        np.savez(
+            path,
+            mean=self.mean,
+            std=self.std,
+            components=self.components,
+            values=self.values,
+            keys=self._keys_proj(),
+            meta=np.array([self.pca_dim, self.value_len]),
+        )
 
     def _keys_proj(self) -> np.ndarray:
         return self.index.reconstruct_n(0, self.index.ntotal) if self.index_kind == "flat" else np.zeros((0,))
 
     @classmethod
-    def load(cls, path: str | Path) -> "DenseDatastore":
+    def load(cls, path: str | Path) -> DenseDatastore:
         import faiss
 
         z = np.load(path)
@@ -101,10 +114,16 @@ class DenseDatastore:
 
 class DenseDrafter:
     """Drafts from a :class:`DenseDatastore` for one step."""
+
     needs_hidden = True
 
-    def __init__(self, store: DenseDatastore, num_drafts: int = C.DENSE_NUM_DRAFTS,
-                 draft_len: int = C.DENSE_DRAFT_LEN, candidates: int = C.DENSE_CANDIDATES):
+    def __init__(
+        self,
+        store: DenseDatastore,
+        num_drafts: int = C.DENSE_NUM_DRAFTS,
+        draft_len: int = C.DENSE_DRAFT_LEN,
+        candidates: int = C.DENSE_CANDIDATES,
+    ):
         self.store, self.num_drafts, self.draft_len, self.candidates = store, num_drafts, draft_len, candidates
 
     def propose(self, seq, hidden, nxt: int, m: int | None = None) -> list[list[int]]:
@@ -116,7 +135,7 @@ class DenseDrafter:
         for v in self.store.search(hidden, self.candidates):
             if len(v) < 2 or int(v[0]) != nxt:
                 continue
-            d = tuple(int(t) for t in v[1:1 + m])
+            d = tuple(int(t) for t in v[1 : 1 + m])
             if d in seen:
                 continue
             seen.add(d)
@@ -128,8 +147,9 @@ class DenseDrafter:
 
 # -------------------------------------------------------------------- collection
 @torch.inference_mode()
-def collect_sequences(engine, examples: Iterable[tuple[Sequence[str], Sequence[int], int, int]],
-                      value_len: int = C.DENSE_DRAFT_LEN + 1) -> tuple[np.ndarray, np.ndarray]:
+def collect_sequences(
+    engine, examples: Iterable[tuple[Sequence[str], Sequence[int], int, int]], value_len: int = C.DENSE_DRAFT_LEN + 1
+) -> tuple[np.ndarray, np.ndarray]:
     """Teacher-force ``[docs][tokens]`` and record (hidden at p, tokens[p+1 : p+1+value_len])
     for positions ``start-1 <= p < end-1`` of ``tokens`` (each example: doc texts, tokens,
     start, end). Returns (keys, values)."""
@@ -144,7 +164,7 @@ def collect_sequences(engine, examples: Iterable[tuple[Sequence[str], Sequence[i
         out = engine.model(input_ids=ids, past_key_values=past, use_cache=True, output_hidden_states=True)
         hs = out.hidden_states[-1][0].float().cpu().numpy()
         for p in range(max(0, start - 1), end - 1):
-            v = toks[p + 1:p + 1 + value_len]
+            v = toks[p + 1 : p + 1 + value_len]
             keys.append(hs[p])
             vals.append(v + [-1] * (value_len - len(v)))
     if not keys:
@@ -152,8 +172,9 @@ def collect_sequences(engine, examples: Iterable[tuple[Sequence[str], Sequence[i
     return np.stack(keys), np.asarray(vals, dtype=np.int64)
 
 
-def collect_corpus(engine, texts: Iterable[str], max_tokens: int = C.MAX_DOC_TOKENS,
-                   value_len: int = C.DENSE_DRAFT_LEN + 1) -> tuple[np.ndarray, np.ndarray]:
+def collect_corpus(
+    engine, texts: Iterable[str], max_tokens: int = C.MAX_DOC_TOKENS, value_len: int = C.DENSE_DRAFT_LEN + 1
+) -> tuple[np.ndarray, np.ndarray]:
     """Teacher-forced hidden states over corpus passages (no document prefix)."""
     ex = []
     for t in texts:
@@ -163,6 +184,7 @@ def collect_corpus(engine, texts: Iterable[str], max_tokens: int = C.MAX_DOC_TOK
     return collect_sequences(engine, ex, value_len)
 
 
-def build_datastore(keys: np.ndarray, values: np.ndarray, pca_dim: int = C.DENSE_PCA_DIM,
-                    index: str = "flat") -> DenseDatastore:
+def build_datastore(
+    keys: np.ndarray, values: np.ndarray, pca_dim: int = C.DENSE_PCA_DIM, index: str = "flat"
+) -> DenseDatastore:
     return DenseDatastore(pca_dim, values.shape[1], index).fit(keys, values)

@@ -6,10 +6,11 @@ logits are (nearly) tied. :func:`first_divergence` finds the first differing pos
 reports the plain decoding's top-2 logit gap there (recomputed by a prefill over
 ``[docs][context + common prefix]``).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 import torch
 
@@ -18,10 +19,10 @@ from ralm import constants as C
 
 @dataclass
 class Divergence:
-    position: int                 # index into the generated tokens
-    plain_token: int | None       # None: the plain decoding ended here
+    position: int  # index into the generated tokens
+    plain_token: int | None  # None: the plain decoding ended here
     other_token: int | None
-    top2_gap: float               # plain decoding's top-1 minus top-2 logit at that position
+    top2_gap: float  # plain decoding's top-1 minus top-2 logit at that position
 
     def near_tie(self, threshold: float = C.DIVERGENCE_GAP) -> bool:
         return self.top2_gap < threshold
@@ -54,8 +55,9 @@ def top2_gap(engine, doc_texts, tokens: Sequence[int], ignore_eos: bool = False)
     return float(top[0] - top[1])
 
 
-def first_divergence(engine, doc_texts, context: Sequence[int], plain: Sequence[int], other: Sequence[int],
-                     ignore_eos: bool = False) -> Divergence | None:
+def first_divergence(
+    engine, doc_texts, context: Sequence[int], plain: Sequence[int], other: Sequence[int], ignore_eos: bool = False
+) -> Divergence | None:
     """None if ``plain == other``; else the first divergence with its top-2 gap (one step,
     or a request whose document at the divergence is ``doc_texts``)."""
     i = first_index(plain, other)

@@ -14,22 +14,24 @@ the stored segments are never modified; ``tests/cache/test_doc_kv.py`` checks th
 Document forward passes ask for no logits (``logits_to_keep=1``): the KV does not depend
 on the LM head.
 """
+
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 
 @dataclass
 class DocsKVInfo:
-    hit: bool = False            # every document came from the cache
+    hit: bool = False  # every document came from the cache
     docs_reused: int = 0
     docs_computed: int = 0
     bytes_reused: int = 0
-    shifted: int = 0             # inexact position-shifted reuses
+    shifted: int = 0  # inexact position-shifted reuses
 
 
 def segment_bytes(seg) -> int:
@@ -162,7 +164,7 @@ def docs_past(engine, docs: Sequence[tuple], allow_shifted: bool = False) -> tup
     for j in range(len(segs), len(docs)):
         if allow_shifted and j > 0 and use_cache:
             seg = tree.standalone(docs[j])
-            if seg is not None:                       # INEXACT: KV computed at other positions
+            if seg is not None:  # INEXACT: KV computed at other positions
                 segs.append(seg)
                 past = cache_from_segments(segs)
                 info.shifted += 1

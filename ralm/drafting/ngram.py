@@ -7,9 +7,10 @@ context itself (question and generated text, latest occurrence); with no match t
 suffix is shortened down to ``min_n`` tokens. The ``m`` tokens that follow the match
 are the draft. Verification is in :mod:`ralm.drafting.decode`.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class NGramDrafter:
@@ -21,8 +22,8 @@ class NGramDrafter:
         self.index: dict[tuple, tuple[int, int]] = {}
         for si, src in enumerate(self.sources):
             for L in range(self.min_n, self.n + 1):
-                for i in range(len(src) - L):            # a match needs a following token
-                    self.index.setdefault(tuple(src[i:i + L]), (si, i + L))
+                for i in range(len(src) - L):  # a match needs a following token
+                    self.index.setdefault(tuple(src[i : i + L]), (si, i + L))
 
     def propose(self, seq: Sequence[int], hidden=None, nxt: int | None = None, m: int | None = None) -> list[list[int]]:
         m = self.m if m is None else min(m, self.m)
@@ -34,8 +35,8 @@ class NGramDrafter:
             hit = self.index.get(key)
             if hit is not None:
                 si, end = hit
-                return [self.sources[si][end:end + m]]
-            for i in range(len(seq) - L - 1, -1, -1):    # earlier in the context itself
-                if tuple(seq[i:i + L]) == key:
-                    return [seq[i + L:i + L + m]]
+                return [self.sources[si][end : end + m]]
+            for i in range(len(seq) - L - 1, -1, -1):  # earlier in the context itself
+                if tuple(seq[i : i + L]) == key:
+                    return [seq[i + L : i + L + m]]
         return []

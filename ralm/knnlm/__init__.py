@@ -5,10 +5,23 @@
 - :mod:`ralm.knnlm.cache`: the speculative cache (retrieved entries + their n successors).
 - :mod:`ralm.knnlm.loop`: :func:`run_knn_seq` (baseline) and :func:`run_knn_spec` (speculation).
 """
+
 from ralm.knnlm.cache import KnnEntryCache
 from ralm.knnlm.datastore import Datastore, DatastoreError, build_datastore, model_fingerprint
 from ralm.knnlm.loop import KnnStepper, choose_token, new_cache, run_knn_seq, run_knn_spec
 from ralm.knnlm.retriever import KnnRetriever, load_knn_retriever
 
-__all__ = ["Datastore", "DatastoreError", "KnnEntryCache", "KnnRetriever", "KnnStepper", "build_datastore",
-           "choose_token", "load_knn_retriever", "model_fingerprint", "new_cache", "run_knn_seq", "run_knn_spec"]
+__all__ = [
+    "Datastore",
+    "DatastoreError",
+    "KnnEntryCache",
+    "KnnRetriever",
+    "KnnStepper",
+    "build_datastore",
+    "choose_token",
+    "load_knn_retriever",
+    "model_fingerprint",
+    "new_cache",
+    "run_knn_seq",
+    "run_knn_spec",
+]

@@ -22,10 +22,11 @@ Capacity (:func:`default_capacity`): room for the entries of ``retrievals`` (def
 ``KNN_CACHE_MIN_ENTRIES``. A verification inserts the answers of a whole window at once,
 so a capacity of only 2 answers kept little more than the window's last two queries.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -35,8 +36,7 @@ from ralm.knnlm.metric import Hit, l2_distances
 from ralm.knnlm.projection import projection_for, projection_tolerance
 from ralm.knnlm.retriever import exact_knn, margin_for
 
-
-KNN_CACHE_RETRIEVALS = 8       # default capacity: this many KB answers (with their successors)
+KNN_CACHE_RETRIEVALS = 8  # default capacity: this many KB answers (with their successors)
 
 
 def default_capacity(k: int, n_next: int, retrievals: int = KNN_CACHE_RETRIEVALS) -> int:
@@ -45,9 +45,14 @@ def default_capacity(k: int, n_next: int, retrievals: int = KNN_CACHE_RETRIEVALS
 
 
 class KnnEntryCache:
-    def __init__(self, datastore: Datastore, n_next: int = C.KNN_SPATIAL_NEXT,
-                 capacity: int = C.KNN_CACHE_MIN_ENTRIES, rerank_margin: int = C.KNN_RERANK_MARGIN,
-                 project_dims: int = 0):
+    def __init__(
+        self,
+        datastore: Datastore,
+        n_next: int = C.KNN_SPATIAL_NEXT,
+        capacity: int = C.KNN_CACHE_MIN_ENTRIES,
+        rerank_margin: int = C.KNN_RERANK_MARGIN,
+        project_dims: int = 0,
+    ):
         self.ds = datastore
         self.n_next = int(n_next)
         self.capacity = int(capacity)
@@ -57,13 +62,13 @@ class KnnEntryCache:
         self._rows = self.proj.reduced if self.proj is not None else datastore.keys
         self._keys = np.empty((self.capacity, self._rows.shape[1]), dtype=np.float32)
         self._ids = np.full(self.capacity, -1, dtype=np.int64)
-        self._slot_of = np.full(len(datastore), -1, dtype=np.int64)   # entry id -> ring slot
-        self._pos = 0                       # next ring slot
+        self._slot_of = np.full(len(datastore), -1, dtype=np.int64)  # entry id -> ring slot
+        self._pos = 0  # next ring slot
         self._filled = 0
-        self.inserted = 0                   # entries ever added
-        self.lookups = 0                    # searches run, and their total wall time
+        self.inserted = 0  # entries ever added
+        self.lookups = 0  # searches run, and their total wall time
         self.lookup_s = 0.0
-        self._key_scale = datastore.max_norm ** 2
+        self._key_scale = datastore.max_norm**2
 
     def __len__(self) -> int:
         return self._filled
@@ -84,14 +89,19 @@ class KnnEntryCache:
     def expand(self, entry_ids: Iterable[int]) -> np.ndarray:
         """``entry_ids`` and the ``n_next`` entries after each within its passage, in order,
         duplicates removed (first occurrence kept)."""
-        base = np.fromiter((int(e) for e in entry_ids), dtype=np.int64) \
-            if not isinstance(entry_ids, np.ndarray) else entry_ids.astype(np.int64).reshape(-1)
+        base = (
+            np.fromiter((int(e) for e in entry_ids), dtype=np.int64)
+            if not isinstance(entry_ids, np.ndarray)
+            else entry_ids.astype(np.int64).reshape(-1)
+        )
         if base.size == 0:
             return base
-        cand = (base[:, None] + np.arange(self.n_next + 1, dtype=np.int64)[None, :])
+        cand = base[:, None] + np.arange(self.n_next + 1, dtype=np.int64)[None, :]
         ok = cand < len(self.ds)
         same = np.zeros_like(ok)
-        same[ok] = self.ds.passage[cand[ok]] == np.repeat(self.ds.passage[base], self.n_next + 1).reshape(cand.shape)[ok]
+        same[ok] = (
+            self.ds.passage[cand[ok]] == np.repeat(self.ds.passage[base], self.n_next + 1).reshape(cand.shape)[ok]
+        )
         flat = cand[same]
         _, first = np.unique(flat, return_index=True)
         return flat[np.sort(first)]
@@ -106,7 +116,7 @@ class KnnEntryCache:
         if new_arr.size == 0:
             return 0
         if len(new_arr) > self.capacity:
-            new_arr = new_arr[-self.capacity:]
+            new_arr = new_arr[-self.capacity :]
         slots = (self._pos + np.arange(len(new_arr))) % self.capacity
         old = self._ids[slots]
         self._slot_of[old[old >= 0]] = -1

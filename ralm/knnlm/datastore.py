@@ -12,6 +12,7 @@ On disk (a directory): ``keys.npy`` (N, d) float32, ``values.npy`` (N,) int32,
 model fingerprint, the corpus sha256 and the counts. Loading checks them all and says
 which one does not match.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -60,8 +61,11 @@ def model_fingerprint(lm: Any, tokenizer: Any = None) -> str:
         for name, p in model.state_dict().items():
             t = p.detach().to("cpu").contiguous()
             h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.bfloat16
-                     else t.view(torch.int16).numpy().tobytes())
+            h.update(
+                t.view(torch.uint8).numpy().tobytes()
+                if t.dtype != torch.bfloat16
+                else t.view(torch.int16).numpy().tobytes()
+            )
     vocab = sorted(tok.get_vocab().items())
     h.update(json.dumps(vocab).encode())
     return h.hexdigest()
@@ -69,23 +73,25 @@ def model_fingerprint(lm: Any, tokenizer: Any = None) -> str:
 
 @dataclass
 class Datastore:
-    keys: np.ndarray          # (N, d) float32, read-only
-    values: np.ndarray        # (N,) int32: the next token
-    passage: np.ndarray       # (N,) int32: passage row of each entry
+    keys: np.ndarray  # (N, d) float32, read-only
+    values: np.ndarray  # (N,) int32: the next token
+    passage: np.ndarray  # (N,) int32: passage row of each entry
     manifest: dict
-    hnsw: Any = None          # FAISS IndexHNSWFlat over keys (L2), if built/loaded
+    hnsw: Any = None  # FAISS IndexHNSWFlat over keys (L2), if built/loaded
 
     def __post_init__(self) -> None:
         self.keys = np.ascontiguousarray(self.keys, dtype=np.float32)
         self.values = np.asarray(self.values, dtype=np.int32)
         self.passage = np.asarray(self.passage, dtype=np.int32)
         if self.keys.ndim != 2 or len(self.keys) != len(self.values) or len(self.values) != len(self.passage):
-            raise DatastoreError(f"datastore arrays disagree: keys {self.keys.shape}, values "
-                                 f"{self.values.shape}, passage {self.passage.shape}")
+            raise DatastoreError(
+                f"datastore arrays disagree: keys {self.keys.shape}, values "
+                f"{self.values.shape}, passage {self.passage.shape}"
+            )
         self.keys.setflags(write=False)
         self.max_norm = 0.0
         for s in range(0, len(self.keys), 1 << 16):
-            blk = self.keys[s:s + (1 << 16)].astype(np.float64)
+            blk = self.keys[s : s + (1 << 16)].astype(np.float64)
             self.max_norm = max(self.max_norm, float(np.sqrt(np.einsum("ij,ij->i", blk, blk).max())))
 
     def __len__(self) -> int:
@@ -99,8 +105,7 @@ class Datastore:
         return f"Datastore(entries={len(self)}, dim={self.dim}, passages={self.manifest.get('n_passages')})"
 
     # ------------------------------------------------------------------ indexes
-    def build_hnsw(self, m: int = C.HNSW_M, ef_construction: int = C.HNSW_EF_CONSTRUCTION,
-                   progress: bool = False):
+    def build_hnsw(self, m: int = C.HNSW_M, ef_construction: int = C.HNSW_EF_CONSTRUCTION, progress: bool = False):
         """Build (and keep) the approximate index: FAISS IndexHNSWFlat, L2."""
         import faiss
 
@@ -110,9 +115,10 @@ class Datastore:
         it = range(0, len(self), step)
         if progress:
             from tqdm.auto import tqdm
+
             it = tqdm(it, total=(len(self) + step - 1) // step, desc="building KNN HNSW", unit="chunk")
         for s in it:
-            index.add(self.keys[s:s + step])
+            index.add(self.keys[s : s + step])
         self.hnsw = index
         self.manifest["hnsw"] = {"m": int(m), "ef_construction": int(ef_construction)}
         return index
@@ -149,15 +155,22 @@ class Datastore:
         if self.hnsw is not None:
             faiss.write_index(self.hnsw, str(d / "hnsw.faiss"))
         man = dict(self.manifest)
-        man.update(format=FORMAT, n_entries=len(self), dim=self.dim,
-                   has_hnsw=self.hnsw is not None)
+        man.update(format=FORMAT, n_entries=len(self), dim=self.dim, has_hnsw=self.hnsw is not None)
         (d / "manifest.json").write_text(json.dumps(man, indent=1, sort_keys=True))
         self.manifest = man
         return d
 
     @classmethod
-    def load(cls, directory: str | Path, lm: Any = None, corpus: Any = None, *,
-             tokenizer: Any = None, fingerprint: str | None = None, mmap: bool = True) -> "Datastore":
+    def load(
+        cls,
+        directory: str | Path,
+        lm: Any = None,
+        corpus: Any = None,
+        *,
+        tokenizer: Any = None,
+        fingerprint: str | None = None,
+        mmap: bool = True,
+    ) -> Datastore:
         """Load a saved datastore; with ``lm``/``fingerprint`` and ``corpus`` given, check
         they are the ones it was built with (:class:`DatastoreError` otherwise)."""
         import faiss
@@ -178,15 +191,18 @@ class Datastore:
             raise DatastoreError(
                 f"datastore at {d} was built with another model (fingerprint "
                 f"{str(man.get('model_fingerprint'))[:12]}..., this model {fingerprint[:12]}...; "
-                f"model {man.get('model')!r}); rebuild it")
+                f"model {man.get('model')!r}); rebuild it"
+            )
         if corpus is not None:
             if corpus.sha256 != man.get("corpus_sha256"):
                 raise DatastoreError(
                     f"datastore at {d} was built from another corpus (sha256 "
-                    f"{str(man.get('corpus_sha256'))[:12]}..., this corpus {corpus.sha256[:12]}...); rebuild it")
+                    f"{str(man.get('corpus_sha256'))[:12]}..., this corpus {corpus.sha256[:12]}...); rebuild it"
+                )
             if int(man.get("n_passages", -1)) > len(corpus):
-                raise DatastoreError(f"datastore at {d} covers {man.get('n_passages')} passages; "
-                                     f"the corpus has only {len(corpus)}")
+                raise DatastoreError(
+                    f"datastore at {d} covers {man.get('n_passages')} passages; the corpus has only {len(corpus)}"
+                )
         mode = "r" if mmap else None
         try:
             keys = np.load(d / "keys.npy", mmap_mode=mode)
@@ -196,9 +212,11 @@ class Datastore:
             raise DatastoreError(f"datastore at {d} is incomplete or corrupt: {e}") from None
         n = int(man.get("n_entries", -1))
         if not (len(keys) == len(values) == len(passage) == n) or keys.ndim != 2 or keys.shape[1] != man.get("dim"):
-            raise DatastoreError(f"datastore at {d}: counts disagree with the manifest "
-                                 f"(manifest {n} x {man.get('dim')}, files keys {tuple(keys.shape)}, "
-                                 f"values {len(values)}, passage {len(passage)})")
+            raise DatastoreError(
+                f"datastore at {d}: counts disagree with the manifest "
+                f"(manifest {n} x {man.get('dim')}, files keys {tuple(keys.shape)}, "
+                f"values {len(values)}, passage {len(passage)})"
+            )
         hnsw = None
         if man.get("has_hnsw"):
             hp = d / "hnsw.faiss"
@@ -206,15 +224,24 @@ class Datastore:
                 raise DatastoreError(f"datastore at {d}: manifest lists an HNSW index but hnsw.faiss is missing")
             hnsw = faiss.read_index(str(hp))
             if hnsw.ntotal != n or hnsw.d != keys.shape[1]:
-                raise DatastoreError(f"datastore at {d}: hnsw.faiss has {hnsw.ntotal} x {hnsw.d}, "
-                                     f"expected {n} x {keys.shape[1]}")
+                raise DatastoreError(
+                    f"datastore at {d}: hnsw.faiss has {hnsw.ntotal} x {hnsw.d}, expected {n} x {keys.shape[1]}"
+                )
         return cls(np.asarray(keys), values, passage, man, hnsw)
 
 
-def build_datastore(lm: Any, corpus: Any, *, tokenizer: Any = None, n_passages: int | None = None,
-                    max_passage_tokens: int = C.KNN_MAX_PASSAGE_TOKENS, hnsw: bool = False,
-                    hnsw_m: int = C.HNSW_M, hnsw_ef_construction: int = C.HNSW_EF_CONSTRUCTION,
-                    progress: bool = True) -> Datastore:
+def build_datastore(
+    lm: Any,
+    corpus: Any,
+    *,
+    tokenizer: Any = None,
+    n_passages: int | None = None,
+    max_passage_tokens: int = C.KNN_MAX_PASSAGE_TOKENS,
+    hnsw: bool = False,
+    hnsw_m: int = C.HNSW_M,
+    hnsw_ef_construction: int = C.HNSW_EF_CONSTRUCTION,
+    progress: bool = True,
+) -> Datastore:
     """Build the datastore of ``corpus`` (its first ``n_passages`` rows) with the generator
     ``lm`` (an :class:`~ralm.engine.LMEngine`, or a HF model with ``tokenizer``)."""
     import torch
@@ -235,6 +262,7 @@ def build_datastore(lm: Any, corpus: Any, *, tokenizer: Any = None, n_passages: 
     it = range(n)
     if progress:
         from tqdm.auto import tqdm
+
         it = tqdm(it, desc="building KNN datastore", unit="passage")
     with torch.inference_mode():
         for row in it:

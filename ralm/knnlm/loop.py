@@ -34,11 +34,13 @@ the same sequence of single-token forwards as the baseline; the KB answer of a q
 does not depend on its batch (exact re-scoring + boundary expansion), so the tokens
 equal :func:`run_knn_seq`'s (the argument in full: :mod:`ralm.speculation`).
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,16 +72,17 @@ def knn_probs(hits: Sequence[Hit], values: np.ndarray, vocab: int, temperature: 
         return p
     ids = np.fromiter((e for e, _ in hits), dtype=np.int64, count=len(hits))
     d = np.fromiter((x for _, x in hits), dtype=np.float64, count=len(hits))
-    w = np.exp(-(d - d.min()) / float(temperature))       # shift: same distribution, no underflow
+    w = np.exp(-(d - d.min()) / float(temperature))  # shift: same distribution, no underflow
     toks = values[ids].astype(np.int64)
     if toks.max(initial=0) >= vocab:
         raise RalmInputError(f"datastore token id {int(toks.max())} is outside the model's vocabulary ({vocab})")
-    np.add.at(p, toks, w)                                  # sequential, in hit order
+    np.add.at(p, toks, w)  # sequential, in hit order
     return p / w.sum()
 
 
-def choose_token(p_lm: np.ndarray, hits: Sequence[Hit], values: np.ndarray, knn: KnnLMConfig,
-                 mask_token: int | None = None) -> int:
+def choose_token(
+    p_lm: np.ndarray, hits: Sequence[Hit], values: np.ndarray, knn: KnnLMConfig, mask_token: int | None = None
+) -> int:
     """argmax of lambda p_knn + (1 - lambda) p_lm; ties go to the lowest token id."""
     mix = (1.0 - knn.lmbda) * p_lm
     if hits and knn.lmbda > 0:
@@ -105,7 +108,7 @@ class KnnStepper:
         self.length = 0
         self.h: np.ndarray | None = None
         self.p_lm: np.ndarray | None = None
-        self.forwards = 0                  # model forward passes run (prefill + one per token fed)
+        self.forwards = 0  # model forward passes run (prefill + one per token fed)
 
     @torch.inference_mode()
     def _run(self, ids: list[int]) -> None:
@@ -153,8 +156,9 @@ def _prepare(prompt: str, lm: Any, req: RequestConfig) -> list[int]:
     ids = lm.encode_question(prompt)
     max_pos = getattr(lm, "max_positions", 1 << 30)
     if len(ids) + req.max_new_tokens > max_pos:
-        raise RalmInputError(f"prompt ({len(ids)}) + {req.max_new_tokens} new tokens exceed the model's "
-                             f"{max_pos} positions")
+        raise RalmInputError(
+            f"prompt ({len(ids)}) + {req.max_new_tokens} new tokens exceed the model's {max_pos} positions"
+        )
     return ids
 
 
@@ -167,9 +171,14 @@ def _eos_setup(lm: Any, req: RequestConfig) -> tuple[int | None, int | None]:
 
 
 # ---------------------------------------------------------------------------- baseline
-def run_knn_seq(prompt: str, lm: Any, kb: KnnRetriever, knn: KnnLMConfig | None = None,
-                req: RequestConfig | None = None,
-                on_commit: Optional[Callable[[list[int]], None]] = None) -> RalmResult:
+def run_knn_seq(
+    prompt: str,
+    lm: Any,
+    kb: KnnRetriever,
+    knn: KnnLMConfig | None = None,
+    req: RequestConfig | None = None,
+    on_commit: Callable[[list[int]], None] | None = None,
+) -> RalmResult:
     """KNN-LM baseline: one KB retrieval and one single-token forward per generated token.
 
     ``lm``: an :class:`~ralm.engine.LMEngine` (model, tokenizer, eos). Defines the right answer.
@@ -208,7 +217,7 @@ def run_knn_seq(prompt: str, lm: Any, kb: KnnRetriever, knn: KnnLMConfig | None 
 
 
 # ---------------------------------------------------------------------------- speculation
-SHADOW_EVERY = 8       # in a run of OS3 direct steps, the cache guesses on every 8th step
+SHADOW_EVERY = 8  # in a run of OS3 direct steps, the cache guesses on every 8th step
 
 
 def fetch_size(knn: KnnLMConfig, spec: SpecConfig) -> int:
@@ -220,8 +229,9 @@ def new_cache(kb: KnnRetriever, knn: KnnLMConfig, spec: SpecConfig | None = None
     """A request's empty speculative cache: ``knn.cache_max_entries`` entries, or by default
     room for ``knn.cache_retrievals`` KB answers (:func:`~ralm.knnlm.cache.default_capacity`
     of the entries fetched per query)."""
-    cap = knn.cache_max_entries or default_capacity(fetch_size(knn, spec or SpecConfig()), knn.spatial_next,
-                                                    knn.cache_retrievals)
+    cap = knn.cache_max_entries or default_capacity(
+        fetch_size(knn, spec or SpecConfig()), knn.spatial_next, knn.cache_retrievals
+    )
     # the projected scan pays off up to k = 256 (a 265K-entry cache: 4.9 vs 19.5 ms at k = 16,
     # 10.8 vs 18.8 at 256); at k = 1024 the bound needs thousands of candidates (23.5 vs 20.3)
     dims = knn.cache_project_dims if knn.k <= C.KNN_PROJECTED_MAX_K else 0
@@ -230,10 +240,10 @@ def new_cache(kb: KnnRetriever, knn: KnnLMConfig, spec: SpecConfig | None = None
 
 @dataclass
 class _Step:
-    query: np.ndarray        # h at the step (float32)
-    p_lm: np.ndarray         # LM distribution at the step
-    pos: int                 # len(X) before the step (= KV length when the query was made)
-    token: int               # speculated token (may be EOS)
+    query: np.ndarray  # h at the step (float32)
+    p_lm: np.ndarray  # LM distribution at the step
+    pos: int  # len(X) before the step (= KV length when the query was made)
+    token: int  # speculated token (may be EOS)
 
 
 class _KnnSpecRun:
@@ -243,12 +253,22 @@ class _KnnSpecRun:
 
     async_verify = False
 
-    def __init__(self, prompt: str, lm: Any, kb: KnnRetriever, knn: KnnLMConfig, req: RequestConfig,
-                 spec: SpecConfig, cache: KnnEntryCache | None,
-                 on_commit: Optional[Callable[[list[int]], None]]):
+    def __init__(
+        self,
+        prompt: str,
+        lm: Any,
+        kb: KnnRetriever,
+        knn: KnnLMConfig,
+        req: RequestConfig,
+        spec: SpecConfig,
+        cache: KnnEntryCache | None,
+        on_commit: Callable[[list[int]], None] | None,
+    ):
         if spec.async_verify:
-            raise RalmInputError("asynchronous verification (A) is not supported for KNN-LM "
-                                 "(as in the RaLMSpec paper); use a fixed stride or S")
+            raise RalmInputError(
+                "asynchronous verification (A) is not supported for KNN-LM "
+                "(as in the RaLMSpec paper); use a fixed stride or S"
+            )
         self.t_start = time.perf_counter()
         self.lm, self.kb, self.knn, self.req, self.spec = lm, kb, knn, req, spec
         self.on_commit = on_commit
@@ -266,7 +286,7 @@ class _KnnSpecRun:
         name = ("P," if self.fetch_k > knn.k else "") + (f"s={spec.stride}" if not spec.adaptive_stride else "S")
         self.stats = RequestStats(method=f"knn-spec[{name}]", retriever=kb.name, knn_k=knn.k)
         self.step_lm = KnnStepper(_model_of(lm))
-        self._direct_run = 0               # consecutive direct (s = 0) steps so far
+        self._direct_run = 0  # consecutive direct (s = 0) steps so far
 
     @property
     def finished(self) -> bool:
@@ -293,7 +313,7 @@ class _KnnSpecRun:
     def emit(self, pending: None = None) -> None:
         """Pass the newly committed tokens to ``on_commit`` (no step is ever pending)."""
         if self.on_commit is not None and len(self.X) > self.emitted:
-            chunk = self.X[self.emitted:]
+            chunk = self.X[self.emitted :]
             self.emitted = len(self.X)
             self.on_commit(list(chunk))
 
@@ -339,7 +359,7 @@ class _KnnSpecRun:
             st.cache_lookups += 1
         t_guess = time.perf_counter() - t0
         truth, fetched, b = self._kb_search([h])
-        b += t_guess                      # the direct step's retrieval latency includes the guess
+        b += t_guess  # the direct step's retrieval latency includes the guess
         if fill:
             self.cache.insert_hits(fetched)
         hits = truth[0]
@@ -350,10 +370,10 @@ class _KnnSpecRun:
         self._commit_token(y)
 
     def first_step(self) -> None:
-        self.direct_step(shadow=False)        # the first token warms the cache
+        self.direct_step(shadow=False)  # the first token warms the cache
 
     def speculative_step(self) -> _Step:
-        self._direct_run = 0                  # a window ends a run of direct steps
+        self._direct_run = 0  # a window ends a run of direct steps
         t0 = time.perf_counter()
         h, p = self.step_lm.h, self.step_lm.p_lm
         hits = self.cache.search(h, self.knn.k)
@@ -384,17 +404,17 @@ class _KnnSpecRun:
         self.cache.insert_hits(truth[1][:upto])
 
     def accept(self, steps: Sequence[_Step]) -> None:
-        pass                                  # the tokens are already in X
+        pass  # the tokens are already in X
 
     def rollback(self, step: _Step) -> int:
         dropped = len(self.X) - step.pos
-        del self.X[step.pos:]
+        del self.X[step.pos :]
         self.eos = False
-        self.step_lm.crop(step.pos)           # KV of X[:pos], as when the query was made
+        self.step_lm.crop(step.pos)  # KV of X[:pos], as when the query was made
         return dropped
 
     def commit_correction(self, token: int) -> None:
-        self._commit_token(token)             # the KB's token, fed on the cropped cache
+        self._commit_token(token)  # the KB's token, fed on the cropped cache
 
     def run(self) -> RalmResult:
         st = self.stats
@@ -404,14 +424,20 @@ class _KnnSpecRun:
         speculate(self, self.sched, st)
         st.cache_entries = len(self.cache)
         st.forward_passes = self.step_lm.forwards
-        st.generated_tokens = len(self.X) - self.n_q + st.regenerated_tokens    # rolled-back tokens included
+        st.generated_tokens = len(self.X) - self.n_q + st.regenerated_tokens  # rolled-back tokens included
         return finish(self.lm, self.n_q, self.X, self.eos, st, self.t_start)
 
 
-def run_knn_spec(prompt: str, lm: Any, kb: KnnRetriever, knn: KnnLMConfig | None = None,
-                 req: RequestConfig | None = None, spec: SpecConfig | None = None,
-                 cache: KnnEntryCache | None = None,
-                 on_commit: Optional[Callable[[list[int]], None]] = None) -> RalmResult:
+def run_knn_spec(
+    prompt: str,
+    lm: Any,
+    kb: KnnRetriever,
+    knn: KnnLMConfig | None = None,
+    req: RequestConfig | None = None,
+    spec: SpecConfig | None = None,
+    cache: KnnEntryCache | None = None,
+    on_commit: Callable[[list[int]], None] | None = None,
+) -> RalmResult:
     """KNN-LM with speculative retrieval; the tokens equal :func:`run_knn_seq`'s.
 
     ``spec``: stride (fixed) or ``adaptive_stride`` (OS3); ``prefetch`` (P) makes every KB

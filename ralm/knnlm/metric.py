@@ -10,15 +10,16 @@ squares are elementwise, and the ``d`` squares are summed by a fixed pairwise tr
 (halving, zero-padded to a power of two) with elementwise numpy adds - no BLAS and no
 reduction whose order depends on the array shape.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from cache.ranking import rank_hits
 
-Hit = tuple[int, float]          # (entry id, exact squared L2 distance)
+Hit = tuple[int, float]  # (entry id, exact squared L2 distance)
 
 
 def l2_distances(keys: np.ndarray, query: np.ndarray) -> np.ndarray:
@@ -41,12 +42,12 @@ def l2_distances(keys: np.ndarray, query: np.ndarray) -> np.ndarray:
         raise ValueError(f"key dimension {d} != query dimension {q.shape[0]}")
     width = 1 << max(0, (d - 1).bit_length())
     buf = np.zeros((width, n), dtype=np.float64)
-    buf[:d] = K.T                          # float32 -> float64 is exact
+    buf[:d] = K.T  # float32 -> float64 is exact
     np.subtract(buf[:d], q[:, None], out=buf[:d])
     np.multiply(buf[:d], buf[:d], out=buf[:d])
     while width > 1:
         width //= 2
-        np.add(buf[:width], buf[width:2 * width], out=buf[:width])
+        np.add(buf[:width], buf[width : 2 * width], out=buf[:width])
     return buf[0].copy()
 
 

@@ -29,6 +29,7 @@ variance of the demo generator's hidden states, and the median query needs ~150
 projected candidates for its exact top-16 (measured on the 2,000-passage datastore).
 Only the speed of a cache lookup depends on the basis; its result does not.
 """
+
 from __future__ import annotations
 
 import threading
@@ -44,8 +45,8 @@ _LOCK = threading.Lock()
 
 @dataclass(frozen=True)
 class KeyProjection:
-    basis: np.ndarray        # (r, d) float32, orthonormal rows
-    reduced: np.ndarray      # (N, r) float32: keys @ basis.T, row i = entry i
+    basis: np.ndarray  # (r, d) float32, orthonormal rows
+    reduced: np.ndarray  # (N, r) float32: keys @ basis.T, row i = entry i
 
     @property
     def dims(self) -> int:
@@ -65,8 +66,9 @@ def projection_tolerance(d: int, r: int, scale: float) -> float:
     return 4.0 * (d + r) * U_FP32 * float(scale)
 
 
-def fit_projection(keys: np.ndarray, dims: int, sample: int = C.KNN_PROJECTION_SAMPLE,
-                   block: int = 1 << 16) -> KeyProjection:
+def fit_projection(
+    keys: np.ndarray, dims: int, sample: int = C.KNN_PROJECTION_SAMPLE, block: int = 1 << 16
+) -> KeyProjection:
     """PCA basis of ``dims`` rows from an evenly strided sample of ``keys`` (N, d), and the
     projection of every key (computed in blocks)."""
     keys = np.asarray(keys)
@@ -76,11 +78,11 @@ def fit_projection(keys: np.ndarray, dims: int, sample: int = C.KNN_PROJECTION_S
     step = max(1, n // max(1, int(sample)))
     x = np.asarray(keys[::step], dtype=np.float64)
     x = x - x.mean(axis=0)
-    _, _, vt = np.linalg.svd(x, full_matrices=False)        # rows: principal directions, unit norm
+    _, _, vt = np.linalg.svd(x, full_matrices=False)  # rows: principal directions, unit norm
     basis = np.ascontiguousarray(vt[:dims], dtype=np.float32)
     reduced = np.empty((n, dims), dtype=np.float32)
     for s in range(0, n, block):
-        reduced[s:s + block] = keys[s:s + block] @ basis.T
+        reduced[s : s + block] = keys[s : s + block] @ basis.T
     reduced.setflags(write=False)
     return KeyProjection(basis, reduced)
 

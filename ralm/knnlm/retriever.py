@@ -35,11 +35,12 @@ rows (torch; FAISS's own BLAS path was several times slower on one thread here),
 batch of s queries costs much less than s single searches. A single query uses FAISS's
 direct kernel. The exact re-scoring makes the results the same either way.
 """
+
 from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -74,14 +75,14 @@ def narrow_candidates(keys: np.ndarray, ids: np.ndarray, q: np.ndarray, k: int) 
     ids = np.asarray(ids, dtype=np.int64)
     if ids.size <= k:
         return ids
-    X = keys[ids]                                                    # (n, d) float32
+    X = keys[ids]  # (n, d) float32
     diff = X - np.asarray(q, dtype=np.float32)[None, :]
     d32 = np.einsum("ij,ij->i", diff, diff).astype(np.float64)
     if not np.all(np.isfinite(d32)):
-        return ids                                                   # no bound: keep them all
+        return ids  # no bound: keep them all
     d = X.shape[1]
     eps = 1.25 * (d + 4) * U_FP32
-    a = (d + 1) * 2.0 ** -120
+    a = (d + 1) * 2.0**-120
     hi_k = np.partition(d32, k - 1)[k - 1] * (1 + eps) + a
     return ids[d32 * (1 - eps) - a <= hi_k]
 
@@ -90,8 +91,16 @@ def margin_for(k: int, margin: int) -> int:
     return max(int(margin), int(k) // 8)
 
 
-def exact_knn(k: int, n_first: int, n_max: int, candidates, rescore, scale: float,
-              stats: dict | None = None, extra_tol: float = 0.0) -> tuple[list[Hit], bool]:
+def exact_knn(
+    k: int,
+    n_first: int,
+    n_max: int,
+    candidates,
+    rescore,
+    scale: float,
+    stats: dict | None = None,
+    extra_tol: float = 0.0,
+) -> tuple[list[Hit], bool]:
     """:func:`~ralm.retrieval.rerank.exact_top_k` for squared L2 distances (ascending, ties
     by entry id), for one query.
 
@@ -101,17 +110,34 @@ def exact_knn(k: int, n_first: int, n_max: int, candidates, rescore, scale: floa
     at ``scale``, plus ``extra_tol``) a lower bound of its exact distance. Returns
     (hits, complete).
     """
-    hits, cand = exact_top_k(k, n_first, n_max, lambda n: Candidates(*candidates(n)), rescore, stats,
-                             descending=False, tol=lambda bound: tolerance(bound, scale), extra_tol=extra_tol)
+    hits, cand = exact_top_k(
+        k,
+        n_first,
+        n_max,
+        lambda n: Candidates(*candidates(n)),
+        rescore,
+        stats,
+        descending=False,
+        tol=lambda bound: tolerance(bound, scale),
+        extra_tol=extra_tol,
+    )
     return hits, cand.complete
 
 
 class KnnRetriever:
     """The KNN-LM knowledge base: ``search_vectors(queries, k)`` -> hits (entry id, distance)."""
 
-    def __init__(self, datastore: Datastore, index: str = "flat", *, pad_to: int = 0,
-                 hnsw_ef_search: int = C.HNSW_EF_SEARCH, rerank_margin: int = C.KNN_RERANK_MARGIN,
-                 blas_min_batch: int = 2, scan: str = "auto"):
+    def __init__(
+        self,
+        datastore: Datastore,
+        index: str = "flat",
+        *,
+        pad_to: int = 0,
+        hnsw_ef_search: int = C.HNSW_EF_SEARCH,
+        rerank_margin: int = C.KNN_RERANK_MARGIN,
+        blas_min_batch: int = 2,
+        scan: str = "auto",
+    ):
         import faiss
 
         from ralm.retrieval import bf16_scan
@@ -124,20 +150,24 @@ class KnnRetriever:
         self.blas_min_batch = int(blas_min_batch)
         self.n_entries = len(datastore)
         self.padded_rows = 0
-        self.scan = None                     # Bf16Scan (flat, bf16) or None (FAISS)
+        self.scan = None  # Bf16Scan (flat, bf16) or None (FAISS)
         self.index = None
         if index == "flat":
             extra = max(0, int(pad_to) - self.n_entries) if pad_to else 0
             if bf16_scan.available(scan):
-                self.scan = bf16_scan.Bf16Scan(datastore.keys, datastore.pad_chunks(extra),
-                                               metric="l2", pad_rows=extra)
+                self.scan = bf16_scan.Bf16Scan(datastore.keys, datastore.pad_chunks(extra), metric="l2", pad_rows=extra)
             else:
                 self.index = datastore.flat_index(pad_to)
             if extra:
                 self.padded_rows = int(pad_to)
-                log.warning("KNN flat %s scan padded to %d rows (%d entries + %d far-away random vectors; "
-                            "never returned, results unchanged) to emulate a large datastore",
-                            self.scan_kind, pad_to, self.n_entries, extra)
+                log.warning(
+                    "KNN flat %s scan padded to %d rows (%d entries + %d far-away random vectors; "
+                    "never returned, results unchanged) to emulate a large datastore",
+                    self.scan_kind,
+                    pad_to,
+                    self.n_entries,
+                    extra,
+                )
         elif index == "hnsw":
             if datastore.hnsw is None:
                 raise ValueError("the datastore has no HNSW index: build it with build_hnsw() or hnsw=True")
@@ -152,13 +182,15 @@ class KnnRetriever:
         # prefix of any larger top-p (flat); HNSW's answer depends on how many it is asked for
         self.exact = index == "flat"
         self.n_rows = self.scan.n_rows if self.scan is not None else int(self.index.ntotal)
-        self.name = f"knn-{index}" + ("/bf16" if self.scan is not None else "") + \
-            (f"(padded to {self.padded_rows:,})" if self.padded_rows else "")
-        self.stats = {"searches": 0, "batches": 0, "expansions": 0, "exhaustive": 0,
-                      "candidates": 0, "rescored": 0}
+        self.name = (
+            f"knn-{index}"
+            + ("/bf16" if self.scan is not None else "")
+            + (f"(padded to {self.padded_rows:,})" if self.padded_rows else "")
+        )
+        self.stats = {"searches": 0, "batches": 0, "expansions": 0, "exhaustive": 0, "candidates": 0, "rescored": 0}
         self.batch_s: dict[int, list] = {}
-        self._key_scale = datastore.max_norm ** 2
-        self._xb = None                      # torch view of the flat index rows (batched search)
+        self._key_scale = datastore.max_norm**2
+        self._xb = None  # torch view of the flat index rows (batched search)
 
     @property
     def scan_kind(self) -> str:
@@ -177,7 +209,7 @@ class KnnRetriever:
             return self._gemm_search(Q, int(n))
         if self.kind == "hnsw":
             params = faiss.SearchParametersHNSW()
-            params.efSearch = max(self.ef_search, int(n))   # HNSW returns at most efSearch rows
+            params.efSearch = max(self.ef_search, int(n))  # HNSW returns at most efSearch rows
             return self.index.search(Q, int(n), params=params)
         return self.index.search(Q, int(n))
 
@@ -193,8 +225,12 @@ class KnnRetriever:
 
             xb = faiss.rev_swig_ptr(self.index.get_xb(), self.n_rows * self.ds.dim)
             self._xb = torch.from_numpy(np.asarray(xb).reshape(self.n_rows, self.ds.dim))
-            self._xb_norms = torch.cat([(self._xb[s:s + _GEMM_BLOCK].double() ** 2).sum(1).float()
-                                        for s in range(0, self.n_rows, _GEMM_BLOCK)])
+            self._xb_norms = torch.cat(
+                [
+                    (self._xb[s : s + _GEMM_BLOCK].double() ** 2).sum(1).float()
+                    for s in range(0, self.n_rows, _GEMM_BLOCK)
+                ]
+            )
         q = torch.from_numpy(Q)
         qn = (q.double() ** 2).sum(1).float()[:, None]
         n = min(n, self.n_rows)
@@ -202,8 +238,8 @@ class KnnRetriever:
         ds_, is_ = [], []
         with torch.inference_mode():
             for s in range(0, self.n_rows, block):
-                X = self._xb[s:s + block]
-                D = torch.addmm(self._xb_norms[s:s + block][None, :], q, X.T, alpha=-2.0)
+                X = self._xb[s : s + block]
+                D = torch.addmm(self._xb_norms[s : s + block][None, :], q, X.T, alpha=-2.0)
                 m = min(n, D.shape[1])
                 v, i = torch.topk(D, m, dim=1, largest=False, sorted=False)
                 ds_.append(v)
@@ -301,5 +337,11 @@ def load_knn_retriever(datastore: Datastore, cfg) -> KnnRetriever:
     """A :class:`KnnRetriever` from a :class:`~ralm.config.KnnLMConfig`."""
     if cfg.index == "hnsw" and datastore.hnsw is None:
         datastore.build_hnsw(cfg.hnsw_m, cfg.hnsw_ef_construction)
-    return KnnRetriever(datastore, cfg.index, pad_to=cfg.pad_to, hnsw_ef_search=cfg.hnsw_ef_search,
-                        rerank_margin=cfg.rerank_margin, scan=cfg.scan)
+    return KnnRetriever(
+        datastore,
+        cfg.index,
+        pad_to=cfg.pad_to,
+        hnsw_ef_search=cfg.hnsw_ef_search,
+        rerank_margin=cfg.rerank_margin,
+        scan=cfg.scan,
+    )

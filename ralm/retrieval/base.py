@@ -14,9 +14,11 @@ same scorer, so when the KB's top-1 document is in the cache, the cache's top-1 
 that document, bit for bit. The re-scoring also makes a query's result independent
 of the batch it arrives in (FAISS uses a different kernel for batches >= 20).
 """
+
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 from cache.ranking import ExactScorer, Hit, rank_hits
 

@@ -36,21 +36,22 @@ The kernel's accumulation precision is checked at construction (:func:`probe_ker
 a kernel that accumulates in bf16 would break the bound, and then :func:`available`
 says no and callers keep their float32 path.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 log = logging.getLogger(__name__)
 
-U_BF16 = 2.0 ** -8             # bf16 unit roundoff (8 significant bits)
-U_FP32 = 2.0 ** -24
-SAFETY = 1.05                  # covers the float32 arithmetic of the bound itself
-BLOCK_ROWS = 1 << 14           # rows per matrix product: 16384 x 384 bf16 = 12 MiB
-ABS_SLACK = 1e-12              # float64 re-scoring vs real arithmetic, denormal flushing
+U_BF16 = 2.0**-8  # bf16 unit roundoff (8 significant bits)
+U_FP32 = 2.0**-24
+SAFETY = 1.05  # covers the float32 arithmetic of the bound itself
+BLOCK_ROWS = 1 << 14  # rows per matrix product: 16384 x 384 bf16 = 12 MiB
+ABS_SLACK = 1e-12  # float64 re-scoring vs real arithmetic, denormal flushing
 
 _probe_lock = threading.Lock()
 _probe_result: bool | None = None
@@ -65,6 +66,7 @@ def bound_constant(dim: int) -> float:
 def _raw_scores(rows, queries):
     """bf16 (B, d) x (b, d) -> (B, b) bf16 scan scores (the one kernel used)."""
     import torch
+
     return torch.nn.functional.linear(rows, queries)
 
 
@@ -86,13 +88,14 @@ def probe_kernel() -> bool:
             return _probe_result
         try:
             import torch
+
             d = 384
             q = torch.ones(2, d, dtype=torch.bfloat16)
-            x = torch.full((8, d), 2.0 ** -9, dtype=torch.bfloat16)
+            x = torch.full((8, d), 2.0**-9, dtype=torch.bfloat16)
             x[:, 0] = 1.0
             got = _scores(x, q).double().numpy()
-            exact = 1.0 + (d - 1) * 2.0 ** -9
-            xn = np.sqrt(1.0 + (d - 1) * 2.0 ** -18)
+            exact = 1.0 + (d - 1) * 2.0**-9
+            xn = np.sqrt(1.0 + (d - 1) * 2.0**-18)
             ok = bool(np.all(np.abs(got - exact) <= bound_constant(d) * np.sqrt(d) * xn))
         except Exception as exc:  # no torch, no bf16 kernel
             log.info("bf16 scan unavailable: %s", exc)
@@ -105,9 +108,12 @@ def hardware_bf16() -> bool:
     """The CPU has bf16 matrix/dot-product instructions (AMX or AVX512-BF16)."""
     try:
         import torch
+
         cpu = torch.cpu
-        return bool(getattr(cpu, "_is_amx_tile_supported", lambda: False)()
-                    or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
+        return bool(
+            getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+            or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+        )
     except Exception:
         return False
 
@@ -121,8 +127,10 @@ def available(mode: str = "auto") -> bool:
         return False
     if not probe_kernel():
         if mode == "bf16":
-            raise RuntimeError("dense_scan='bf16' but torch's bf16 matrix product does not "
-                               "accumulate in float32 on this machine; use 'faiss'")
+            raise RuntimeError(
+                "dense_scan='bf16' but torch's bf16 matrix product does not "
+                "accumulate in float32 on this machine; use 'faiss'"
+            )
         return False
     return True
 
@@ -135,8 +143,15 @@ class Bf16Scan:
     ``metric``: 'ip' (largest inner product) or 'l2' (smallest squared distance).
     """
 
-    def __init__(self, rows: np.ndarray, pad_chunks: Iterable[np.ndarray] = (), *,
-                 metric: str = "ip", pad_rows: int = 0, block_rows: int = BLOCK_ROWS):
+    def __init__(
+        self,
+        rows: np.ndarray,
+        pad_chunks: Iterable[np.ndarray] = (),
+        *,
+        metric: str = "ip",
+        pad_rows: int = 0,
+        block_rows: int = BLOCK_ROWS,
+    ):
         import torch
 
         if metric not in ("ip", "l2"):
@@ -149,24 +164,24 @@ class Bf16Scan:
         self.n_rows = self.n_real + int(pad_rows)
         self.block_rows = int(block_rows)
         self.c = bound_constant(self.dim)
-        data = torch.empty((self.n_rows, self.dim), dtype=torch.bfloat16)   # (N, d)
-        for s in range(0, self.n_real, self.block_rows):     # chunked: no full fp32 copy
+        data = torch.empty((self.n_rows, self.dim), dtype=torch.bfloat16)  # (N, d)
+        for s in range(0, self.n_real, self.block_rows):  # chunked: no full fp32 copy
             e = min(s + self.block_rows, self.n_real)
             data[s:e] = torch.from_numpy(np.array(rows[s:e]))
         at = self.n_real
         for chunk in pad_chunks:
             m = chunk.shape[0]
-            data[at: at + m] = torch.from_numpy(np.ascontiguousarray(chunk, dtype=np.float32))
+            data[at : at + m] = torch.from_numpy(np.ascontiguousarray(chunk, dtype=np.float32))
             at += m
         if at != self.n_rows:
             raise ValueError(f"padding chunks gave {at - self.n_real} rows, expected {pad_rows}")
         self.data = data
         norms = np.sqrt(np.einsum("ij,ij->i", rows.astype(np.float64), rows.astype(np.float64)))
-        self.row_norm = norms * (1 + 1e-6)                          # (n_real,) float64, rounded up
-        self.sq_norm = torch.from_numpy((norms ** 2).astype(np.float32))   # (n_real,) |x|^2
+        self.row_norm = norms * (1 + 1e-6)  # (n_real,) float64, rounded up
+        self.sq_norm = torch.from_numpy((norms**2).astype(np.float32))  # (n_real,) |x|^2
         # per block, over its real rows (padding rows are never candidates): the largest
         # norm (the block's error bound) and the smallest/largest |x|^2 (the l2 fast path)
-        sq = norms ** 2
+        sq = norms**2
         starts = range(0, self.n_rows, self.block_rows)
         real = [(s, min(s + self.block_rows, self.n_real)) for s in starts]
         self.block_norm = [float(self.row_norm[a:b].max()) if a < b else 0.0 for a, b in real]
@@ -181,7 +196,7 @@ class Bf16Scan:
         """Error bound(s) of the transformed score for query norms ``qn``, row norms ``xn``."""
         if self.metric == "ip":
             return self.c * qn * xn + ABS_SLACK * (1 + qn * qn + np.square(xn))
-        return 2 * self.c * qn * xn + 2.0 ** -22 * np.square(xn) + ABS_SLACK * (1 + qn * qn + np.square(xn))
+        return 2 * self.c * qn * xn + 2.0**-22 * np.square(xn) + ABS_SLACK * (1 + qn * qn + np.square(xn))
 
     def candidates(self, queries: np.ndarray | Sequence[np.ndarray], k: int) -> list[np.ndarray]:
         """Per query, sorted real row ids that contain its exact top-``k``.
@@ -202,21 +217,21 @@ class Bf16Scan:
         qn = np.sqrt(np.einsum("ij,ij->i", Q.astype(np.float64), Q.astype(np.float64))) * (1 + 1e-6)
         Qb = torch.from_numpy(Q).to(torch.bfloat16)
         if b == 1:
-            Qb = Qb.expand(2, self.dim).contiguous()   # the b >= 2 kernel is faster than b = 1
+            Qb = Qb.expand(2, self.dim).contiguous()  # the b >= 2 kernel is faster than b = 1
         alpha, beta = (1.0, 0.0) if self.metric == "ip" else (2.0, 1.0)
-        L = np.full(b, -np.inf)                          # running k-th lower bound per query
-        lowers: list[np.ndarray] = [np.zeros(0) for _ in range(b)]   # top-k lower bounds kept
+        L = np.full(b, -np.inf)  # running k-th lower bound per query
+        lowers: list[np.ndarray] = [np.zeros(0) for _ in range(b)]  # top-k lower bounds kept
         found_ids: list[list[np.ndarray]] = [[] for _ in range(b)]
         found_up: list[list[np.ndarray]] = [[] for _ in range(b)]
         for bi, start in enumerate(range(0, self.n_rows, self.block_rows)):
             stop = min(start + self.block_rows, self.n_rows)
-            raw = _raw_scores(self.data[start:stop], Qb)                      # (B, b') bf16
+            raw = _raw_scores(self.data[start:stop], Qb)  # (B, b') bf16
             real = max(0, min(stop, self.n_real) - start)
             if real == 0:
                 # padding only: it can never be a candidate (its ids are not returned)
                 continue
             raw = raw[:real, :b]
-            eps_blk = self._eps(qn, self.block_norm[bi])                        # (b,) float64
+            eps_blk = self._eps(qn, self.block_norm[bi])  # (b,) float64
             if bi > 0 and np.isfinite(L).all():
                 # Fast path: select on the bf16 scores, convert only the survivors (on
                 # real rows, converting and testing whole blocks in float32 cost as much
@@ -226,30 +241,30 @@ class Bf16Scan:
                 # relative) and the float32 arithmetic of the exact test, so no row that
                 # the exact test would keep is skipped.
                 lim = (L - eps_blk + beta * self.block_sqmin[bi]) / alpha
-                lim = lim - 2.0 ** -7 * (np.abs(lim) + np.abs(L) + beta * self.block_sqmax[bi] + 1e-30)
+                lim = lim - 2.0**-7 * (np.abs(lim) + np.abs(L) + beta * self.block_sqmax[bi] + 1e-30)
                 lim_b = torch.from_numpy(lim.astype(np.float32)).to(torch.bfloat16)
                 rows_i, cols_i = torch.nonzero(raw >= lim_b, as_tuple=True)
                 if rows_i.numel() == 0:
                     continue
-                v = raw[rows_i, cols_i].float()                                 # (m,) float32
+                v = raw[rows_i, cols_i].float()  # (m,) float32
                 if beta:
                     v = alpha * v - self.sq_norm[start + rows_i]
-                thr = torch.from_numpy((L - eps_blk).astype(np.float32))        # (b,)
-                ok = v >= thr[cols_i]                      # the same float32 test as below
+                thr = torch.from_numpy((L - eps_blk).astype(np.float32))  # (b,)
+                ok = v >= thr[cols_i]  # the same float32 test as below
                 rows_i, cols_i, v = rows_i[ok], cols_i[ok], v[ok]
                 if rows_i.numel() == 0:
                     continue
             else:
-                S = raw.float()                                                 # (real, b) float32
+                S = raw.float()  # (real, b) float32
                 if beta:
-                    S = alpha * S - self.sq_norm[start:start + real, None]
+                    S = alpha * S - self.sq_norm[start : start + real, None]
                 if bi == 0:
                     # initialise L from this block's k best lower bounds (real rows only)
                     kk = min(k, real)
                     if kk == k:
-                        top = torch.topk(S, kk, dim=0).values.double().numpy()   # (k, b)
+                        top = torch.topk(S, kk, dim=0).values.double().numpy()  # (k, b)
                         L = np.maximum(L, top[-1] - eps_blk)
-                thr = torch.from_numpy((L - eps_blk).astype(np.float32))        # (b,)
+                thr = torch.from_numpy((L - eps_blk).astype(np.float32))  # (b,)
                 rows_i, cols_i = torch.nonzero(S >= thr, as_tuple=True)
                 if rows_i.numel() == 0:
                     continue

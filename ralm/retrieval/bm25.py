@@ -23,15 +23,16 @@ candidate bound (covered by the expansion tolerance); and documents that match n
 term are never returned by Lucene - here they rank after every match with score 0.0,
 by doc id, exactly as the local cache ranks them.
 """
+
 from __future__ import annotations
 
 import logging
 import math
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -52,9 +53,9 @@ def _long_to_int4(i: int) -> int:
         raise ValueError("only non-negative values can be encoded")
     num_bits = i.bit_length()
     if num_bits < 4:
-        return i                       # subnormal
+        return i  # subnormal
     shift = num_bits - 4
-    encoded = (i >> shift) & 0x07      # keep 4 most significant bits, drop the implicit one
+    encoded = (i >> shift) & 0x07  # keep 4 most significant bits, drop the implicit one
     return encoded | ((shift + 1) << 3)
 
 
@@ -136,7 +137,7 @@ def build_bm25_query(terms: Iterable[str], df: Callable[[str], int], n_docs: int
     for t in sorted(counts):
         d = df(t)
         if d == 0:
-            continue                # matches nothing, contributes nothing
+            continue  # matches nothing, contributes nothing
         out_terms.append(t)
         weights.append(counts[t] * bm25_idf(d, n_docs))
     return BM25Query(tuple(out_terms), tuple(weights))
@@ -196,16 +197,22 @@ def _parse_java_map(text: str, size: int) -> dict[str, int] | None:
 class BM25Scorer:
     """ExactScorer for BM25 over a Lucene index (global statistics from the index reader)."""
 
-    def __init__(self, index_dir: str | Path, k1: float = C.BM25_K1, b: float = C.BM25_B,
-                 corpus_ids: Sequence[str] | None = None, key_cache_size: int = 200_000,
-                 language: str = "en"):
+    def __init__(
+        self,
+        index_dir: str | Path,
+        k1: float = C.BM25_K1,
+        b: float = C.BM25_B,
+        corpus_ids: Sequence[str] | None = None,
+        key_cache_size: int = 200_000,
+        language: str = "en",
+    ):
         ensure_lucene()
         self.index_dir = str(index_dir)
         self.k1 = float(k1)
         self.b = float(b)
         self.corpus_ids = list(corpus_ids) if corpus_ids is not None else None
         self._df: dict[str, int] = {}
-        self._keys: "OrderedDict[int, BM25DocKey]" = OrderedDict()
+        self._keys: OrderedDict[int, BM25DocKey] = OrderedDict()
         self._key_cache_size = key_cache_size
         self._lock = threading.Lock()
         with JVM_LOCK:
@@ -221,15 +228,17 @@ class BM25Scorer:
         self.janalyzer = get_lucene_analyzer(language=language)
         self.analyzer = Analyzer(self.janalyzer)
         jr = self.reader.reader
-        self.doc_count = int(jr.getDocCount(FIELD))            # Lucene's N
+        self.doc_count = int(jr.getDocCount(FIELD))  # Lucene's N
         self.sum_total_term_freq = int(jr.getSumTotalTermFreq(FIELD))
         self.max_doc = int(jr.maxDoc())
         self.avgdl = self.sum_total_term_freq / self.doc_count if self.doc_count else 1.0
         self._JTerm = autoclass("org.apache.lucene.index.Term")
         finfo = autoclass("org.apache.lucene.index.FieldInfos").getMergedFieldInfos(jr).fieldInfo(FIELD)
         if finfo is not None and not finfo.hasVectors():
-            raise ValueError(f"Lucene index at {self.index_dir} has no stored document vectors for "
-                             f"{FIELD!r}: rebuild it with storeDocvectors (ralmspec index --retriever sr)")
+            raise ValueError(
+                f"Lucene index at {self.index_dir} has no stored document vectors for "
+                f"{FIELD!r}: rebuild it with storeDocvectors (ralmspec index --retriever sr)"
+            )
 
     # ---- statistics
     def df(self, term: str) -> int:
@@ -275,14 +284,14 @@ class BM25Scorer:
     def _fetch_key_locked(self, doc_id: int) -> BM25DocKey:
         try:
             jmap = self.reader.object.getDocumentVector(self.reader.reader, self._string_id(doc_id))
-        except Exception as e:          # jnius.JavaException
+        except Exception as e:  # jnius.JavaException
             if "NotStored" not in str(e) and "not stored" not in str(e):
                 raise
-            jmap = None                 # a document with no indexed term has no vector
+            jmap = None  # a document with no indexed term has no vector
         tf: dict[str, int] = {}
         if jmap is not None:
             tf = _parse_java_map(jmap.toString(), int(jmap.size()))
-            if tf is None:              # a term with ", " or "=" in it: walk the map (slow, exact)
+            if tf is None:  # a term with ", " or "=" in it: walk the map (slow, exact)
                 tf = {}
                 it = jmap.entrySet().iterator()
                 while it.hasNext():
@@ -347,8 +356,14 @@ class SparseRetriever:
 
     name = "sr"
 
-    def __init__(self, index_dir: str | Path, corpus_ids: Sequence[str], k1: float = C.BM25_K1,
-                 b: float = C.BM25_B, rerank_margin: int = C.RERANK_MARGIN):
+    def __init__(
+        self,
+        index_dir: str | Path,
+        corpus_ids: Sequence[str],
+        k1: float = C.BM25_K1,
+        b: float = C.BM25_B,
+        rerank_margin: int = C.RERANK_MARGIN,
+    ):
         ensure_lucene()
         from jnius import autoclass
 
@@ -359,8 +374,9 @@ class SparseRetriever:
         self.n_docs = len(self.corpus_ids)
         self.scorer = BM25Scorer(index_dir, k1=k1, b=b, corpus_ids=self.corpus_ids)
         if self.scorer.max_doc != self.n_docs:
-            raise ValueError(f"Lucene index at {index_dir} has {self.scorer.max_doc} documents, "
-                             f"the corpus {self.n_docs}")
+            raise ValueError(
+                f"Lucene index at {index_dir} has {self.scorer.max_doc} documents, the corpus {self.n_docs}"
+            )
         with JVM_LOCK:
             IndexSearcher = autoclass("org.apache.lucene.search.IndexSearcher")
             BM25Similarity = autoclass("org.apache.lucene.search.similarities.BM25Similarity")
@@ -434,11 +450,11 @@ class SparseRetriever:
 
         def candidates(n: int) -> Candidates:
             ids, scores = self.lucene_search(text, n)
-            return Candidates(ids=ids, bound=float(scores[-1]) if len(scores) else None,
-                              complete=len(ids) < n)
+            return Candidates(ids=ids, bound=float(scores[-1]) if len(scores) else None, complete=len(ids) < n)
 
-        hits, _ = exact_top_k(k, k + self.rerank_margin, self.n_docs, candidates,
-                              lambda ids: self.scorer.score_ids(q, ids), self.stats)
+        hits, _ = exact_top_k(
+            k, k + self.rerank_margin, self.n_docs, candidates, lambda ids: self.scorer.score_ids(q, ids), self.stats
+        )
         return self._zero_fill(hits, k)
 
     def search_reps(self, queries: Sequence[str], reps: Sequence[BM25Query], k: int) -> list[list[Hit]]:

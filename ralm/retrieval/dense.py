@@ -13,12 +13,13 @@ re-scorer and the cache get the same bits for the same (query, document), on any
 machine. (A BLAS ``gemv`` does not promise this: its blocking can change the
 summation order of a row with the matrix shape.)
 """
+
 from __future__ import annotations
 
-import threading
-
 import logging
-from typing import Any, Sequence
+import threading
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -46,7 +47,7 @@ def dense_scores(keys: np.ndarray | Sequence[np.ndarray], query: np.ndarray) -> 
         return np.zeros(0, dtype=np.float64)
     if K.shape[1] != q.shape[0]:
         raise ValueError(f"key dimension {K.shape[1]} != query dimension {q.shape[0]}")
-    prod = K * q                       # exact for float32 inputs (48-bit products)
+    prod = K * q  # exact for float32 inputs (48-bit products)
     d = prod.shape[1]
     width = 1 << max(0, (d - 1).bit_length())
     if width != d:
@@ -110,8 +111,7 @@ class DenseScorer:
 _BLAS_LOCK = threading.Lock()
 
 
-def _pad_rows(n_rows: int, dim: int, seed: int = PAD_SEED, norm: float = C.PAD_VECTOR_NORM,
-              chunk: int = _PAD_CHUNK):
+def _pad_rows(n_rows: int, dim: int, seed: int = PAD_SEED, norm: float = C.PAD_VECTOR_NORM, chunk: int = _PAD_CHUNK):
     """Yield float32 chunks (at most ``chunk`` rows) of random-direction vectors of norm
     ``norm``: the padding rows of a flat KB (fixed seed, so every index padded to the same
     size holds the same rows; lazy, so a bf16 scan needs no float32 copy of them)."""
@@ -126,8 +126,13 @@ def _pad_rows(n_rows: int, dim: int, seed: int = PAD_SEED, norm: float = C.PAD_V
         done += m
 
 
-def build_faiss_index(kind: str, vectors: np.ndarray, hnsw_m: int = C.HNSW_M,
-                      ef_construction: int = C.HNSW_EF_CONSTRUCTION, progress: bool = False):
+def build_faiss_index(
+    kind: str,
+    vectors: np.ndarray,
+    hnsw_m: int = C.HNSW_M,
+    ef_construction: int = C.HNSW_EF_CONSTRUCTION,
+    progress: bool = False,
+):
     """A FAISS index over ``vectors``: IndexFlatIP (edr) or IndexHNSWFlat/IP (adr)."""
     import faiss
 
@@ -144,9 +149,10 @@ def build_faiss_index(kind: str, vectors: np.ndarray, hnsw_m: int = C.HNSW_M,
     it = range(0, n, step)
     if progress and kind == "adr":
         from tqdm.auto import tqdm
+
         it = tqdm(it, total=(n + step - 1) // step, desc="building HNSW", unit="chunk")
     for s in it:
-        index.add(vectors[s:s + step])
+        index.add(vectors[s : s + step])
     return index
 
 
@@ -159,12 +165,23 @@ class DenseRetriever:
     Wikipedia-scale index; padding rows are never returned and results are identical.
     """
 
-    def __init__(self, kind: str, encoder: Any, vectors: np.ndarray, index: Any = None, *,
-                 hnsw_m: int = C.HNSW_M, ef_construction: int = C.HNSW_EF_CONSTRUCTION,
-                 ef_search: int = C.HNSW_EF_SEARCH, pad_to: int = 0,
-                 rerank_margin: int = C.RERANK_MARGIN, faiss_threads: int = C.FAISS_THREADS,
-                 dense_scan: str = "auto"):
+    def __init__(
+        self,
+        kind: str,
+        encoder: Any,
+        vectors: np.ndarray,
+        index: Any = None,
+        *,
+        hnsw_m: int = C.HNSW_M,
+        ef_construction: int = C.HNSW_EF_CONSTRUCTION,
+        ef_search: int = C.HNSW_EF_SEARCH,
+        pad_to: int = 0,
+        rerank_margin: int = C.RERANK_MARGIN,
+        faiss_threads: int = C.FAISS_THREADS,
+        dense_scan: str = "auto",
+    ):
         import faiss
+
         from ralm.retrieval import bf16_scan
 
         if kind not in ("edr", "adr"):
@@ -181,14 +198,14 @@ class DenseRetriever:
         if index is None:
             index = build_faiss_index(kind, self.scorer.vectors, hnsw_m, ef_construction)
         if index.ntotal != self.n_docs or index.d != self.scorer.dim:
-            raise ValueError(f"FAISS index has {index.ntotal} rows of dim {index.d}, "
-                             f"vectors are {self.n_docs} x {self.scorer.dim}")
+            raise ValueError(
+                f"FAISS index has {index.ntotal} rows of dim {index.d}, vectors are {self.n_docs} x {self.scorer.dim}"
+            )
         self.padded_rows = 0
         self.scan = None
         extra = max(0, int(pad_to) - self.n_docs) if (pad_to and kind == "edr") else 0
         if kind == "edr" and bf16_scan.available(dense_scan):
-            self.scan = bf16_scan.Bf16Scan(self.scorer.vectors, _pad_rows(extra, self.scorer.dim),
-                                           pad_rows=extra)
+            self.scan = bf16_scan.Bf16Scan(self.scorer.vectors, _pad_rows(extra, self.scorer.dim), pad_rows=extra)
         elif kind == "adr":
             faiss.downcast_index(index).hnsw.efSearch = int(ef_search)
             self.ef_search = int(ef_search)
@@ -199,10 +216,15 @@ class DenseRetriever:
                 index.add(chunk)
         if extra:
             self.padded_rows = int(pad_to)
-            log.warning("EDR %s padded to %d rows to emulate a larger knowledge base "
-                        "(%d real passages + %d random vectors of norm %g; results unchanged)",
-                        "bf16 scan" if self.scan is not None else "index", pad_to, self.n_docs, extra,
-                        C.PAD_VECTOR_NORM)
+            log.warning(
+                "EDR %s padded to %d rows to emulate a larger knowledge base "
+                "(%d real passages + %d random vectors of norm %g; results unchanged)",
+                "bf16 scan" if self.scan is not None else "index",
+                pad_to,
+                self.n_docs,
+                extra,
+                C.PAD_VECTOR_NORM,
+            )
         self.index = index
         self.n_rows = self.scan.n_rows if self.scan is not None else int(index.ntotal)
         self.stats = {"searches": 0, "expansions": 0}
@@ -225,6 +247,7 @@ class DenseRetriever:
             # core next to the generator, and oversubscribed spin-waiting made searches ~6x
             # slower in our measurements).
             import faiss
+
             faiss.omp_set_num_threads(self.faiss_threads)
         if self.kind == "edr" and Q.shape[0] > 1:
             # Batches go through FAISS's BLAS kernel, which streams the index once for all
@@ -234,6 +257,7 @@ class DenseRetriever:
             # scan 154 ms for 1 query but 2481 ms for 8; BLAS ~380-480 ms for 1-16.
             with _BLAS_LOCK:
                 import faiss
+
                 old = faiss.cvar.distance_compute_blas_threshold
                 faiss.cvar.distance_compute_blas_threshold = 1
                 try:
@@ -262,8 +286,9 @@ class DenseRetriever:
                 D, I = D[0], I[0]
             return self._candidates(D, I, n)
 
-        hits, _ = exact_top_k(k, n_first, self.n_rows, candidates,
-                              lambda ids: self.scorer.score_ids(q, ids), self.stats)
+        hits, _ = exact_top_k(
+            k, n_first, self.n_rows, candidates, lambda ids: self.scorer.score_ids(q, ids), self.stats
+        )
         if len(hits) < min(k, self.n_docs):
             # HNSW ran out of candidates (it returns fewer than asked for very large k):
             # rank every document exactly instead

@@ -17,6 +17,7 @@ A single 32-token query gains nothing from more threads, a busy 2-core machine l
 lot (measured here under load: 1 thread ~25 ms, 2 threads 300-900 ms per query), and
 the query vector's bits then do not depend on the process's torch settings.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,9 +26,9 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -57,16 +58,18 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 
 def local_model_dir(name: str) -> Path:
     """Directory (with config.json and model.safetensors) of a ``local:`` encoder."""
-    short = name[len(LOCAL_PREFIX):] if name.startswith(LOCAL_PREFIX) else name
+    short = name[len(LOCAL_PREFIX) :] if name.startswith(LOCAL_PREFIX) else name
     if short not in LOCAL_MODELS:
-        raise EncoderError(f"unknown local encoder {name!r}: choose one of "
-                           + ", ".join(LOCAL_PREFIX + k for k in LOCAL_MODELS))
+        raise EncoderError(
+            f"unknown local encoder {name!r}: choose one of " + ", ".join(LOCAL_PREFIX + k for k in LOCAL_MODELS)
+        )
     pkg = LOCAL_MODELS[short]
     try:
         mod = __import__(pkg)
     except ImportError as e:
-        raise EncoderError(f"encoder {name!r} needs the pip package {pkg.replace('_', '-')!r} "
-                           f"(pip install {pkg.replace('_', '-')})") from e
+        raise EncoderError(
+            f"encoder {name!r} needs the pip package {pkg.replace('_', '-')!r} (pip install {pkg.replace('_', '-')})"
+        ) from e
     root = Path(mod.__file__).resolve().parent
     for cand in [root / "model", root, *sorted(root.rglob("config.json"))]:
         d = cand if cand.is_dir() else cand.parent
@@ -78,8 +81,14 @@ def local_model_dir(name: str) -> Path:
 class DenseEncoder:
     """Mean-pooled, L2-normalised sentence embeddings as float32 numpy arrays."""
 
-    def __init__(self, name_or_path: str = "local:all-MiniLM-L6-v2", device: str = "cpu",
-                 max_length: int | None = None, memo_size: int = 65536, query_threads: int | None = 1):
+    def __init__(
+        self,
+        name_or_path: str = "local:all-MiniLM-L6-v2",
+        device: str = "cpu",
+        max_length: int | None = None,
+        memo_size: int = 65536,
+        query_threads: int | None = 1,
+    ):
         import torch
         from transformers import AutoModel, AutoTokenizer
 
@@ -88,7 +97,7 @@ class DenseEncoder:
         self._query_pool: ThreadPoolExecutor | None = None
         self.device = device
         self._torch = torch
-        self._memo: "OrderedDict[str, np.ndarray]" = OrderedDict()
+        self._memo: OrderedDict[str, np.ndarray] = OrderedDict()
         self._memo_size = memo_size
         self._lock = threading.Lock()
         self.memo_hits = 0
@@ -102,7 +111,8 @@ class DenseEncoder:
             if digest != C.ENCODER_SHA256:
                 raise EncoderError(
                     f"encoder weights {weights} have sha256 {digest}, expected {C.ENCODER_SHA256}: "
-                    f"the package is corrupt or not the expected model; reinstall {C.ENCODER_PACKAGE.replace('_', '-')}")
+                    f"the package is corrupt or not the expected model; reinstall {C.ENCODER_PACKAGE.replace('_', '-')}"
+                )
             self._revision = f"sha256:{digest}"
             load_from = str(path)
             local_files_only = True
@@ -116,7 +126,7 @@ class DenseEncoder:
             elif self.name.startswith(("/", "./", "../", "~")) or os.sep + os.sep in self.name:
                 raise EncoderError(f"cannot load encoder {self.name!r}: no such directory")
             else:
-                load_from = self.name   # hub name (honours HF_HUB_OFFLINE and the local HF cache)
+                load_from = self.name  # hub name (honours HF_HUB_OFFLINE and the local HF cache)
                 self._revision = ""
         self.path = load_from
         try:
@@ -157,8 +167,9 @@ class DenseEncoder:
     # ---------------------------------------------------------------- encoding
     def _encode_batch(self, texts: Sequence[str]) -> np.ndarray:
         torch = self._torch
-        enc = self.tokenizer(list(texts), padding=True, truncation=True,
-                             max_length=self.max_length, return_tensors="pt")
+        enc = self.tokenizer(
+            list(texts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
         enc = {k: v.to(self.device) for k, v in enc.items()}
         with torch.inference_mode():
             out = self.model(**enc).last_hidden_state
@@ -184,9 +195,10 @@ class DenseEncoder:
         it = range(0, n, batch_size)
         if progress:
             from tqdm.auto import tqdm
+
             it = tqdm(it, total=(n + batch_size - 1) // batch_size, desc="encoding passages", unit="batch")
         for s in it:
-            idx = order[s:s + batch_size]
+            idx = order[s : s + batch_size]
             out[idx] = self._encode_batch([texts[i] for i in idx])
         return out
 
@@ -195,8 +207,10 @@ class DenseEncoder:
             if self._query_pool is None:
                 n = int(self.query_threads)
                 self._query_pool = ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="ralmspec-query-encoder",
-                    initializer=lambda: self._torch.set_num_threads(n))
+                    max_workers=1,
+                    thread_name_prefix="ralmspec-query-encoder",
+                    initializer=lambda: self._torch.set_num_threads(n),
+                )
             return self._query_pool
 
     def clear_memo(self) -> None:

@@ -2,6 +2,7 @@
 
 All derive from :class:`ValueError`, and every message says what to do about it.
 """
+
 from __future__ import annotations
 
 

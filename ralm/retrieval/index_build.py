@@ -15,6 +15,7 @@ Layout of ``out_dir``:
   and raw documents; its ``contents`` field is ``title + "\\n" + contents``);
 * ``manifest.json``, written last: a directory without it is not an index.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -34,8 +35,7 @@ import numpy as np
 from ralm.config import RetrieverConfig
 from ralm.corpus import Corpus
 from ralm.retrieval.encoder import sha256_file  # noqa: F401  (re-exported for callers)
-from ralm.retrieval.errors import (CorruptIndexError, IndexMismatchError, IndexNotFoundError,
-                                   UnknownRetrieverError)
+from ralm.retrieval.errors import CorruptIndexError, IndexMismatchError, IndexNotFoundError, UnknownRetrieverError
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ def _versions(kind: str) -> dict[str, str]:
             if p == "faiss-cpu":
                 try:
                     import faiss
+
                     out["faiss"] = faiss.__version__
                 except Exception:  # pragma: no cover
                     pass
@@ -95,6 +96,7 @@ def _versions(kind: str) -> dict[str, str]:
             from jnius import autoclass
 
             from ralm.retrieval.lucene_env import JVM_LOCK
+
             with JVM_LOCK:
                 out["lucene"] = str(autoclass("org.apache.lucene.util.Version").LATEST.toString())
         except Exception:  # pragma: no cover
@@ -106,17 +108,30 @@ def _params(kind: str, cfg: RetrieverConfig) -> dict[str, Any]:
     if kind == "edr":
         return {"metric": "inner_product", "faiss_index": "IndexFlatIP"}
     if kind == "adr":
-        return {"metric": "inner_product", "faiss_index": "IndexHNSWFlat",
-                "hnsw_m": cfg.hnsw_m, "hnsw_ef_construction": cfg.hnsw_ef_construction}
-    return {"analyzer": "DefaultEnglishAnalyzer", "language": "en", "stemmer": "porter", "stopwords": True,
-            "field": "contents", "contents": "title + '\\n' + contents",
-            "store_positions": True, "store_docvectors": True, "store_raw": True}
+        return {
+            "metric": "inner_product",
+            "faiss_index": "IndexHNSWFlat",
+            "hnsw_m": cfg.hnsw_m,
+            "hnsw_ef_construction": cfg.hnsw_ef_construction,
+        }
+    return {
+        "analyzer": "DefaultEnglishAnalyzer",
+        "language": "en",
+        "stemmer": "porter",
+        "stopwords": True,
+        "field": "contents",
+        "contents": "title + '\\n' + contents",
+        "store_positions": True,
+        "store_docvectors": True,
+        "store_raw": True,
+    }
 
 
 def _write_json_collection(corpus: Corpus, coll_dir: Path, progress: bool) -> None:
     rows = range(len(corpus))
     if progress:
         from tqdm.auto import tqdm
+
         rows = tqdm(rows, desc="writing JsonCollection", unit="doc", mininterval=1.0)
     with open(coll_dir / "docs.jsonl", "w", encoding="utf-8") as fh:
         for i in rows:
@@ -146,12 +161,25 @@ def _build_lucene(corpus: Corpus, index_dir: Path, threads: int, progress: bool)
         shutil.rmtree(index_dir)
     with tempfile.TemporaryDirectory(prefix="ralmspec-jsoncoll-") as tmp:
         _write_json_collection(corpus, Path(tmp), progress)
-        args = ["-collection", "JsonCollection", "-input", tmp, "-index", str(index_dir),
-                "-generator", "DefaultLuceneDocumentGenerator", "-threads", str(int(threads)),
-                "-storePositions", "-storeDocvectors", "-storeRaw"]
+        args = [
+            "-collection",
+            "JsonCollection",
+            "-input",
+            tmp,
+            "-index",
+            str(index_dir),
+            "-generator",
+            "DefaultLuceneDocumentGenerator",
+            "-threads",
+            str(int(threads)),
+            "-storePositions",
+            "-storeDocvectors",
+            "-storeRaw",
+        ]
         bar = None
         if progress:
             from tqdm.auto import tqdm
+
             bar = tqdm(total=len(corpus), desc="indexing with Lucene", unit="doc")
         if not progress:
             _quiet_lucene_logs()
@@ -160,14 +188,23 @@ def _build_lucene(corpus: Corpus, index_dir: Path, threads: int, progress: bool)
             bar.update(len(corpus))
             bar.close()
     from pyserini.index.lucene import LuceneIndexReader
+
     n = int(LuceneIndexReader(str(index_dir)).reader.maxDoc())
     if n != len(corpus):
         raise RuntimeError(f"Lucene indexed {n} documents out of {len(corpus)}: duplicate or invalid ids?")
 
 
-def build_index(kind: str, corpus: Corpus, out_dir: str | Path, cfg: RetrieverConfig | None = None,
-                progress: bool = True, encoder: Any = None, threads: int = 1,
-                batch_size: int = 64, vectors: np.ndarray | None = None) -> dict:
+def build_index(
+    kind: str,
+    corpus: Corpus,
+    out_dir: str | Path,
+    cfg: RetrieverConfig | None = None,
+    progress: bool = True,
+    encoder: Any = None,
+    threads: int = 1,
+    batch_size: int = 64,
+    vectors: np.ndarray | None = None,
+) -> dict:
     """Build a ``kind`` index of ``corpus`` into ``out_dir`` and return its manifest.
 
     ``encoder``: a :class:`~ralm.retrieval.encoder.DenseEncoder` to reuse (dense kinds);
@@ -181,7 +218,7 @@ def build_index(kind: str, corpus: Corpus, out_dir: str | Path, cfg: RetrieverCo
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = out_dir / MANIFEST
     if manifest_path.exists():
-        manifest_path.unlink()          # an interrupted rebuild must not look complete
+        manifest_path.unlink()  # an interrupted rebuild must not look complete
     t0 = time.time()
     manifest: dict[str, Any] = {
         "format": FORMAT_VERSION,
@@ -218,8 +255,9 @@ def build_index(kind: str, corpus: Corpus, out_dir: str | Path, cfg: RetrieverCo
             _build_lucene(corpus, out_dir / LUCENE_SUBDIR, threads, progress)
         manifest["encoder"] = None
     files = _index_files(out_dir, kind)
-    manifest["files"] = {str(p.relative_to(out_dir)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-                         for p in files}
+    manifest["files"] = {
+        str(p.relative_to(out_dir)): {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files
+    }
     manifest["versions"] = _versions(kind)
     manifest["created"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     manifest["build_seconds"] = round(time.time() - t0, 3)
@@ -239,16 +277,20 @@ def read_manifest(index_dir: str | Path, kind: str = "edr", corpus: Corpus | Non
     path = index_dir / MANIFEST
     if not path.is_file():
         what = "directory does not exist" if not index_dir.exists() else "no manifest.json (incomplete build?)"
-        raise IndexNotFoundError(f"no index at {index_dir} ({what}); build it with "
-                                 f"`{build_hint(kind, corpus, index_dir)}`")
+        raise IndexNotFoundError(
+            f"no index at {index_dir} ({what}); build it with `{build_hint(kind, corpus, index_dir)}`"
+        )
     try:
         manifest = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptIndexError(f"index manifest {path} is unreadable ({e}); rebuild the index with "
-                                f"`{build_hint(kind, corpus, index_dir)}`") from None
+        raise CorruptIndexError(
+            f"index manifest {path} is unreadable ({e}); rebuild the index with `{build_hint(kind, corpus, index_dir)}`"
+        ) from None
     if not isinstance(manifest, dict) or "kind" not in manifest or "files" not in manifest:
-        raise CorruptIndexError(f"index manifest {path} is not a ralmspec manifest; rebuild the index with "
-                                f"`{build_hint(kind, corpus, index_dir)}`")
+        raise CorruptIndexError(
+            f"index manifest {path} is not a ralmspec manifest; rebuild the index with "
+            f"`{build_hint(kind, corpus, index_dir)}`"
+        )
     return manifest
 
 
@@ -263,17 +305,22 @@ def verify_files(index_dir: str | Path, manifest: dict, checksums: bool = True, 
             raise CorruptIndexError(f"index at {index_dir} is corrupt: file {rel} is missing; {hint}")
         size = p.stat().st_size
         if size != info.get("bytes"):
-            raise CorruptIndexError(f"index at {index_dir} is corrupt: {rel} has {size} bytes, "
-                                    f"expected {info.get('bytes')} (truncated or modified); {hint}")
+            raise CorruptIndexError(
+                f"index at {index_dir} is corrupt: {rel} has {size} bytes, "
+                f"expected {info.get('bytes')} (truncated or modified); {hint}"
+            )
         if checksums:
             digest = sha256_file(p)
             if digest != info.get("sha256"):
-                raise CorruptIndexError(f"index at {index_dir} is corrupt: checksum mismatch for {rel} "
-                                        f"(sha256 {digest[:12]}..., expected {str(info.get('sha256'))[:12]}...); {hint}")
+                raise CorruptIndexError(
+                    f"index at {index_dir} is corrupt: checksum mismatch for {rel} "
+                    f"(sha256 {digest[:12]}..., expected {str(info.get('sha256'))[:12]}...); {hint}"
+                )
 
 
-def validate_index(index_dir: str | Path, cfg: RetrieverConfig, corpus: Corpus,
-                   checksums: bool = True, check_params: bool = True) -> dict:
+def validate_index(
+    index_dir: str | Path, cfg: RetrieverConfig, corpus: Corpus, checksums: bool = True, check_params: bool = True
+) -> dict:
     """Check that ``index_dir`` is an intact index of ``corpus`` for ``cfg``; return its manifest.
 
     Checks, in order: kind known, index present, manifest readable, kind, corpus
@@ -286,28 +333,35 @@ def validate_index(index_dir: str | Path, cfg: RetrieverConfig, corpus: Corpus,
     manifest = read_manifest(index_dir, kind, corpus)
     hint = f"rebuild it with `{build_hint(kind, corpus, index_dir)}`"
     if manifest["kind"] != kind:
-        raise IndexMismatchError(f"index at {index_dir} is a {manifest['kind']!r} index, not {kind!r}: "
-                                 f"point the {kind} retriever at its own index directory, or {hint}")
+        raise IndexMismatchError(
+            f"index at {index_dir} is a {manifest['kind']!r} index, not {kind!r}: "
+            f"point the {kind} retriever at its own index directory, or {hint}"
+        )
     c = manifest.get("corpus", {})
     if c.get("sha256") != corpus.sha256 or c.get("n_docs") != len(corpus):
         raise IndexMismatchError(
             f"index at {index_dir} was built from another corpus (sha256 {str(c.get('sha256'))[:12]}..., "
             f"{c.get('n_docs')} passages, {c.get('path') or 'unknown path'}), not this one "
-            f"(sha256 {corpus.sha256[:12]}..., {len(corpus)} passages, {corpus.path or 'in memory'}); {hint}")
+            f"(sha256 {corpus.sha256[:12]}..., {len(corpus)} passages, {corpus.path or 'in memory'}); {hint}"
+        )
     if kind in DENSE_KINDS:
         enc = manifest.get("encoder") or {}
         if enc.get("name") != cfg.encoder:
-            raise IndexMismatchError(f"index at {index_dir} was built with encoder {enc.get('name')!r}, "
-                                     f"but the retriever is configured with encoder {cfg.encoder!r}; "
-                                     f"use the same encoder or {hint}")
+            raise IndexMismatchError(
+                f"index at {index_dir} was built with encoder {enc.get('name')!r}, "
+                f"but the retriever is configured with encoder {cfg.encoder!r}; "
+                f"use the same encoder or {hint}"
+            )
     if check_params:
         for name in BUILD_PARAMS[kind]:
             if name == "encoder":
                 continue
             built = manifest.get("params", {}).get(name)
             if built != getattr(cfg, name):
-                raise IndexMismatchError(f"index at {index_dir} was built with {name}={built}, but the "
-                                         f"configuration asks for {name}={getattr(cfg, name)}; {hint}")
+                raise IndexMismatchError(
+                    f"index at {index_dir} was built with {name}={built}, but the "
+                    f"configuration asks for {name}={getattr(cfg, name)}; {hint}"
+                )
     verify_files(index_dir, manifest, checksums=checksums, corpus=corpus)
     return manifest
 
@@ -319,7 +373,9 @@ def check_encoder(manifest: dict, encoder: Any, index_dir: str | Path) -> None:
         raise IndexMismatchError(
             f"index at {index_dir} was built with encoder {enc.get('fingerprint')!r}, but the loaded encoder "
             f"is {encoder.fingerprint!r} (different weights); rebuild the index with "
-            f"`{build_hint(manifest.get('kind', 'edr'), None, index_dir)}`")
+            f"`{build_hint(manifest.get('kind', 'edr'), None, index_dir)}`"
+        )
     if enc.get("dim") is not None and int(enc["dim"]) != int(encoder.dim):
-        raise IndexMismatchError(f"index at {index_dir} has {enc['dim']}-d vectors, the encoder makes "
-                                 f"{encoder.dim}-d ones")
+        raise IndexMismatchError(
+            f"index at {index_dir} has {enc['dim']}-d vectors, the encoder makes {encoder.dim}-d ones"
+        )

@@ -12,6 +12,7 @@ Java. It is idempotent and does three things:
 3. ``pyserini.search.lucene`` imports an OpenAI encoder that raises at import time
    without ``OPENAI_API_KEY``; a placeholder is set when none is present.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -13,10 +13,11 @@ belong in the top-k: the candidate set is doubled and the query retried.
 For exact candidate generators (flat search, Lucene) the result is therefore exactly
 the top-k of the exact scorer over the whole KB, whatever the batch.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -52,12 +53,18 @@ def _rank(ids: np.ndarray, scores: np.ndarray, k: int, descending: bool) -> list
     return [(i, -s) for i, s in rank_hits(ids, -scores, k)]
 
 
-def exact_top_k(k: int, n_first: int, n_max: int,
-                candidates: Callable[[int], Candidates],
-                rescore: Callable[[np.ndarray], np.ndarray],
-                stats: dict | None = None, *, descending: bool = True,
-                tol: Callable[[float], float] = tolerance,
-                extra_tol: float = 0.0) -> tuple[list[Hit], Candidates]:
+def exact_top_k(
+    k: int,
+    n_first: int,
+    n_max: int,
+    candidates: Callable[[int], Candidates],
+    rescore: Callable[[np.ndarray], np.ndarray],
+    stats: dict | None = None,
+    *,
+    descending: bool = True,
+    tol: Callable[[float], float] = tolerance,
+    extra_tol: float = 0.0,
+) -> tuple[list[Hit], Candidates]:
     """Run the candidate/re-score/expand loop for one query.
 
     ``candidates(n)`` returns :class:`Candidates` for ``n`` requested rows; ``n_first``

@@ -1,4 +1,5 @@
 """Helpers for the Ray tests (tests/actors, tests/deployments): a small local Ray, the model."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,7 @@ def start_ray(num_cpus: int = 2, metrics_export_port: int | None = None) -> None
     from actors.signals import preserve_fatal_signal_handlers
 
     with preserve_fatal_signal_handlers():
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False, **extra)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False, **extra)
 
 
 def stop_ray() -> None:
@@ -35,6 +35,7 @@ def stop_ray() -> None:
     with preserve_fatal_signal_handlers():
         try:
             from ray import serve
+
             serve.shutdown()
         except Exception:
             pass

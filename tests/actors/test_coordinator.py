@@ -3,6 +3,7 @@
 Also: the streaming hook of the core loops (``on_commit``) emits only verified tokens,
 and the coordinator pool grows, queues, and replaces a dead coordinator.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,15 +29,19 @@ def test_on_commit_streams_exactly_the_final_tokens(name, stride, schedule):
     gen.encode_question(q)
     kb = ScriptedKB(schedule=schedule, n_q=6, k=4)
     chunks: list[list[int]] = []
-    out = run_spec(q, gen, kb, RequestConfig(max_new_tokens=40, generation_stride=4), spec,
-                   on_commit=chunks.append)
+    out = run_spec(q, gen, kb, RequestConfig(max_new_tokens=40, generation_stride=4), spec, on_commit=chunks.append)
     assert [t for c in chunks for t in c] == out.tokens
     assert len(chunks) > 1
     seq_chunks: list[list[int]] = []
     gen2 = ScriptedGenerator()
     gen2.encode_question(q)
-    base = run_seq(q, gen2, ScriptedKB(schedule=schedule, n_q=6, k=4),
-                   RequestConfig(max_new_tokens=40, generation_stride=4), on_commit=seq_chunks.append)
+    base = run_seq(
+        q,
+        gen2,
+        ScriptedKB(schedule=schedule, n_q=6, k=4),
+        RequestConfig(max_new_tokens=40, generation_stride=4),
+        on_commit=seq_chunks.append,
+    )
     assert [t for c in seq_chunks for t in c] == base.tokens == out.tokens
 
 
@@ -46,7 +51,7 @@ def test_stream_decoder_concatenates_to_the_full_text():
     text = "héllo wörld ✓ done"
     data = list(text.encode())
     dec = StreamDecoder(lambda toks: bytes(toks).decode("utf-8", errors="replace"))
-    parts = [dec.push(data[i:i + 3]) for i in range(0, len(data), 3)]
+    parts = [dec.push(data[i : i + 3]) for i in range(0, len(data), 3)]
     parts.append(dec.push([], final=True))
     assert "".join(parts) == text
     assert all("\ufffd" not in p for p in parts)
@@ -71,7 +76,7 @@ def test_pool_grows_then_queues():
         assert len({id(a), id(b), id(c)}) == 3 and pool.stats.created == 3
         waiter = asyncio.ensure_future(pool.acquire())
         await asyncio.sleep(0.01)
-        assert not waiter.done()                 # at max_size: waits for a release
+        assert not waiter.done()  # at max_size: waits for a release
         pool.release(b)
         assert await waiter is b
         assert pool.stats.waits == 1
@@ -97,8 +102,9 @@ def stack(ray_local, index_dirs, fixture_corpus, retriever_configs, gen_model_di
     rcfg = retriever_configs["edr"]
     specs = prepare_shards(rcfg, fixture_corpus, index_dirs["edr"], 2)
     shards = start_shards(specs, num_cpus=0.05)
-    ver = verifier_actor_class(0.05).remote("edr", shards, [(s.lo, s.hi) for s in specs],
-                                            rcfg.model_dump(mode="json"), 2.0, 64, True)
+    ver = verifier_actor_class(0.05).remote(
+        "edr", shards, [(s.lo, s.hi) for s in specs], rcfg.model_dump(mode="json"), 2.0, 64, True
+    )
     cls = coordinator_actor_class(0.02)
 
     def make():
@@ -118,13 +124,25 @@ def baselines(retrievers, local_generator, fixture_questions):
 
 
 def _job(q, method="spec", spec=None):
-    return {"question": q, "retriever": "edr", "method": method, "request": REQ.model_dump(),
-            "spec": (spec or SpecConfig()).model_dump()}
+    return {
+        "question": q,
+        "retriever": "edr",
+        "method": method,
+        "request": REQ.model_dump(),
+        "spec": (spec or SpecConfig()).model_dump(),
+    }
 
 
-@pytest.mark.parametrize("method,spec", [("seq", None), ("spec", SpecConfig(stride=3)),
-                                         ("spec", SpecConfig.named("PSA")), ("spec", SpecConfig.named("PA", stride=2))],
-                         ids=["seq", "base-s3", "PSA", "PA-s2"])
+@pytest.mark.parametrize(
+    "method,spec",
+    [
+        ("seq", None),
+        ("spec", SpecConfig(stride=3)),
+        ("spec", SpecConfig.named("PSA")),
+        ("spec", SpecConfig.named("PA", stride=2)),
+    ],
+    ids=["seq", "base-s3", "PSA", "PA-s2"],
+)
 def test_coordinator_equals_in_process_seq(stack, baselines, method, spec):
     import ray
 
@@ -178,7 +196,9 @@ def test_coordinator_announces_its_request_so_a_long_window_never_delays_it(stac
 
 def test_coordinator_stream(stack, baselines):
     qs, base = baselines
-    gen = stack["coord"].run_stream.options(num_returns="streaming").remote(_job(qs[0], "spec", SpecConfig.named("PSA")))
+    gen = (
+        stack["coord"].run_stream.options(num_returns="streaming").remote(_job(qs[0], "spec", SpecConfig.named("PSA")))
+    )
     import ray
 
     chunks = [ray.get(ref) for ref in gen]
@@ -213,8 +233,9 @@ def test_pool_over_ray_queues_and_replaces_a_dead_coordinator(stack, baselines):
     async def main():
         pool = await CoordinatorPool(stack["make"], ready, size=2, max_size=2).start()
         jobs = [qs[i % len(qs)] for i in range(5)]
-        res = await asyncio.gather(*(pool.run(lambda c, q=q: c.run.remote(_job(q, "spec", SpecConfig.named("PSA"))))
-                                     for q in jobs))
+        res = await asyncio.gather(
+            *(pool.run(lambda c, q=q: c.run.remote(_job(q, "spec", SpecConfig.named("PSA")))) for q in jobs)
+        )
         for q, r in zip(jobs, res):
             assert r["tokens"] == by_q[q].tokens
         assert pool.stats.waits >= 1 and pool.stats.size == 2

@@ -6,6 +6,7 @@ the candidate bound converted from local to global scores; checked against the u
 SparseRetriever and against brute force over the whole corpus, also with a tiny
 candidate margin so that the bound-driven expansion does the work.
 """
+
 from __future__ import annotations
 
 import threading
@@ -41,12 +42,12 @@ def routers(ray_local, index_dirs, fixture_corpus, retriever_configs, dense_enco
                 rcfg = rcfg.model_copy(update={"rerank_margin": margin})
             specs = prepare_shards(rcfg, fixture_corpus, index_dirs[kind], n)
             actors = start_shards(specs, num_cpus=0.05)
-            made[key] = ShardedRetriever(kind, actors, [(s.lo, s.hi) for s in specs], rcfg,
-                                         encoder=dense_encoder)
+            made[key] = ShardedRetriever(kind, actors, [(s.lo, s.hi) for s in specs], rcfg, encoder=dense_encoder)
         return made[key]
 
     yield get
     import ray
+
     for r in made.values():
         for a in r.shards:
             ray.kill(a, no_restart=True)
@@ -77,7 +78,7 @@ def test_sharded_bm25_with_tiny_margin_equals_brute_force(routers, retrievers, q
             brute = rank_hits(all_ids, full.scorer.score_ids(rep, all_ids), k)
             assert hits == brute, q
     infos = sharded.infos()
-    assert sum(i["expansions"] for i in infos) > 0          # the bound did some work
+    assert sum(i["expansions"] for i in infos) > 0  # the bound did some work
 
 
 def test_sharded_scorer_is_the_kb_scorer(routers, retrievers, queries, fixture_corpus):
@@ -92,7 +93,7 @@ def test_sharded_scorer_is_the_kb_scorer(routers, retrievers, queries, fixture_c
         ids = [0, 57, 150, n_docs - 1, 99, 100]
         ka, kb = sharded.scorer.doc_keys(ids), full.scorer.doc_keys(ids)
         for x, y in zip(ka, kb):
-            assert (np.array_equal(x, y) if kind == "edr" else x == y)
+            assert np.array_equal(x, y) if kind == "edr" else x == y
         # the cache's scores through the router's scorer are the KB's, bit for bit
         for q in queries[:5]:
             rep = full.scorer.encode([q])[0]
@@ -149,5 +150,5 @@ def test_shard_killed_mid_request_still_exact(routers, retrievers, local_generat
     assert got.tokens == expected.tokens
     assert got.stats.doc_ids == expected.stats.doc_ids
     assert KillingKB.calls == expected.stats.kb_calls > 4
-    assert ray.get(victim.ping.remote()) != pid_before       # restarted, slice reloaded
+    assert ray.get(victim.ping.remote()) != pid_before  # restarted, slice reloaded
     assert sharded.batch_search(["json dumps"], 5) == retrievers["edr"].batch_search(["json dumps"], 5)

@@ -3,6 +3,7 @@
 The batcher itself is tested with a plain asyncio search function (no Ray); the verifier
 actor with real sharded EDR shards, many concurrent callers and per-query comparisons.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,7 +50,7 @@ def test_batched_results_equal_single_results():
         assert res == run(ref_search(qs, k))
     # 20 submissions went out in very few searches, one per distinct k
     assert b.stats.batches < 5 and b.stats.searches <= 2 * b.stats.batches
-    assert all(len({k for _, k in calls[i:i + 1]}) == 1 for i in range(len(calls)))
+    assert all(len({k for _, k in calls[i : i + 1]}) == 1 for i in range(len(calls)))
     assert b.stats.max_batch_submissions > 1
 
 
@@ -65,7 +66,7 @@ def test_max_batch_caps_a_batch_and_duplicates_are_searched_once():
     assert all(r[0] == got[0][0] for r in got)
     assert max(len(c[0]) for c in calls) <= 4
     assert b.stats.max_batch_queries <= 4
-    assert sum(len(c[0]) for c in calls) < 12          # "same" de-duplicated within batches
+    assert sum(len(c[0]) for c in calls) < 12  # "same" de-duplicated within batches
 
 
 def test_window_flushes_a_lonely_query():
@@ -171,11 +172,12 @@ def test_a_batch_goes_as_soon_as_every_announced_request_is_waiting():
         async def later():
             await asyncio.sleep(0.05)
             return await b.submit(["two"], 2, "r2")
+
         pair = await timed(asyncio.gather(b.submit(["one"], 2, "r1"), later()))
         n_pair = len(calls)
         waiting = asyncio.ensure_future(b.submit(["left"], 2, "r1"))
         await asyncio.sleep(0.05)
-        assert not waiting.done()            # r2 is still in flight: wait for it
+        assert not waiting.done()  # r2 is still in flight: wait for it
         b.end("r2")
         left = await timed(waiting)
         b.end("r1")
@@ -184,7 +186,7 @@ def test_a_batch_goes_as_soon_as_every_announced_request_is_waiting():
     alone, pair, n_pair, left = run(main())
     assert alone[0] == run(ref(["solo"], 2)) and alone[1] < 1.0
     assert pair[0] == [run(ref(["one"], 2)), run(ref(["two"], 2))] and pair[1] < 1.0
-    assert n_pair == 2 and calls[1][0] == ("one", "two")   # one search for both requests
+    assert n_pair == 2 and calls[1][0] == ("one", "two")  # one search for both requests
     assert left[0] == run(ref(["left"], 2)) and left[1] < 1.0
     assert b.stats.early_flushes == 3 and b.active_requests == 0
 
@@ -192,9 +194,9 @@ def test_a_batch_goes_as_soon_as_every_announced_request_is_waiting():
     off = VerificationBatcher(fake_kb()[0], window_ms=150, max_batch=64, flush_when_all_waiting=False)
 
     async def unannounced_and_off():
-        a = await timed(anon.submit(["anon"], 1))               # nobody announced: the window
+        a = await timed(anon.submit(["anon"], 1))  # nobody announced: the window
         off.begin("r1")
-        o = await timed(off.submit(["x"], 1, "r1"))             # rule off: the window
+        o = await timed(off.submit(["x"], 1, "r1"))  # rule off: the window
         return a, o
 
     a, o = run(unannounced_and_off())
@@ -221,7 +223,7 @@ def test_requests_split_across_batches_merge_into_one_batch():
         out = []
         for i in range(rounds):
             out.append(await b.submit([f"{tag}-{i}"], 1, tag))
-            await asyncio.sleep(0.005)             # "generation" between two KB calls
+            await asyncio.sleep(0.005)  # "generation" between two KB calls
         b.end(tag)
         return out
 
@@ -234,8 +236,8 @@ def test_requests_split_across_batches_merge_into_one_batch():
     ref = fake_kb()[0]
     assert r1 == [run(ref([f"r1-{i}"], 1)) for i in range(rounds)]
     assert r2 == [run(ref([f"r2-{i}"], 1)) for i in range(rounds)]
-    assert sizes[0] == 1 and sizes[1:rounds] == [2] * (rounds - 1)   # merged after r1's first call
-    assert dt < 1.5                                                  # no batch waited out the 2 s window
+    assert sizes[0] == 1 and sizes[1:rounds] == [2] * (rounds - 1)  # merged after r1's first call
+    assert dt < 1.5  # no batch waited out the 2 s window
 
 
 # --------------------------------------------------------------------------- the actor
@@ -249,8 +251,9 @@ def verifier(ray_local, index_dirs, fixture_corpus, retriever_configs):
     rcfg = retriever_configs["edr"]
     specs = prepare_shards(rcfg, fixture_corpus, index_dirs["edr"], 2)
     shards = start_shards(specs, num_cpus=0.05)
-    v = verifier_actor_class(0.05).remote("edr", shards, [(s.lo, s.hi) for s in specs],
-                                          rcfg.model_dump(mode="json"), 25.0, 64, True)
+    v = verifier_actor_class(0.05).remote(
+        "edr", shards, [(s.lo, s.hi) for s in specs], rcfg.model_dump(mode="json"), 25.0, 64, True
+    )
     ray.get(v.ping.remote())
     yield v
     for a in [v, *shards]:
@@ -264,11 +267,11 @@ def test_verifier_actor_batches_across_callers_without_changing_results(verifier
     full = retrievers["edr"]
     ray.get(verifier.stats.remote(True))
     # 12 "requests" submit at once, 2 queries each, k=1 and k=20 alternating
-    refs = [verifier.verify.remote(qs[2 * i:2 * i + 2], 1 if i % 2 else 20) for i in range(12)]
+    refs = [verifier.verify.remote(qs[2 * i : 2 * i + 2], 1 if i % 2 else 20) for i in range(12)]
     got = ray.get(refs)
     for i, res in enumerate(got):
         k = 1 if i % 2 else 20
-        assert res == [full.search(q, k) for q in qs[2 * i:2 * i + 2]]
+        assert res == [full.search(q, k) for q in qs[2 * i : 2 * i + 2]]
     st = ray.get(verifier.stats.remote())
     assert st["submissions"] == 12 and st["max_batch_submissions"] > 1
     # switching batching off changes nothing either

@@ -1,4 +1,5 @@
 """Real redis-server fixtures for the state store tests (see tests/cache/redis_server.py)."""
+
 from __future__ import annotations
 
 import pytest

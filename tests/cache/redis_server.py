@@ -3,6 +3,7 @@
 Used by the fixtures in tests/cache/conftest.py and by tests/cluster/test_eval_job.py.
 There is no skip: without redis-server the tests fail and say how to install it.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-INSTALL_HINT = ("redis-server is not installed: run `make system-deps` "
-                "(or `apt-get install -y redis-server`); the Redis tests need a real server")
+INSTALL_HINT = (
+    "redis-server is not installed: run `make system-deps` "
+    "(or `apt-get install -y redis-server`); the Redis tests need a real server"
+)
 
 
 def redis_server_binary() -> str:
@@ -47,11 +50,30 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 10.0) -> "RedisServer":
-        args = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                "--appendonly", "yes", "--appendfsync", "always", "--save", "",
-                "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
-                "--logfile", str(self.dir / "redis.log")]
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        args = [
+            self.exe,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.dir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--save",
+            "",
+            "--protected-mode",
+            "no",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+            "--logfile",
+            str(self.dir / "redis.log"),
+        ]
         if self.password:
             args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,4 +1,5 @@
 """Doc-KV reuse (CICS): the prefix tree over document sequences, exact for n = 1..5."""
+
 from __future__ import annotations
 
 import pytest
@@ -35,7 +36,7 @@ def test_tree_longest_prefix_and_stats():
     assert len(t.lookup((a, b, d))) == 2 and t.stats.prefix_hits == 1
     assert len(t.lookup((a, b, c))) == 3 and t.stats.full_hits == 1
     assert t.lookup((b, a)) == [] and t.stats.misses == 1 + 2
-    t.insert((b, c), _seg(800))                  # parent missing: not stored
+    t.insert((b, c), _seg(800))  # parent missing: not stored
     assert (b, c) not in t
     assert t.stats.bytes_used == 2400 and t.stats.bytes_reused == 800 * 5
 
@@ -45,13 +46,13 @@ def test_tree_eviction_bounded_and_takes_subtrees():
     t.insert(((1,),), _seg(800))
     t.insert(((1,), (2,)), _seg(800))
     t.insert(((5,),), _seg(800))
-    t.insert(((6,),), _seg(800))                 # over budget: evicts the oldest leaf (1,2)
+    t.insert(((6,),), _seg(800))  # over budget: evicts the oldest leaf (1,2)
     assert t.stats.bytes_used <= 2500 and t.stats.evictions >= 1
     assert ((1,), (2,)) not in t
     for i in range(10, 20):
         t.insert(((i,),), _seg(800))
         assert t.stats.bytes_used <= 2500
-    for path in list(t._nodes):                  # no orphans: every parent present
+    for path in list(t._nodes):  # no orphans: every parent present
         assert len(path) == 1 or path[:-1] in t
 
 
@@ -63,15 +64,14 @@ def engine():
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_identical_tokens_with_and_without_cache(engine, n):
     ctx = engine.encode_question("how do I copy a tree of files?")
-    nocache = type(engine)(engine.model, engine.tokenizer,
-                           engine.cfg.model_copy(update={"doc_kv_cache_bytes": 0}))
+    nocache = type(engine)(engine.model, engine.tokenizer, engine.cfg.model_copy(update={"doc_kv_cache_bytes": 0}))
     engine.doc_kv.clear()
     docs = DOCS[:n]
     cold = engine.step(docs, ctx, 6)
     assert cold.docs_computed == n and cold.docs_reused == 0 and not cold.doc_kv_hit
     warm = engine.step(docs, ctx, 6)
     assert warm.doc_kv_hit and warm.docs_reused == n and warm.docs_computed == 0
-    other = DOCS[:n - 1] + [DOCS[5]]           # same prefix, different last document
+    other = DOCS[: n - 1] + [DOCS[5]]  # same prefix, different last document
     part = engine.step(other, ctx, 6)
     assert part.docs_reused == n - 1 and part.docs_computed == 1
     again = engine.step(other, ctx, 6)
@@ -91,8 +91,9 @@ def test_eviction_bounded_in_bytes_through_engine(engine):
     engine.doc_kv.clear()
     engine.step(DOCS[:2], ctx, 1)
     two = engine.doc_kv.stats.bytes_used
-    small = type(engine)(engine.model, engine.tokenizer,
-                         engine.cfg.model_copy(update={"doc_kv_cache_bytes": int(two * 1.2)}))
+    small = type(engine)(
+        engine.model, engine.tokenizer, engine.cfg.model_copy(update={"doc_kv_cache_bytes": int(two * 1.2)})
+    )
     for i in range(5):
         small.step([DOCS[i], DOCS[i + 1]], ctx, 1)
         assert small.doc_kv.stats.bytes_used <= int(two * 1.2)
@@ -102,9 +103,9 @@ def test_eviction_bounded_in_bytes_through_engine(engine):
 def test_shifted_reuse_is_opt_in_and_counted(engine):
     ctx = engine.encode_question("what does json do?")
     engine.doc_kv.clear()
-    engine.step(DOCS[1], ctx, 2)                 # DOCS[1] alone is cached
+    engine.step(DOCS[1], ctx, 2)  # DOCS[1] alone is cached
     exact = engine.step([DOCS[0], DOCS[1]], ctx, 4)
-    assert exact.docs_computed == 2               # default: never reused at another position
+    assert exact.docs_computed == 2  # default: never reused at another position
     engine.doc_kv.clear()
     engine.step(DOCS[1], ctx, 2)
     inexact = engine.step([DOCS[0], DOCS[1]], ctx, 4, options=StepOptions(allow_inexact_shifted_reuse=True))
@@ -122,8 +123,8 @@ def _unchanged(tree, snap):
         if path not in tree:
             continue
         for (k, v), (k0, v0, pk, pv) in zip(tree._nodes[path][0], seg):
-            assert k.data_ptr() == pk and v.data_ptr() == pv          # the same storage ...
-            assert torch.equal(k, k0) and torch.equal(v, v0)          # ... never written into
+            assert k.data_ptr() == pk and v.data_ptr() == pv  # the same storage ...
+            assert torch.equal(k, k0) and torch.equal(v, v0)  # ... never written into
         checked += 1
     return checked
 
@@ -151,12 +152,12 @@ def test_stored_segments_are_shared_and_never_written(family):
             for c in (ctx, ctx + [5, 6, 7]):
                 eng.step(docs, c, 6, ignore_eos=True, options=opts)
                 assert _unchanged(eng.doc_kv, at_insert) == len(eng.doc_kv)
-    assert len(at_insert) == 5             # (d3), (d0), (d0 d1), (d0 d1 d2), (d0 d1 d5)
+    assert len(at_insert) == 5  # (d3), (d0), (d0 d1), (d0 d1 d2), (d0 d1 d5)
     past, info = docs_past(eng, [eng.doc_tokens(DOCS[3])])
     assert info.hit
-    assert past.layers[0].keys is eng.doc_kv._nodes[(eng.doc_tokens(DOCS[3]),)][0][0][0]   # no copy
+    assert past.layers[0].keys is eng.doc_kv._nodes[(eng.doc_tokens(DOCS[3]),)][0][0][0]  # no copy
     past, _ = docs_past(eng, [eng.doc_tokens(d) for d in DOCS[:3]])
-    past.crop(-3)                                                     # crop before any update
+    past.crop(-3)  # crop before any update
     assert past.get_seq_length() == sum(len(eng.doc_tokens(d)) for d in DOCS[:3]) - 3
     assert _unchanged(eng.doc_kv, at_insert) == 5
 
@@ -186,7 +187,7 @@ def test_reused_kv_and_logits_are_bit_identical(engine, n):
         assert torch.equal(logits, ref_logits)
         for (k, v), (k0, v0) in zip(kv, ref_kv):
             assert torch.equal(k, k0) and torch.equal(v, v0)
-    if n > 1:                                                         # a prefix hit, the last doc computed
+    if n > 1:  # a prefix hit, the last doc computed
         engine.doc_kv.clear()
         docs_past(engine, docs[:-1])
         kv, logits, info = kv_and_logits(engine)
@@ -197,15 +198,15 @@ def test_reused_kv_and_logits_are_bit_identical(engine, n):
 def test_segments_layer_reads_and_lengths():
     from ralm.drafting.kv import cache_from_segments
 
-    a = [(torch.arange(24.).view(1, 2, 3, 4), -torch.arange(24.).view(1, 2, 3, 4))]
+    a = [(torch.arange(24.0).view(1, 2, 3, 4), -torch.arange(24.0).view(1, 2, 3, 4))]
     b = [(torch.ones(1, 2, 2, 4), torch.zeros(1, 2, 2, 4))]
     cache = cache_from_segments([a, b])
     assert cache.get_seq_length() == 5
     layer = cache.layers[0]
-    assert torch.equal(layer.keys, torch.cat([a[0][0], b[0][0]], dim=-2))      # read: concatenated
-    k, v = cache.update(torch.full((1, 2, 1, 4), 7.), torch.full((1, 2, 1, 4), 8.), 0)
-    assert k.shape[-2] == 6 and torch.equal(k[..., :3, :], a[0][0]) and float(v[0, 0, -1, 0]) == 8.
+    assert torch.equal(layer.keys, torch.cat([a[0][0], b[0][0]], dim=-2))  # read: concatenated
+    k, v = cache.update(torch.full((1, 2, 1, 4), 7.0), torch.full((1, 2, 1, 4), 8.0), 0)
+    assert k.shape[-2] == 6 and torch.equal(k[..., :3, :], a[0][0]) and float(v[0, 0, -1, 0]) == 8.0
     cache = cache_from_segments([a, b])
-    k, v = cache.update(torch.full((1, 2, 1, 4), 7.), torch.full((1, 2, 1, 4), 8.), 0)   # update first
+    k, v = cache.update(torch.full((1, 2, 1, 4), 7.0), torch.full((1, 2, 1, 4), 8.0), 0)  # update first
     assert k.shape[-2] == 6 and torch.equal(k[..., 3:5, :], b[0][0]) and torch.equal(v[..., :3, :], a[0][1])
-    assert torch.equal(a[0][0], torch.arange(24.).view(1, 2, 3, 4))                      # untouched
+    assert torch.equal(a[0][0], torch.arange(24.0).view(1, 2, 3, 4))  # untouched

@@ -1,5 +1,6 @@
 """Redis-specific behaviour against a real redis-server: restarts mid-job, credentials,
 a missing server. The fixtures start the server (no skip; see tests/cache/conftest.py)."""
+
 from __future__ import annotations
 
 import threading
@@ -7,8 +8,7 @@ import time
 
 import pytest
 
-from cache.state import (RequestCheckpoint, KBKey, StateStoreAuthError, StateStoreUnavailable,
-                         open_state_store)
+from cache.state import KBKey, RequestCheckpoint, StateStoreAuthError, StateStoreUnavailable, open_state_store
 from tests.cache.redis_server import free_port
 
 
@@ -22,13 +22,14 @@ def test_restart_mid_job_keeps_everything(fresh_redis, no_redis_password):
     store.save_checkpoint(RequestCheckpoint("req", tokens=[1, 2, 3], doc_ids=[7], steps=1, prompt_len=2))
     store.put_kb_hit(KBKey("edr", "v1", "q", 1), [(7, 0.5)])
 
-    fresh_redis.stop()                                   # down in the middle of the job
+    fresh_redis.stop()  # down in the middle of the job
     done = {}
 
     def write_while_down():
         t0 = time.monotonic()
         done["ok"] = store.record_item("job", "item-5", {"i": 5})
         done["waited"] = time.monotonic() - t0
+
     t = threading.Thread(target=write_while_down)
     t.start()
     time.sleep(0.8)
@@ -37,14 +38,14 @@ def test_restart_mid_job_keeps_everything(fresh_redis, no_redis_password):
     t.join(20)
     assert done["ok"] and done["waited"] >= 0.7
 
-    for i in range(6, 10):                              # the job carries on after the restart
+    for i in range(6, 10):  # the job carries on after the restart
         assert store.record_item("job", f"item-{i}", {"i": i})
     assert store.finished_items("job") == {f"item-{i}" for i in range(10)}
     assert store.get_job_meta("job") == {"questions": 10}
     assert store.load_checkpoint("req").doc_ids == [7]
     assert store.get_kb_hit(KBKey("edr", "v1", "q", 1)) == [(7, 0.5)]
 
-    fresh_redis.restart()                                # and once more, everything is still there
+    fresh_redis.restart()  # and once more, everything is still there
     assert {k: v["i"] for k, v in store.job_results("job").items()} == {f"item-{i}": i for i in range(10)}
     assert not store.record_item("job", "item-3", {"i": -1})
     store.close()
@@ -66,7 +67,10 @@ def test_outage_longer_than_retry_budget_raises_clearly(fresh_redis, no_redis_pa
 def test_missing_server_fails_at_startup(no_redis_password):
     port = free_port()
     t0 = time.monotonic()
-    with pytest.raises(StateStoreUnavailable, match=r"cannot reach the Redis state store at redis://127\.0\.0\.1:%d/0.*make system-deps" % port):
+    with pytest.raises(
+        StateStoreUnavailable,
+        match=rf"cannot reach the Redis state store at redis://127\.0\.0\.1:{port}/0.*make system-deps",
+    ):
         open_state_store(f"redis://127.0.0.1:{port}/0", connect_timeout_s=1)
     assert time.monotonic() - t0 < 5
 
@@ -92,13 +96,13 @@ def test_password_from_env_and_file(redis_with_password, monkeypatch, tmp_path):
     s.close()
 
     monkeypatch.delenv("RALMSPEC_REDIS_PASSWORD")
-    secret = tmp_path / "secret" / "password"          # a Kubernetes Secret volume file
+    secret = tmp_path / "secret" / "password"  # a Kubernetes Secret volume file
     secret.parent.mkdir()
     secret.write_text(redis_with_password.password + "\n")
     monkeypatch.setenv("RALMSPEC_REDIS_PASSWORD_FILE", str(secret))
     s = open_state_store(redis_with_password.url)
     assert s.finished_items("j") == {"a"}
-    redis_with_password.restart()                      # re-authenticates after a restart
+    redis_with_password.restart()  # re-authenticates after a restart
     assert s.record_item("j", "b", {"v": 2})
     s.close()
 
@@ -120,6 +124,7 @@ def test_key_prefix_isolates_deployments(redis_server, no_redis_password):
 
 def test_startup_wait_bridges_a_slow_server(tmp_path, no_redis_password):
     from tests.cache.redis_server import RedisServer
+
     srv = RedisServer(tmp_path / "late")
     threading.Timer(0.7, srv.start).start()
     try:

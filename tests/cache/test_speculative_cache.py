@@ -1,4 +1,5 @@
 """The local speculative cache ranks exactly like the KB (same scorer, same tie-breaking)."""
+
 from __future__ import annotations
 
 import pickle
@@ -17,10 +18,10 @@ def test_basic_operations(retrievers):
     c = SpeculativeCache(scorer)
     assert len(c) == 0 and c.top1(scorer.encode(["x"])[0]) is None and c.search(scorer.encode(["x"])[0], 3) == []
     assert c.add([3, 5, 3]) == 2
-    assert c.add([(5, 0.1), (7, 0.2)]) == 1                 # hits are accepted too
+    assert c.add([(5, 0.1), (7, 0.2)]) == 1  # hits are accepted too
     assert len(c) == 3 and 3 in c and 7 in c and 4 not in c and "x" not in c
     assert c.doc_ids == [3, 5, 7]
-    for i in range(40):                                     # grows past the initial capacity
+    for i in range(40):  # grows past the initial capacity
         c.add([10 + i])
     assert len(c) == 43
     c.top1(scorer.encode(["python"])[0])
@@ -86,5 +87,7 @@ def test_score_function_is_picklable_and_identical(kind, retrievers, sample_quer
     rep = pickle.loads(pickle.dumps(kb.scorer.encode([sample_queries[0]])[0]))
     ids = [d for d, _ in kb.search(sample_queries[0], 20)]
     keys = pickle.loads(pickle.dumps(kb.scorer.doc_keys(ids)))
-    assert list(fn(rep, keys)) == list(kb.scorer.score(kb.scorer.encode([sample_queries[0]])[0], kb.scorer.doc_keys(ids)))
+    assert list(fn(rep, keys)) == list(
+        kb.scorer.score(kb.scorer.encode([sample_queries[0]])[0], kb.scorer.doc_keys(ids))
+    )
     assert list(fn(rep, keys)) == [s for _, s in kb.search(sample_queries[0], 20)]

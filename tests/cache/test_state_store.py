@@ -1,5 +1,6 @@
 """Behaviour of every state store backend: the same tests against memory, SQLite and a
 real redis-server (started by tests/cache/conftest.py; no skip)."""
+
 from __future__ import annotations
 
 import math
@@ -9,8 +10,14 @@ import uuid
 
 import pytest
 
-from cache.state import (KBKey, RequestCheckpoint, StateStoreConfig, StateStoreConfigError,
-                         StoreCachedRetriever, open_state_store)
+from cache.state import (
+    KBKey,
+    RequestCheckpoint,
+    StateStoreConfig,
+    StateStoreConfigError,
+    StoreCachedRetriever,
+    open_state_store,
+)
 
 BACKENDS = ["memory", "sqlite", pytest.param("redis", marks=pytest.mark.integration)]
 
@@ -46,8 +53,10 @@ def test_record_item_first_write_wins(store):
     assert store.count_items("job") == 2
     assert store.get_item("job", "q0|edr|seq") == {"tokens": [1, 2, 3], "text": "héllo"}
     assert store.get_item("job", "missing") is None
-    assert store.job_results("job") == {"q0|edr|seq": {"tokens": [1, 2, 3], "text": "héllo"},
-                                        "q0|edr|PSA": {"tokens": [1, 2, 3], "identical": True}}
+    assert store.job_results("job") == {
+        "q0|edr|seq": {"tokens": [1, 2, 3], "text": "héllo"},
+        "q0|edr|PSA": {"tokens": [1, 2, 3], "identical": True},
+    }
     assert store.finished_items("other-job") == set()
     store.delete_job("job")
     assert store.finished_items("job") == set() and store.get_job_meta("job") is None
@@ -78,7 +87,7 @@ def test_record_item_is_atomic_under_concurrency(store):
         t.start()
     for t in threads:
         t.join()
-    assert sorted(i for _, i in wins) == list(range(20))          # each item won exactly once
+    assert sorted(i for _, i in wins) == list(range(20))  # each item won exactly once
     results = store.job_results("race")
     assert {k: v["writer"] for k, v in results.items()} == {f"item-{i}": w for w, i in wins}
 
@@ -92,17 +101,22 @@ def test_results_must_be_json(store):
 # ------------------------------------------------------------------ checkpoints
 def test_checkpoint_roundtrip_and_monotonic(store):
     assert store.load_checkpoint("req-1") is None
-    cp = RequestCheckpoint("req-1", tokens=[5, 6, 7, 8, 9], doc_ids=[3, None], steps=2, prompt_len=3,
-                           meta={"question": "q?", "retriever": "edr", "spec": "PSA"})
+    cp = RequestCheckpoint(
+        "req-1",
+        tokens=[5, 6, 7, 8, 9],
+        doc_ids=[3, None],
+        steps=2,
+        prompt_len=3,
+        meta={"question": "q?", "retriever": "edr", "spec": "PSA"},
+    )
     assert store.save_checkpoint(cp)
     got = store.load_checkpoint("req-1")
-    assert (got.tokens, got.doc_ids, got.steps, got.prompt_len, got.meta) == \
-        ([5, 6, 7, 8, 9], [3, None], 2, 3, cp.meta)
+    assert (got.tokens, got.doc_ids, got.steps, got.prompt_len, got.meta) == ([5, 6, 7, 8, 9], [3, None], 2, 3, cp.meta)
     assert got.updated_at > 0
     newer = RequestCheckpoint("req-1", tokens=[5, 6, 7, 8, 9, 10], doc_ids=[3, None, 4], steps=3, prompt_len=3)
     assert store.save_checkpoint(newer)
     stale = RequestCheckpoint("req-1", tokens=[5, 6, 7], doc_ids=[3], steps=1, prompt_len=3)
-    assert not store.save_checkpoint(stale)                       # a stale coordinator cannot regress it
+    assert not store.save_checkpoint(stale)  # a stale coordinator cannot regress it
     assert store.load_checkpoint("req-1").steps == 3
     store.delete_checkpoint("req-1")
     assert store.load_checkpoint("req-1") is None
@@ -124,7 +138,7 @@ def test_kb_hits_roundtrip_exact_floats(store):
     store.put_kb_hits([(k1, hits)])
     got = store.get_kb_hit(k1)
     assert got == hits and all(type(d) is int and type(s) is float for d, s in got)
-    assert [s.hex() for _, s in got] == [s.hex() for _, s in hits]     # bit-exact (== takes -0.0 for 0.0)
+    assert [s.hex() for _, s in got] == [s.hex() for _, s in hits]  # bit-exact (== takes -0.0 for 0.0)
     other_index = KBKey("edr", "manifest-xyz", k1.query, 5)
     other_k = KBKey("edr", "manifest-abc", k1.query, 20)
     other_ret = KBKey("sr", "manifest-abc", k1.query, 5)
@@ -163,7 +177,7 @@ def test_store_cached_retriever(store):
     assert cached.batch_search(["aa", "bbb"], 1) == [[(2, 0.5)], [(3, 1 / 3)]]
     assert cached.batch_search(["bbb", "cccc"], 1) == [[(3, 1 / 3)], [(4, 0.25)]]
     assert cached.search("aa", 1) == [(2, 0.5)]
-    assert kb.calls == [["aa", "bbb"], ["cccc"]]                    # only misses reach the KB
+    assert kb.calls == [["aa", "bbb"], ["cccc"]]  # only misses reach the KB
     assert (cached.hits, cached.misses) == (2, 3)
     with pytest.raises(ValueError):
         StoreCachedRetriever(kb, store, index_version="")
@@ -188,8 +202,9 @@ def test_sqlite_survives_reopen(tmp_path):
     s2.close()
 
 
-@pytest.mark.parametrize("url", ["redis://:hunter2@localhost:6379/0", "redis://user:hunter2@h:1/0",
-                                 "rediss://h:6380/0?password=hunter2"])
+@pytest.mark.parametrize(
+    "url", ["redis://:hunter2@localhost:6379/0", "redis://user:hunter2@h:1/0", "rediss://h:6380/0?password=hunter2"]
+)
 def test_password_in_url_rejected_without_echo(url):
     with pytest.raises(StateStoreConfigError, match="contains a password") as ei:
         open_state_store(url)

@@ -1,4 +1,5 @@
 """The demo assets the project builds itself: pydocs corpus, questions, generator, fixtures."""
+
 from __future__ import annotations
 
 import gzip
@@ -58,6 +59,7 @@ def _check_records(records: list[dict], prefix: str, width: int) -> None:
 
 # ------------------------------------------------------------------------ corpus
 
+
 def test_corpus_format_and_size(corpus):
     assert len(corpus) >= 10_000
     _check_records(corpus, "pydoc-", 6)
@@ -80,8 +82,19 @@ def test_corpus_gzip_is_reproducible_bytes():
 
 
 def _build(out: Path) -> bytes:
-    cmd = [sys.executable, "-W", "ignore", "-m", "cluster.assets.build_corpus",
-           "--modules", "json,heapq,textwrap", "--min-passages", "1", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-W",
+        "ignore",
+        "-m",
+        "cluster.assets.build_corpus",
+        "--modules",
+        "json,heapq,textwrap",
+        "--min-passages",
+        "1",
+        "--out",
+        str(out),
+    ]
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=60)
     return out.read_bytes()
 
@@ -93,22 +106,23 @@ def test_rebuild_is_deterministic(tmp_path, corpus, built_python):
     recs = _jsonl(tmp_path / "a.jsonl.gz")
     _check_records(recs, "pydoc-", 6)
     assert {r["title"].split(".")[0] for r in recs} == {"json", "heapq", "textwrap"}
-    assert not (tmp_path / "README.md").exists()      # README only for the full build
-    if platform.python_version() == built_python:      # same docstrings as the shipped corpus
+    assert not (tmp_path / "README.md").exists()  # README only for the full build
+    if platform.python_version() == built_python:  # same docstrings as the shipped corpus
         shipped = {(r["title"], r["contents"]) for r in corpus}
         assert all((r["title"], r["contents"]) in shipped for r in recs)
 
 
 def test_min_passages_is_enforced(tmp_path):
     from cluster.assets import build_corpus
+
     out = tmp_path / "x.jsonl.gz"
-    assert build_corpus.main(["--modules", "heapq", "--min-passages", "100000",
-                              "--out", str(out)]) == 1
+    assert build_corpus.main(["--modules", "heapq", "--min-passages", "100000", "--out", str(out)]) == 1
     assert not out.exists()
 
 
 def test_chunking_respects_bounds():
     from cluster.assets.build_corpus import MIN_WORDS, chunk
+
     para = " ".join(f"Sentence number {i} says something short." for i in range(60))
     parts = chunk([para, "A tail paragraph."])
     assert len(parts) >= 3
@@ -117,6 +131,7 @@ def test_chunking_respects_bounds():
 
 
 # --------------------------------------------------------------------- questions
+
 
 def _check_questions(questions: list[dict], records: list[dict]) -> None:
     title_of = {r["id"]: r["title"] for r in records}
@@ -134,12 +149,13 @@ def test_questions(corpus):
     qs = _jsonl(QUESTIONS)
     assert len(qs) >= 200
     _check_questions(qs, corpus)
-    assert len({q["title"].split(".")[0] for q in qs}) >= 50      # spread over modules
-    assert len({q["question"].split()[0] for q in qs}) >= 4       # several templates
+    assert len({q["title"].split(".")[0] for q in qs}) >= 50  # spread over modules
+    assert len({q["question"].split()[0] for q in qs}) >= 4  # several templates
 
 
 def test_question_builder_is_deterministic():
     from cluster.assets.build_questions import make_questions
+
     recs = _jsonl(FIX_CORPUS)
     a = make_questions(recs, 30, seed=0)
     assert a == make_questions(recs, 30, seed=0)
@@ -149,10 +165,12 @@ def test_question_builder_is_deterministic():
 
 # ------------------------------------------------------------------------- model
 
+
 @pytest.fixture(scope="module")
 def model_and_tokenizer():
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     # One thread: a 4M-parameter model gains nothing from more, and on a busy 2-core
     # machine a second thread makes each tiny forward pass wait (100x slower).
     threads = torch.get_num_threads()
@@ -175,6 +193,7 @@ def test_model_loads_and_is_small(model_and_tokenizer):
     size = sum(f.stat().st_size for f in MODEL.iterdir() if f.is_file())
     assert size < 15 * 2**20
     from safetensors import safe_open
+
     with safe_open(str(MODEL / "model.safetensors"), "pt") as f:
         assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"torch.float16"}
 
@@ -190,6 +209,7 @@ def test_tokenizer_round_trip(model_and_tokenizer):
 
 def test_greedy_generation(model_and_tokenizer):
     import torch
+
     model, tok = model_and_tokenizer
     ids = tok("json.dumps\nSerialize obj", return_tensors="pt", add_special_tokens=False).input_ids
 
@@ -221,8 +241,15 @@ def test_training_record():
     # ~830; a few CPU minutes of training reach well below 500.
     assert 1.0 < ppl < 500.0
     assert rec["steps"] > 0 and rec["tokens_seen"] == rec["steps"] * rec["tokens_per_step"]
-    for key in ("seed", "torch", "train_wall_s", "hyperparameters", "train_loss_last50",
-                "heldout_passages", "corpus_sha256"):
+    for key in (
+        "seed",
+        "torch",
+        "train_wall_s",
+        "hyperparameters",
+        "train_loss_last50",
+        "heldout_passages",
+        "corpus_sha256",
+    ):
         assert key in rec, key
     assert rec["hyperparameters"]["n_positions"] >= 896
     assert rec["corpus_sha256"] == __import__("hashlib").sha256(CORPUS.read_bytes()).hexdigest()
@@ -231,29 +258,53 @@ def test_training_record():
 def test_training_script_smoke(tmp_path):
     pytest.importorskip("torch")
     from cluster.assets import train_generator
+
     src = tmp_path / "c.jsonl"
     src.write_text(FIX_CORPUS.read_text())
     out = tmp_path / "m"
     import torch
+
     threads = torch.get_num_threads()
     try:
-        rc = train_generator.main([
-            "--corpus", str(src), "--out", str(out), "--steps", "2", "--vocab-size", "400",
-            "--n-embd", "32", "--n-layer", "1", "--n-head", "2", "--block-size", "64",
-            "--batch-size", "2", "--heldout-per-mille", "100"])
+        rc = train_generator.main(
+            [
+                "--corpus",
+                str(src),
+                "--out",
+                str(out),
+                "--steps",
+                "2",
+                "--vocab-size",
+                "400",
+                "--n-embd",
+                "32",
+                "--n-layer",
+                "1",
+                "--n-head",
+                "2",
+                "--block-size",
+                "64",
+                "--batch-size",
+                "2",
+                "--heldout-per-mille",
+                "100",
+            ]
+        )
     finally:
-        torch.set_num_threads(threads)      # main() sets 1 thread for the whole process
+        torch.set_num_threads(threads)  # main() sets 1 thread for the whole process
     assert rc == 0
     rec = json.loads((out / "training.json").read_text())
     assert rec["steps"] == 2 and rec["heldout_passages"] > 0
     assert math.isfinite(rec["heldout_perplexity"])
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     m = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     t = AutoTokenizer.from_pretrained(out)
     assert m.config.n_positions == 1024 and t.eos_token_id == m.config.eos_token_id
 
 
 # ---------------------------------------------------------------------- fixtures
+
 
 def test_fixture_corpus(corpus):
     recs = _jsonl(FIX_CORPUS)
@@ -277,6 +328,7 @@ def test_fixtures_rebuild_identically(tmp_path, built_python):
     if platform.python_version() != built_python:
         pytest.skip(f"fixtures were built with CPython {built_python}")
     from cluster.assets import make_fixtures
+
     assert make_fixtures.main(["--out-dir", str(tmp_path)]) == 0
     assert (tmp_path / "fixture_corpus.jsonl").read_bytes() == FIX_CORPUS.read_bytes()
     assert (tmp_path / "fixture_questions.jsonl").read_bytes() == FIX_QUESTIONS.read_bytes()

@@ -1,4 +1,5 @@
 """`ralmspec bench` end to end on the fixture corpus: outputs, identity check, exit code."""
+
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ import yaml
 
 from cluster.cli import main
 from ralm.config import SpecConfig
-from tests.conftest import FIXTURE_CORPUS, FIXTURE_QUESTIONS, TEST_HNSW
+from tests.conftest import FIXTURE_CORPUS, FIXTURE_QUESTIONS
 
 
 def test_parse_config_names():
@@ -22,12 +23,35 @@ def test_parse_config_names():
 
 def test_bench_writes_json_table_and_chart(tmp_path, index_dirs, capsys):
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump({"corpus": str(FIXTURE_CORPUS), "work_dir": str(tmp_path / "work"),
-                                   "retriever": {"kind": "edr", "index_dir": str(index_dirs["edr"])}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "corpus": str(FIXTURE_CORPUS),
+                "work_dir": str(tmp_path / "work"),
+                "retriever": {"kind": "edr", "index_dir": str(index_dirs["edr"])},
+            }
+        )
+    )
     out = tmp_path / "out"
-    rc = main(["bench", "--config", str(cfg), "--questions", str(FIXTURE_QUESTIONS), "-n", "2",
-               "--retrievers", "edr", "--configs", "base,PSA,s=2", "--max-new-tokens", "12",
-               "--out", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--config",
+            str(cfg),
+            "--questions",
+            str(FIXTURE_QUESTIONS),
+            "-n",
+            "2",
+            "--retrievers",
+            "edr",
+            "--configs",
+            "base,PSA,s=2",
+            "--max-new-tokens",
+            "12",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     data = json.loads((out / "bench.json").read_text())
     rows = {r["config"]: r for r in data["summary"]}
@@ -53,10 +77,35 @@ def test_bench_exits_nonzero_when_an_output_differs(tmp_path, index_dirs, monkey
 
     monkeypatch.setattr(ralm.spec, "run_spec", broken)
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump({"corpus": str(FIXTURE_CORPUS), "work_dir": str(tmp_path / "work"),
-                                   "retriever": {"kind": "edr", "index_dir": str(index_dirs["edr"])}}))
-    rc = main(["bench", "--config", str(cfg), "--questions", str(FIXTURE_QUESTIONS), "-n", "1",
-               "--retrievers", "edr", "--configs", "base", "--max-new-tokens", "8", "--warmup", "0",
-               "--out", str(tmp_path / "out")])
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "corpus": str(FIXTURE_CORPUS),
+                "work_dir": str(tmp_path / "work"),
+                "retriever": {"kind": "edr", "index_dir": str(index_dirs["edr"])},
+            }
+        )
+    )
+    rc = main(
+        [
+            "bench",
+            "--config",
+            str(cfg),
+            "--questions",
+            str(FIXTURE_QUESTIONS),
+            "-n",
+            "1",
+            "--retrievers",
+            "edr",
+            "--configs",
+            "base",
+            "--max-new-tokens",
+            "8",
+            "--warmup",
+            "0",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     assert rc == 1
     assert "differ from RaLMSeq" in capsys.readouterr().err

@@ -1,4 +1,5 @@
 """The ``ralmspec`` CLI end to end, in-process, on the fixture corpus and real indexes."""
+
 from __future__ import annotations
 
 import json
@@ -19,16 +20,28 @@ def config_for(tmp_path_factory, index_dirs):
         retr = {"kind": kind, "index_dir": str(index_dirs[kind])}
         if kind == "adr":
             retr.update(TEST_HNSW)
-        path.write_text(yaml.safe_dump({"corpus": str(FIXTURE_CORPUS), "work_dir": str(root / "work"),
-                                        "retriever": retr}))
+        path.write_text(
+            yaml.safe_dump({"corpus": str(FIXTURE_CORPUS), "work_dir": str(root / "work"), "retriever": retr})
+        )
         return str(path)
+
     return make
 
 
 @pytest.mark.parametrize("kind", ["edr", "adr", "sr"])
 def test_generate_prints_answer_and_statistics(kind, config_for, capsys):
-    rc = main(["generate", "--config", config_for(kind), "--retriever", kind,
-               "--max-new-tokens", "12", "What does json.dumps do?"])
+    rc = main(
+        [
+            "generate",
+            "--config",
+            config_for(kind),
+            "--retriever",
+            kind,
+            "--max-new-tokens",
+            "12",
+            "What does json.dumps do?",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "--- statistics ---" in out and f"retriever={kind}" in out and "kb_calls=" in out
@@ -45,12 +58,15 @@ def test_generate_json_seq_equals_spec(config_for, capsys):
     assert seq["stats"]["method"] == "seq" and spec["stats"]["method"] == "spec[PSA]"
 
 
-@pytest.mark.parametrize("argv,msg", [
-    (["--retriever", "xyz", "question"], "unknown retriever 'xyz'"),
-    (["--retriever", "edr", "   "], "question is empty"),
-    (["--retriever", "edr", "word " * 2000], "limit is 512 tokens"),
-    (["--retriever", "edr", "--spec", "PQ", "question"], "unknown RaLMSpec configuration"),
-])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["--retriever", "xyz", "question"], "unknown retriever 'xyz'"),
+        (["--retriever", "edr", "   "], "question is empty"),
+        (["--retriever", "edr", "word " * 2000], "limit is 512 tokens"),
+        (["--retriever", "edr", "--spec", "PQ", "question"], "unknown RaLMSpec configuration"),
+    ],
+)
 def test_generate_bad_input_is_a_clear_error(argv, msg, config_for, capsys):
     rc = main(["generate", "--config", config_for("edr")] + argv)
     err = capsys.readouterr().err

@@ -7,6 +7,7 @@
   reruns it with the same job id, and checks that no recorded item was recomputed, that
   nothing recorded was lost or changed, and that the final results are complete.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,10 +57,20 @@ class ScriptedBackend:
             if "EMPTY" in item.question:
                 yield item, {"error": "question is empty"}
                 continue
-            stats = {"method": item.method, "retriever": item.retriever, "steps": 2, "kb_calls": 2 if item.method == "seq" else 1,
-                     "gen_time_s": 0.01, "retrieval_time_s": 0.02 if item.method == "seq" else 0.005,
-                     "total_time_s": 0.03 if item.method == "seq" else 0.015, "strides": [2], "gamma": 0.5,
-                     "matched_steps": 1, "rollbacks": 0, "speculation_accuracy": 1.0}
+            stats = {
+                "method": item.method,
+                "retriever": item.retriever,
+                "steps": 2,
+                "kb_calls": 2 if item.method == "seq" else 1,
+                "gen_time_s": 0.01,
+                "retrieval_time_s": 0.02 if item.method == "seq" else 0.005,
+                "total_time_s": 0.03 if item.method == "seq" else 0.015,
+                "strides": [2],
+                "gamma": 0.5,
+                "matched_steps": 1,
+                "rollbacks": 0,
+                "speculation_accuracy": 1.0,
+            }
             yield item, {"text": "x", "tokens": toks, "finish_reason": "length", "stats": stats}
 
     def close(self):
@@ -79,16 +90,39 @@ def scripted(monkeypatch):
 
 
 def _args(tmp_path: Path, *extra: str) -> argparse.Namespace:
-    argv = ["--questions", str(DATA / "fixture_questions.jsonl"), "-n", "4", "--retrievers", "edr,sr",
-            "--configs", "base,PSA", "--out", str(tmp_path / "out"), "--backend", "scripted",
-            "--no-progress", "--corpus", str(DATA / "fixture_corpus.jsonl"), "--model", "tiny", *extra]
+    argv = [
+        "--questions",
+        str(DATA / "fixture_questions.jsonl"),
+        "-n",
+        "4",
+        "--retrievers",
+        "edr,sr",
+        "--configs",
+        "base,PSA",
+        "--out",
+        str(tmp_path / "out"),
+        "--backend",
+        "scripted",
+        "--no-progress",
+        "--corpus",
+        str(DATA / "fixture_corpus.jsonl"),
+        "--model",
+        "tiny",
+        *extra,
+    ]
     return eval_job.build_parser().parse_args(argv)
 
 
 def test_items_and_keys():
     items = make_items(["q one", "q two"], ["edr"], ["base", "PSA"])
-    assert [(i.qid, i.config) for i in items] == [(0, "seq"), (0, "base"), (0, "PSA"),
-                                                  (1, "seq"), (1, "base"), (1, "PSA")]
+    assert [(i.qid, i.config) for i in items] == [
+        (0, "seq"),
+        (0, "base"),
+        (0, "PSA"),
+        (1, "seq"),
+        (1, "base"),
+        (1, "PSA"),
+    ]
     assert len({i.key for i in items}) == 6
     assert EvalItem(0, "q one", "edr", "seq").key != EvalItem(0, "q one (edited)", "edr", "seq").key
     assert items[2].request()["spec"]["prefetch"] and items[0].request()["method"] == "seq"
@@ -100,7 +134,7 @@ def test_resume_after_crash_skips_recorded_items(tmp_path, scripted, capsys):
     with pytest.raises(KeyboardInterrupt):
         eval_job.eval_main(_args(tmp_path))
     job_id = capsys.readouterr().err.split("job ", 1)[1].split(":", 1)[0]
-    assert job_id.startswith("eval-")                    # derived from the setup: a rerun resumes it
+    assert job_id.startswith("eval-")  # derived from the setup: a rerun resumes it
     with open_state_store(f"sqlite://{tmp_path / 'out' / 'state.sqlite'}") as st:
         first = st.job_results(job_id)
     assert len(first) == 7 and sorted(first) == sorted(scripted.computed)
@@ -111,23 +145,30 @@ def test_resume_after_crash_skips_recorded_items(tmp_path, scripted, capsys):
     assert len(scripted.computed) == total - 7 and not set(scripted.computed) & set(first)
     rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     assert len(rows) == total
-    for r in rows:                                       # nothing recorded before was changed
+    for r in rows:  # nothing recorded before was changed
         if r["key"] in first:
             assert {k: r[k] for k in first[r["key"]]} == first[r["key"]]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["counts"] == {"items": 24, "recorded": 24, "missing": 0, "errors": 0, "compared": 16,
-                                 "identical": 16, "different": 0}
+    assert summary["counts"] == {
+        "items": 24,
+        "recorded": 24,
+        "missing": 0,
+        "errors": 0,
+        "compared": 16,
+        "identical": 16,
+        "different": 0,
+    }
     assert len(summary["runs"]) == 2
     psa = next(r for r in summary["summary"] if r["retriever"] == "edr" and r["config"] == "PSA")
     assert {"mean_latency_s", "generation_s", "retrieval_s", "speedup", "retrieval_eliminated"} <= set(psa)
-    assert not {"T", "G", "R", "Tb", "E"} & set(psa)             # spelled-out fields only
+    assert not {"T", "G", "R", "Tb", "E"} & set(psa)  # spelled-out fields only
     assert psa["requests"] == psa["identical"] == 4
     assert (tmp_path / "out" / "latency.png").stat().st_size > 1000
     md = (tmp_path / "out" / "summary.md").read_text()
     assert "| edr | PSA |" in md and "| sr | RaLMSeq |" in md and "4/4" in md
     assert "| mean latency ms | generation ms | retrieval ms |" in md
 
-    scripted.computed = []                               # a third run computes nothing
+    scripted.computed = []  # a third run computes nothing
     assert eval_job.eval_main(_args(tmp_path)) == 0 and scripted.computed == []
     assert "computed 0, skipped 24" in capsys.readouterr().out
 
@@ -165,6 +206,7 @@ def test_resume_with_other_setup_is_refused(tmp_path, scripted):
 
 def test_unreachable_state_store_is_a_clear_error(tmp_path, scripted, capsys):
     from tests.cache.redis_server import free_port
+
     assert eval_job.eval_main(_args(tmp_path, "--state-url", f"redis://127.0.0.1:{free_port()}/0")) == 2
     assert "cannot reach the Redis state store" in capsys.readouterr().err
 
@@ -180,6 +222,7 @@ def test_backend_choice(monkeypatch):
 
 def test_request_fn_backend_runs_concurrently():
     import threading
+
     seen = set()
 
     def fn(req):
@@ -219,18 +262,44 @@ def _killed_job_resumes(tmp_path, model_dir, index_dirs, srv: RedisServer):
     import yaml
 
     cfg = tmp_path / "ralmspec.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "corpus": str(DATA / "fixture_corpus.jsonl"), "work_dir": str(tmp_path / "work"),
-        "retriever": {"kind": "edr", "index_dir": str(index_dirs["edr"])},
-        "generator": {"model": str(model_dir), "max_new_tokens": 16, "torch_threads": 1},
-        "request": {"max_new_tokens": 16}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "corpus": str(DATA / "fixture_corpus.jsonl"),
+                "work_dir": str(tmp_path / "work"),
+                "retriever": {"kind": "edr", "index_dir": str(index_dirs["edr"])},
+                "generator": {"model": str(model_dir), "max_new_tokens": 16, "torch_threads": 1},
+                "request": {"max_new_tokens": 16},
+            }
+        )
+    )
     out = tmp_path / "out"
     n_q, configs = 6, ["base", "PSA", "s=2"]
     total = n_q * (1 + len(configs))
-    cmd = [sys.executable, "-m", "cluster.eval_job", "--config", str(cfg), "--questions",
-           str(DATA / "fixture_questions.jsonl"), "-n", str(n_q), "--retrievers", "edr",
-           "--configs", ",".join(configs), "--state-url", srv.url, "--job-id", "kill-test",
-           "--out", str(out), "--warmup", "0", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cluster.eval_job",
+        "--config",
+        str(cfg),
+        "--questions",
+        str(DATA / "fixture_questions.jsonl"),
+        "-n",
+        str(n_q),
+        "--retrievers",
+        "edr",
+        "--configs",
+        ",".join(configs),
+        "--state-url",
+        srv.url,
+        "--job-id",
+        "kill-test",
+        "--out",
+        str(out),
+        "--warmup",
+        "0",
+        "--no-progress",
+    ]
     env = {**srv.env(), "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     store = open_state_store(srv.url)
 
@@ -266,9 +335,15 @@ def _killed_job_resumes(tmp_path, model_dir, index_dirs, srv: RedisServer):
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(rows) == total and len({r["key"] for r in rows}) == total
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["counts"] == {"items": total, "recorded": total, "missing": 0, "errors": 0,
-                                 "compared": n_q * len(configs), "identical": n_q * len(configs),
-                                 "different": 0}
+    assert summary["counts"] == {
+        "items": total,
+        "recorded": total,
+        "missing": 0,
+        "errors": 0,
+        "compared": n_q * len(configs),
+        "identical": n_q * len(configs),
+        "different": 0,
+    }
     assert all(r["identical"] for r in rows)
     seq = {r["qid"]: r["tokens"] for r in rows if r["config"] == "seq"}
     assert all(r["tokens"] == seq[r["qid"]] for r in rows)
@@ -283,16 +358,44 @@ def test_ray_backend_matches_local(tmp_path, tiny_model_dir, index_dirs):
     import yaml
 
     cfg = tmp_path / "ralmspec.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "corpus": str(DATA / "fixture_corpus.jsonl"), "work_dir": str(tmp_path / "work"),
-        "retriever": {"kind": "edr", "index_dir": str(index_dirs["edr"])},
-        "generator": {"model": str(tiny_model_dir), "max_new_tokens": 12, "torch_threads": 1},
-        "request": {"max_new_tokens": 12}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "corpus": str(DATA / "fixture_corpus.jsonl"),
+                "work_dir": str(tmp_path / "work"),
+                "retriever": {"kind": "edr", "index_dir": str(index_dirs["edr"])},
+                "generator": {"model": str(tiny_model_dir), "max_new_tokens": 12, "torch_threads": 1},
+                "request": {"max_new_tokens": 12},
+            }
+        )
+    )
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "cluster.eval_job", "--config", str(cfg), "--questions",
-           str(DATA / "fixture_questions.jsonl"), "-n", "2", "--retrievers", "edr", "--configs", "base,PSA",
-           "--out", str(out), "--backend", "ray", "--workers", "2", "--worker-cpus", "0.5",
-           "--warmup", "0", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cluster.eval_job",
+        "--config",
+        str(cfg),
+        "--questions",
+        str(DATA / "fixture_questions.jsonl"),
+        "-n",
+        "2",
+        "--retrievers",
+        "edr",
+        "--configs",
+        "base,PSA",
+        "--out",
+        str(out),
+        "--backend",
+        "ray",
+        "--workers",
+        "2",
+        "--worker-cpus",
+        "0.5",
+        "--warmup",
+        "0",
+        "--no-progress",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "RAY_DEDUP_LOGS": "0"}
     env.pop("RALMSPEC_STATE_URL", None)
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

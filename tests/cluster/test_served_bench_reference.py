@@ -1,5 +1,6 @@
 """The served benchmark's in-process reference: same config, one request at a time, and
 the 1-request served-vs-in-process rows built from it."""
+
 from __future__ import annotations
 
 from cluster.served_bench import _label, _parse_methods, _spec_body, in_process_latencies, one_request_rows, to_markdown
@@ -9,8 +10,9 @@ from tests.conftest import FIXTURE_CORPUS
 
 
 def test_in_process_reference_runs_the_same_requests(tmp_path, gen_model_dir, fixture_questions):
-    ralm = RalmConfig(corpus=FIXTURE_CORPUS, work_dir=tmp_path,
-                      generator={"model": gen_model_dir}).model_dump(mode="json")
+    ralm = RalmConfig(corpus=FIXTURE_CORPUS, work_dir=tmp_path, generator={"model": gen_model_dir}).model_dump(
+        mode="json"
+    )
     questions = fixture_questions[:2]
     methods = [("seq", None), ("spec", "PS")]
     ref = in_process_latencies(ralm, questions, ["edr"], methods, max_new=12)
@@ -23,9 +25,11 @@ def test_in_process_reference_runs_the_same_requests(tmp_path, gen_model_dir, fi
     assert [list(pipe.answer(q, "edr", "seq", req=req).tokens) for q in questions] == ref[("edr", "seq")]["tokens"]
     assert SpecConfig.named("PS").prefetch
 
-    rows = [{"retriever": "edr", "method": "seq", "concurrency": 1, "batching": True, "mean_s": 2.0},
-            {"retriever": "edr", "method": "seq", "concurrency": 4, "batching": True, "mean_s": 9.0},
-            {"retriever": "edr", "method": "spec[PS]", "concurrency": 1, "batching": False, "mean_s": 9.0}]
+    rows = [
+        {"retriever": "edr", "method": "seq", "concurrency": 1, "batching": True, "mean_s": 2.0},
+        {"retriever": "edr", "method": "seq", "concurrency": 4, "batching": True, "mean_s": 9.0},
+        {"retriever": "edr", "method": "spec[PS]", "concurrency": 1, "batching": False, "mean_s": 9.0},
+    ]
     fake = {("edr", "seq"): {"mean_s": 1.6}}
     one = one_request_rows(rows, fake, questions)
     assert len(one) == 1 and abs(one[0]["served_over_in_process"] - 1.25) < 1e-12
@@ -39,5 +43,4 @@ def test_methods_with_a_gamma_cap_become_spec_objects():
     assert methods == [("seq", None), ("spec", "PSA"), ("spec", "PS@0.9")]
     assert [_label(m, s) for m, s in methods] == ["seq", "spec[PSA]", "spec[PS@0.9]"]
     assert _spec_body("PSA") == "PSA"
-    assert _spec_body("PS@0.9") == {"prefetch": True, "adaptive_stride": True, "async_verify": False,
-                                     "gamma_max": 0.9}
+    assert _spec_body("PS@0.9") == {"prefetch": True, "adaptive_stride": True, "async_verify": False, "gamma_max": 0.9}

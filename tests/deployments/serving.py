@@ -1,4 +1,5 @@
 """Starting the ralmspec Serve app for a test module (shared by the metrics, security and state tests)."""
+
 from __future__ import annotations
 
 import socket
@@ -19,8 +20,12 @@ def app_args(work, index_dirs, fixture_corpus, gen_model_dir, kinds, req: Reques
         if not link.exists():
             link.symlink_to(index_dirs[kind], target_is_directory=True)
     args = {
-        "ralm": {"corpus": fixture_corpus.path, "work_dir": str(work),
-                 "generator": {"model": gen_model_dir}, "request": req.model_dump()},
+        "ralm": {
+            "corpus": fixture_corpus.path,
+            "work_dir": str(work),
+            "generator": {"model": gen_model_dir},
+            "request": req.model_dump(),
+        },
         "retrievers": list(kinds),
         "generator_deployment": {"num_cpus": 0.2},
         "sharding": {"n_shards": 2, "num_cpus": 0.05},

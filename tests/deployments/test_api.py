@@ -1,6 +1,7 @@
 """How an HTTP body becomes a coordinator job (deployments/api.py), without Ray: every
 per-request mode is validated by the core's own config models, unavailable modes are refused
 with a clear 400, and inexact options are flagged."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,9 +9,14 @@ import pytest
 from deployments.api import ApiError, GenerateRequest, build_job
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 
-SERVER = dict(kinds=["edr", "sr"], default_method="spec", spec_defaults=SpecConfig.named("PSA"),
-              request_defaults=RequestConfig(max_new_tokens=24), max_new_limit=128,
-              knn_defaults=KnnLMConfig(k=8))
+SERVER = dict(
+    kinds=["edr", "sr"],
+    default_method="spec",
+    spec_defaults=SpecConfig.named("PSA"),
+    request_defaults=RequestConfig(max_new_tokens=24),
+    max_new_limit=128,
+    knn_defaults=KnnLMConfig(k=8),
+)
 ALL_ON = {"dense_drafting": True, "knnlm": True}
 ALL_OFF = {"dense_drafting": False, "knnlm": False}
 
@@ -45,15 +51,17 @@ def test_every_mode_reaches_the_request_config(fields):
     req = RequestConfig.model_validate(j["request"])
     for name, value in fields.items():
         assert getattr(req, name) == value
-    assert req.max_new_tokens == 24                           # the server's default is kept
+    assert req.max_new_tokens == 24  # the server's default is kept
     assert req.exact == (not (fields.get("idgr") or fields.get("allow_inexact_shifted_reuse")))
     assert j["method"] == "spec" and j["retriever"] == "edr"
 
 
 def test_inexact_options_are_named():
     assert RequestConfig(idgr=True).inexact_options == ["idgr"]
-    assert RequestConfig(allow_inexact_shifted_reuse=True, idgr=True).inexact_options == \
-        ["idgr", "allow_inexact_shifted_reuse"]
+    assert RequestConfig(allow_inexact_shifted_reuse=True, idgr=True).inexact_options == [
+        "idgr",
+        "allow_inexact_shifted_reuse",
+    ]
     assert RequestConfig(drafting="ngram", num_docs=4, workload="flare").exact
 
 
@@ -82,9 +90,19 @@ def test_bad_values_are_refused_with_the_field_and_the_constraint(body, fragment
     assert fragment in refused(body).message
 
 
-@pytest.mark.parametrize("body", [{"drafting": "x"}, {"num_docs": "2"}, {"idgr": "yes"}, {"idgr": 1},
-                                  {"flare_threshold": "0.5"}, {"workload": "active"}, {"knn": {"kk": 1}},
-                                  {"method": "knnlm"}])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"drafting": "x"},
+        {"num_docs": "2"},
+        {"idgr": "yes"},
+        {"idgr": 1},
+        {"flare_threshold": "0.5"},
+        {"workload": "active"},
+        {"knn": {"kk": 1}},
+        {"method": "knnlm"},
+    ],
+)
 def test_body_types_are_strict(body):
     from pydantic import ValidationError
 
@@ -105,7 +123,7 @@ def test_modes_the_server_does_not_enable_are_refused_clearly():
 def test_knn_jobs():
     j = job({"method": "knnlm-spec", "spec": {"stride": 4}, "knn": {"k": 4, "lmbda": 0.5}, "max_new_tokens": 12})
     assert j["method"] == "knnlm-spec" and j["retriever"] == "knn" and j["knn"] == {"k": 4, "lmbda": 0.5}
-    assert j["spec"]["stride"] == 4 and j["spec"]["async_verify"] is False      # the server's A does not apply
+    assert j["spec"]["stride"] == 4 and j["spec"]["async_verify"] is False  # the server's A does not apply
     assert j["request"]["max_new_tokens"] == 12
     assert job({"method": "knnlm-seq"})["knn"] == {}
 
@@ -130,9 +148,22 @@ def test_request_stats_report_the_mode_statistics():
 
     st = RequestStats().set_request(RequestConfig(drafting="ngram", num_docs=2, idgr=True))
     assert (st.drafting, st.num_docs, st.exact, st.inexact_options) == ("ngram", 2, False, ["idgr"])
-    st.record_step(StepOutput([1, 2, 3, 4], False, 0.0, 0.0, False, forward_passes=2, draft_rounds=1,
-                              drafted_tokens=4, accepted_tokens=2, docs_reused=1, docs_computed=1,
-                              kv_bytes_reused=100))
+    st.record_step(
+        StepOutput(
+            [1, 2, 3, 4],
+            False,
+            0.0,
+            0.0,
+            False,
+            forward_passes=2,
+            draft_rounds=1,
+            drafted_tokens=4,
+            accepted_tokens=2,
+            docs_reused=1,
+            docs_computed=1,
+            kv_bytes_reused=100,
+        )
+    )
     d = st.as_dict()
     assert d["tokens_per_forward"] == 2.0 and d["acceptance_rate"] == 0.5 and d["accepted_per_verify_pass"] == 2.0
     assert d["doc_kv_hit_rate"] == 0.5 and d["doc_kv_bytes_reused"] == 100 and d["gen_steps"] == 1
@@ -162,7 +193,7 @@ def test_every_documented_request_body_is_accepted():
     bodies = documented_requests()
     assert {e for _, e, _ in bodies} == {"/v1/ralm/generate", "/v1/completions"}
     assert len(bodies) >= 5
-    for doc, endpoint, body in bodies:
+    for _doc, endpoint, body in bodies:
         if endpoint == "/v1/completions":
             b = CompletionRequest.model_validate(body)
             build_job(b, b.prompt, b.max_tokens, "max_tokens", None, features=ALL_ON, **SERVER)

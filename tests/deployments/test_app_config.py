@@ -1,4 +1,5 @@
 """serve_config.yaml and the app builder's configuration (no Ray needed)."""
+
 from __future__ import annotations
 
 import argparse
@@ -65,8 +66,22 @@ def test_cli_overrides_and_check(capsys):
     p.add_argument("--config")
     p.add_argument("--model")
     add_serve_args(p)
-    args = p.parse_args(["--port", "8011", "--retrievers", "sr,edr", "--n-shards", "3", "--no-batching",
-                         "--pool-size", "2", "--model", "/m/x", "--check"])
+    args = p.parse_args(
+        [
+            "--port",
+            "8011",
+            "--retrievers",
+            "sr,edr",
+            "--n-shards",
+            "3",
+            "--no-batching",
+            "--pool-size",
+            "2",
+            "--model",
+            "/m/x",
+            "--check",
+        ]
+    )
     data = apply_overrides(load_serve_config(SERVE_CONFIG), args)
     a = data["applications"][0]["args"]
     assert data["http_options"]["port"] == 8011
@@ -89,8 +104,9 @@ def test_the_docs_name_the_model_the_default_server_serves():
     data = yaml.safe_load(SERVE_CONFIG.read_text())
     served = AppConfig.model_validate(data["applications"][0]["args"]).resolved().model_name
     docs = [C.PACKAGE_ROOT / "README.md", C.PACKAGE_ROOT / "docs" / "deploying.md", C.PACKAGE_ROOT / "docs" / "api.md"]
-    named = [(d.name, m) for d in docs
-             for m in re.findall(r"""["']?model["']?\s*[:=]\s*["']([^"']+)["']""", d.read_text())]
+    named = [
+        (d.name, m) for d in docs for m in re.findall(r"""["']?model["']?\s*[:=]\s*["']([^"']+)["']""", d.read_text())
+    ]
     assert any(d == "README.md" for d, _ in named), "the README's quick start names no model"
     wrong = [(d, m) for d, m in named if m != served]
     assert not wrong, f"documented model ids that the default server ({served!r}) rejects: {wrong}"

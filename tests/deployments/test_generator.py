@@ -5,12 +5,19 @@ loaded in fp16 with ``device_map="auto"`` through the very code the replica runs
 (:func:`deployments.generator.load_engine`), also inside a placement group of 4 bundles
 with STRICT_PACK (CPU bundles standing in for the GPU ones).
 """
+
 from __future__ import annotations
 
 import pytest
 
-from deployments.generator import (GeneratorDeploymentOptions, GeneratorServer, claim_placement_group_gpus,
-                                   generator_deployment, load_engine, preset)
+from deployments.generator import (
+    GeneratorDeploymentOptions,
+    GeneratorServer,
+    claim_placement_group_gpus,
+    generator_deployment,
+    load_engine,
+    preset,
+)
 from ralm.config import GeneratorConfig
 
 
@@ -52,7 +59,7 @@ def test_other_presets_and_autoscaling():
     auto = GeneratorDeploymentOptions(autoscaling={"min_replicas": 1, "max_replicas": 4})
     d = auto.deployment_options()
     assert "num_replicas" not in d and d["autoscaling_config"]["max_replicas"] == 4
-    generator_deployment(auto)          # accepted by Serve
+    generator_deployment(auto)  # accepted by Serve
     with pytest.raises(ValueError, match="unknown generator preset"):
         preset("llama-9000")
 
@@ -64,8 +71,9 @@ def test_app_config_applies_the_preset_but_explicit_settings_win():
     assert cfg.ralm.generator.model == "meta-llama/Llama-2-70b-hf"
     assert cfg.ralm.generator.dtype == "float16" and cfg.ralm.generator.device == "auto"
     assert cfg.generator_deployment.placement_group_strategy == "STRICT_PACK"
-    cfg = AppConfig.model_validate({"generator_preset": "llama2-70b-4gpu",
-                                    "ralm": {"generator": {"model": "/m/llama"}}}).resolved()
+    cfg = AppConfig.model_validate(
+        {"generator_preset": "llama2-70b-4gpu", "ralm": {"generator": {"model": "/m/llama"}}}
+    ).resolved()
     assert cfg.ralm.generator.model == "/m/llama" and cfg.ralm.generator.dtype == "float16"
 
 
@@ -103,10 +111,13 @@ def test_replica_in_a_strict_pack_placement_group(tiny_llama_dir, fixture_corpus
             def probe(self):
                 return len(self._probes), self.gpu_ids
 
-        rep = Replica.options(num_cpus=0.05, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)).remote(
-            {"model": tiny_llama_dir, "device": "auto", "dtype": "float16"}, fixture_corpus.path)
-        assert ray.get(rep.probe.remote(), timeout=120) == (3, [])     # 3 other bundles probed, no GPUs here
+        rep = Replica.options(
+            num_cpus=0.05,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
+            ),
+        ).remote({"model": tiny_llama_dir, "device": "auto", "dtype": "float16"}, fixture_corpus.path)
+        assert ray.get(rep.probe.remote(), timeout=120) == (3, [])  # 3 other bundles probed, no GPUs here
         info = ray.get(rep.info.remote())
         assert info["dtype"] == "float16" and info["corpus_size"] == len(fixture_corpus)
         tok = ray.get(rep.tokenizer.remote())

@@ -1,5 +1,6 @@
 """The served application over HTTP: exact answers, concurrency, bad input, the OpenAI client,
 a shard killed mid-request. One local Ray and one Serve app for the whole module."""
+
 from __future__ import annotations
 
 import json
@@ -37,9 +38,12 @@ def server(tmp_path_factory, index_dirs, fixture_corpus, gen_model_dir):
     for kind in KINDS:
         (work / "indexes" / kind).symlink_to(index_dirs[kind], target_is_directory=True)
     args = {
-        "ralm": {"corpus": fixture_corpus.path, "work_dir": str(work),
-                 "generator": {"model": gen_model_dir},
-                 "request": REQ.model_dump()},
+        "ralm": {
+            "corpus": fixture_corpus.path,
+            "work_dir": str(work),
+            "generator": {"model": gen_model_dir},
+            "request": REQ.model_dump(),
+        },
         "retrievers": list(KINDS),
         "generator_deployment": {"num_cpus": 0.2},
         "sharding": {"n_shards": 2, "num_cpus": 0.05},
@@ -54,7 +58,11 @@ def server(tmp_path_factory, index_dirs, fixture_corpus, gen_model_dir):
     serve.run(build_app(args), name="ralmspec", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     with httpx.Client(base_url=url, timeout=300) as client:
-        yield {"url": url, "client": client, "model": "pydocs-gpt" if gen_model_dir.endswith("pydocs-gpt") else "tiny-gpt2"}
+        yield {
+            "url": url,
+            "client": client,
+            "model": "pydocs-gpt" if gen_model_dir.endswith("pydocs-gpt") else "tiny-gpt2",
+        }
     stop_ray()
 
 
@@ -79,8 +87,9 @@ def _generate(client, q, kind, method, spec=None, **extra):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("method,spec", [("seq", None), ("spec", "PSA"), ("spec", {"stride": 3})],
-                         ids=["seq", "PSA", "base-s3"])
+@pytest.mark.parametrize(
+    "method,spec", [("seq", None), ("spec", "PSA"), ("spec", {"stride": 3})], ids=["seq", "PSA", "base-s3"]
+)
 def test_http_answer_equals_in_process_seq(server, baselines, questions, kind, method, spec):
     for q in questions[:2]:
         res = _generate(server["client"], q, kind, method, spec)
@@ -94,8 +103,10 @@ def test_http_answer_equals_in_process_seq(server, baselines, questions, kind, m
 def test_completions_endpoint(server, baselines, questions):
     c = server["client"]
     q = questions[0]
-    r = c.post("/v1/completions", json={"model": server["model"], "prompt": q, "max_tokens": REQ.max_new_tokens,
-                                        "retriever": "sr", "spec": "PS"})
+    r = c.post(
+        "/v1/completions",
+        json={"model": server["model"], "prompt": q, "max_tokens": REQ.max_new_tokens, "retriever": "sr", "spec": "PS"},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     base = baselines["sr"][q]
@@ -112,8 +123,10 @@ def test_completions_endpoint(server, baselines, questions):
 
 
 def test_sixteen_concurrent_requests_are_all_exact(server, baselines, questions):
-    jobs = [(questions[i % len(questions)], KINDS[i % 2], ("seq", "spec")[(i // 2) % 2],
-             ("PSA", "A", "base", "P")[i % 4]) for i in range(16)]
+    jobs = [
+        (questions[i % len(questions)], KINDS[i % 2], ("seq", "spec")[(i // 2) % 2], ("PSA", "A", "base", "P")[i % 4])
+        for i in range(16)
+    ]
 
     def one(job):
         q, kind, method, spec = job
@@ -128,8 +141,10 @@ def test_sixteen_concurrent_requests_are_all_exact(server, baselines, questions)
     stats = server["client"].get("/v1/ralm/stats").json()
     assert stats["pool"]["size"] <= 8
     assert sum(v["submissions"] for v in stats["verifiers"].values()) > 0
-    print(f"16 concurrent requests in {time.time() - t0:.1f}s; batches:",
-          {k: v["sizes"] for k, v in stats["verifiers"].items()})
+    print(
+        f"16 concurrent requests in {time.time() - t0:.1f}s; batches:",
+        {k: v["sizes"] for k, v in stats["verifiers"].items()},
+    )
 
 
 BAD = [
@@ -191,16 +206,28 @@ def test_openai_client_completions_and_streaming(server, baselines, questions):
     assert server["model"] in [m.id for m in client.models.list().data]
     q = questions[2]
     base = baselines["edr"][q]
-    out = client.completions.create(model=server["model"], prompt=q, max_tokens=REQ.max_new_tokens,
-                                    temperature=0, extra_body={"retriever": "edr", "spec": "PSA"})
+    out = client.completions.create(
+        model=server["model"],
+        prompt=q,
+        max_tokens=REQ.max_new_tokens,
+        temperature=0,
+        extra_body={"retriever": "edr", "spec": "PSA"},
+    )
     assert out.choices[0].text == base.text
     assert out.usage.completion_tokens == len(base.tokens)
-    chunks = list(client.completions.create(model=server["model"], prompt=q, max_tokens=REQ.max_new_tokens,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"retriever": "edr", "spec": "PSA"}))
+    chunks = list(
+        client.completions.create(
+            model=server["model"],
+            prompt=q,
+            max_tokens=REQ.max_new_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"retriever": "edr", "spec": "PSA"},
+        )
+    )
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == base.text
     assert chunks[-1].choices[0].finish_reason == base.finish_reason
-    assert len([ch for ch in chunks if ch.choices and ch.choices[0].text]) >= 2   # really incremental
+    assert len([ch for ch in chunks if ch.choices and ch.choices[0].text]) >= 2  # really incremental
     with pytest.raises(openai.BadRequestError, match="unknown retriever"):
         client.completions.create(model=server["model"], prompt=q, max_tokens=4, extra_body={"retriever": "x"})
 
@@ -208,9 +235,11 @@ def test_openai_client_completions_and_streaming(server, baselines, questions):
 def test_streaming_raw_sse(server, baselines, questions):
     q = questions[0]
     events = []
-    with server["client"].stream("POST", "/v1/completions",
-                                 json={"prompt": q, "max_tokens": REQ.max_new_tokens, "stream": True,
-                                       "retriever": "sr", "method": "seq"}) as r:
+    with server["client"].stream(
+        "POST",
+        "/v1/completions",
+        json={"prompt": q, "max_tokens": REQ.max_new_tokens, "stream": True, "retriever": "sr", "method": "seq"},
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -235,8 +264,9 @@ def test_shard_killed_mid_http_request(server, retrievers, local_generator, ques
     box: dict = {}
 
     def request():
-        box["res"] = _generate(c, q, "edr", "seq", max_new_tokens=req.max_new_tokens,
-                               generation_stride=req.generation_stride)
+        box["res"] = _generate(
+            c, q, "edr", "seq", max_new_tokens=req.max_new_tokens, generation_stride=req.generation_stride
+        )
         box["done"] = time.time()
 
     def kb_calls() -> int:
@@ -246,7 +276,7 @@ def test_shard_killed_mid_http_request(server, retrievers, local_generator, ques
     t = threading.Thread(target=request)
     t.start()
     deadline = time.time() + 120
-    while kb_calls() < before + 3 and time.time() < deadline:     # the request is under way
+    while kb_calls() < before + 3 and time.time() < deadline:  # the request is under way
         time.sleep(0.005)
     killed_at = time.time()
     ray.kill(victim, no_restart=False)
@@ -268,9 +298,28 @@ def test_served_bench_tiny_run(server, tmp_path, questions):
     qfile.write_text("".join(json.dumps({"question": q}) + "\n" for q in questions[:2]))
     p = argparse.ArgumentParser()
     add_served_bench_args(p)
-    args = p.parse_args(["--url", server["url"], "--questions", str(qfile), "-n", "2", "--concurrency", "1,2",
-                         "--retrievers", "edr", "--max-new-tokens", "8", "--out", str(tmp_path / "out"),
-                         "--methods", "seq,spec:PSA,spec:PS@0.9", "--max-inflight", "1"])
+    args = p.parse_args(
+        [
+            "--url",
+            server["url"],
+            "--questions",
+            str(qfile),
+            "-n",
+            "2",
+            "--concurrency",
+            "1,2",
+            "--retrievers",
+            "edr",
+            "--max-new-tokens",
+            "8",
+            "--out",
+            str(tmp_path / "out"),
+            "--methods",
+            "seq,spec:PSA,spec:PS@0.9",
+            "--max-inflight",
+            "1",
+        ]
+    )
     try:
         assert served_bench_main(args) == 0
     finally:
@@ -315,6 +364,7 @@ def test_served_bench_default_levels(server, tmp_path):
 
     p = argparse.ArgumentParser()
     add_served_bench_args(p)
-    args = p.parse_args(["--url", server["url"], "--retrievers", "edr,sr", "--max-new-tokens", "24",
-                         "--out", str(tmp_path / "out")])
+    args = p.parse_args(
+        ["--url", server["url"], "--retrievers", "edr,sr", "--max-new-tokens", "24", "--out", str(tmp_path / "out")]
+    )
     assert served_bench_main(args) == 0

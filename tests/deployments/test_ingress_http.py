@@ -5,6 +5,7 @@ The backend runs the core loops as they are (:func:`ralm.seq.run_seq`,
 :func:`ralm.spec.run_spec`) over the scripted test doubles of ``tests/factories.py``, so
 the answers, their statistics and the streamed chunks are real; the Ray topology is tested
 over real HTTP in ``test_http.py``."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,8 @@ import json
 import subprocess
 import sys
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import pytest
 from fastapi.testclient import TestClient
@@ -34,7 +35,7 @@ LIMIT = 4096
 MODEL = "scripted-lm"
 REQ = RequestConfig(max_new_tokens=12, generation_stride=3)
 QUESTION = "what does json dumps do"
-SCHEDULE = {0: 4, 1: 7, 2: 7, 3: 2}          # the KB's top-1 per retrieval step
+SCHEDULE = {0: 4, 1: 7, 2: 7, 3: 2}  # the KB's top-1 per retrieval step
 
 
 def answer(question: str, job: dict, on_commit=None) -> RalmResult:
@@ -57,7 +58,7 @@ class InProcessBackend:
 
     def __init__(self):
         self.jobs: list[dict] = []
-        self.fail: Exception | None = None      # raised by the next request
+        self.fail: Exception | None = None  # raised by the next request
         self.unhealthy: str | None = None
         self.policies: list[tuple[dict, bool]] = []
         self.closed_streams = 0
@@ -92,7 +93,7 @@ class InProcessBackend:
             for toks in commits:
                 done += toks
                 full = gen.decode(done)
-                yield {"delta": full[len(text):], "tokens": toks}
+                yield {"delta": full[len(text) :], "tokens": toks}
                 text = full
             yield {"delta": "", "tokens": [], "done": True, "result": res}
         finally:
@@ -112,9 +113,18 @@ class InProcessBackend:
 
 
 def settings(**over) -> IngressSettings:
-    base = dict(model_name=MODEL, model_ids=(MODEL, "/models/scripted-lm"), retrievers=("edr", "sr"),
-                default_method="spec", spec_defaults=SpecConfig.named("PSA"), request_defaults=REQ,
-                knn_defaults=KnnLMConfig(), max_prompt_chars=1000, max_body_bytes=LIMIT, admin=True)
+    base = dict(
+        model_name=MODEL,
+        model_ids=(MODEL, "/models/scripted-lm"),
+        retrievers=("edr", "sr"),
+        default_method="spec",
+        spec_defaults=SpecConfig.named("PSA"),
+        request_defaults=REQ,
+        knn_defaults=KnnLMConfig(),
+        max_prompt_chars=1000,
+        max_body_bytes=LIMIT,
+        admin=True,
+    )
     return IngressSettings(**{**base, **over})
 
 
@@ -160,13 +170,16 @@ def test_oversized_bodies_are_413_before_parsing(client):
     r = client.post("/v1/completions", content=b"{" * (LIMIT + 1), headers={"Content-Type": "application/json"})
     assert r.status_code == 413
 
-    def chunks():                      # no Content-Length: counted while reading
+    def chunks():  # no Content-Length: counted while reading
         for _ in range(LIMIT // 512 + 2):
             yield b" " * 512
+
     r = client.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
     assert r.status_code == 413
-    assert client.post("/v1/completions", content=b"{not json",
-                       headers={"Content-Type": "application/json"}).status_code == 400
+    assert (
+        client.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}).status_code
+        == 400
+    )
 
 
 # ---------------------------------------------------------------- validation
@@ -199,7 +212,7 @@ def test_bad_requests_get_an_error_naming_the_field(client, backend, body, statu
     assert err["param"] == param
     if status == 404:
         assert err["code"] == "model_not_found"
-    assert backend.jobs == []                      # refused before the backend saw it
+    assert backend.jobs == []  # refused before the backend saw it
 
 
 def test_bad_json_and_headers(client):
@@ -218,24 +231,33 @@ def test_completions_have_the_openai_shape_and_the_statistics(client, backend):
     assert r.status_code == 200, r.text
     expected = answer(QUESTION, backend.jobs[0])
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == MODEL
-    assert body["choices"] == [{"text": expected.text, "index": 0, "logprobs": None,
-                                "finish_reason": expected.finish_reason}]
+    assert body["choices"] == [
+        {"text": expected.text, "index": 0, "logprobs": None, "finish_reason": expected.finish_reason}
+    ]
     n_prompt = len(QUESTION.split())
-    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": len(expected.tokens),
-                             "total_tokens": n_prompt + len(expected.tokens)}
+    assert body["usage"] == {
+        "prompt_tokens": n_prompt,
+        "completion_tokens": len(expected.tokens),
+        "total_tokens": n_prompt + len(expected.tokens),
+    }
     ralm = body["ralm"]
     assert (ralm["retriever"], ralm["method"], ralm["exact"]) == ("edr", "seq", True)
     assert ralm["tokens"] == expected.tokens and len(ralm["tokens"]) == REQ.max_new_tokens
     assert ralm["stats"]["doc_ids"] == expected.stats.doc_ids and ralm["stats"]["method"] == "seq"
     # the other accepted model id, a one-element prompt list, echo
-    r = client.post("/v1/completions", json={"model": "/models/scripted-lm", "prompt": [QUESTION], "echo": True,
-                                             "max_tokens": 6, "method": "seq"})
+    r = client.post(
+        "/v1/completions",
+        json={"model": "/models/scripted-lm", "prompt": [QUESTION], "echo": True, "max_tokens": 6, "method": "seq"},
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == QUESTION + answer(QUESTION, backend.jobs[1]).text
 
 
 def test_generate_carries_stats_and_the_job_built_from_the_server_defaults(client, backend):
-    r = client.post("/v1/ralm/generate", json={"question": QUESTION, "retriever": "sr", "spec": "PS",
-                                               "max_new_tokens": 9}, headers={"X-Request-ID": "req-1"})
+    r = client.post(
+        "/v1/ralm/generate",
+        json={"question": QUESTION, "retriever": "sr", "spec": "PS", "max_new_tokens": 9},
+        headers={"X-Request-ID": "req-1"},
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     job = backend.jobs[0]
@@ -244,7 +266,7 @@ def test_generate_carries_stats_and_the_job_built_from_the_server_defaults(clien
     assert (out["model"], out["retriever"], out["method"], out["request_id"]) == (MODEL, "sr", "spec", "req-1")
     assert out["prompt_tokens"] == len(QUESTION.split()) and out["exact"] is True
     seq = answer(QUESTION, {**job, "method": "seq"})
-    assert out["tokens"] == seq.tokens and out["stats"]["doc_ids"] == seq.stats.doc_ids   # RaLMSpec == RaLMSeq
+    assert out["tokens"] == seq.tokens and out["stats"]["doc_ids"] == seq.stats.doc_ids  # RaLMSpec == RaLMSeq
     assert out["stats"]["method"] == "spec[PS]" and out["stats"]["retriever"] == "sr"
 
 
@@ -277,7 +299,7 @@ def test_streaming_sends_server_sent_events(client, backend):
     assert events[-1] == "[DONE]"
     objs = [json.loads(e) for e in events[:-1]]
     expected = answer(QUESTION, backend.jobs[0])
-    assert len(objs) >= 3                                   # one chunk per committed step, then the last
+    assert len(objs) >= 3  # one chunk per committed step, then the last
     assert "".join(o["choices"][0]["text"] for o in objs) == expected.text
     assert all(o["object"] == "text_completion" and o["model"] == MODEL for o in objs)
     assert len({o["id"] for o in objs}) == 1
@@ -295,8 +317,12 @@ def test_streaming_sends_server_sent_events(client, backend):
 def test_a_failing_stream_ends_with_an_error_event(client, backend):
     backend.fail = RalmInputError("question has no tokens")
     events = _events(client, {"method": "seq"})
-    assert json.loads(events[-1])["error"] == {"message": "question has no tokens", "type": "invalid_request_error",
-                                              "param": None, "code": None}
+    assert json.loads(events[-1])["error"] == {
+        "message": "question has no tokens",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
     backend.fail = RuntimeError("boom")
     assert json.loads(_events(client, {})[-1])["error"]["type"] == "server_error"
     assert client.get("/v1/ralm/stats").json()["errors"] == 2
@@ -331,11 +357,16 @@ def test_models_health_stats_and_admin(client, backend):
     assert set(stats) == {"requests", "errors", "pool", "verifiers", "features"}
     out = client.post("/v1/ralm/admin/verifier", json={"batching": False, "reset_stats": True}).json()
     assert out == {"edr": {"batching": False}}
-    assert backend.policies[0] == ({"batching": False, "window_ms": None, "max_batch": None, "max_inflight": None,
-                                    "flush_when_all_waiting": None}, True)
+    assert backend.policies[0] == (
+        {"batching": False, "window_ms": None, "max_batch": None, "max_inflight": None, "flush_when_all_waiting": None},
+        True,
+    )
     err = _error(client.post("/v1/ralm/admin/verifier", json={"max_inflight": 0}), 400)
     assert err["param"] == "max_inflight"
-    assert _error(client.post("/v1/ralm/admin/verifier", content=b"{x"), 400)["message"] == "request body is not valid JSON"
+    assert (
+        _error(client.post("/v1/ralm/admin/verifier", content=b"{x"), 400)["message"]
+        == "request body is not valid JSON"
+    )
 
 
 def test_admin_is_off_unless_enabled(backend):
@@ -347,18 +378,31 @@ def test_admin_is_off_unless_enabled(backend):
 def test_settings_from_the_app_config():
     from deployments.config import AppConfig
 
-    cfg = AppConfig.model_validate({"retrievers": ["sr", "edr"], "default_method": "seq",
-                                    "ingress": {"served_model_name": "m", "admin": True, "max_body_bytes": 10}})
+    cfg = AppConfig.model_validate(
+        {
+            "retrievers": ["sr", "edr"],
+            "default_method": "seq",
+            "ingress": {"served_model_name": "m", "admin": True, "max_body_bytes": 10},
+        }
+    )
     s = IngressSettings.from_config(cfg, api_key="k")
-    assert (s.model_name, s.retrievers, s.default_method, s.admin, s.max_body_bytes, s.api_key) == \
-        ("m", ("sr", "edr"), "seq", True, 10, "k")
+    assert (s.model_name, s.retrievers, s.default_method, s.admin, s.max_body_bytes, s.api_key) == (
+        "m",
+        ("sr", "edr"),
+        "seq",
+        True,
+        10,
+        "k",
+    )
     assert s.model_ids == ("m", str(cfg.ralm.generator.model)) and s.request_defaults == cfg.ralm.request
 
 
 def test_the_http_layer_imports_no_ray():
     """A fresh interpreter imports the ingress, the backend protocol and this module without Ray."""
-    code = ("import sys; import deployments.ingress, deployments.backend, tests.deployments.test_ingress_http; "
-            "bad = sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')); assert not bad, bad")
+    code = (
+        "import sys; import deployments.ingress, deployments.backend, tests.deployments.test_ingress_http; "
+        "bad = sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')); assert not bad, bad"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
 

@@ -1,5 +1,6 @@
 """Serving metrics on Ray's Prometheus endpoint, after real HTTP requests, with the names and
 labels k8s/grafana-dashboard.json queries."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ from tests.deployments.serving import app_args, free_port, serve_app
 REQ = RequestConfig(max_new_tokens=24, generation_stride=4)
 KINDS = ("edr",)
 DASHBOARD = Path(__file__).resolve().parents[2] / "k8s" / "grafana-dashboard.json"
-EXPECTED = {   # exported family -> labels the dashboard uses
+EXPECTED = {  # exported family -> labels the dashboard uses
     "ray_ralmspec_request_latency_seconds": {"retriever", "method"},
     "ray_ralmspec_kb_calls": {"retriever"},
     "ray_ralmspec_cache_hit_rate": {"retriever"},
@@ -75,14 +76,17 @@ def metrics(served):
         lat = sum(_values(fams, "ray_ralmspec_request_latency_seconds", "_count"))
         shards = [sum(_values(fams, "ray_ralmspec_shard_latency_seconds", "_count", shard=i)) for i in ("0", "1")]
         if set(EXPECTED) <= set(fams) and lat >= want_latency and min(shards) >= 1:
-            break         # (each process exports on its own schedule: wait for all of them)
+            break  # (each process exports on its own schedule: wait for all of them)
         time.sleep(2)
     return fams
 
 
 def _values(fams, family, suffix="", **labels):
-    return [v for n, lab, v in fams.get(family, [])
-            if n == family + suffix and all(lab.get(k) == val for k, val in labels.items())]
+    return [
+        v
+        for n, lab, v in fams.get(family, [])
+        if n == family + suffix and all(lab.get(k) == val for k, val in labels.items())
+    ]
 
 
 def test_every_dashboard_metric_is_exported_with_its_labels(metrics):

@@ -1,6 +1,7 @@
 """Per-request generation modes over real HTTP (one local Ray + Serve app for the module, with
 dense drafting and KNN-LM enabled): each mode returns the in-process loop's tokens for the same
 RequestConfig, reports its own statistics, and bad values get a 4xx while the server keeps serving."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ from ralm.config import GeneratorConfig, KnnLMConfig, RequestConfig, SpecConfig
 from ralm.seq import run_seq
 from tests.deployments.serving import app_args, serve_app
 
-REQ = RequestConfig(max_new_tokens=24, generation_stride=4)     # the server's request defaults
+REQ = RequestConfig(max_new_tokens=24, generation_stride=4)  # the server's request defaults
 KINDS = ("edr", "sr")
 KNN_PASSAGES, KNN_MAX_TOKENS = 30, 96
 
@@ -40,8 +41,9 @@ def knn_setup(ref_gen, fixture_corpus, tmp_path_factory):
     from ralm.knnlm import build_datastore, load_knn_retriever
 
     d = tmp_path_factory.mktemp("knn") / "datastore"
-    ds = build_datastore(ref_gen.engine, fixture_corpus, n_passages=KNN_PASSAGES, max_passage_tokens=KNN_MAX_TOKENS,
-                         progress=False)
+    ds = build_datastore(
+        ref_gen.engine, fixture_corpus, n_passages=KNN_PASSAGES, max_passage_tokens=KNN_MAX_TOKENS, progress=False
+    )
     ds.save(d)
     return d, load_knn_retriever(ds, KnnLMConfig(max_passage_tokens=KNN_MAX_TOKENS))
 
@@ -50,11 +52,21 @@ def knn_setup(ref_gen, fixture_corpus, tmp_path_factory):
 def server(tmp_path_factory, index_dirs, fixture_corpus, gen_model_dir, ref_gen, knn_setup):
     from tests.actors.support import stop_ray
 
-    args = app_args(tmp_path_factory.mktemp("modes-work"), index_dirs, fixture_corpus, gen_model_dir, KINDS, REQ,
-                    dense_drafting={"datastore": str(ref_gen.dense_path)},
-                    knnlm={"enabled": True, "n_passages": KNN_PASSAGES,
-                           "config": {"datastore_dir": str(knn_setup[0]), "max_passage_tokens": KNN_MAX_TOKENS}})
-    args["ralm"]["spec"] = SpecConfig.named("PSA").model_dump()      # the served default, as in serve_config.yaml
+    args = app_args(
+        tmp_path_factory.mktemp("modes-work"),
+        index_dirs,
+        fixture_corpus,
+        gen_model_dir,
+        KINDS,
+        REQ,
+        dense_drafting={"datastore": str(ref_gen.dense_path)},
+        knnlm={
+            "enabled": True,
+            "n_passages": KNN_PASSAGES,
+            "config": {"datastore_dir": str(knn_setup[0]), "max_passage_tokens": KNN_MAX_TOKENS},
+        },
+    )
+    args["ralm"]["spec"] = SpecConfig.named("PSA").model_dump()  # the served default, as in serve_config.yaml
     url = serve_app(args)
     with httpx.Client(base_url=url, timeout=300) as client:
         yield {"url": url, "client": client}
@@ -77,7 +89,7 @@ def test_the_server_advertises_its_modes(server):
     assert c.get("/v1/models").json()["data"][0]["features"] == {"dense_drafting": True, "knnlm": True}
     gen = c.get("/v1/ralm/stats").json()["generator"]
     assert gen["dense_drafting"]["entries"] > 0 and not gen["dense_drafting"]["built"]
-    assert gen["knnlm"]["entries"] > 0 and gen["knnlm"]["built"] is False      # the datastore was loaded
+    assert gen["knnlm"]["entries"] > 0 and gen["knnlm"]["built"] is False  # the datastore was loaded
 
 
 # (id, retriever, request fields, methods)
@@ -94,8 +106,9 @@ MODES = [
 
 
 @pytest.mark.parametrize("kind,fields,methods", [m[1:] for m in MODES], ids=[m[0] for m in MODES])
-def test_each_mode_over_http_returns_the_in_process_tokens(server, ref_gen, retrievers, questions, kind, fields,
-                                                           methods):
+def test_each_mode_over_http_returns_the_in_process_tokens(
+    server, ref_gen, retrievers, questions, kind, fields, methods
+):
     req = REQ.model_copy(update=fields)
     for q in questions:
         want = run_seq(q, ref_gen, retrievers[kind], req)
@@ -109,17 +122,30 @@ def test_each_mode_over_http_returns_the_in_process_tokens(server, ref_gen, retr
             assert res["exact"] is True and st["exact"] is True and st["inexact_options"] == []
             assert (st["drafting"], st["workload"], st["num_docs"]) == (req.drafting, req.workload, req.num_docs)
             assert st["forward_passes"] > 0 and st["generated_tokens"] >= len(res["tokens"])
-            if m == "seq":                        # the same steps: the same statistics, carried up to HTTP
-                for name in ("forward_passes", "generated_tokens", "draft_rounds", "drafted_tokens",
-                             "accepted_tokens", "low_confidence_stops", "gen_steps"):
+            if m == "seq":  # the same steps: the same statistics, carried up to HTTP
+                for name in (
+                    "forward_passes",
+                    "generated_tokens",
+                    "draft_rounds",
+                    "drafted_tokens",
+                    "accepted_tokens",
+                    "low_confidence_stops",
+                    "gen_steps",
+                ):
                     assert st[name] == getattr(want.stats, name), (name, fields)
 
 
 def test_ngram_drafting_reports_fewer_forward_passes_than_tokens(server, fixture_corpus):
     c = server["client"]
-    prompt = "Copy the text: " + fixture_corpus.text(10)[:200]      # copy-friendly
-    base = {"question": prompt, "retriever": "sr", "method": "seq", "max_new_tokens": 32, "generation_stride": 8,
-            "ignore_eos": True}
+    prompt = "Copy the text: " + fixture_corpus.text(10)[:200]  # copy-friendly
+    base = {
+        "question": prompt,
+        "retriever": "sr",
+        "method": "seq",
+        "max_new_tokens": 32,
+        "generation_stride": 8,
+        "ignore_eos": True,
+    }
     plain = _post(c, {**base, "drafting": "none"})["stats"]
     assert plain["forward_passes"] == plain["generated_tokens"] == 32 and plain["tokens_per_forward"] == 1.0
     assert plain["drafted_tokens"] == 0 and plain["acceptance_rate"] is None
@@ -133,8 +159,17 @@ def test_ngram_drafting_reports_fewer_forward_passes_than_tokens(server, fixture
 
 
 def test_dense_drafting_never_costs_more_forward_passes(server, questions):
-    st = _post(server["client"], {"question": questions[0], "retriever": "edr", "method": "seq",
-                                  "drafting": "dense", "ignore_eos": True, "generation_stride": 8})["stats"]
+    st = _post(
+        server["client"],
+        {
+            "question": questions[0],
+            "retriever": "edr",
+            "method": "seq",
+            "drafting": "dense",
+            "ignore_eos": True,
+            "generation_stride": 8,
+        },
+    )["stats"]
     assert st["drafting"] == "dense" and st["generated_tokens"] == REQ.max_new_tokens
     assert 0 < st["forward_passes"] <= st["generated_tokens"]
     assert st["accepted_tokens"] <= st["drafted_tokens"]
@@ -145,7 +180,7 @@ def test_doc_kv_statistics_with_several_documents(server, questions):
     body = {"question": questions[1], "retriever": "edr", "method": "spec", "spec": "PS", "num_docs": 2}
     first = _post(c, body)["stats"]
     assert first["doc_kv_docs_reused"] + first["doc_kv_misses"] == 2 * first["gen_steps"]
-    second = _post(c, body)["stats"]             # every document's KV is cached now
+    second = _post(c, body)["stats"]  # every document's KV is cached now
     assert second["doc_kv_misses"] == 0 and second["doc_kv_hits"] == second["gen_steps"] > 0
     assert second["doc_kv_docs_reused"] == 2 * second["gen_steps"] and second["doc_kv_hit_rate"] == 1.0
     assert second["doc_kv_bytes_reused"] > 0
@@ -156,19 +191,36 @@ def test_inexact_options_are_accepted_explicitly_and_flagged(server, ref_gen, re
     q = questions[0]
     req = REQ.model_copy(update={"idgr": True, "num_docs": 2, "idgr_unrelated": 1})
     want = run_seq(q, ref_gen, retrievers["edr"], req)
-    res = _post(c, {"question": q, "retriever": "edr", "method": "spec", "spec": "PSA", "idgr": True,
-                    "num_docs": 2, "idgr_unrelated": 1})
-    assert res["tokens"] == want.tokens                   # RaLMSpec still equals RaLMSeq with the same prompt ...
-    assert res["exact"] is False and res["stats"]["inexact_options"] == ["idgr"]   # ... but not plain RaLMSeq's
-    out = _post(c, {"prompt": q, "max_tokens": 8, "retriever": "edr", "num_docs": 2,
-                    "allow_inexact_shifted_reuse": True}, "/v1/completions")
+    res = _post(
+        c,
+        {
+            "question": q,
+            "retriever": "edr",
+            "method": "spec",
+            "spec": "PSA",
+            "idgr": True,
+            "num_docs": 2,
+            "idgr_unrelated": 1,
+        },
+    )
+    assert res["tokens"] == want.tokens  # RaLMSpec still equals RaLMSeq with the same prompt ...
+    assert res["exact"] is False and res["stats"]["inexact_options"] == ["idgr"]  # ... but not plain RaLMSeq's
+    out = _post(
+        c,
+        {"prompt": q, "max_tokens": 8, "retriever": "edr", "num_docs": 2, "allow_inexact_shifted_reuse": True},
+        "/v1/completions",
+    )
     assert out["ralm"]["exact"] is False and out["ralm"]["stats"]["inexact_options"] == ["allow_inexact_shifted_reuse"]
     plain = _post(c, {"prompt": q, "max_tokens": 8, "retriever": "edr", "num_docs": 2}, "/v1/completions")
-    assert plain["ralm"]["exact"] is True                 # never on unless asked for
+    assert plain["ralm"]["exact"] is True  # never on unless asked for
 
 
-KNN = [("knnlm-seq", None, None), ("knnlm-spec", {"stride": 3}, None), ("knnlm-spec", "S", {"k": 4, "lmbda": 0.5}),
-       ("knnlm-spec", "base", {"spatial_next": 2, "temperature": 2.0})]
+KNN = [
+    ("knnlm-seq", None, None),
+    ("knnlm-spec", {"stride": 3}, None),
+    ("knnlm-spec", "S", {"k": 4, "lmbda": 0.5}),
+    ("knnlm-spec", "base", {"spatial_next": 2, "temperature": 2.0}),
+]
 
 
 @pytest.mark.parametrize("method,spec,knn", KNN, ids=["seq", "s3", "S-k4", "base-n2"])
@@ -201,16 +253,27 @@ def test_streaming_with_modes(server, ref_gen, retrievers, knn_setup, questions)
     from ralm.knnlm import run_knn_seq
 
     q = questions[1]
-    cases = [({"retriever": "sr", "spec": "PSA", "drafting": "ngram", "num_docs": 2},
-              run_seq(q, ref_gen, retrievers["sr"], REQ.model_copy(update={"drafting": "ngram", "num_docs": 2}))),
-             ({"method": "knnlm-spec", "spec": {"stride": 2}},
-              run_knn_seq(q, ref_gen.engine, knn_setup[1], KnnLMConfig(max_passage_tokens=KNN_MAX_TOKENS),
-                          RequestConfig(max_new_tokens=REQ.max_new_tokens)))]
+    cases = [
+        (
+            {"retriever": "sr", "spec": "PSA", "drafting": "ngram", "num_docs": 2},
+            run_seq(q, ref_gen, retrievers["sr"], REQ.model_copy(update={"drafting": "ngram", "num_docs": 2})),
+        ),
+        (
+            {"method": "knnlm-spec", "spec": {"stride": 2}},
+            run_knn_seq(
+                q,
+                ref_gen.engine,
+                knn_setup[1],
+                KnnLMConfig(max_passage_tokens=KNN_MAX_TOKENS),
+                RequestConfig(max_new_tokens=REQ.max_new_tokens),
+            ),
+        ),
+    ]
     for extra, want in cases:
         events = []
-        with server["client"].stream("POST", "/v1/completions",
-                                     json={"prompt": q, "max_tokens": REQ.max_new_tokens, "stream": True,
-                                           **extra}) as r:
+        with server["client"].stream(
+            "POST", "/v1/completions", json={"prompt": q, "max_tokens": REQ.max_new_tokens, "stream": True, **extra}
+        ) as r:
             assert r.status_code == 200
             events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
@@ -242,15 +305,18 @@ BAD = [
 def test_bad_mode_values_get_4xx_and_the_server_keeps_serving(server, ref_gen, retrievers, questions):
     c = server["client"]
     for extra, fragment in BAD:
-        for path, body in (("/v1/ralm/generate", {"question": "hi", **extra}),
-                           ("/v1/completions", {"prompt": "hi", "max_tokens": 4, **extra})):
+        for path, body in (
+            ("/v1/ralm/generate", {"question": "hi", **extra}),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 4, **extra}),
+        ):
             r = c.post(path, json=body)
             assert r.status_code == 400, (path, body, r.text)
             err = r.json()["error"]
             assert fragment in err["message"], (body, err)
     # a request that passes validation but cannot run (too long for the model) is a 400 too
-    r = c.post("/v1/ralm/generate", json={"question": "word " * 250, "retriever": "edr", "num_docs": 8,
-                                          "max_new_tokens": 128})
+    r = c.post(
+        "/v1/ralm/generate", json={"question": "word " * 250, "retriever": "edr", "num_docs": 8, "max_new_tokens": 128}
+    )
     assert r.status_code == 400 and "positions" in r.json()["error"]["message"], r.text
     assert c.get("/healthz").status_code == 200
     q = questions[0]
@@ -268,9 +334,30 @@ def test_served_bench_measures_a_mode(server, tmp_path, questions):
     qfile.write_text(json.dumps({"question": questions[0]}) + "\n")
     p = argparse.ArgumentParser()
     add_served_bench_args(p)
-    args = p.parse_args(["--url", server["url"], "--questions", str(qfile), "-n", "1", "--concurrency", "1",
-                         "--retrievers", "edr", "--max-new-tokens", "16", "--batching", "on", "--warmup", "0",
-                         "--options", '{"drafting": "ngram", "num_docs": 2}', "--out", str(tmp_path / "out")])
+    args = p.parse_args(
+        [
+            "--url",
+            server["url"],
+            "--questions",
+            str(qfile),
+            "-n",
+            "1",
+            "--concurrency",
+            "1",
+            "--retrievers",
+            "edr",
+            "--max-new-tokens",
+            "16",
+            "--batching",
+            "on",
+            "--warmup",
+            "0",
+            "--options",
+            '{"drafting": "ngram", "num_docs": 2}',
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     assert served_bench_main(args) == 0
     data = json.loads((tmp_path / "out" / "served_bench.json").read_text())
     assert data["meta"]["options"] == {"drafting": "ngram", "num_docs": 2}

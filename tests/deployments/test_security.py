@@ -1,5 +1,6 @@
 """Security basics over real HTTP: the optional API key (bearer token from RALMSPEC_API_KEY or
 RALMSPEC_API_KEY_FILE, never from the config), the body size limit, the local bind address."""
+
 from __future__ import annotations
 
 import os
@@ -26,10 +27,17 @@ def server(tmp_path_factory, index_dirs, fixture_corpus, gen_model_dir):
     key_file = d / "api-key"
     key_file.write_text(KEY + "\n")
     saved = {k: os.environ.pop(k, None) for k in ("RALMSPEC_API_KEY", "RALMSPEC_API_KEY_FILE")}
-    os.environ["RALMSPEC_API_KEY_FILE"] = str(key_file)      # Ray's workers inherit it (a mounted Secret)
+    os.environ["RALMSPEC_API_KEY_FILE"] = str(key_file)  # Ray's workers inherit it (a mounted Secret)
     try:
-        args = app_args(tmp_path_factory.mktemp("sec-work"), index_dirs, fixture_corpus, gen_model_dir, ("edr",),
-                        REQ, ingress={"max_body_bytes": LIMIT})
+        args = app_args(
+            tmp_path_factory.mktemp("sec-work"),
+            index_dirs,
+            fixture_corpus,
+            gen_model_dir,
+            ("edr",),
+            REQ,
+            ingress={"max_body_bytes": LIMIT},
+        )
         url = serve_app(args)
         with httpx.Client(base_url=url, timeout=300) as client:
             yield {"url": url, "client": client}
@@ -81,8 +89,9 @@ def test_openai_client_with_api_key(server):
     import openai
 
     good = openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0)
-    out = good.completions.create(model=good.models.list().data[0].id, prompt="What does json.dumps do?",
-                                  max_tokens=8, temperature=0)
+    out = good.completions.create(
+        model=good.models.list().data[0].id, prompt="What does json.dumps do?", max_tokens=8, temperature=0
+    )
     assert out.choices[0].text and out.usage.completion_tokens >= 1
     bad = openai.OpenAI(base_url=server["url"] + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -98,10 +107,12 @@ def test_oversized_body_is_413_before_parsing(server):
     # not even JSON: rejected on its size, before any parsing
     r = c.post("/v1/completions", content=b"{" * (LIMIT + 1), headers={**_auth(), "Content-Type": "application/json"})
     assert r.status_code == 413
+
     # chunked upload without Content-Length: counted while reading
     def chunks():
         for _ in range(LIMIT // 512 + 2):
             yield b" " * 512
+
     r = c.post("/v1/completions", content=chunks(), headers={**_auth(), "Content-Type": "application/json"})
     assert r.status_code == 413
     # a body under the limit still goes through to validation (400 for bad JSON, not 413)
@@ -158,8 +169,10 @@ def test_redis_password_never_from_config():
     from cache.state import StateStoreConfigError
     from deployments.app import AppConfig
 
-    for bad in ({"state": {"store": {"url": "redis://u:s3cret@redis:6379/0"}}},
-                {"state": {"store": {"url": "redis://redis:6379/0", "password": "s3cret"}}}):
+    for bad in (
+        {"state": {"store": {"url": "redis://u:s3cret@redis:6379/0"}}},
+        {"state": {"store": {"url": "redis://redis:6379/0", "password": "s3cret"}}},
+    ):
         with pytest.raises(Exception) as e:
             AppConfig.model_validate(bad)
         assert "s3cret" not in str(e.value)

@@ -11,6 +11,7 @@
 * the Grafana dashboard JSON and the metrics it queries;
 * the generated files are up to date with their sources (serve_config.yaml, k8s/src/).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,13 +27,26 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 SHARED_CRDS = ROOT.parent / "shared" / "kuberay-crds"
 VENDORED_CRDS = Path(__file__).resolve().parent / "crds"
-CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml",
-             "RayService": "ray.io_rayservices.yaml"}
-METRICS = ["ralmspec_request_latency_seconds", "ralmspec_kb_calls_total", "ralmspec_cache_hit_rate",
-           "ralmspec_rollbacks_total", "ralmspec_gamma", "ralmspec_verifier_batch_size",
-           "ralmspec_shard_latency_seconds"]
-GENERATED = ["k8s/rayservice.yaml", "k8s/rayjob-eval.yaml", "k8s/raycluster.yaml",
-             "k8s/grafana-dashboard-configmap.yaml"]
+CRD_FILES = {
+    "RayCluster": "ray.io_rayclusters.yaml",
+    "RayJob": "ray.io_rayjobs.yaml",
+    "RayService": "ray.io_rayservices.yaml",
+}
+METRICS = [
+    "ralmspec_request_latency_seconds",
+    "ralmspec_kb_calls_total",
+    "ralmspec_cache_hit_rate",
+    "ralmspec_rollbacks_total",
+    "ralmspec_gamma",
+    "ralmspec_verifier_batch_size",
+    "ralmspec_shard_latency_seconds",
+]
+GENERATED = [
+    "k8s/rayservice.yaml",
+    "k8s/rayjob-eval.yaml",
+    "k8s/raycluster.yaml",
+    "k8s/grafana-dashboard-configmap.yaml",
+]
 
 
 # ------------------------------------------------------------------ helpers
@@ -40,6 +54,7 @@ def _crd_text(kind: str) -> str:
     """A CRD's YAML: $KUBERAY_CRDS_DIR, else ../shared/kuberay-crds, else the vendored gzip copy."""
     import gzip
     import os
+
     name = CRD_FILES[kind]
     env = os.environ.get("KUBERAY_CRDS_DIR")
     for d in ([Path(env)] if env else []) + [SHARED_CRDS]:
@@ -56,7 +71,7 @@ _SCHEMAS: dict[str, dict] = {}
 
 def crd_schema(kind: str, version: str = "v1") -> dict:
     if kind not in _SCHEMAS:
-        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)       # the CRDs are large
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRDs are large
         crd = yaml.load(_crd_text(kind), Loader=loader)
         (v,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
         _SCHEMAS[kind] = v["schema"]["openAPIV3Schema"]
@@ -65,6 +80,7 @@ def crd_schema(kind: str, version: str = "v1") -> dict:
 
 def test_vendored_crds_match_shared():
     import gzip
+
     for name in CRD_FILES.values():
         assert (VENDORED_CRDS / f"{name}.gz").is_file(), f"tests/k8s/crds/{name}.gz is missing"
         if (SHARED_CRDS / name).is_file():
@@ -84,7 +100,9 @@ def unknown_fields(schema: dict, obj, path: str = "") -> list[str]:
                 out += unknown_fields(props[k], v, f"{path}.{k}")
             elif isinstance(addl, dict):
                 out += unknown_fields(addl, v, f"{path}.{k}")
-            elif props is not None and addl is not True and not (path == "" and k in ("apiVersion", "kind", "metadata")):
+            elif (
+                props is not None and addl is not True and not (path == "" and k in ("apiVersion", "kind", "metadata"))
+            ):
                 out.append(f"{path}.{k}")
     elif isinstance(obj, list) and isinstance(schema, dict) and isinstance(schema.get("items"), dict):
         for i, v in enumerate(obj):
@@ -109,8 +127,11 @@ def core_docs() -> list[tuple[str, dict]]:
 
 
 def cluster_spec_of(doc: dict) -> dict:
-    return {"RayCluster": lambda d: d["spec"], "RayService": lambda d: d["spec"]["rayClusterConfig"],
-            "RayJob": lambda d: d["spec"]["rayClusterSpec"]}[doc["kind"]](doc)
+    return {
+        "RayCluster": lambda d: d["spec"],
+        "RayService": lambda d: d["spec"]["rayClusterConfig"],
+        "RayJob": lambda d: d["spec"]["rayClusterSpec"],
+    }[doc["kind"]](doc)
 
 
 def groups(doc: dict) -> dict[str, dict]:
@@ -120,6 +141,7 @@ def groups(doc: dict) -> dict[str, dict]:
 
 def kv_validate(doc: dict) -> None:
     import kubernetes_validate as kv
+
     try:
         kv.validate(doc, kv.latest_version(), strict=True)
     except kv.ValidationError as e:
@@ -130,12 +152,30 @@ def kv_validate(doc: dict) -> None:
 # ------------------------------------------------------------------ the files exist
 def test_expected_manifests_exist():
     names = {p.name for p in K8S.glob("*.yaml")}
-    for f in ["rayservice.yaml", "rayjob-eval.yaml", "raycluster.yaml", "redis.yaml", "redis-secret.example.yaml",
-              "namespace.yaml", "storage.yaml", "ralmspec-config.yaml", "grafana-dashboard-configmap.yaml"]:
+    for f in [
+        "rayservice.yaml",
+        "rayjob-eval.yaml",
+        "raycluster.yaml",
+        "redis.yaml",
+        "redis-secret.example.yaml",
+        "namespace.yaml",
+        "storage.yaml",
+        "ralmspec-config.yaml",
+        "grafana-dashboard-configmap.yaml",
+    ]:
         assert f in names, f"k8s/{f} is missing (generated ones: run `ralmspec k8s`)"
     kinds = {d["kind"] for _, d in all_docs()}
-    assert {"RayService", "RayJob", "RayCluster", "Deployment", "Service", "PersistentVolumeClaim",
-            "Secret", "ConfigMap", "Namespace"} <= kinds
+    assert {
+        "RayService",
+        "RayJob",
+        "RayCluster",
+        "Deployment",
+        "Service",
+        "PersistentVolumeClaim",
+        "Secret",
+        "ConfigMap",
+        "Namespace",
+    } <= kinds
 
 
 # ------------------------------------------------------------------ KubeRay objects
@@ -148,15 +188,25 @@ def test_ray_objects_match_crd_schema(name, doc):
     errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(doc), key=lambda e: list(e.path))
     assert not errors, "\n".join(f"{name}: {'/'.join(map(str, e.path))}: {e.message}" for e in errors[:10])
     assert unknown_fields(schema, doc) == [], f"{name}: fields the CRD does not know (would be pruned)"
-    for gname, g in groups(doc).items():                 # pod templates are valid core pod specs
-        kv_validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"{name}-{gname}"},
-                     "template": g["template"]})
+    for gname, g in groups(doc).items():  # pod templates are valid core pod specs
+        kv_validate(
+            {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": f"{name}-{gname}"},
+                "template": g["template"],
+            }
+        )
 
 
 def test_unknown_field_check_catches_typos():
     schema = crd_schema("RayCluster")
-    doc = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": "x"},
-           "spec": {"headGroupSpec": {"rayStartParams": {}, "templat": {}}, "workerGroupSpec": []}}
+    doc = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": {"name": "x"},
+        "spec": {"headGroupSpec": {"rayStartParams": {}, "templat": {}}, "workerGroupSpec": []},
+    }
     assert set(unknown_fields(schema, doc)) == {".spec.headGroupSpec.templat", ".spec.workerGroupSpec"}
 
 
@@ -188,7 +238,8 @@ def test_every_ray_pod_gets_redis_password_from_the_secret():
                 url = env["RALMSPEC_STATE_URL"]["value"]
                 assert url.startswith("redis://ralmspec-redis.") and "@" not in url
                 from cache.state import StateStoreConfig
-                StateStoreConfig.from_url(url)              # no password in the URL, valid scheme
+
+                StateStoreConfig.from_url(url)  # no password in the URL, valid scheme
 
 
 def test_rayservice_gcs_fault_tolerance_uses_the_secret():
@@ -203,13 +254,15 @@ def test_serve_config_v2_is_valid():
 
     (doc,) = [d for _, d in ray_docs() if d["kind"] == "RayService"]
     serve = yaml.safe_load(doc["spec"]["serveConfigV2"])
-    ServeDeploySchema.model_validate(serve) if hasattr(ServeDeploySchema, "model_validate") \
-        else ServeDeploySchema.parse_obj(serve)
+    ServeDeploySchema.model_validate(serve) if hasattr(
+        ServeDeploySchema, "model_validate"
+    ) else ServeDeploySchema.parse_obj(serve)
     assert serve["applications"], "no Serve application in serveConfigV2"
     for app in serve["applications"]:
         if app.get("import_path") == "deployments.app:build_app":
             from deployments.app import AppConfig
-            AppConfig.model_validate(app.get("args") or {})     # the cluster args are valid app args
+
+            AppConfig.model_validate(app.get("args") or {})  # the cluster args are valid app args
 
 
 def _served_app() -> dict:
@@ -255,7 +308,7 @@ def test_rayjob_runs_a_valid_eval_command():
     (doc,) = [d for _, d in ray_docs() if d["kind"] == "RayJob"]
     argv = shlex.split(doc["spec"]["entrypoint"])
     assert argv[:2] == ["ralmspec", "eval"]
-    args = build_parser().parse_args(argv[2:])               # every flag exists
+    args = build_parser().parse_args(argv[2:])  # every flag exists
     assert args.job_id, "a fixed --job-id makes a retried RayJob resume instead of starting over"
     assert args.state_url is None or "@" not in args.state_url
     env_url = {e["name"]: e for e in groups(doc)["head"]["template"]["spec"]["containers"][0]["env"]}
@@ -282,8 +335,11 @@ def test_redis_wiring():
     env = {e["name"]: e for e in c["env"]}
     assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "ralmspec-redis", "key": "password"}
     assert "requirepass" in c["args"][0] and "$REDIS_PASSWORD" in c["args"][0]
-    claims = {v["persistentVolumeClaim"]["claimName"] for v in dep["spec"]["template"]["spec"]["volumes"]
-              if "persistentVolumeClaim" in v}
+    claims = {
+        v["persistentVolumeClaim"]["claimName"]
+        for v in dep["spec"]["template"]["spec"]["volumes"]
+        if "persistentVolumeClaim" in v
+    }
     assert claims == {"ralmspec-redis-data"} and ("PersistentVolumeClaim", "ralmspec-redis-data") in docs
     conf = docs[("ConfigMap", "ralmspec-redis-config")]["data"]["redis.conf"]
     assert "appendonly yes" in conf and "requirepass" not in conf
@@ -305,6 +361,7 @@ def _strings(obj):
 
 def test_no_literal_passwords_outside_the_example_secret():
     import re
+
     for name, doc in all_docs():
         if doc["kind"] == "Secret":
             continue
@@ -322,7 +379,7 @@ def test_ralmspec_config_is_a_valid_ralm_config():
     (cm,) = [d for _, d in core_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "ralmspec-config"]
     cfg = RalmConfig.model_validate(yaml.safe_load(cm["data"]["ralmspec.yaml"]))
     assert cfg.generator.device == "auto" and str(cfg.corpus).startswith("/data/")
-    for _, doc in ray_docs():                            # mounted where the RayJob reads it
+    for _, doc in ray_docs():  # mounted where the RayJob reads it
         spec = groups(doc)["head"]["template"]["spec"]
         assert any(v.get("configMap", {}).get("name") == "ralmspec-config" for v in spec["volumes"])
         assert any(v.get("persistentVolumeClaim", {}).get("claimName") == "ralmspec-data" for v in spec["volumes"])
@@ -337,7 +394,8 @@ def test_grafana_dashboard_queries_the_ray_prefixed_metrics():
     for m in METRICS:
         assert any(f"ray_{m}" in e for e in exprs), f"no panel queries ray_{m}"
     import re
-    for e in exprs:                                      # every metric is queried with Ray's prefix
+
+    for e in exprs:  # every metric is queried with Ray's prefix
         for name in re.findall(r"[a-z_]*ralmspec_[a-z_]+", e):
             assert name.startswith("ray_ralmspec_"), f"{name!r} lacks Ray's ray_ prefix in {e!r}"
     titles = " ".join(p["title"].lower() for p in panels)
@@ -364,9 +422,17 @@ def test_rayservice_embeds_serve_config_yaml():
 
 
 def test_generator_on_a_synthetic_serve_config(tmp_path):
-    serve = {"http_options": {"host": "0.0.0.0", "port": 8000},
-             "applications": [{"name": "ralmspec", "route_prefix": "/", "import_path": "deployments.app:build_app",
-                               "args": {"retrievers": ["edr", "sr"], "default_method": "seq"}}]}
+    serve = {
+        "http_options": {"host": "0.0.0.0", "port": 8000},
+        "applications": [
+            {
+                "name": "ralmspec",
+                "route_prefix": "/",
+                "import_path": "deployments.app:build_app",
+                "args": {"retrievers": ["edr", "sr"], "default_method": "seq"},
+            }
+        ],
+    }
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(serve))
     files = k8s_gen.generate(ROOT, serve_config_path=path, image="example.com/ralmspec:test")
@@ -375,9 +441,12 @@ def test_generator_on_a_synthetic_serve_config(tmp_path):
     embedded = yaml.safe_load(doc["spec"]["serveConfigV2"])
     over = yaml.safe_load((K8S / "src" / "serve-overrides.yaml").read_text()) or {}
     assert embedded == k8s_gen.deep_merge(serve, over)
-    assert "serveConfigV2: |" in files["k8s/rayservice.yaml"]          # readable literal block
-    assert all(c["image"] == "example.com/ralmspec:test" for g in groups(doc).values()
-               for c in g["template"]["spec"]["containers"])
+    assert "serveConfigV2: |" in files["k8s/rayservice.yaml"]  # readable literal block
+    assert all(
+        c["image"] == "example.com/ralmspec:test"
+        for g in groups(doc).values()
+        for c in g["template"]["spec"]["containers"]
+    )
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"applications": [{"name": "other"}]}))  # no import_path
     with pytest.raises(k8s_gen.K8sGenError, match="not a valid Serve deploy config"):
@@ -391,26 +460,39 @@ def test_k8s_main_check_mode(tmp_path, capsys):
     root = tmp_path / "repo"
     shutil.copytree(K8S, root / "k8s")
     serve = ROOT / "serve_config.yaml"
-    (root / "serve_config.yaml").write_text(serve.read_text() if serve.is_file() else yaml.safe_dump(
-        {"applications": [{"name": "ralmspec", "import_path": "deployments.app:build_app", "args": {}}]}))
+    (root / "serve_config.yaml").write_text(
+        serve.read_text()
+        if serve.is_file()
+        else yaml.safe_dump(
+            {"applications": [{"name": "ralmspec", "import_path": "deployments.app:build_app", "args": {}}]}
+        )
+    )
     ns = lambda **kw: argparse.Namespace(**{"serve_config": None, "root": root, "image": None, "check": False, **kw})  # noqa: E731
     assert k8s_gen.k8s_main(ns()) == 0
     assert k8s_gen.k8s_main(ns(check=True)) == 0
     (root / "k8s" / "src" / "rayjob-eval.yaml").write_text(
-        (root / "k8s" / "src" / "rayjob-eval.yaml").read_text().replace("backoffLimit: 2", "backoffLimit: 3"))
+        (root / "k8s" / "src" / "rayjob-eval.yaml").read_text().replace("backoffLimit: 2", "backoffLimit: 3")
+    )
     assert k8s_gen.k8s_main(ns(check=True)) == 1
     assert "k8s/rayjob-eval.yaml" in capsys.readouterr().err
 
 
 def test_deep_merge():
-    base = {"a": {"b": 1, "c": [1, 2]}, "groups": [{"groupName": "g1", "replicas": 1, "x": {"y": 1}},
-                                                   {"groupName": "g2", "replicas": 2}]}
+    base = {
+        "a": {"b": 1, "c": [1, 2]},
+        "groups": [{"groupName": "g1", "replicas": 1, "x": {"y": 1}}, {"groupName": "g2", "replicas": 2}],
+    }
     over = {"a": {"c": [3]}, "groups": [{"groupName": "g2", "replicas": 0}, {"groupName": "g3"}]}
     assert k8s_gen.deep_merge(base, over) == {
         "a": {"b": 1, "c": [3]},
-        "groups": [{"groupName": "g1", "replicas": 1, "x": {"y": 1}}, {"groupName": "g2", "replicas": 0},
-                   {"groupName": "g3"}]}
-    assert base["groups"][1]["replicas"] == 2                # inputs untouched
-    apps = k8s_gen.deep_merge({"applications": [{"name": "a", "args": {"x": 1, "y": 2}}]},
-                              {"applications": [{"name": "a", "args": {"y": 3}}]})
+        "groups": [
+            {"groupName": "g1", "replicas": 1, "x": {"y": 1}},
+            {"groupName": "g2", "replicas": 0},
+            {"groupName": "g3"},
+        ],
+    }
+    assert base["groups"][1]["replicas"] == 2  # inputs untouched
+    apps = k8s_gen.deep_merge(
+        {"applications": [{"name": "a", "args": {"x": 1, "y": 2}}]}, {"applications": [{"name": "a", "args": {"y": 3}}]}
+    )
     assert apps == {"applications": [{"name": "a", "args": {"x": 1, "y": 3}}]}

@@ -1,4 +1,5 @@
 """Fixtures for the loop tests: the project's own small generator over the fixture corpus."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,8 @@ from ralm.generator import LocalGenerator
 @pytest.fixture(scope="session")
 def project_engine() -> LMEngine:
     assert (C.DEMO_MODEL_DIR / "config.json").is_file(), (
-        f"the project's generator is missing at {C.DEMO_MODEL_DIR}; rebuild it with `ralmspec assets train`")
+        f"the project's generator is missing at {C.DEMO_MODEL_DIR}; rebuild it with `ralmspec assets train`"
+    )
     return LMEngine.from_config(GeneratorConfig(model=str(C.DEMO_MODEL_DIR)))
 
 

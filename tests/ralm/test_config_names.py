@@ -1,4 +1,5 @@
 """SpecConfig.parse: the one grammar of configuration names (CLI, benchmarks, evaluation)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Paths in RalmConfig mean the same thing from Python, the CLI and serve_config.yaml."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,5 @@
 """The deterministic step f(doc, context, k) on tiny GPT-2, OPT and Llama models."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,8 +38,7 @@ def test_identical_with_and_without_doc_kv_cache_and_after_other_calls(engine):
     warm = engine.step(DOCS[1], ctx, 8)
     assert warm.doc_kv_hit
     # a second engine with the cache disabled (same weights)
-    nocache = type(engine)(engine.model, engine.tokenizer,
-                           engine.cfg.model_copy(update={"doc_kv_cache_bytes": 0}))
+    nocache = type(engine)(engine.model, engine.tokenizer, engine.cfg.model_copy(update={"doc_kv_cache_bytes": 0}))
     fresh = nocache.step(DOCS[1], ctx, 8)
     assert cold.tokens == warm.tokens == fresh.tokens
     assert not fresh.doc_kv_hit
@@ -111,8 +111,9 @@ def test_doc_kv_cache_is_bounded_in_bytes():
     engine.step(DOCS[0], ctx, 1)
     one = engine.doc_kv.stats.bytes_used
     assert one > 0
-    small = type(engine)(engine.model, engine.tokenizer,
-                         engine.cfg.model_copy(update={"doc_kv_cache_bytes": int(one * 1.5)}))
+    small = type(engine)(
+        engine.model, engine.tokenizer, engine.cfg.model_copy(update={"doc_kv_cache_bytes": int(one * 1.5)})
+    )
     for d in DOCS:
         small.step(d, ctx, 1)
     assert small.doc_kv.stats.bytes_used <= int(one * 1.5)

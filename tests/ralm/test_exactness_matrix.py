@@ -5,6 +5,7 @@ own generator, at least 20 questions, every configuration {base, P, S, A, PS, PA
 PSA} and fixed strides {1, 3, 8}. (With S the stride is chosen by OS3, so the fixed
 stride only applies to the configurations without S.)
 """
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,7 @@ from ralm.seq import run_seq
 from ralm.spec import run_spec
 
 KINDS = ["edr", "adr", "sr"]
-CONFIGS = [(n, s) for n in ["base", "P", "A", "PA"] for s in (1, 3, 8)] + \
-          [(n, None) for n in ["S", "PS", "SA", "PSA"]]
+CONFIGS = [(n, s) for n in ["base", "P", "A", "PA"] for s in (1, 3, 8)] + [(n, None) for n in ["S", "PS", "SA", "PSA"]]
 # Fixed-length generation (EOS masked) so every request has 10 retrieval steps; the EOS
 # paths are covered by tests/ralm/test_spec_loop.py and test_eos_requests below.
 REQ = RequestConfig(max_new_tokens=40, generation_stride=4, ignore_eos=True)
@@ -30,8 +30,7 @@ def questions(fixture_questions):
 
 @pytest.fixture(scope="module")
 def baselines(retrievers, fixture_generator, questions):
-    return {kind: [run_seq(q, fixture_generator, retrievers[kind], REQ) for q in questions]
-            for kind in KINDS}
+    return {kind: [run_seq(q, fixture_generator, retrievers[kind], REQ) for q in questions] for kind in KINDS}
 
 
 def test_baselines_use_several_documents(baselines):

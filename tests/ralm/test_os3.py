@@ -1,4 +1,5 @@
 """OS3 stride scheduler: gamma estimate, b(s) model, and the stride it picks."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,8 +31,8 @@ def test_starts_at_one_and_grows_with_expensive_verification():
     assert sch.next_stride() == 1
     for _ in range(5):
         sch.record_step(0.010)
-        sch.record_verification(1, 1, 0.200)       # always right, verification 20x a step
-    assert sch.gamma == pytest.approx(0.6)          # 5/(5+0) = 1 capped at gamma_max
+        sch.record_verification(1, 1, 0.200)  # always right, verification 20x a step
+    assert sch.gamma == pytest.approx(0.6)  # 5/(5+0) = 1 capped at gamma_max
     s = sch.next_stride()
     assert s > 3
 
@@ -47,7 +48,7 @@ def test_stays_small_when_speculation_is_always_wrong():
 
 def test_gamma_window_and_formula():
     sch = StrideScheduler(SpecConfig(adaptive_stride=True, os3_window=3, gamma_max=0.99))
-    sch.record_verification(4, 4, 0.1)   # old, falls out of the window
+    sch.record_verification(4, 4, 0.1)  # old, falls out of the window
     sch.record_verification(4, 1, 0.1)
     sch.record_verification(3, 3, 0.1)
     sch.record_verification(2, 0, 0.1)
@@ -88,7 +89,7 @@ def _feed(sch, gen_s, verify_s, direct_s=None, matched=1, n=5):
 
 def test_direct_retrieval_chosen_when_retrieval_is_cheap():
     sch = StrideScheduler(SpecConfig(adaptive_stride=True))
-    _feed(sch, gen_s=0.040, verify_s=0.001)      # rollbacks cost 40 ms, retrieval 1 ms
+    _feed(sch, gen_s=0.040, verify_s=0.001)  # rollbacks cost 40 ms, retrieval 1 ms
     assert sch.next_stride() == 0
 
 
@@ -122,7 +123,7 @@ def test_first_decision_after_warm_up_starts_at_one_when_retrieval_is_expensive(
     sch = StrideScheduler(SpecConfig(adaptive_stride=True))
     sch.record_kb_latency(1, 0.400)
     sch.record_generation(0.040)
-    assert sch.next_stride() == 1          # the paper's start, not the optimum at the prior
+    assert sch.next_stride() == 1  # the paper's start, not the optimum at the prior
 
 
 def test_first_decision_without_direct_extension_is_one():
@@ -138,7 +139,7 @@ def test_step_latency_before_any_speculative_step_is_generation_plus_lookup():
     sch.record_generation(0.030)
     sch.record_direct(True, 0.002, lookup_s=0.010)
     assert sch.step_latency() == pytest.approx(0.040)
-    sch.record_step(0.050)                  # a measured speculative step takes over
+    sch.record_step(0.050)  # a measured speculative step takes over
     assert sch.step_latency() == pytest.approx(0.050)
 
 
@@ -153,6 +154,7 @@ def test_lookup_measured_at_warm_up_counts_in_step_latency_and_decides_start():
             s.record_lookup(0.012)
         s.record_kb_latency(1, 0.002 if lookup else 0.014)
         return s
+
     assert sched(True).step_latency() == pytest.approx(0.030)
     assert sched(True).next_stride() == 0
     assert sched(False).next_stride() == 1

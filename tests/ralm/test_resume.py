@@ -1,5 +1,6 @@
 """Resuming RaLMSeq/RaLMSpec from a verified prefix (what a replacement coordinator does with a
 request checkpoint): the final tokens and documents equal a run from scratch."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,7 @@ from ralm.seq import run_seq
 from ralm.spec import run_spec
 from tests.factories import ScriptedGenerator, ScriptedKB
 
-Q = "what is the answer to this"   # 6 tokens
+Q = "what is the answer to this"  # 6 tokens
 K = 4
 
 
@@ -35,7 +36,7 @@ def test_defaults_unchanged_and_prefixes_are_step_aligned():
     assert res.tokens == plain.tokens and res.stats.doc_ids == plain.stats.doc_ids
     assert len(seen) == len(plain.stats.doc_ids)
     for toks, docs, _ in seen:
-        assert toks == plain.tokens[:len(toks)] and docs == plain.stats.doc_ids[:len(docs)]
+        assert toks == plain.tokens[: len(toks)] and docs == plain.stats.doc_ids[: len(docs)]
         assert len(toks) == K * len(docs)
 
 
@@ -46,8 +47,8 @@ def test_resume_scripted_equals_scratch(method, spec):
     gen, kb, req = scripted(schedule)
     base = run_seq(Q, gen, kb, req)
     gen, kb, req = scripted(schedule)
-    _, seen = _prefixes(run_spec, Q, gen, kb, req, spec)     # RaLMSpec's checkpoints (with rollbacks)
-    assert seen and all(t == base.tokens[:len(t)] for t, _, _ in seen)
+    _, seen = _prefixes(run_spec, Q, gen, kb, req, spec)  # RaLMSpec's checkpoints (with rollbacks)
+    assert seen and all(t == base.tokens[: len(t)] for t, _, _ in seen)
     for toks, docs, eos in [seen[0], seen[len(seen) // 2], seen[-2]]:
         gen, kb, req = scripted(schedule)
         prefix = VerifiedPrefix(toks, docs, eos)

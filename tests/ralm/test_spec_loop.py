@@ -3,6 +3,7 @@
 The scripted generator/KB (tests/factories.py) make the KB's document a function of
 the step index, so each test places the first mismatch exactly where it wants.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ from ralm.seq import run_seq
 from ralm.spec import run_spec
 from tests.factories import ScriptedGenerator, ScriptedKB
 
-Q = "what is the answer to this"   # 6 tokens
+Q = "what is the answer to this"  # 6 tokens
 K = 4
 
 
@@ -91,7 +92,7 @@ def test_eos_speculated_then_rolled_back():
 
 def test_max_new_tokens_inside_window():
     spec = SpecConfig(stride=8)
-    base, out, _, _ = both({5: 2}, spec, max_new=22)     # 22 = 5 full steps + 2 tokens
+    base, out, _, _ = both({5: 2}, spec, max_new=22)  # 22 = 5 full steps + 2 tokens
     assert len(base.tokens) == 22
     assert out.tokens == base.tokens
 
@@ -119,7 +120,7 @@ def test_async_verification_really_overlaps():
     gen, kb, req = pipeline({}, search_sleep=0.05)
     gen.step_sleep = 0.05
     out = run_spec(Q, gen, kb, req, spec)
-    verify_iv = kb.intervals[1:]           # skip the initial (synchronous) retrieval
+    verify_iv = kb.intervals[1:]  # skip the initial (synchronous) retrieval
     overlaps = sum(any(a0 < v1 and v0 < a1 for a0, a1 in gen.intervals) for v0, v1 in verify_iv)
     # every verification but the last (when generation is over, nothing is left to overlap)
     assert len(verify_iv) >= 4 and overlaps >= len(verify_iv) - 1

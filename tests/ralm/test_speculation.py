@@ -6,6 +6,7 @@ A step appends one token. The KB's value for a state is a function of the whole 
 different KB answer, as in the real loops. The cache guesses the KB's value except at the
 positions listed in ``wrong`` (the first time those positions are speculated).
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future
@@ -64,7 +65,7 @@ class FakeStrategy:
         self.async_verify = async_verify
         self.X: list[int] = []
         self.emitted: list[int] = []
-        self.windows: list[list[int]] = []      # positions of each verified window
+        self.windows: list[list[int]] = []  # positions of each verified window
         self.accepted: list[int] = []
         self.rolled_back: list[int] = []
         self.corrections: list[int] = []
@@ -113,7 +114,7 @@ class FakeStrategy:
     def rollback(self, step: FakeStep) -> int:
         self.rolled_back.append(step.pos)
         dropped = len(self.X) - step.pos
-        del self.X[step.pos:]
+        del self.X[step.pos :]
         return dropped
 
     def commit_correction(self, value: int) -> None:
@@ -122,7 +123,7 @@ class FakeStrategy:
 
     def emit(self, pending) -> None:
         upto = pending.pos if pending is not None else len(self.X)
-        self.emitted.extend(self.X[len(self.emitted):upto])
+        self.emitted.extend(self.X[len(self.emitted) : upto])
 
 
 def run(strategy: FakeStrategy, strides: list[int]) -> tuple[RequestStats, FakeScheduler]:
@@ -142,10 +143,10 @@ def test_mismatch_at_step_m_keeps_the_steps_before_it(m):
     # exactly the steps before m, then the next window's (step 1 + m is the correction)
     assert fs.accepted == list(range(1, 1 + m)) + list(range(2 + m, n))
     assert fs.rolled_back == [1 + m]
-    assert fs.corrections == [baseline(n)[1 + m]]             # the KB's value on the right state
-    assert fs.cached[0] == (4, m + 1)                         # committed trajectory: up to m
+    assert fs.corrections == [baseline(n)[1 + m]]  # the KB's value on the right state
+    assert fs.cached[0] == (4, m + 1)  # committed trajectory: up to m
     assert sched.recorded[0] == (4, m, 0.5)
-    rest = 3 - m                                              # steps after the correction
+    rest = 3 - m  # steps after the correction
     assert st.rollbacks == 1 and st.regenerated_tokens == 4 - m
     assert st.steps == n and st.matched_steps == m + rest
     assert st.verifications == 1 + (rest > 0) and st.strides == [4] + ([rest] if rest else [])
@@ -181,6 +182,7 @@ def test_async_extra_step_discarded_on_a_mismatch():
     def emit(pending):
         orig_emit(pending)
         emitted_after.append(list(fs.emitted))
+
     fs.emit = emit
     st, sched = run(fs, [2])
     assert fs.X == fs.emitted == baseline(6)
@@ -189,7 +191,7 @@ def test_async_extra_step_discarded_on_a_mismatch():
     assert fs.rolled_back == [2] and fs.speculated[:3] == [1, 2, 3]
     assert fs.windows[1][0] == 3 and st.async_steps_discarded == 1
     assert st.regenerated_tokens == 2
-    assert emitted_after[1] == baseline(6)[:3]          # steps 0, 1 and the correction
+    assert emitted_after[1] == baseline(6)[:3]  # steps 0, 1 and the correction
     assert sched.recorded[0] == (2, 1, 0.5)
 
 
@@ -201,6 +203,7 @@ def test_pending_step_is_not_emitted_before_it_is_verified():
     def emit(pending):
         orig_emit(pending)
         seen.append((len(fs.emitted), len(fs.X)))
+
     fs.emit = emit
     run(fs, [2])
     # after the first window [1, 2] the async step 3 is in X but not emitted

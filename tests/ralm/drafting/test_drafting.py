@@ -1,4 +1,5 @@
 """n-gram (IGPG) and dense (DReSD) drafting: same tokens as plain greedy up to float near-ties."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,8 @@ def assert_exact_or_near_tie(engine, docs, ctx, plain, other, ignore_eos=True):
 def test_ngram_drafter_copies_from_doc_then_context():
     d = NGramDrafter([[1, 2, 3, 4, 5, 6, 7, 8]], n=3, m=3, min_n=2)
     assert d.propose([9, 2, 3, 4]) == [[5, 6, 7]]
-    assert d.propose([9, 9, 3, 4]) == [[5, 6, 7]]          # backs off to a 2-gram
-    assert d.propose([20, 21, 22, 20, 21]) == [[22, 20, 21]]   # from the context itself
+    assert d.propose([9, 9, 3, 4]) == [[5, 6, 7]]  # backs off to a 2-gram
+    assert d.propose([20, 21, 22, 20, 21]) == [[22, 20, 21]]  # from the context itself
     assert d.propose([30, 31]) == []
     assert d.propose([2, 3, 4], m=1) == [[5]]
 
@@ -42,8 +43,10 @@ def eng(project_engine):
 
 @pytest.fixture(scope="module")
 def prompts(eng, fixture_corpus, fixture_questions):
-    return [([fixture_corpus.text(i), fixture_corpus.text(i + 7)][:n], eng.encode_question(q))
-            for i, (q, n) in enumerate(zip(fixture_questions[:4], (1, 3, 1, 2)))]
+    return [
+        ([fixture_corpus.text(i), fixture_corpus.text(i + 7)][:n], eng.encode_question(q))
+        for i, (q, n) in enumerate(zip(fixture_questions[:4], (1, 3, 1, 2)))
+    ]
 
 
 def test_ngram_matches_plain_with_fewer_forwards(eng, prompts):
@@ -90,8 +93,11 @@ def test_eos_and_k_limit_with_drafting(drafting):
     doc = "json.dumps\nSerialize obj to a JSON formatted str using this conversion table."
     if drafting == "dense":
         gen = engine.step(doc, ctx, 20, ignore_eos=True).tokens
-        engine.attach_dense_datastore(build_datastore(*collect_sequences(
-            engine, [([doc], list(ctx) + gen, len(ctx), len(ctx) + len(gen))]), pca_dim=16))
+        engine.attach_dense_datastore(
+            build_datastore(
+                *collect_sequences(engine, [([doc], list(ctx) + gen, len(ctx), len(ctx) + len(gen))]), pca_dim=16
+            )
+        )
     opts = StepOptions(drafting=drafting)
     for k in (1, 2, 5, 9):
         plain = engine.step(doc, ctx, k)
@@ -110,7 +116,7 @@ def test_flare_step_is_a_prefix_of_plain(eng, prompts):
     docs, ctx = prompts[0]
     plain = eng.step(docs, ctx, K)
     f = eng.step(docs, ctx, K, options=StepOptions(flare_threshold=0.5))
-    assert 1 <= len(f.tokens) <= K and f.tokens == plain.tokens[:len(f.tokens)]
+    assert 1 <= len(f.tokens) <= K and f.tokens == plain.tokens[: len(f.tokens)]
     assert f.low_confidence or len(f.tokens) == len(plain.tokens)
 
 

@@ -1,4 +1,5 @@
 """FLARE and Iter-RetGen workloads (and n documents, drafting): RaLMSpec == RaLMSeq with real retrievers."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,6 +38,7 @@ def test_iter_retgen_query_is_question_plus_previous_iteration():
     class G:
         def decode(self, toks):
             return " ".join(map(str, toks))
+
     req = RequestConfig(max_new_tokens=12, workload="iter_retgen", iter_retgen_iterations=3)
     q = make_query_fn(G(), req, 2)
     assert q([1, 2]) == "1 2"

@@ -1,5 +1,6 @@
 """KNN-LM fixtures: small token datastores of the fixture corpus, built once per session
 with a tiny random GPT-2 and with the project's generator (assets/model/pydocs-gpt)."""
+
 from __future__ import annotations
 
 import faiss
@@ -44,16 +45,18 @@ def tiny_lm():
 def tiny_ds(tiny_lm, knn_corpus):
     from ralm.knnlm import build_datastore
 
-    return build_datastore(tiny_lm, knn_corpus, max_passage_tokens=MAX_PASSAGE_TOKENS, hnsw=True,
-                           progress=False, **HNSW)
+    return build_datastore(
+        tiny_lm, knn_corpus, max_passage_tokens=MAX_PASSAGE_TOKENS, hnsw=True, progress=False, **HNSW
+    )
 
 
 @pytest.fixture(scope="session")
 def project_ds(project_engine, knn_corpus):
     from ralm.knnlm import build_datastore
 
-    return build_datastore(project_engine, knn_corpus, max_passage_tokens=MAX_PASSAGE_TOKENS, hnsw=True,
-                           progress=False, **HNSW)
+    return build_datastore(
+        project_engine, knn_corpus, max_passage_tokens=MAX_PASSAGE_TOKENS, hnsw=True, progress=False, **HNSW
+    )
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +66,9 @@ def knn_setups(tiny_lm, tiny_ds, project_engine, project_ds):
 
     out = {}
     for name, lm, ds in (("tiny-gpt2", tiny_lm, tiny_ds), ("pydocs-gpt", project_engine, project_ds)):
-        out[name] = (lm, ds, {"flat": KnnRetriever(ds, "flat", pad_to=3 * len(ds)),
-                              "hnsw": KnnRetriever(ds, "hnsw", hnsw_ef_search=32)})
+        out[name] = (
+            lm,
+            ds,
+            {"flat": KnnRetriever(ds, "flat", pad_to=3 * len(ds)), "hnsw": KnnRetriever(ds, "hnsw", hnsw_ef_search=32)},
+        )
     return out

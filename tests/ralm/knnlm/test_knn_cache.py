@@ -1,5 +1,6 @@
 """The speculative cache: spatial-locality insertion, FIFO capacity, and ranking that
 is identical to the KB's when the KB's neighbours are cached."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +13,7 @@ def test_insert_adds_the_next_n_entries_within_the_passage(tiny_ds):
     ds = tiny_ds
     cache = KnnEntryCache(ds, n_next=10, capacity=100_000)
     starts = np.flatnonzero(np.r_[True, ds.passage[1:] != ds.passage[:-1]])
-    first = int(starts[1])                         # first entry of the second passage
+    first = int(starts[1])  # first entry of the second passage
     assert cache.insert([first]) == 11
     assert sorted(cache.entry_ids().tolist()) == list(range(first, first + 11))
     # the last entry of a passage has no successor in the same passage
@@ -32,15 +33,16 @@ def test_fifo_capacity(tiny_ds):
     cache.insert([10, 11])
     assert sorted(cache.entry_ids().tolist()) == [2, 3, 4, 10, 11]
     assert 0 not in cache and 1 not in cache and len(cache) == 5
-    cache.insert([3])                              # already there: nothing evicted
+    cache.insert([3])  # already there: nothing evicted
     assert sorted(cache.entry_ids().tolist()) == [2, 3, 4, 10, 11]
 
 
 def test_cache_ranks_like_the_kb(knn_setups):
     lm, ds, kbs = knn_setups["tiny-gpt2"]
     rng = np.random.default_rng(5)
-    queries = ds.keys[rng.choice(len(ds), 12, replace=False)] + \
-        rng.standard_normal((12, ds.dim)).astype(np.float32) * 0.05
+    queries = (
+        ds.keys[rng.choice(len(ds), 12, replace=False)] + rng.standard_normal((12, ds.dim)).astype(np.float32) * 0.05
+    )
     for kind, kb in kbs.items():
         for k in (1, 16, 256, 1024):
             cache = KnnEntryCache(ds, n_next=10, capacity=50_000)
@@ -67,8 +69,8 @@ def test_default_capacity_holds_several_answers(knn_setups):
     from ralm.knnlm import new_cache
     from ralm.knnlm.cache import default_capacity
 
-    assert default_capacity(16, 10) == 4096                       # the minimum
-    assert default_capacity(1024, 10) == 8 * 1024 * 11            # 8 KB answers with successors
+    assert default_capacity(16, 10) == 4096  # the minimum
+    assert default_capacity(1024, 10) == 8 * 1024 * 11  # 8 KB answers with successors
     assert default_capacity(1024, 10, retrievals=2) == 2 * 1024 * 11
     lm, ds, kbs = knn_setups["tiny-gpt2"]
     knn = KnnLMConfig(k=256)

@@ -1,5 +1,6 @@
 """Datastore build (one entry per token, corpus order, keys = final hidden states),
 save/load with its manifest, and clear errors on a mismatch."""
+
 from __future__ import annotations
 
 import json
@@ -21,11 +22,11 @@ def test_entries_follow_the_corpus(tiny_lm, tiny_ds, knn_corpus):
         ids = tok(knn_corpus.text(row), add_special_tokens=False)["input_ids"][:limit]
         expected += max(0, len(ids) - 1)
     assert len(ds) == expected == ds.manifest["n_entries"]
-    assert np.all(np.diff(ds.passage) >= 0)                    # corpus order
+    assert np.all(np.diff(ds.passage) >= 0)  # corpus order
     row = 3
     ids = tok(knn_corpus.text(row), add_special_tokens=False)["input_ids"][:limit]
     sel = np.flatnonzero(ds.passage == row)
-    assert ds.values[sel].tolist() == ids[1:]                  # value = next token, in order
+    assert ds.values[sel].tolist() == ids[1:]  # value = next token, in order
     with torch.inference_mode():
         out = tiny_lm.model(input_ids=torch.tensor([ids[:6]]), output_hidden_states=True)
     np.testing.assert_allclose(ds.keys[sel[4]], out.hidden_states[-1][0, 4].numpy(), rtol=1e-4, atol=1e-5)
@@ -41,6 +42,7 @@ def test_save_load_roundtrip_and_mismatches(tmp_path, tiny_lm, tiny_ds, knn_corp
     assert KnnRetriever(back, "hnsw").search(q, 16) == KnnRetriever(tiny_ds, "hnsw").search(q, 16)
 
     from tests.factories import tiny_engine
+
     other = tiny_engine("gpt2", seed=1)
     with pytest.raises(DatastoreError, match="another model"):
         Datastore.load(d, other)

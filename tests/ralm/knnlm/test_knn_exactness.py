@@ -1,6 +1,7 @@
 """run_knn_spec == run_knn_seq, token for token: two real LMs (a tiny random GPT-2 and the
 project's pydocs-gpt), exact (padded flat) and approximate (HNSW) datastores, k from 1 to
 1024, a fixed stride and OS3, five prompts each."""
+
 from __future__ import annotations
 
 import pytest
@@ -46,7 +47,7 @@ def _check_spec_equals_seq(knn_setups, knn_prompts, model, index, k):
 
 def test_rollbacks_were_exercised(knn_setups, knn_prompts):
     """The matrix above is only meaningful if speculation went wrong sometimes."""
-    for model in MAX_NEW:                  # run alone (e.g. with -k): compute what it needs
+    for model in MAX_NEW:  # run alone (e.g. with -k): compute what it needs
         if not any(key[0] == model for key in ROLLBACKS):
             _check_spec_equals_seq(knn_setups, knn_prompts, model, "flat", 16)
     per_model = {}
@@ -79,8 +80,14 @@ def test_async_is_rejected(knn_setups, knn_prompts):
 
     lm, ds, kbs = knn_setups["tiny-gpt2"]
     with pytest.raises(RalmInputError, match="asynchronous"):
-        run_knn_spec(knn_prompts[0], lm, kbs["flat"], KnnLMConfig(), RequestConfig(max_new_tokens=4),
-                     SpecConfig(async_verify=True))
+        run_knn_spec(
+            knn_prompts[0],
+            lm,
+            kbs["flat"],
+            KnnLMConfig(),
+            RequestConfig(max_new_tokens=4),
+            SpecConfig(async_verify=True),
+        )
 
 
 @pytest.mark.parametrize("k", [1, 16])
@@ -92,8 +99,10 @@ def test_prefetch_spec_equals_seq(knn_setups, knn_prompts, index, k):
     kb = kbs[index]
     knn = KnnLMConfig(k=k, lmbda=LAMBDA["pydocs-gpt"], index=index)
     req = RequestConfig(max_new_tokens=MAX_NEW["pydocs-gpt"], ignore_eos=True)
-    specs = {"P,s=3": SpecConfig(stride=3, prefetch=True, prefetch_size=64),
-             "P,S": SpecConfig(adaptive_stride=True, prefetch=True, prefetch_size=64)}
+    specs = {
+        "P,s=3": SpecConfig(stride=3, prefetch=True, prefetch_size=64),
+        "P,S": SpecConfig(adaptive_stride=True, prefetch=True, prefetch_size=64),
+    }
     for prompt in knn_prompts[:3]:
         base = run_knn_seq(prompt, lm, kb, knn, req)
         for name, spec in specs.items():

@@ -1,5 +1,6 @@
 """The PCA-projected cache scan: a lower bound of the L2 distance, and a cache whose
 answer is exactly the full-key cache's (only cheaper to find)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -34,7 +35,7 @@ def test_projection_is_orthonormal_and_a_lower_bound():
     real = l2_distances(ds.keys, q)
     projected = ((proj.reduced - proj.project(q)) ** 2).sum(axis=1)
     assert np.all(projected <= real * (1 + 1e-5) + 1e-4)
-    assert np.mean(projected < 0.8 * real) > 0.5          # and a loose one: ranking needs re-scoring
+    assert np.mean(projected < 0.8 * real) > 0.5  # and a loose one: ranking needs re-scoring
 
 
 def test_projection_rejects_bad_dims_and_is_shared_per_datastore():
@@ -72,8 +73,8 @@ def test_projected_cache_returns_the_exact_cached_top_k(k):
             pr = ((proj.proj.reduced[ids] - proj.proj.project(q)) ** 2).sum(axis=1)
             first = set(ids[np.argsort(pr, kind="stable")[:n_first]].tolist())
             needed_expansion += any(e not in first for e, _ in want)
-    if k == 200:                           # (k = 1024: the first scan already takes them all)
-        assert needed_expansion > 0        # the test exercises the expansion path
+    if k == 200:  # (k = 1024: the first scan already takes them all)
+        assert needed_expansion > 0  # the test exercises the expansion path
 
 
 def test_projection_dims_at_or_above_the_key_dim_scan_full_keys():
@@ -94,4 +95,4 @@ def test_default_cache_of_the_project_generator_is_projected(knn_setups):
     assert cache.proj.dims == C.KNN_CACHE_PROJECT_DIMS
     assert new_cache(kbs["flat"], KnnLMConfig(k=16, cache_project_dims=0)).proj is None
     assert new_cache(kbs["flat"], KnnLMConfig(k=C.KNN_PROJECTED_MAX_K)).proj is not None
-    assert new_cache(kbs["flat"], KnnLMConfig(k=C.KNN_PROJECTED_MAX_K + 1)).proj is None   # full keys above
+    assert new_cache(kbs["flat"], KnnLMConfig(k=C.KNN_PROJECTED_MAX_K + 1)).proj is None  # full keys above

@@ -1,5 +1,6 @@
 """KB search: exact (flat == brute force over every entry), ordered by (distance, id), and
 independent of batch composition (alone vs in a batch of 64), for flat (padded) and HNSW."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +13,7 @@ from ralm.knnlm.metric import l2_distances, rank_by_distance
 def _queries(ds, n=64, seed=0):
     rng = np.random.default_rng(seed)
     q = ds.keys[rng.choice(len(ds), n, replace=False)].copy()
-    q[n // 2:] += rng.standard_normal((n - n // 2, ds.dim)).astype(np.float32) * 0.1   # near, not on, entries
+    q[n // 2 :] += rng.standard_normal((n - n // 2, ds.dim)).astype(np.float32) * 0.1  # near, not on, entries
     return q
 
 
@@ -28,7 +29,7 @@ def test_alone_equals_batch_and_flat_is_exact(knn_setups, model):
             assert alone[:8] == batch[:8] and alone[8:] == batch[40:45], (kind, k)
             for hits in batch:
                 assert len(hits) == k
-                assert all(e < len(ds) for e, _ in hits)            # padding never returned
+                assert all(e < len(ds) for e, _ in hits)  # padding never returned
                 d = [x for _, x in hits]
                 assert d == sorted(d)
             if kind == "flat":
@@ -39,7 +40,7 @@ def test_alone_equals_batch_and_flat_is_exact(knn_setups, model):
 def test_ties_order_by_entry_id():
     rng = np.random.default_rng(1)
     base = rng.standard_normal((50, 8)).astype(np.float32)
-    keys = np.concatenate([base, base, base])                       # every key three times
+    keys = np.concatenate([base, base, base])  # every key three times
     ds = Datastore(keys, np.arange(150) % 7, np.repeat(np.arange(3), 50), {"n_passages": 3})
     kb = KnnRetriever(ds, "flat", pad_to=1000)
     hits = kb.search(base[4], 5)
@@ -64,18 +65,18 @@ def test_bf16_scan_equals_faiss_scan(knn_setups, model):
     """The flat KB gives the same hits with the bf16 candidate scan as with FAISS, for the
     datastore's own queries (keys, and keys moved a little), alone and in batches, padded."""
     lm, ds, _ = knn_setups[model]
-    pad = 2 * len(ds) + 12345                    # padding rows in mixed and padding-only blocks
+    pad = 2 * len(ds) + 12345  # padding rows in mixed and padding-only blocks
     bf = KnnRetriever(ds, "flat", pad_to=pad, scan="bf16")
     fa = KnnRetriever(ds, "flat", pad_to=pad, scan="faiss")
     assert (bf.scan_kind, fa.scan_kind) == ("bf16", "faiss") and bf.scan is not None and fa.scan is None
     assert bf.n_rows == fa.n_rows == pad and bf.padded_rows == fa.padded_rows == pad
-    assert bf.index is None                      # no float32 copy of the padding
+    assert bf.index is None  # no float32 copy of the padding
     Q = _queries(ds, n=24, seed=3)
     for k in (1, 16, 256, 1024):
         want = fa.search_vectors(Q, k)
-        assert bf.search_vectors(Q, k) == want, k                               # one batch of 24
-        assert [bf.search(q, k) for q in Q[:6]] == want[:6], k                 # alone
-        assert bf.search_vectors(Q[10:13], k) == want[10:13], k                # a batch of 3
+        assert bf.search_vectors(Q, k) == want, k  # one batch of 24
+        assert [bf.search(q, k) for q in Q[:6]] == want[:6], k  # alone
+        assert bf.search_vectors(Q[10:13], k) == want[10:13], k  # a batch of 3
         for i in (0, 17):
             assert want[i] == rank_by_distance(np.arange(len(ds)), l2_distances(ds.keys, Q[i]), k)
     assert bf.stats["rescored"] <= bf.stats["candidates"]
@@ -84,7 +85,7 @@ def test_bf16_scan_equals_faiss_scan(knn_setups, model):
 def test_bf16_scan_ties_and_near_ties():
     """Duplicate keys and keys one float32 ulp apart: the bf16 path ranks them exactly."""
     rng = np.random.default_rng(5)
-    base = (rng.standard_normal((300, 32)) * 4 + 10).astype(np.float32)     # not unit, not centred
+    base = (rng.standard_normal((300, 32)) * 4 + 10).astype(np.float32)  # not unit, not centred
     near = base.copy()
     near[:, 7] = np.nextafter(near[:, 7], np.float32(np.inf))
     keys = np.concatenate([base, near, base])
@@ -105,12 +106,13 @@ def test_narrow_candidates_keeps_the_exact_top_k():
 
     rng = np.random.default_rng(2)
     keys = rng.standard_normal((5000, 64)).astype(np.float32)
-    keys[100:200] = keys[0]                                  # exact ties
-    keys[200:300] = keys[0] * np.float32(1 + 2 ** -23)       # near-ties
+    keys[100:200] = keys[0]  # exact ties
+    keys[200:300] = keys[0] * np.float32(1 + 2**-23)  # near-ties
     for q in (keys[0], keys[0] + np.float32(1e-4), keys[500]):
         ids = np.arange(len(keys))
         for k in (1, 50, 150, 1000):
             kept = narrow_candidates(keys, ids, q, k)
             assert kept.size < len(keys)
-            assert rank_by_distance(kept, l2_distances(keys[kept], q), k) == \
-                rank_by_distance(ids, l2_distances(keys, q), k)
+            assert rank_by_distance(kept, l2_distances(keys[kept], q), k) == rank_by_distance(
+                ids, l2_distances(keys, q), k
+            )

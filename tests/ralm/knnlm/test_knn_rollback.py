@@ -1,5 +1,6 @@
 """Rollback: a forced speculation error is corrected, and the KV crop continues exactly
 as the baseline's uncropped cache does."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,7 +28,7 @@ def test_crop_then_feed_is_bit_identical(project_engine):
     spec.feed(b)
     spec.feed(c)
     assert spec.length == len(ids) + 3
-    spec.crop(len(ids) + 1)               # drop b and c
+    spec.crop(len(ids) + 1)  # drop b and c
     assert spec.past.get_seq_length() == len(ids) + 1
     spec.feed(d)
     assert np.array_equal(spec.h, ref.h) and np.array_equal(spec.p_lm, ref.p_lm)
@@ -75,8 +76,9 @@ def test_mismatch_at_last_token_and_at_window_start(knn_setups, knn_prompts):
     req = RequestConfig(max_new_tokens=12, ignore_eos=True)
     base = run_knn_seq(knn_prompts[0], lm, kb, knn, req)
     for bad in ({1}, {3}, {1, 2, 3, 4, 5}, set(range(1, 40))):
-        got = run_knn_spec(knn_prompts[0], lm, kb, knn, req, SpecConfig(stride=3),
-                           cache=PoisonedCache(kb, bad, capacity=4096))
+        got = run_knn_spec(
+            knn_prompts[0], lm, kb, knn, req, SpecConfig(stride=3), cache=PoisonedCache(kb, bad, capacity=4096)
+        )
         assert got.tokens == base.tokens, bad
     # every speculative step wrong: each window commits exactly one (corrected) token
     assert got.stats.matched_steps == 0 and got.stats.rollbacks == got.stats.verifications

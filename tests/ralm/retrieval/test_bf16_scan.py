@@ -2,6 +2,7 @@
 the error bound holds, results do not depend on the batch, and an unsound kernel is
 refused. These tests force the bf16 path, so they run on any CPU (slowly without bf16
 instructions, but correctly)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,8 +24,8 @@ def _with_ties(X):
     """Exact duplicates and 1-ulp neighbours straddling any top-k boundary near row 5."""
     X = X.copy()
     X[100:140] = X[5]
-    X[140] = X[5] * np.float32(1 + 2 ** -23)
-    X[141] = X[5] * np.float32(1 - 2 ** -23)
+    X[140] = X[5] * np.float32(1 + 2**-23)
+    X[141] = X[5] * np.float32(1 - 2**-23)
     return X
 
 
@@ -43,16 +44,16 @@ def ip_scan():
 def test_ip_candidates_contain_exact_top_k(ip_scan, k):
     X, scan = ip_scan
     rng = np.random.default_rng(k)
-    for trial in range(6):
+    for _trial in range(6):
         b = int(rng.integers(1, 10))
         Q = _unit(rng, b, 64)
-        Q[0] = X[5] + 0.02 * Q[0]                      # lands among the planted ties
+        Q[0] = X[5] + 0.02 * Q[0]  # lands among the planted ties
         cands = scan.candidates(Q, k)
         assert len(cands) == b
         for i in range(b):
             got = rank_hits(cands[i], dense_scores(X[cands[i]], Q[i]), k)
             assert got == _exact_top(X, Q[i], k)
-            assert (cands[i] < X.shape[0]).all()       # padding is never a candidate
+            assert (cands[i] < X.shape[0]).all()  # padding is never a candidate
 
 
 def test_candidates_do_not_depend_on_the_batch(ip_scan):
@@ -61,7 +62,7 @@ def test_candidates_do_not_depend_on_the_batch(ip_scan):
     Q = _unit(rng, 9, 64)
     together = scan.candidates(Q, 10)
     for i in range(9):
-        alone = scan.candidates(Q[i:i + 1], 10)[0]
+        alone = scan.candidates(Q[i : i + 1], 10)[0]
         ra = rank_hits(alone, dense_scores(X[alone], Q[i]), 10)
         rt = rank_hits(together[i], dense_scores(X[together[i]], Q[i]), 10)
         assert ra == rt
@@ -79,7 +80,7 @@ def test_candidate_sets_stay_small(ip_scan):
 @pytest.mark.parametrize("k", [1, 16, 256])
 def test_l2_candidates_contain_exact_nearest(k):
     rng = np.random.default_rng(20 + k)
-    scale = np.exp(rng.standard_normal((3000, 1))).astype(np.float32)    # varied norms
+    scale = np.exp(rng.standard_normal((3000, 1))).astype(np.float32)  # varied norms
     Y = (rng.standard_normal((3000, 48)) * scale).astype(np.float32)
     Y[2000:2010] = Y[7]
     scan = Bf16Scan(Y, metric="l2", block_rows=1024)
@@ -100,13 +101,16 @@ def test_error_bound_holds_for_the_kernel():
     d = 384
     X = (rng.standard_normal((4000, d)) * np.exp(2 * rng.standard_normal((4000, 1)))).astype(np.float32)
     Q = rng.standard_normal((4, d)).astype(np.float32)
-    est = bf16_scan._scores(torch.from_numpy(X).to(torch.bfloat16),
-                            torch.from_numpy(Q).to(torch.bfloat16)).double().numpy()   # (n, b)
+    est = (
+        bf16_scan._scores(torch.from_numpy(X).to(torch.bfloat16), torch.from_numpy(Q).to(torch.bfloat16))
+        .double()
+        .numpy()
+    )  # (n, b)
     exact = X.astype(np.float64) @ Q.astype(np.float64).T
     bound = bound_constant(d) * np.outer(np.linalg.norm(X, axis=1), np.linalg.norm(Q, axis=1))
     err = np.abs(est - exact)
     assert (err <= bound).all()
-    assert err.max() > 0                   # it is not exact arithmetic: the bound is doing work
+    assert err.max() > 0  # it is not exact arithmetic: the bound is doing work
 
 
 def test_unsound_kernel_is_refused(monkeypatch):
@@ -117,7 +121,7 @@ def test_unsound_kernel_is_refused(monkeypatch):
     def bf16_accumulating(rows, queries):
         out = torch.zeros(rows.shape[0], queries.shape[0], dtype=torch.bfloat16)
         for i in range(rows.shape[1]):
-            out = (out + rows[:, i:i + 1] * queries[:, i][None, :]).to(torch.bfloat16)
+            out = (out + rows[:, i : i + 1] * queries[:, i][None, :]).to(torch.bfloat16)
         return out.float()
 
     monkeypatch.setattr(bf16_scan, "_probe_result", None)
@@ -134,19 +138,26 @@ def test_probe_accepts_this_machines_kernel():
 
 
 @pytest.mark.parametrize("pad_to", [0, 30000])
-def test_edr_bf16_equals_faiss(index_dirs, dense_encoder, retriever_configs, fixture_corpus,
-                               sample_queries, pad_to):
+def test_edr_bf16_equals_faiss(index_dirs, dense_encoder, retriever_configs, fixture_corpus, sample_queries, pad_to):
     """The whole retriever: bf16 scan and FAISS give the same hits, single and batched."""
-    kbs = {scan: load_retriever(retriever_configs["edr"].model_copy(update={"dense_scan": scan, "pad_to": pad_to}),
-                                fixture_corpus, index_dirs["edr"], encoder=dense_encoder)
-           for scan in ("faiss", "bf16")}
+    kbs = {
+        scan: load_retriever(
+            retriever_configs["edr"].model_copy(update={"dense_scan": scan, "pad_to": pad_to}),
+            fixture_corpus,
+            index_dirs["edr"],
+            encoder=dense_encoder,
+        )
+        for scan in ("faiss", "bf16")
+    }
     assert kbs["bf16"].dense_scan == "bf16" and kbs["faiss"].dense_scan == "faiss"
     assert kbs["bf16"].n_rows == kbs["faiss"].n_rows == max(pad_to, len(fixture_corpus))
     queries = sample_queries[:48]
     for k in (1, 4, 20):
         assert kbs["bf16"].batch_search(queries, k) == kbs["faiss"].batch_search(queries, k)
     assert [kbs["bf16"].search(q, 4) for q in queries[:8]] == [kbs["faiss"].search(q, 4) for q in queries[:8]]
-    assert kbs["bf16"].search("anything", len(fixture_corpus) + 3) == kbs["faiss"].search("anything", len(fixture_corpus) + 3)
+    assert kbs["bf16"].search("anything", len(fixture_corpus) + 3) == kbs["faiss"].search(
+        "anything", len(fixture_corpus) + 3
+    )
 
 
 def test_bad_scan_name_is_rejected():
@@ -154,6 +165,8 @@ def test_bad_scan_name_is_rejected():
     with pytest.raises(ValueError, match="dense_scan must be"):
         DenseRetriever("edr", None, X, dense_scan="fast")
     from pydantic import ValidationError
+
     from ralm.config import RetrieverConfig
+
     with pytest.raises(ValidationError):
         RetrieverConfig(dense_scan="gpu")

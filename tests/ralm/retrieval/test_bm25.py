@@ -1,12 +1,12 @@
 """SR: exact BM25 re-scoring that replicates Lucene, ordering, batch independence."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from ralm.retrieval.base import rank_hits
-from ralm.retrieval.bm25 import (BM25DocKey, BM25Query, bm25_scores, byte4_to_int, int_to_byte4,
-                                 lucene_length)
+from ralm.retrieval.bm25 import BM25DocKey, BM25Query, bm25_scores, byte4_to_int, int_to_byte4, lucene_length
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +28,8 @@ def test_smallfloat_matches_lucene():
     prev = -1
     for i in range(0, 5000):
         b = int_to_byte4(i)
-        assert 0 <= b <= 255 and byte4_to_int(b) <= i and b >= prev   # lossy, monotone, rounds down
-        assert int_to_byte4(byte4_to_int(b)) == b                      # decoded values are fixed points
+        assert 0 <= b <= 255 and byte4_to_int(b) <= i and b >= prev  # lossy, monotone, rounds down
+        assert int_to_byte4(byte4_to_int(b)) == b  # decoded values are fixed points
         prev = b
 
 
@@ -124,7 +124,7 @@ def test_pyserini_searcher_rounds_scores(sr, sample_queries):
     raw = sr.lucene_scores(q, 1)[0]
     top = sr.searcher.search(q, k=1)[0]
     assert abs(top.score - raw[1]) < 1e-4
-    assert abs(round(top.score, 4) - top.score) < 1e-5       # a float32 of a 4-decimal number
+    assert abs(round(top.score, 4) - top.score) < 1e-5  # a float32 of a 4-decimal number
 
 
 def test_concurrent_searches_from_threads(sr, sample_queries):
@@ -134,7 +134,7 @@ def test_concurrent_searches_from_threads(sr, sample_queries):
 
     queries = sample_queries[:24]
     expected = [sr.search(q, 5) for q in queries]
-    sr.scorer._keys.clear()                 # force document-vector fetches in the threads
+    sr.scorer._keys.clear()  # force document-vector fetches in the threads
     with ThreadPoolExecutor(4) as ex:
         got = list(ex.map(lambda q: sr.search(q, 5), queries * 2))
     assert got == expected * 2
@@ -145,8 +145,8 @@ def test_java_map_parse_falls_back_on_ambiguous_text():
 
     assert _parse_java_map("{copi=2, tree=1}", 2) == {"copi": 2, "tree": 1}
     assert _parse_java_map("{}", 0) == {}
-    assert _parse_java_map("{a, b=2}", 1) is None          # a term containing ", "
-    assert _parse_java_map("{x=y=1}", 1) == {"x=y": 1}      # rpartition keeps '=' in the term
+    assert _parse_java_map("{a, b=2}", 1) is None  # a term containing ", "
+    assert _parse_java_map("{x=y=1}", 1) == {"x=y": 1}  # rpartition keeps '=' in the term
     assert _parse_java_map("{a=1, a=2}", 2) is None
 
 

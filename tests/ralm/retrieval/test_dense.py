@@ -1,4 +1,5 @@
 """EDR (flat) and ADR (HNSW): exact re-scoring, ordering, batch independence, padding."""
+
 from __future__ import annotations
 
 import logging
@@ -47,7 +48,7 @@ def test_hits_are_ordered_and_exact(kind, retrievers, sample_queries):
 def test_search_equals_batch_search_of_64(kind, retrievers, sample_queries):
     r = retrievers[kind]
     batch = sample_queries[:64]
-    together = r.batch_search(batch, 10)         # FAISS's batched kernel (>= 20 queries)
+    together = r.batch_search(batch, 10)  # FAISS's batched kernel (>= 20 queries)
     alone = [r.search(q, 10) for q in batch]
     assert together == alone
     # and inside a different batch
@@ -96,7 +97,7 @@ def test_dense_scores_do_not_depend_on_layout():
     as64 = dense_scores(V.astype(np.float64), q.astype(np.float64))
     fortran = dense_scores(np.asfortranarray(V), q)
     for other in (alone, listed, as64, fortran):
-        assert np.array_equal(full, other)          # bit for bit
+        assert np.array_equal(full, other)  # bit for bit
     assert np.array_equal(dense_score_fn(q, V), full)
     np.testing.assert_allclose(full, V.astype(np.float64) @ q.astype(np.float64), rtol=1e-12, atol=1e-12)
     # odd dimensions are zero-padded to a power of two
@@ -116,15 +117,16 @@ def test_ties_break_by_doc_id_with_boundary_expansion(kind, scan):
     V[tied] = dup
     q = (dup + 0.05 * rng.standard_normal(dim)).astype(np.float32)
     q /= np.linalg.norm(q)
-    r = DenseRetriever(kind, StubEncoder([q]), V, hnsw_m=16, ef_construction=200, ef_search=400,
-                       rerank_margin=2, dense_scan=scan)
+    r = DenseRetriever(
+        kind, StubEncoder([q]), V, hnsw_m=16, ef_construction=200, ef_search=400, rerank_margin=2, dense_scan=scan
+    )
     hits = r.search("q0", 10)
     exact = dense_scores(V, q)
     assert hits == rank_hits(np.arange(400), exact, 10)
     group = sorted([0, *tied])
-    assert [d for d, _ in hits] == group[:10]          # the whole top-10 is tied: lowest ids win
+    assert [d for d, _ in hits] == group[:10]  # the whole top-10 is tied: lowest ids win
     assert len({s for _, s in hits}) == 1
-    if scan == "bf16":      # the bounded scan takes every row the bound cannot exclude
+    if scan == "bf16":  # the bounded scan takes every row the bound cannot exclude
         assert r.stats["candidates"] >= 41
     else:
         assert r.stats["expansions"] >= 1
@@ -138,8 +140,9 @@ def test_k_larger_than_corpus_returns_everything(retrievers, fixture_corpus):
     assert _ordered(hits)
 
 
-def test_padding_gives_identical_results(retrievers, index_dirs, dense_encoder, retriever_configs,
-                                         fixture_corpus, sample_queries, caplog):
+def test_padding_gives_identical_results(
+    retrievers, index_dirs, dense_encoder, retriever_configs, fixture_corpus, sample_queries, caplog
+):
     edr = retrievers["edr"]
     cfg = retriever_configs["edr"].model_copy(update={"pad_to": 20000, "dense_scan": "faiss"})
     with caplog.at_level(logging.WARNING):

@@ -1,4 +1,5 @@
 """The offline dense encoder: resolution, checksum, sentence-transformers semantics."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,7 +24,9 @@ def test_query_vectors(dense_encoder):
     assert not v.flags.writeable
     # memoised by text, and identical bits to encoding the text alone
     assert dense_encoder.encode_query("How do I parse command-line arguments?") is v
-    alone = dense_encoder._query_executor().submit(dense_encoder._encode_batch, ["How do I parse command-line arguments?"])
+    alone = dense_encoder._query_executor().submit(
+        dense_encoder._encode_batch, ["How do I parse command-line arguments?"]
+    )
     assert np.array_equal(alone.result()[0], v)
     vs = dense_encoder.encode_queries(["a b", "How do I parse command-line arguments?"])
     assert vs[1] is v and np.array_equal(vs[0], dense_encoder.encode_query("a b"))

@@ -1,4 +1,5 @@
 """Index building, manifests, and the clear errors for unusable indexes."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,7 @@ import pytest
 
 from ralm.config import RetrieverConfig
 from ralm.corpus import Corpus
-from ralm.retrieval.errors import (CorruptIndexError, IndexMismatchError, IndexNotFoundError,
-                                   UnknownRetrieverError)
+from ralm.retrieval.errors import CorruptIndexError, IndexMismatchError, IndexNotFoundError, UnknownRetrieverError
 from ralm.retrieval.factory import ensure_index, load_retriever
 from ralm.retrieval.index_build import build_index, check_kind, sha256_file
 
@@ -67,9 +67,11 @@ def test_unknown_retriever(fixture_corpus, index_dirs, tmp_path):
 @pytest.mark.parametrize("kind", ["edr", "sr"])
 def test_missing_index(kind, fixture_corpus, tmp_path):
     cfg = RetrieverConfig(kind=kind)
-    with pytest.raises(IndexNotFoundError, match=rf"no index at .*nowhere.*build it with `ralmspec index --retriever {kind}"):
+    with pytest.raises(
+        IndexNotFoundError, match=rf"no index at .*nowhere.*build it with `ralmspec index --retriever {kind}"
+    ):
         load_retriever(cfg, fixture_corpus, tmp_path / "nowhere")
-    (tmp_path / "half").mkdir()            # a directory without manifest: an interrupted build
+    (tmp_path / "half").mkdir()  # a directory without manifest: an interrupted build
     with pytest.raises(IndexNotFoundError, match="no manifest.json"):
         load_retriever(cfg, fixture_corpus, tmp_path / "half")
     with pytest.raises(IndexNotFoundError, match="no index directory given"):
@@ -80,7 +82,10 @@ def test_corrupt_dense_index(index_dirs, fixture_corpus, dense_encoder, retrieve
     cfg = retriever_configs["edr"]
     d = _copy(index_dirs, "edr", tmp_path)
     _flip_byte(d / "index.faiss", 100)
-    with pytest.raises(CorruptIndexError, match=r"corrupt: checksum mismatch for index.faiss.*rebuild it with `ralmspec index --retriever edr"):
+    with pytest.raises(
+        CorruptIndexError,
+        match=r"corrupt: checksum mismatch for index.faiss.*rebuild it with `ralmspec index --retriever edr",
+    ):
         load_retriever(cfg, fixture_corpus, d, encoder=dense_encoder)
 
     d2 = _copy(index_dirs, "edr", tmp_path / "t")
@@ -90,7 +95,7 @@ def test_corrupt_dense_index(index_dirs, fixture_corpus, dense_encoder, retrieve
         load_retriever(cfg, fixture_corpus, d2, encoder=dense_encoder)
 
     d3 = _copy(index_dirs, "adr", tmp_path / "h")
-    _flip_byte(d3 / "index.faiss", 0)       # damage the FAISS header, skip checksums: unreadable
+    _flip_byte(d3 / "index.faiss", 0)  # damage the FAISS header, skip checksums: unreadable
     with pytest.raises(CorruptIndexError, match=r"index at .* is unreadable"):
         load_retriever(retriever_configs["adr"], fixture_corpus, d3, encoder=dense_encoder, checksums=False)
 
@@ -115,21 +120,29 @@ def test_corrupt_lucene_index(index_dirs, fixture_corpus, retriever_configs, tmp
 
 @pytest.mark.parametrize("kind", ["edr", "adr", "sr"])
 def test_corpus_mismatch(kind, index_dirs, fixture_corpus, dense_encoder, retriever_configs):
-    records = [{"id": i, "title": t, "contents": c}
-               for i, t, c in zip(fixture_corpus.ids, fixture_corpus.titles, fixture_corpus.contents)]
+    records = [
+        {"id": i, "title": t, "contents": c}
+        for i, t, c in zip(fixture_corpus.ids, fixture_corpus.titles, fixture_corpus.contents)
+    ]
     records[7]["contents"] += " (edited)"
     other = Corpus.from_records(records)
-    with pytest.raises(IndexMismatchError,
-                       match=rf"was built from another corpus .*{len(fixture_corpus)} passages.*rebuild it with"):
+    with pytest.raises(
+        IndexMismatchError, match=rf"was built from another corpus .*{len(fixture_corpus)} passages.*rebuild it with"
+    ):
         load_retriever(retriever_configs[kind], other, index_dirs[kind], encoder=dense_encoder)
     with pytest.raises(IndexMismatchError, match="another corpus"):
-        load_retriever(retriever_configs[kind], Corpus.from_records(records[:50]), index_dirs[kind], encoder=dense_encoder)
+        load_retriever(
+            retriever_configs[kind], Corpus.from_records(records[:50]), index_dirs[kind], encoder=dense_encoder
+        )
 
 
 def test_encoder_mismatch(index_dirs, fixture_corpus, dense_encoder, retriever_configs, tmp_path):
     cfg = retriever_configs["edr"].model_copy(update={"encoder": "sentence-transformers/all-mpnet-base-v2"})
-    with pytest.raises(IndexMismatchError, match=r"built with encoder 'local:all-MiniLM-L6-v2', but the retriever is "
-                                                 r"configured with encoder 'sentence-transformers/all-mpnet-base-v2'"):
+    with pytest.raises(
+        IndexMismatchError,
+        match=r"built with encoder 'local:all-MiniLM-L6-v2', but the retriever is "
+        r"configured with encoder 'sentence-transformers/all-mpnet-base-v2'",
+    ):
         load_retriever(cfg, fixture_corpus, index_dirs["edr"])
     # same name, other weights (fingerprint)
     d = _copy(index_dirs, "adr", tmp_path)
@@ -160,14 +173,16 @@ def test_build_parameter_mismatch(index_dirs, fixture_corpus, dense_encoder, ret
 
 @pytest.mark.parametrize("kind", ["edr", "sr"])
 def test_ensure_index_builds_once(kind, fixture_corpus, dense_encoder, tmp_path):
-    records = [{"id": i, "title": t, "contents": c} for i, t, c in
-               zip(fixture_corpus.ids[:20], fixture_corpus.titles[:20], fixture_corpus.contents[:20])]
+    records = [
+        {"id": i, "title": t, "contents": c}
+        for i, t, c in zip(fixture_corpus.ids[:20], fixture_corpus.titles[:20], fixture_corpus.contents[:20])
+    ]
     small = Corpus.from_records(records)
     cfg = RetrieverConfig(kind=kind)
     d = ensure_index(cfg, small, tmp_path / kind, progress=False, encoder=dense_encoder)
     stamp = (d / "manifest.json").stat().st_mtime_ns
     assert ensure_index(cfg, small, d, progress=False, encoder=dense_encoder) == d
-    assert (d / "manifest.json").stat().st_mtime_ns == stamp           # not rebuilt
+    assert (d / "manifest.json").stat().st_mtime_ns == stamp  # not rebuilt
     r = load_retriever(cfg, small, d, encoder=dense_encoder)
     hits = r.search(small.contents[3][:200], 3)
     assert len(hits) == 3 and hits[0][0] == 3
