@@ -1,7 +1,7 @@
 # ralmspec: one command to serve, one to test. Both set everything up first.
 #   make serve   - venv + deps + demo indexes, then the server on the embedded defaults
 #   make test    - venv + deps (+ redis-server) then the test suite
-#   make test-fast - the unit tests only (no Ray, no redis-server): the edit-test loop
+#   make test-fast - the unit tests only (no Ray, no redis-server, no exhaustive exactness matrix): the edit-test loop
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -40,7 +40,7 @@ test: setup system-deps
 	$(PY) -m pytest -q
 
 test-fast: setup
-	$(PY) -m pytest -q -m "unit and not slow"
+	$(PY) -m pytest -q -m "unit and not matrix and not slow"
 
 test-all: setup system-deps
 	$(PY) -m pytest -q -m ""

@@ -54,7 +54,6 @@ INTEGRATION_FIXTURES = frozenset(
 INTEGRATION_TESTS = frozenset(
     {
         "tests/deployments/test_generator.py::test_replica_in_a_strict_pack_placement_group",
-        "tests/ralm/test_signals.py::test_jvm_handlers_survive_ray_init_and_shutdown",
     }
 )
 _ROOT = Path(__file__).resolve().parent.parent

@@ -42,7 +42,9 @@ class ScriptedGenerator:
     def decode(self, tokens: Sequence[int]) -> str:
         return " ".join(str(t) for t in tokens)
 
-    def step(self, doc_id, context, k, ignore_eos=False) -> StepOutput:
+    def step(self, doc_id, context, k, ignore_eos=False, options=None) -> StepOutput:
+        # options: the Generator protocol's generation options; the script ignores them
+        # (tests that need drafting or FLARE run the real engine)
         t0 = time.perf_counter()
         if self.step_sleep:
             time.sleep(self.step_sleep)

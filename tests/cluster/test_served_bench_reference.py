@@ -4,7 +4,7 @@ the 1-request served-vs-in-process rows built from it."""
 from __future__ import annotations
 
 from cluster.served_bench import _label, _parse_methods, _spec_body, in_process_latencies, one_request_rows, to_markdown
-from ralm.config import RalmConfig, RequestConfig, SpecConfig
+from ralm.config import RalmConfig, RequestConfig
 from ralm.pipeline import Pipeline
 from tests.conftest import FIXTURE_CORPUS
 
@@ -23,7 +23,6 @@ def test_in_process_reference_runs_the_same_requests(tmp_path, gen_model_dir, fi
     pipe = Pipeline.from_config(RalmConfig.model_validate(ralm), progress=False)
     req = RequestConfig(max_new_tokens=12)
     assert [list(pipe.answer(q, "edr", "seq", req=req).tokens) for q in questions] == ref[("edr", "seq")]["tokens"]
-    assert SpecConfig.named("PS").prefetch
 
     rows = [
         {"retriever": "edr", "method": "seq", "concurrency": 1, "batching": True, "mean_s": 2.0},

@@ -14,6 +14,9 @@ from ralm.config import RequestConfig, SpecConfig
 from ralm.seq import run_seq
 from ralm.spec import run_spec
 
+# every retriever x configuration: `make test` runs it; `make test-fast` leaves it out
+pytestmark = pytest.mark.matrix
+
 KINDS = ["edr", "adr", "sr"]
 CONFIGS = [(n, s) for n in ["base", "P", "A", "PA"] for s in (1, 3, 8)] + [(n, None) for n in ["S", "PS", "SA", "PSA"]]
 # Fixed-length generation (EOS masked) so every request has 10 retrieval steps; the EOS

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ralm import constants as C
+from ralm.config import RequestConfig
 from ralm.drafting import StepOptions
 from ralm.drafting.dense import DenseDrafter, build_datastore, collect_sequences
 from ralm.drafting.exactness import first_divergence, first_index
@@ -123,4 +124,5 @@ def test_flare_step_is_a_prefix_of_plain(eng, prompts):
 def test_idgr_block_is_opt_in_and_rank_based():
     b = idgr_block([5, 9], [1])
     assert "[5] (relevance rank 1)" in b and "Unrelated documents: [1]" in b
-    assert StepOptions().idgr is False
+    # IDGR changes outputs: a request that does not ask for it never gets it
+    assert StepOptions.from_request(RequestConfig()).idgr is False

@@ -9,6 +9,9 @@ import pytest
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 from ralm.knnlm import run_knn_seq, run_knn_spec
 
+# every retriever x configuration: `make test` runs it; `make test-fast` leaves it out
+pytestmark = pytest.mark.matrix
+
 MAX_NEW = {"tiny-gpt2": 16, "pydocs-gpt": 24}
 # lambda: the kNN distribution must be able to change the LM's choice, or the cache's
 # guesses would always be right and rollbacks never exercised
