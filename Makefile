@@ -1,6 +1,7 @@
 # ralmspec: one command to serve, one to test. Both set everything up first.
 #   make serve   - venv + deps + demo indexes, then the server on the embedded defaults
-#   make test    - venv + deps (+ redis-server) then the test suite
+#   make test    - venv + deps (+ redis-server), the static checks (make lint), then the whole test suite
+#   make lint    - layer contract (lint-imports), ruff lint + format check, mypy
 #   make test-fast - the unit tests only (no Ray, no redis-server, no exhaustive exactness matrix): the edit-test loop
 PYTHON ?= python3
 VENV   ?= .venv
@@ -9,7 +10,7 @@ PIP    := $(VENV)/bin/pip
 # torch 2.13.0 installs a CPU build from this workplace's local wheel; set TORCH_SPEC on GPU hosts.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup system-deps serve demo index test test-fast test-all bench clean
+.PHONY: setup system-deps serve demo index lint test test-fast test-all bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +36,13 @@ demo: index
 serve: index
 	$(VENV)/bin/ralmspec serve
 
-test: setup system-deps
+lint: setup
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: setup system-deps lint
 	$(PY) -m pytest -q
 
 test-fast: setup
