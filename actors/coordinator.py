@@ -32,7 +32,7 @@ import queue
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -41,7 +41,7 @@ from ralm.engine import LMEngine, StepOutput
 from ralm.errors import ConfigError
 from ralm.methods import method_info
 from ralm.results import RalmResult
-from ralm.retrieval.base import Hit
+from ralm.retrieval.base import ExactScorer, Hit, Retriever
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +65,13 @@ class RemoteGenerator:
         self.eos_token_id = eos_token_id
         self.calls = 0
 
+    # LMEngine's methods run unbound on this duck-typed stand-in: they only read
+    # ``tokenizer`` and ``cfg``, which this class provides.
     def encode_question(self, question: str) -> list[int]:
-        return LMEngine.encode_question(self, question)  # the engine's own validation
+        return LMEngine.encode_question(self, question)  # type: ignore[arg-type]  # the engine's own validation
 
     def decode(self, tokens: Sequence[int]) -> str:
-        return LMEngine.decode(self, tokens)
+        return LMEngine.decode(self, tokens)  # type: ignore[arg-type]  # see encode_question
 
     def step(
         self, doc_id: Any, context: Sequence[int], k: int, ignore_eos: bool = False, options: Any = None
@@ -130,7 +132,7 @@ class VerifierKB:
     def __init__(self, name: str, verifier: Any, scorer: RemoteScorer):
         self.name = name
         self.verifier = verifier
-        self.scorer = scorer
+        self.scorer: ExactScorer = scorer
         self.requester: str | None = None  # the request in flight, announced to the verifier
 
     def search(self, query: str, k: int) -> list[Hit]:
@@ -154,7 +156,7 @@ class VerifierKB:
 class StreamDecoder:
     """Turns committed token chunks into text deltas whose concatenation is the full text."""
 
-    def __init__(self, decode):
+    def __init__(self, decode: Callable[[list[int]], str]):
         self.decode = decode
         self.tokens: list[int] = []
         self.sent = ""
@@ -191,7 +193,7 @@ class Coordinator:
         self.spec_defaults = SpecConfig.model_validate(spec_defaults or {})
         self.executor = ThreadPoolExecutor(max_workers=verify_threads, thread_name_prefix="coord-verify")
         self._gen: RemoteGenerator | None = None
-        self._kbs: dict[str, Any] = {}  # the retriever each request uses (maybe store-cached)
+        self._kbs: dict[str, Retriever] = {}  # the retriever each request uses (maybe store-cached)
         self._vkbs: dict[str, VerifierKB] = {}  # the verifier-backed one underneath
         self._caches: dict[str, Any] = {}
         self._me = uuid.uuid4().hex[:12]  # tags this coordinator's requests at the verifiers
@@ -232,7 +234,7 @@ class Coordinator:
             self._gen = RemoteGenerator(h, tok, cfg, info["eos_token_id"])
         return self._gen
 
-    def _kb(self, kind: str) -> VerifierKB:
+    def _kb(self, kind: str) -> Retriever:
         if kind not in self.verifiers:
             raise ConfigError(f"unknown retriever {kind!r}: this server has {', '.join(sorted(self.verifiers))}")
         if kind not in self._kbs:
@@ -240,8 +242,9 @@ class Coordinator:
 
             v = self.verifiers[kind]
             scorer = RemoteScorer(v, _get(v.score_function.remote()))
-            kb: Any = VerifierKB(kind, v, scorer)
-            self._vkbs[kind] = kb
+            vkb = VerifierKB(kind, v, scorer)
+            self._vkbs[kind] = vkb
+            kb: Retriever = vkb
             version = (self.state.get("kb_cache") or {}).get(kind)
             if version and self._store() is not None:
                 from cache.state import StoreCachedRetriever
@@ -436,7 +439,13 @@ class Coordinator:
         yield {"delta": tail, "tokens": [], "done": True, "result": out}
 
     def info(self) -> dict:
-        kb_cache = {k: {"hits": kb.hits, "misses": kb.misses} for k, kb in self._kbs.items() if hasattr(kb, "hits")}
+        from cache.state import StoreCachedRetriever
+
+        kb_cache = {
+            k: {"hits": kb.hits, "misses": kb.misses}
+            for k, kb in self._kbs.items()
+            if isinstance(kb, StoreCachedRetriever)
+        }
         return {
             "pid": os.getpid(),
             "served": self.served,
@@ -456,4 +465,5 @@ def coordinator_actor_class(num_cpus: float = 0.05, max_concurrency: int = 4):
     """
     import ray
 
-    return ray.remote(num_cpus=num_cpus, max_concurrency=max_concurrency, max_restarts=0)(Coordinator)
+    # Ray's stubs type only the task options of ``ray.remote``, not the actor ones (max_concurrency)
+    return ray.remote(num_cpus=num_cpus, max_concurrency=max_concurrency, max_restarts=0)(Coordinator)  # type: ignore[call-overload]

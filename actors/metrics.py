@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "ralmspec_"
 LATENCY_BOUNDS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0]
-BATCH_BOUNDS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+BATCH_BOUNDS: list[float] = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 SHARD_BOUNDS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
 
 _lock = threading.Lock()

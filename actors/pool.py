@@ -43,7 +43,7 @@ class CoordinatorPool:
     ready: Callable[[Any], Awaitable[Any]]
     size: int = 4
     max_size: int = 16
-    _idle: asyncio.Queue = field(default=None, init=False, repr=False)
+    _idle: asyncio.Queue[Any] = field(init=False, repr=False)  # made in __post_init__
     _all: list = field(default_factory=list, init=False, repr=False)
     _creating: int = field(default=0, init=False, repr=False)
     stats: PoolStats = field(default_factory=PoolStats, init=False)

@@ -51,7 +51,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -59,6 +59,10 @@ from ralm.config import RetrieverConfig
 from ralm.corpus import Corpus
 from ralm.retrieval.base import Hit, rank_hits
 from ralm.retrieval.rerank import Candidates, exact_top_k, tolerance
+
+if TYPE_CHECKING:
+    from ralm.retrieval.bm25 import SparseRetriever
+    from ralm.retrieval.dense import DenseRetriever
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +228,7 @@ class RetrievalShard:
         self.calls = 0
         rcfg = spec.rcfg
         d = Path(spec.shard_dir)
+        self.local: DenseRetriever | SparseRetriever
         if self.kind in DENSE:
             import faiss
 
@@ -255,10 +260,11 @@ class RetrievalShard:
             ids = json.loads((d / "ids.json").read_text()) if (d / "ids.json").is_file() else None
             if ids is None:
                 ids = _lucene_ids(d / LUCENE_SUBDIR, self.n_docs)
-            self.local = SparseRetriever(
+            sparse = SparseRetriever(
                 d / LUCENE_SUBDIR, ids, k1=rcfg.bm25_k1, b=rcfg.bm25_b, rerank_margin=rcfg.rerank_margin
             )
-            sc = self.local.scorer
+            self.local = sparse
+            sc = sparse.scorer
             if sc.max_doc != self.n_docs:
                 raise ValueError(f"shard {spec.index}: Lucene index has {sc.max_doc} documents, expected {self.n_docs}")
         self.stats = {"searches": 0, "queries": 0, "expansions": 0}
@@ -279,6 +285,22 @@ class RetrievalShard:
     def ping(self) -> int:
         return self.pid
 
+    def _dense(self) -> DenseRetriever:
+        """The slice's dense retriever (edr / adr shards only)."""
+        from ralm.retrieval.dense import DenseRetriever
+
+        if not isinstance(self.local, DenseRetriever):
+            raise TypeError(f"shard {self.spec.index} is a {self.kind!r} shard: no dense index to search")
+        return self.local
+
+    def _sparse(self) -> SparseRetriever:
+        """The slice's Lucene retriever (sr shards only)."""
+        from ralm.retrieval.bm25 import SparseRetriever
+
+        if not isinstance(self.local, SparseRetriever):
+            raise TypeError(f"shard {self.spec.index} is a {self.kind!r} shard: no Lucene index to search")
+        return self.local
+
     # ---- dense
     def search_vectors(self, reps: Sequence[np.ndarray], k: int) -> list[list[Hit]]:
         """Exact top-``k`` of this slice for encoded queries (global doc ids)."""
@@ -286,7 +308,7 @@ class RetrievalShard:
         self.stats["searches"] += 1
         self.stats["queries"] += len(reps)
         t0 = time.perf_counter()
-        res = self.local.search_vectors(list(reps), min(int(k), self.n_docs))
+        res = self._dense().search_vectors(list(reps), min(int(k), self.n_docs))
         out = [[(d + self.lo, s) for d, s in hits] for hits in res]
         self._observe(time.perf_counter() - t0)
         return out
@@ -295,7 +317,7 @@ class RetrievalShard:
     def term_stats(self, terms: Sequence[str]) -> dict:
         """This slice's ``docCount``, ``sumTotalTermFreq`` and the df of each analysed term."""
         self.calls += 1
-        sc = self.local.scorer
+        sc = self._sparse().scorer
         return {
             "doc_count": sc.doc_count,
             "sum_total_term_freq": sc.sum_total_term_freq,
@@ -310,7 +332,7 @@ class RetrievalShard:
         self.stats["searches"] += 1
         self.stats["queries"] += len(texts)
         t0 = time.perf_counter()
-        loc = self.local
+        loc = self._sparse()
         sc = loc.scorer
         k = min(int(k), self.n_docs)
         out = []

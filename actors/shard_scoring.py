@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -63,6 +63,10 @@ class _ShardScorer:
 
     def score(self, query_rep: Any, keys: Sequence[Any]) -> np.ndarray:
         return self.score_function()(query_rep, keys)
+
+    def score_function(self) -> Callable[[Any, Sequence[Any]], np.ndarray]:
+        """The KB's pure scoring function, ``(query_rep, keys) -> float64 scores``."""
+        raise NotImplementedError
 
 
 def dense_score_fn(query_rep: np.ndarray, keys) -> np.ndarray:

@@ -207,7 +207,8 @@ class VerificationBatcher:
                     break
             sem = self._sem  # (configure may swap it between batches)
             await sem.acquire()  # at most max_inflight batches in flight;
-            batch, total = [], 0  # meanwhile more submissions accumulate
+            batch: list[_Item] = []  # meanwhile more submissions accumulate
+            total = 0
             while self._pending and (not batch or total + len(self._pending[0].queries) <= self.max_batch):
                 it = self._pending.pop(0)
                 batch.append(it)

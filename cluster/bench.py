@@ -123,9 +123,7 @@ def bench_main(args: argparse.Namespace) -> int:
         timed, warm = questions, []
     pipe = Pipeline.from_config(cfg, kinds=kinds)
     notes = bench_header("bench", len(timed), cfg, kinds, f"{cfg.corpus} ({len(pipe.corpus)} passages)")
-    notes.append(
-        machine_note({k: pipe.retriever(k).dense_scan for k in kinds if hasattr(pipe.retriever(k), "dense_scan")})
-    )
+    notes.append(machine_note({k: r.dense_scan for k in kinds if hasattr(r := pipe.retriever(k), "dense_scan")}))
     all_rows: list[ConfigSummary] = []
     all_req: list[dict] = []
     t0 = time.perf_counter()

@@ -25,7 +25,7 @@ def add_costs_args(p: argparse.ArgumentParser) -> None:
 
 def _queries(corpus, n: int, seed: int) -> list[str]:
     rng = np.random.default_rng(seed)
-    out = []
+    out: list[str] = []
     while len(out) < n:
         words = corpus.text(int(rng.integers(len(corpus)))).split()
         if len(words) >= 24:

@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ralm.config import SpecConfig
 
@@ -42,7 +43,7 @@ class EvalItem:
     def request(self) -> dict:
         """The request as the serving layer's coordinators take it."""
         spec = self.spec()
-        out = {"question": self.question, "retriever": self.retriever, "method": self.method}
+        out: dict[str, Any] = {"question": self.question, "retriever": self.retriever, "method": self.method}
         if spec is not None:
             out["spec"] = spec.model_dump()
         return out

@@ -188,7 +188,8 @@ class RayBackend:
             opts["num_gpus"] = num_gpus
         actor_cls = ray.remote(**opts)(_RayEvalWorker)
         cfg_json = cfg.model_dump_json()
-        self.actors = [actor_cls.remote(cfg_json, list(kinds), list(warmup)) for _ in range(max(1, workers))]
+        # actor handles: Ray types their methods dynamically
+        self.actors: list[Any] = [actor_cls.remote(cfg_json, list(kinds), list(warmup)) for _ in range(max(1, workers))]
         self.where = ray.get([a.ready.remote() for a in self.actors])
         self._ray = ray
 
@@ -227,11 +228,11 @@ class RequestFnBackend:
         return self._describe
 
     def run(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, dict]]:
-        from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+        from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
         todo = list(items)[::-1]
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="eval-req") as ex:
-            pending = {}
+            pending: dict[Future[dict], EvalItem] = {}
             while todo or pending:
                 while todo and len(pending) < self.concurrency:
                     item = todo.pop()

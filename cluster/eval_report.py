@@ -118,7 +118,7 @@ def write_outputs(
     ``{"counts", "summary" (the ConfigSummary rows), "markdown"}``."""
     rows_by_key = store.job_results(job_id)
     per_req, summary, counts = build_report(rows_by_key, items, configs, kinds)
-    runs = sorted({r.get("run_id") for r in per_req if r.get("run_id")})
+    runs = sorted({r["run_id"] for r in per_req if r.get("run_id")})
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.jsonl", "w", encoding="utf-8") as fh:
         for r in per_req:

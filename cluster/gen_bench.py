@@ -20,11 +20,16 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from statistics import fmean, median
+from typing import TYPE_CHECKING, Any
 
 from cluster.report import table, write_report
 from ralm import constants as C
+
+if TYPE_CHECKING:
+    from ralm.results import RalmResult
 
 TEST_DATA = C.PACKAGE_ROOT / "tests" / "data"
 
@@ -279,8 +284,8 @@ def gen_bench_main(args) -> int:
     # (a) prefill per step with vs without doc-KV reuse
     parts = set(getattr(args, "parts", "abcd"))
     if "a" in parts:
-        pre = {"forward_overhead_ms": forward_overhead_ms(eng)}
-        windows = _ints(getattr(args, "query_window", None)) or [None]
+        pre: dict[str, Any] = {"forward_overhead_ms": forward_overhead_ms(eng)}
+        windows: Sequence[int | None] = _ints(getattr(args, "query_window", None)) or [None]
         for qw, nd in ((qw, nd) for qw in windows for nd in _ints(getattr(args, "prefill_docs", "1,3"))):
             req = RequestConfig(
                 max_new_tokens=args.max_new_tokens,
@@ -310,7 +315,8 @@ def gen_bench_main(args) -> int:
         "build_s": time.perf_counter() - t0,
     }
     eng.attach_dense_datastore(store)
-    dec, runs = {}, {}
+    dec: dict[str, dict[str, Any]] = {}
+    runs: dict[str, list[RalmResult]] = {}
     for mode in ("none", "ngram", "dense"):
         req = req0.model_copy(update={"drafting": mode})
         rs = [run_seq(q, gen, kb, req) for q in evalq]
@@ -346,6 +352,8 @@ def gen_bench_main(args) -> int:
                 o.tokens[i // req0.generation_stride * req0.generation_stride :],
                 True,
             )
+            if dv is None:  # the two token lists differ at i, so first_divergence finds it
+                raise RuntimeError(f"no divergence found in {mode!r} at token {i} of {q!r}")
             dd = dv.as_dict()
             dd["position"] += i // req0.generation_stride * req0.generation_stride  # in the request's tokens
             divs.append({"question": q, **dd, "near_tie": dv.near_tie()})
@@ -357,7 +365,7 @@ def gen_bench_main(args) -> int:
 
     # (c) end to end: RaLMSeq plain (no doc-KV reuse) vs RaLMSpec + reuse + drafting
     spec = SpecConfig.parse(args.spec)
-    e2e = {}
+    e2e: dict[str, Any] = {}
     base_t, base_tok = [], []
     for q in evalq:
         r = run_seq(q, gen_nc, kb, req0)

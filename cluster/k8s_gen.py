@@ -55,14 +55,14 @@ def deep_merge(base: Any, over: Any) -> Any:
         key = _list_id_key(base, over)
         if key is None:
             return copy.deepcopy(over)
-        out = [copy.deepcopy(x) for x in base]
-        index = {x[key]: i for i, x in enumerate(out)}
+        items = [copy.deepcopy(x) for x in base]
+        index = {x[key]: i for i, x in enumerate(items)}
         for x in over:
             if x[key] in index:
-                out[index[x[key]]] = deep_merge(out[index[x[key]]], x)
+                items[index[x[key]]] = deep_merge(items[index[x[key]]], x)
             else:
-                out.append(copy.deepcopy(x))
-        return out
+                items.append(copy.deepcopy(x))
+        return items
     return copy.deepcopy(over)
 
 

@@ -25,6 +25,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from cluster.report import (
     KNN_COLUMNS,
@@ -244,7 +245,7 @@ def knn_bench_main(args) -> int:
                     run_knn_spec(p, engine, kb, knn, req, specs[c])
             base = ConfigRuns("baseline")
             res = {c: ConfigRuns(c) for c in configs}
-            caches = {c: [] for c in configs}
+            caches: dict[str, list[Any]] = {c: [] for c in configs}
             kb.batch_s.clear()
             for p in tqdm(timed, desc=f"{kind} k={k}"):
                 b = run_knn_seq(p, engine, kb, knn, req)
@@ -277,7 +278,8 @@ def knn_bench_main(args) -> int:
                     notes.append(f"{kind} k={k} {c}: strides chosen (size: windows) {hist}")
             log.info("%s k=%d: %s", kind, k, ", ".join(f"{r.config} {r.speedup:.2f}x" for r in block))
         notes.append(f"KB stats {kind}: {kb.stats}")
-    share = [r for r in rows if r.config == "baseline" and r.index.startswith("flat")]
+    # (every row here has its index label: summarize(**where))
+    share = [r for r in rows if r.config == "baseline" and r.index is not None and r.index.startswith("flat")]
     if share:
         notes.append(
             "Baseline retrieval share (flat): " + ", ".join(f"k={r.k}: {r.retrieval_share:.0%}" for r in share)

@@ -95,7 +95,7 @@ class ConfigSummary:
 
     @classmethod
     def coerce(cls, row: ConfigSummary | Mapping[str, Any]) -> ConfigSummary:
-        return row if isinstance(row, cls) else cls.from_dict(row)
+        return row if isinstance(row, ConfigSummary) else cls.from_dict(row)
 
 
 def summarize(
@@ -298,11 +298,11 @@ def latency_chart(rows: Sequence[ConfigSummary | Mapping[str, Any]], path: Path)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [ConfigSummary.coerce(r) for r in rows]
-    kinds = list(dict.fromkeys(r.retriever for r in rows))
+    summaries = [ConfigSummary.coerce(r) for r in rows]
+    kinds = list(dict.fromkeys(r.retriever for r in summaries))
     fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
-        rs = [r for r in rows if r.retriever == kind]
+        rs = [r for r in summaries if r.retriever == kind]
         generation = [r.generation_s * 1000 for r in rs]
         retrieval = [r.retrieval_s * 1000 for r in rs]
         ax.bar([r.config for r in rs], generation, label="generation", color="#4c72b0")

@@ -234,7 +234,10 @@ def run_served_bench(
     if policy and can_switch:
         client.admin(policy)
     if can_switch:
-        current = client.admin({}).get(kinds[0], {})
+        admin_state = client.admin({})
+        if admin_state is None:  # it answered a moment ago (can_switch)
+            raise RuntimeError("the server's admin API went off during the benchmark")
+        current = admin_state.get(kinds[0], {})
         notes.append(
             "verifier policy when batching is on: "
             + ", ".join(
@@ -339,7 +342,11 @@ def in_process_latencies(
         for kind in kinds:
             pipe.answer(questions[0], kind, "seq", req=req)  # warm-up, untimed
             for method, spec in methods:
-                sc = SpecConfig.parse(spec, **cfg.spec.model_dump()) if method == "spec" else None
+                sc = None
+                if method == "spec":
+                    if spec is None:  # _parse_methods names a configuration for every spec method
+                        raise ValueError("method 'spec' without a configuration name")
+                    sc = SpecConfig.parse(spec, **cfg.spec.model_dump())
                 lats, toks = [], []
                 for q in questions:
                     kb = pipe.retriever(kind)

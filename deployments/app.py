@@ -13,8 +13,13 @@ start into ``ralm.work_dir``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 from deployments.config import AppConfig, VerifierOptions
 from deployments.generator import PRESETS
+
+if TYPE_CHECKING:
+    from ray.serve import Deployment
 
 
 def build_app(args: dict | None = None):
@@ -33,7 +38,8 @@ def build_app(args: dict | None = None):
         cfg.dense_drafting.model_dump(mode="json"),
         cfg.knnlm.model_dump(mode="json"),
     )
-    ingress = Ingress.options(
+    # @serve.deployment made Ingress a Deployment; mypy does not apply class decorators
+    ingress = cast("Deployment", Ingress).options(
         ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
     )

@@ -15,7 +15,7 @@ to the text), then ``{"delta": text, "tokens": [], "done": True, "result": resul
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Protocol, runtime_checkable
 
 
@@ -46,7 +46,7 @@ class RalmBackend(Protocol):
         """Answer one job; returns its result."""
         ...
 
-    def stream(self, job: dict) -> AsyncIterator[dict]:
+    def stream(self, job: dict) -> AsyncGenerator[dict, None]:
         """Answer one job chunk by chunk (an async generator). Closing it early (the client
         went away) cancels the request: the backend frees what it holds once the request
         is done."""

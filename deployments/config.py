@@ -111,6 +111,10 @@ class StateOptions(_Opts):
     )
 
 
+def _all_retrievers() -> list[RetrieverKind]:
+    return ["edr", "adr", "sr"]
+
+
 class AppConfig(_Opts):
     """Everything the served application needs. Every field has a default: ``{}`` is the demo."""
 
@@ -122,7 +126,7 @@ class AppConfig(_Opts):
         description="Corpus, work dir, retriever, generator, speculation and request defaults (ralm.config.RalmConfig).",
     )
     retrievers: list[RetrieverKind] = Field(
-        default_factory=lambda: ["edr", "adr", "sr"],
+        default_factory=_all_retrievers,
         min_length=1,
         description="Retriever kinds served; the first is the default of a request.",
     )

@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -33,6 +33,9 @@ from ralm.config import GeneratorConfig
 from ralm.corpus import Corpus
 from ralm.engine import LMEngine, StepOutput
 from ralm.generator import LocalGenerator
+
+if TYPE_CHECKING:
+    from ray.serve import Deployment
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +178,7 @@ def claim_placement_group_gpus(timeout_s: float = 120.0) -> tuple[list, list[str
     if pg is None:
         return [], []
     probe_cls = ray.remote(_BundleProbe)
-    probes = []
+    probes: list[Any] = []  # actor handles (Ray types their methods dynamically)
     for i, bundle in enumerate(pg.bundle_specs[1:], start=1):
         probes.append(
             probe_cls.options(
@@ -290,4 +293,7 @@ def generator_deployment(options: GeneratorDeploymentOptions | None = None, name
     from ray import serve
 
     options = options or GeneratorDeploymentOptions()
-    return serve.deployment(GeneratorServer).options(**options.deployment_options(name))
+    # called on a class, serve.deployment returns the Deployment itself (Ray annotates only
+    # its decorator-factory form)
+    deployment = cast("Deployment", serve.deployment(GeneratorServer))
+    return deployment.options(**options.deployment_options(name))

@@ -46,7 +46,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
@@ -225,11 +225,15 @@ def _replay(messages: list, receive):
 
 
 # ------------------------------------------------------------------ error mapping
-async def _api_error(_: Request, e: ApiError):
+# Starlette types every handler as taking any Exception; each is registered for one class
+# only (build_http_app), so the cast names the class Starlette passes.
+async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+    e = cast(ApiError, exc)
     return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
 
 
-async def _validation_error(_: Request, e: RequestValidationError):
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    e = cast(RequestValidationError, exc)
     msg, param = describe(list(e.errors()))
     return JSONResponse(error_body(msg, param=param), status_code=400)
 

@@ -91,7 +91,7 @@ def load_dense_datastore(opts: dict | DenseDraftingOptions | None, engine, corpu
     from ralm.drafting.dense import DenseDatastore, build_datastore, collect_corpus
 
     opts = DenseDraftingOptions.model_validate(opts or {}) if not isinstance(opts, DenseDraftingOptions) else opts
-    if not opts.enabled:
+    if not opts.enabled or opts.datastore is None:  # (enabled: a datastore is set)
         return None
     path = Path(opts.datastore).expanduser()
     built = False
@@ -160,6 +160,8 @@ def _load_or_build_knn(opts: KnnServeOptions, engine, corpus):
     from ralm.knnlm import Datastore, DatastoreError, build_datastore, model_fingerprint
 
     cfg = opts.config
+    if cfg.datastore_dir is None:
+        raise ValueError("knnlm.config.datastore_dir must be resolved before the replica starts")
     d = Path(cfg.datastore_dir).expanduser()
     fp = model_fingerprint(engine)
     want = min(opts.n_passages or len(corpus), len(corpus))
@@ -203,8 +205,6 @@ class KnnServer:
         from ralm.knnlm import load_knn_retriever
 
         self.opts = KnnServeOptions.model_validate(opts) if not isinstance(opts, KnnServeOptions) else opts
-        if self.opts.config.datastore_dir is None:
-            raise ValueError("knnlm.config.datastore_dir must be resolved before the replica starts")
         self.ds, self.built = _load_or_build_knn(self.opts, engine, corpus)
         self.kb = load_knn_retriever(self.ds, self.opts.config)
         from ralm.knnlm.projection import projection_for

@@ -16,7 +16,7 @@ import hashlib
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import ray
@@ -154,7 +154,7 @@ class RayBackend:
         store_cfg = cfg.state.store
         if store_cfg is None and os.environ.get(STATE_URL_ENV):
             store_cfg = StateStoreConfig.from_env()
-        state = {
+        state: dict[str, Any] = {
             "store": store_cfg.model_dump(mode="json") if store_cfg is not None else None,
             "checkpoints": cfg.state.checkpoints,
             "kb_cache": {k: self.index_versions[k] for k in cfg.state.kb_cache} if store_cfg else {},
@@ -184,37 +184,50 @@ class RayBackend:
         self.pool = CoordinatorPool(factory, ready, cfg.pool.size, cfg.pool.max_size)
         await self.pool.start()
 
+    def _started_codec(self) -> RemoteGenerator:
+        """The tokenizer-side generator stand-in, which :meth:`start` makes."""
+        if self.codec is None:
+            raise RuntimeError("RayBackend is not started: await RayBackend(...).start() first")
+        return self.codec
+
+    def _started_pool(self) -> CoordinatorPool:
+        """The coordinator pool, which :meth:`start` makes."""
+        if self.pool is None:
+            raise RuntimeError("RayBackend is not started: await RayBackend(...).start() first")
+        return self.pool
+
     # ---------------------------------------------------------------- RalmBackend
     @property
     def max_prompt_tokens(self) -> int:
-        return self.codec.cfg.max_prompt_tokens
+        return self._started_codec().cfg.max_prompt_tokens
 
     @property
     def max_new_tokens(self) -> int:
-        return self.codec.cfg.max_new_tokens
+        return self._started_codec().cfg.max_new_tokens
 
     def encode_question(self, question: str) -> list[int]:
-        return self.codec.encode_question(question)
+        return self._started_codec().encode_question(question)
 
     async def run(self, job: dict) -> dict:
         """On a leased coordinator; retried once on a fresh one if the coordinator died."""
-        return await self.pool.run(lambda c: c.run.remote(job))
+        return await self._started_pool().run(lambda c: c.run.remote(job))
 
-    async def stream(self, job: dict) -> AsyncIterator[dict]:
-        coord = await self.pool.acquire()
+    async def stream(self, job: dict) -> AsyncGenerator[dict, None]:
+        pool = self._started_pool()
+        coord = await pool.acquire()
         refs = coord.run_stream.options(num_returns="streaming").remote(job)
         done = False
         try:
             async for ref in refs:
                 yield await ref
             done = True
-            self.pool.release(coord)
+            pool.release(coord)
         except Exception as e:
             done = True
             if _is_actor_death(e):
-                asyncio.ensure_future(self.pool.replace(coord))
+                asyncio.ensure_future(pool.replace(coord))
             else:
-                self.pool.release(coord)
+                pool.release(coord)
             raise
         finally:
             if not done:  # the client went away: keep the lease until the coordinator is free
@@ -226,20 +239,20 @@ class RayBackend:
                 await ref
         except Exception:
             pass
-        self.pool.release(coord)
+        self._started_pool().release(coord)
 
     async def health(self) -> dict:
         try:
             await asyncio.wait_for(asyncio.gather(*(v.ping.remote() for v in self.verifiers.values())), 10)
         except Exception as e:
             raise BackendUnavailable(f"verifier: {type(e).__name__}") from None
-        return {"pool": self.pool.stats.as_dict()}
+        return {"pool": self._started_pool().stats.as_dict()}
 
     async def stats(self) -> dict:
         vstats = await asyncio.gather(*(v.stats.remote() for v in self.verifiers.values()))
         ginfo = await self.generator.info.remote()
         return {
-            "pool": self.pool.stats.as_dict(),
+            "pool": self._started_pool().stats.as_dict(),
             "verifiers": dict(zip(self.verifiers, vstats)),
             "generator": ginfo,
             "shards": {k: {"namespace": "ralmspec", "names": v} for k, v in self.shard_names.items()},

@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 class Ingress:
     """Serve deployment: ``Ingress.bind(config, factory, *factory_args)``."""
 
-    async def __init__(self, config: dict, backend_factory: BackendFactory, *factory_args: Any):
+    # Serve awaits an async constructor in the replica; Python's typing knows only sync ones
+    async def __init__(self, config: dict, backend_factory: BackendFactory, *factory_args: Any):  # type: ignore[misc]
         self.cfg = AppConfig.model_validate(config)
         self.settings = IngressSettings.from_config(self.cfg, read_api_key())
         if self.settings.api_key:

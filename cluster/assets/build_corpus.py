@@ -40,6 +40,7 @@ import re
 import sys
 import types
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -424,7 +425,7 @@ def stdlib_roots() -> list[str]:
     return sorted(n for n in sys.stdlib_module_names if not _skipped(n))
 
 
-def extract(modules: list[str] | None = None, packages: list[str] = ()) -> list[tuple[str, int, str]]:
+def extract(modules: list[str] | None = None, packages: Sequence[str] = ()) -> list[tuple[str, int, str]]:
     """(title, part, contents) rows for ``modules`` (default: the whole stdlib and the
     language reference's help topics) plus the installed ``packages``. A module name
     includes its submodules."""

@@ -68,7 +68,8 @@ def _h(*parts: object) -> int:
 
 
 def split_records(records: list[dict], heldout_per_mille: int = 20) -> tuple[list[dict], list[dict]]:
-    train, held = [], []
+    train: list[dict] = []
+    held: list[dict] = []
     for r in records:
         (held if _h("heldout", r["id"]) % 1000 < heldout_per_mille else train).append(r)
     return train, held
@@ -353,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     model.generation_config.bos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.eos_token_id
     model.generation_config.do_sample = False
-    model.to(torch.float16).save_pretrained(out, safe_serialization=True)
+    # transformers wraps ``to`` and ``generate`` in decorators whose types lose the bound self
+    model.to(torch.float16).save_pretrained(out, safe_serialization=True)  # type: ignore[arg-type]
     tok.save_pretrained(out)
 
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
@@ -365,8 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     prompt = "json.dumps\nSerialize obj"
     ids = tok2(prompt, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
-        g = loaded.generate(**ids, max_new_tokens=40, do_sample=False, pad_token_id=tok2.eos_token_id)
-    sample = tok2.decode(g[0], skip_special_tokens=True)
+        generated = loaded.generate(  # type: ignore[misc]  # see model.to above
+            **ids, max_new_tokens=40, do_sample=False, pad_token_id=tok2.eos_token_id
+        )
+    sample = tok2.decode(generated[0], skip_special_tokens=True)
 
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     tail = losses[-max(1, min(50, len(losses))) :]
