@@ -15,8 +15,8 @@ in a list.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import numpy as np
 
@@ -51,7 +51,8 @@ class SpeculativeCache:
 
     def __contains__(self, doc_id: object) -> bool:
         try:
-            return int(doc_id) in self._pos  # type: ignore[arg-type]
+            # any int-like id is looked up; other objects are caught below
+            return int(doc_id) in self._pos  # type: ignore[call-overload]
         except (TypeError, ValueError):
             return False
 
@@ -123,7 +124,9 @@ class SpeculativeCache:
         with self._lock:
             n = len(self._ids)
             ids = np.asarray(self._ids, dtype=np.int64)
-            keys = self._mat[:n] if self._dense else list(self._keys)
+            # dense mode: the stacked (n, dim) key matrix, which the dense scorer takes whole
+            # (a 2-D array indexes like a sequence of key rows); otherwise the list of keys
+            keys = cast("Sequence[Any]", self._mat[:n]) if self._dense and self._mat is not None else list(self._keys)
         if n == 0:
             return ids, np.zeros(0, dtype=np.float64)
         return ids, np.asarray(self.scorer.score(query_rep, keys), dtype=np.float64)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
@@ -35,6 +36,14 @@ from ralm.drafting.kv import docs_past, last_logits_kwargs, segment_bytes
 from ralm.errors import RalmInputError
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class _KvStats(TypedDict):
+    """The multi-document KV reuse statistics of a step (keyword arguments of StepOutput)."""
+
+    docs_reused: int
+    docs_computed: int
+    kv_bytes_reused: int
 
 
 @dataclass
@@ -97,7 +106,9 @@ class LMEngine:
         except OSError as e:
             raise RalmInputError(f"cannot load generator {cfg.model!r}: {e}") from None
         if cfg.device != "auto":
-            model = model.to(cfg.device)
+            # PreTrainedModel.to is declared with @wraps(torch.nn.Module.to), which makes its
+            # stub the unbound method (self first): the call itself is the ordinary Module.to
+            model = model.to(cfg.device)  # type: ignore[arg-type]
         return cls(model, tok, cfg)
 
     @staticmethod
@@ -199,7 +210,7 @@ class LMEngine:
             )
         t0 = time.perf_counter()
         past, info = docs_past(self, docs, opts.allow_inexact_shifted_reuse)
-        kv = dict(docs_reused=info.docs_reused, docs_computed=info.docs_computed, kv_bytes_reused=info.bytes_reused)
+        kv = _KvStats(docs_reused=info.docs_reused, docs_computed=info.docs_computed, kv_bytes_reused=info.bytes_reused)
         if not opts.plain:
             from ralm.drafting.decode import drafted_decode
 

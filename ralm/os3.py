@@ -145,17 +145,24 @@ class StrideScheduler:
         intercept = max(0.0, my - slope * mx)
         return intercept + slope * s
 
+    def _known_verify_latency(self, s: int) -> float:
+        """b(s) where a verification has been measured (the decision paths check that first)."""
+        b = self.verify_latency(s)
+        if b is None:
+            raise RuntimeError("no verification latency measured yet: the stride cannot be optimised")
+        return b
+
     # ---- decision
     def best_stride(self, g: float, a: float) -> tuple[int, float]:
         """argmax over s of the paper's objective, and that s's rate counting corrections."""
         cfg = self.cfg
         best_s, best = 1, -1.0
         for s in range(1, cfg.max_stride + 1):
-            val = objective(s, g, a, self.verify_latency(s), cfg.async_verify)
+            val = objective(s, g, a, self._known_verify_latency(s), cfg.async_verify)
             if val > best * (1 + 1e-9):
                 best_s, best = s, val
         gen = fmean(self._gen_lat) if self._gen_lat else a
-        return best_s, objective(best_s, g, a, self.verify_latency(best_s), cfg.async_verify, correction=gen)
+        return best_s, objective(best_s, g, a, self._known_verify_latency(best_s), cfg.async_verify, correction=gen)
 
     def next_stride(self) -> int:
         """The stride of the next window; 0 means one direct (RaLMSeq) step."""
@@ -171,14 +178,14 @@ class StrideScheduler:
             # first ask whether speculation could pay at all, at the optimistic prior
             # gamma = gamma_max; where even that loses to direct steps (cheap retrieval),
             # start with direct steps, whose shadow guesses then measure gamma.
-            s, rate = self.best_stride(cfg.gamma_max if start else g, a)
+            s, rate = self.best_stride(cfg.gamma_max if g is None else g, a)
             if start:
                 s = 1
             if cfg.allow_direct and self._gen_lat:
                 gen = fmean(self._gen_lat)
                 # a direct step costs generation + one KB retrieval (measured, or b(1) plus
                 # the speculative step's non-generation overhead)
-                b1 = fmean(self._direct_lat) if self._direct_lat else self.verify_latency(1) + max(0.0, a - gen)
+                b1 = fmean(self._direct_lat) if self._direct_lat else self._known_verify_latency(1) + max(0.0, a - gen)
                 if 1.0 / max(gen + b1, 1e-12) > rate:
                     s = 0
         self.decisions.append(s)

@@ -28,7 +28,7 @@ class RequestStats:
     retrieval_time_s: float = 0.0  # R: everything else (KB waits, caches, encoding)
     total_time_s: float = 0.0
     doc_kv_hits: int = 0
-    doc_ids: list[int] = field(default_factory=list)  # document used at each committed step
+    doc_ids: list[int | None] = field(default_factory=list)  # document used at each committed step (None: no hit)
     # ---- generation-side statistics (additive; summed over every step run, rolled back or not)
     workload: str = "fixed"  # fixed | flare | iter_retgen
     drafting: str = "none"  # none | ngram | dense

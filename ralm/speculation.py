@@ -121,7 +121,10 @@ def _count_kb_step(stats: RequestStats) -> None:
 
 
 def speculate(
-    strategy: Strategy, sched: StrideScheduler, stats: RequestStats, executor: Executor | None = None
+    strategy: Strategy[StepT, TruthT],
+    sched: StrideScheduler,
+    stats: RequestStats,
+    executor: Executor | None = None,
 ) -> None:
     """Run the speculation cycle until ``strategy.finished`` (see the module docstring).
 
@@ -136,7 +139,7 @@ def speculate(
         strategy.first_step()
         _count_kb_step(st)
         strategy.emit(None)
-    pending = None  # an async step waiting to open the next window
+    pending: StepT | None = None  # an async step waiting to open the next window
     while not strategy.finished or pending is not None:
         s = sched.next_stride()
         if s == 0 and pending is None:
@@ -145,11 +148,11 @@ def speculate(
             st.direct_steps += 1
             strategy.emit(None)
             continue
-        window = [pending] if pending is not None else []
+        window: list[StepT] = [pending] if pending is not None else []
         pending = None
         while len(window) < s and not strategy.finished:
             window.append(strategy.speculative_step())
-        extra = None
+        extra: StepT | None = None
         if strategy.async_verify and not strategy.finished:
             if executor is None:
                 raise ValueError("asynchronous verification needs an executor")

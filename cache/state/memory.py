@@ -11,6 +11,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Literal, overload
 
 from cache.state.base import Hit, KBKey, RequestCheckpoint, StateStore, dump_json, hits_from_json, hits_to_json
 from cache.state.config import StateStoreConfig
@@ -45,7 +46,14 @@ class MemoryStateStore(StateStore):
         return "memory://"
 
     # ---- jobs
+    @overload
+    def _job(self, job_id: str, create: Literal[True]) -> dict: ...
+
+    @overload
+    def _job(self, job_id: str, create: bool = False) -> dict | None: ...
+
     def _job(self, job_id: str, create: bool = False) -> dict | None:
+        """The live job record; with ``create`` a fresh one is made (so never None)."""
         e = self._jobs.get(job_id)
         if e is not None and not e.alive(time.time()):
             del self._jobs[job_id]

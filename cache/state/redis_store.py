@@ -24,7 +24,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import redis
 from redis.backoff import NoBackoff
@@ -68,7 +68,7 @@ return 1
 class RedisStateStore(StateStore):
     def __init__(self, cfg: StateStoreConfig):
         super().__init__(cfg)
-        if cfg.scheme not in ("redis", "rediss", "unix"):
+        if cfg.url is None or cfg.scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"RedisStateStore needs a redis://, rediss:// or unix:// URL, got {redact_url(cfg.url)}")
         self._password = cfg.read_password()
         kwargs = dict(
@@ -154,6 +154,7 @@ class RedisStateStore(StateStore):
         deadline: float | None = None
         delay = self.cfg.retry_backoff_s
         attempts = 0
+        err: Exception
         while True:
             try:
                 out = fn()
@@ -248,7 +249,9 @@ class RedisStateStore(StateStore):
         return bool(self._call("record_item", op))
 
     def finished_items(self, job_id: str) -> set[str]:
-        return set(self._call("finished_items", lambda: self._r.hkeys(self._k("job", job_id, "items"))))
+        # the client decodes responses (decode_responses=True), so the field names are str
+        keys = self._call("finished_items", lambda: self._r.hkeys(self._k("job", job_id, "items")))
+        return set(cast("list[str]", keys))
 
     def job_results(self, job_id: str) -> dict[str, dict]:
         key = self._k("job", job_id, "items")

@@ -47,6 +47,8 @@ def sqlite_path(url: str) -> Path:
 class SqliteStateStore(StateStore):
     def __init__(self, cfg: StateStoreConfig):
         super().__init__(cfg)
+        if cfg.url is None:
+            raise ValueError("SqliteStateStore needs a sqlite:///path.db URL, got none")
         self.path = sqlite_path(cfg.url)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,11 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ralm import constants as C
+
+if TYPE_CHECKING:
+    import faiss
 
 
 class DenseDatastore:
@@ -33,17 +37,37 @@ class DenseDatastore:
         hnsw_m: int = 32,
     ):
         self.pca_dim, self.value_len, self.index_kind, self.hnsw_m = int(pca_dim), int(value_len), index, hnsw_m
-        self.mean = self.std = self.components = None
+        # the fitted projection (fit or load): z-score mean/std and PCA components
+        self.mean: np.ndarray | None = None
+        self.std: np.ndarray | None = None
+        self.components: np.ndarray | None = None
         self.values: np.ndarray | None = None
-        self.index = None
+        self.index: faiss.Index | None = None
 
     def __len__(self) -> int:
         return 0 if self.values is None else len(self.values)
 
     # ---------------------------------------------------------------- fitting
+    def _pca(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(mean, std, components) of the fitted projection."""
+        if self.mean is None or self.std is None or self.components is None:
+            raise RuntimeError("DenseDatastore is not fitted: call fit() or load() first")
+        return self.mean, self.std, self.components
+
+    def _fitted_values(self) -> np.ndarray:
+        if self.values is None:
+            raise RuntimeError("DenseDatastore is not fitted: call fit() or load() first")
+        return self.values
+
+    def _fitted_index(self) -> faiss.Index:
+        if self.index is None:
+            raise RuntimeError("DenseDatastore is not fitted: call fit() or load() first")
+        return self.index
+
     def _project(self, keys: np.ndarray) -> np.ndarray:
-        z = (np.asarray(keys, dtype=np.float32) - self.mean) / self.std
-        p = z @ self.components.T
+        mean, std, components = self._pca()
+        z = (np.asarray(keys, dtype=np.float32) - mean) / std
+        p = z @ components.T
         p /= np.maximum(np.linalg.norm(p, axis=1, keepdims=True), 1e-12)
         return np.ascontiguousarray(p, dtype=np.float32)
 
@@ -62,11 +86,13 @@ class DenseDatastore:
         dim = min(self.pca_dim, vt.shape[0])
         self.components = vt[:dim].astype(np.float32)
         proj = self._project(keys)
+        index: faiss.Index
         if self.index_kind == "hnsw":
-            self.index = faiss.IndexHNSWFlat(dim, self.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+            index = faiss.IndexHNSWFlat(dim, self.hnsw_m, faiss.METRIC_INNER_PRODUCT)
         else:
-            self.index = faiss.IndexFlatIP(dim)
-        self.index.add(proj)
+            index = faiss.IndexFlatIP(dim)
+        self.index = index
+        index.add(proj)
         self.values = np.asarray(values, dtype=np.int64)
         return self
 
@@ -77,28 +103,33 @@ class DenseDatastore:
             return []
         h = hidden.detach().float().cpu().numpy() if isinstance(hidden, torch.Tensor) else np.asarray(hidden)
         _, idx = self.index.search(self._project(h.reshape(1, -1)), int(k))
+        values = self._fitted_values()
         out = []
         for i in idx[0]:
             if i < 0:
                 continue
-            v = self.values[i]
+            v = values[i]
             out.append(v[v >= 0])
         return out
 
     # ---------------------------------------------------------------- persistence
     def save(self, path: str | Path) -> None:
+        mean, std, components = self._pca()
         np.savez(
             path,
-            mean=self.mean,
-            std=self.std,
-            components=self.components,
-            values=self.values,
+            mean=mean,
+            std=std,
+            components=components,
+            values=self._fitted_values(),
             keys=self._keys_proj(),
             meta=np.array([self.pca_dim, self.value_len]),
         )
 
     def _keys_proj(self) -> np.ndarray:
-        return self.index.reconstruct_n(0, self.index.ntotal) if self.index_kind == "flat" else np.zeros((0,))
+        if self.index_kind != "flat":
+            return np.zeros((0,))
+        index = self._fitted_index()
+        return index.reconstruct_n(0, index.ntotal)
 
     @classmethod
     def load(cls, path: str | Path) -> DenseDatastore:
@@ -107,8 +138,9 @@ class DenseDatastore:
         z = np.load(path)
         ds = cls(int(z["meta"][0]), int(z["meta"][1]))
         ds.mean, ds.std, ds.components, ds.values = z["mean"], z["std"], z["components"], z["values"]
-        ds.index = faiss.IndexFlatIP(ds.components.shape[0])
-        ds.index.add(np.ascontiguousarray(z["keys"], dtype=np.float32))
+        index = faiss.IndexFlatIP(z["components"].shape[0])
+        index.add(np.ascontiguousarray(z["keys"], dtype=np.float32))
+        ds.index = index
         return ds
 
 

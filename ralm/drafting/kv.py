@@ -56,7 +56,7 @@ def _segments_layer_class():
         ``keys``/``values``). Afterwards it is a plain :class:`DynamicLayer`."""
 
         def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]):
-            self._pending = None
+            self._pending: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
             super().__init__()
             self._pending = (list(keys), list(values))
             self._pending_len = sum(int(k.shape[-2]) for k in keys)
@@ -64,6 +64,8 @@ def _segments_layer_class():
             self.is_initialized = True
 
         def _materialize(self, k_new=None, v_new=None) -> None:
+            if self._pending is None:  # the callers check first
+                raise RuntimeError("the segments are already concatenated")
             ks, vs = self._pending
             self._pending = None
             if k_new is not None:

@@ -21,7 +21,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -203,7 +203,7 @@ class Datastore:
                 raise DatastoreError(
                     f"datastore at {d} covers {man.get('n_passages')} passages; the corpus has only {len(corpus)}"
                 )
-        mode = "r" if mmap else None
+        mode: Literal["r"] | None = "r" if mmap else None
         try:
             keys = np.load(d / "keys.npy", mmap_mode=mode)
             values = np.load(d / "values.npy")

@@ -40,7 +40,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -55,6 +55,9 @@ from ralm.os3 import StrideScheduler
 from ralm.results import RalmResult, RequestStats
 from ralm.seq import finish
 from ralm.speculation import speculate
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
 
 
 # ---------------------------------------------------------------------------- numerics
@@ -104,7 +107,7 @@ class KnnStepper:
     def __init__(self, model: Any):
         self.model = model
         self.device = next(model.parameters()).device
-        self.past = None
+        self.past: Cache | None = None
         self.length = 0
         self.h: np.ndarray | None = None
         self.p_lm: np.ndarray | None = None
@@ -123,6 +126,12 @@ class KnnStepper:
         self.h = out.hidden_states[-1][0, -1].detach().to("cpu", torch.float32).numpy().copy()
         self.p_lm = lm_probs(out.logits[0, -1])
 
+    def query(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(h, p_lm)`` after the last token fed."""
+        if self.h is None or self.p_lm is None:
+            raise RuntimeError("no token fed since the last prefill or crop")
+        return self.h, self.p_lm
+
     def prefill(self, ids: list[int]) -> None:
         self.past, self.length = None, 0
         self._run(list(ids))
@@ -134,6 +143,8 @@ class KnnStepper:
         """Drop the KV of every position >= ``length`` (the tokens fed after it)."""
         if length > self.length:
             raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
+        if self.past is None:
+            raise RuntimeError("nothing to crop: no prefill yet")
         have = self.past.get_seq_length()
         if have != self.length:
             raise RuntimeError(f"KV cache holds {have} positions, expected {self.length}")
@@ -196,10 +207,11 @@ def run_knn_seq(
     st.gen_time_s += time.perf_counter() - t0
     eos = False
     while len(X) - n_q < req.max_new_tokens:
-        hits = kb.search_vectors([lm_step.h], knn.k)[0]
+        h, p_lm = lm_step.query()
+        hits = kb.search_vectors([h], knn.k)[0]
         st.kb_calls += 1
         st.kb_queries += 1
-        y = choose_token(lm_step.p_lm, hits, values, knn, mask_tok)
+        y = choose_token(p_lm, hits, values, knn, mask_tok)
         st.steps += 1
         if stop_tok is not None and y == stop_tok:
             eos = True
@@ -310,7 +322,7 @@ class _KnnSpecRun:
         if not self.finished:
             self._feed(y)
 
-    def emit(self, pending: None = None) -> None:
+    def emit(self, pending: _Step | None = None) -> None:
         """Pass the newly committed tokens to ``on_commit`` (no step is ever pending)."""
         if self.on_commit is not None and len(self.X) > self.emitted:
             chunk = self.X[self.emitted :]
@@ -347,7 +359,7 @@ class _KnnSpecRun:
         one before it: OS3 chooses s = 0 when the KB is cheap, and a guess plus an insertion
         on every step (a k = 1024 cache lookup: several ms) cost more than the KB itself."""
         st = self.stats
-        h, p = self.step_lm.h, self.step_lm.p_lm
+        h, p = self.step_lm.query()
         run = self._direct_run
         self._direct_run += 1
         probe = shadow and run % SHADOW_EVERY == 0
@@ -375,7 +387,7 @@ class _KnnSpecRun:
     def speculative_step(self) -> _Step:
         self._direct_run = 0  # a window ends a run of direct steps
         t0 = time.perf_counter()
-        h, p = self.step_lm.h, self.step_lm.p_lm
+        h, p = self.step_lm.query()
         hits = self.cache.search(h, self.knn.k)
         self.stats.cache_lookups += 1
         y = self._choose(p, hits)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -49,6 +50,12 @@ from ralm.knnlm.datastore import Datastore
 from ralm.knnlm.metric import Hit, l2_distances, rank_by_distance, tolerance
 from ralm.retrieval.bf16_scan import U_FP32
 from ralm.retrieval.rerank import Candidates, exact_top_k
+
+if TYPE_CHECKING:
+    import faiss
+    import torch
+
+    from ralm.retrieval.bf16_scan import Bf16Scan
 
 log = logging.getLogger(__name__)
 _GEMM_BLOCK = 1 << 16
@@ -150,8 +157,8 @@ class KnnRetriever:
         self.blas_min_batch = int(blas_min_batch)
         self.n_entries = len(datastore)
         self.padded_rows = 0
-        self.scan = None  # Bf16Scan (flat, bf16) or None (FAISS)
-        self.index = None
+        self.scan: Bf16Scan | None = None  # flat, bf16; None: FAISS
+        self.index: faiss.Index | None = None
         if index == "flat":
             extra = max(0, int(pad_to) - self.n_entries) if pad_to else 0
             if bf16_scan.available(scan):
@@ -174,14 +181,15 @@ class KnnRetriever:
             if pad_to:
                 log.warning("pad_to=%d ignored: padding only applies to the flat KNN index", pad_to)
             self.index = datastore.hnsw
-            faiss.downcast_index(self.index).hnsw.efSearch = int(hnsw_ef_search)
+            # the datastore's HNSW index is an IndexHNSWFlat (build_hnsw, or its saved hnsw.faiss)
+            cast("faiss.IndexHNSW", faiss.downcast_index(self.index)).hnsw.efSearch = int(hnsw_ef_search)
             self.ef_search = int(hnsw_ef_search)
         else:
             raise ValueError(f"KNN index must be 'flat' or 'hnsw', not {index!r}")
         # exact: the answer is the top-k of every entry by (distance, id), so a top-k is the
         # prefix of any larger top-p (flat); HNSW's answer depends on how many it is asked for
         self.exact = index == "flat"
-        self.n_rows = self.scan.n_rows if self.scan is not None else int(self.index.ntotal)
+        self.n_rows = self.scan.n_rows if self.scan is not None else int(self._faiss_index().ntotal)
         self.name = (
             f"knn-{index}"
             + ("/bf16" if self.scan is not None else "")
@@ -190,7 +198,8 @@ class KnnRetriever:
         self.stats = {"searches": 0, "batches": 0, "expansions": 0, "exhaustive": 0, "candidates": 0, "rescored": 0}
         self.batch_s: dict[int, list] = {}
         self._key_scale = datastore.max_norm**2
-        self._xb = None  # torch view of the flat index rows (batched search)
+        self._xb: torch.Tensor | None = None  # torch view of the flat index rows (batched search)
+        self._xb_norms: torch.Tensor | None = None  # their squared norms
 
     @property
     def scan_kind(self) -> str:
@@ -201,6 +210,11 @@ class KnnRetriever:
         return f"KnnRetriever({self.kind!r}, scan={self.scan_kind!r}, entries={self.n_entries}, rows={self.n_rows})"
 
     # ------------------------------------------------------------------ FAISS
+    def _faiss_index(self) -> faiss.Index:
+        if self.index is None:
+            raise RuntimeError("this KNN retriever scans with bf16: it has no FAISS index")
+        return self.index
+
     def _faiss(self, Q: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         import faiss
 
@@ -208,10 +222,11 @@ class KnnRetriever:
         if self.kind == "flat" and len(Q) >= self.blas_min_batch:
             return self._gemm_search(Q, int(n))
         if self.kind == "hnsw":
-            params = faiss.SearchParametersHNSW()
+            # SearchParametersHNSW exists (swigfaiss) but faiss's type stubs leave it out
+            params = faiss.SearchParametersHNSW()  # type: ignore[attr-defined]
             params.efSearch = max(self.ef_search, int(n))  # HNSW returns at most efSearch rows
-            return self.index.search(Q, int(n), params=params)
-        return self.index.search(Q, int(n))
+            return self._faiss_index().search(Q, int(n), params=params)
+        return self._faiss_index().search(Q, int(n))
 
     def _gemm_search(self, Q: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Flat candidates for a batch: ``|x|^2 - 2 q.x`` by blocks of rows with one float32
@@ -220,16 +235,16 @@ class KnnRetriever:
         which the exact re-scoring and the boundary rule absorb."""
         import torch
 
-        if self._xb is None:
+        xb_t, xb_norms = self._xb, self._xb_norms
+        if xb_t is None or xb_norms is None:
             import faiss
 
-            xb = faiss.rev_swig_ptr(self.index.get_xb(), self.n_rows * self.ds.dim)
-            self._xb = torch.from_numpy(np.asarray(xb).reshape(self.n_rows, self.ds.dim))
-            self._xb_norms = torch.cat(
-                [
-                    (self._xb[s : s + _GEMM_BLOCK].double() ** 2).sum(1).float()
-                    for s in range(0, self.n_rows, _GEMM_BLOCK)
-                ]
+            # the flat kind's index is the datastore's IndexFlatL2 (Datastore.flat_index)
+            flat = cast("faiss.IndexFlat", self._faiss_index())
+            xb = faiss.rev_swig_ptr(flat.get_xb(), self.n_rows * self.ds.dim)
+            xb_t = self._xb = torch.from_numpy(np.asarray(xb).reshape(self.n_rows, self.ds.dim))
+            xb_norms = self._xb_norms = torch.cat(
+                [(xb_t[s : s + _GEMM_BLOCK].double() ** 2).sum(1).float() for s in range(0, self.n_rows, _GEMM_BLOCK)]
             )
         q = torch.from_numpy(Q)
         qn = (q.double() ** 2).sum(1).float()[:, None]
@@ -238,8 +253,8 @@ class KnnRetriever:
         ds_, is_ = [], []
         with torch.inference_mode():
             for s in range(0, self.n_rows, block):
-                X = self._xb[s : s + block]
-                D = torch.addmm(self._xb_norms[s : s + block][None, :], q, X.T, alpha=-2.0)
+                X = xb_t[s : s + block]
+                D = torch.addmm(xb_norms[s : s + block][None, :], q, X.T, alpha=-2.0)
                 m = min(n, D.shape[1])
                 v, i = torch.topk(D, m, dim=1, largest=False, sorted=False)
                 ds_.append(v)
@@ -313,6 +328,8 @@ class KnnRetriever:
     def _scan_search(self, Q: np.ndarray, k: int) -> list[list[Hit]]:
         """bf16 scan (one pass for the batch; candidates provably contain the exact top-k),
         float32 narrowing, float64 re-scoring and (distance, id) ranking per query."""
+        if self.scan is None:  # search() takes this path only with a scan
+            raise RuntimeError("no bf16 scan: this KNN retriever searches with FAISS")
         cands = self.scan.candidates(Q, k)
         self.stats["searches"] += len(Q)
         self.stats["batches"] += 1

@@ -290,13 +290,14 @@ class BM25Scorer:
             jmap = None  # a document with no indexed term has no vector
         tf: dict[str, int] = {}
         if jmap is not None:
-            tf = _parse_java_map(jmap.toString(), int(jmap.size()))
-            if tf is None:  # a term with ", " or "=" in it: walk the map (slow, exact)
-                tf = {}
+            parsed = _parse_java_map(jmap.toString(), int(jmap.size()))
+            if parsed is not None:
+                tf = parsed
+            else:  # a term with ", " or "=" in it: walk the map (slow, exact)
                 it = jmap.entrySet().iterator()
                 while it.hasNext():
-                    e = it.next()
-                    tf[e.getKey()] = int(e.getValue())
+                    entry = it.next()
+                    tf[entry.getKey()] = int(entry.getValue())
         return BM25DocKey(tf=tf, dl=lucene_length(sum(tf.values())))
 
     def clear_caches(self) -> None:
@@ -304,7 +305,7 @@ class BM25Scorer:
         with self._lock:
             self._keys.clear()
 
-    def doc_keys(self, doc_ids: Sequence[int]) -> list[BM25DocKey]:
+    def doc_keys(self, doc_ids: Sequence[int] | np.ndarray) -> list[BM25DocKey]:
         out = []
         for d in doc_ids:
             d = int(d)
@@ -328,7 +329,7 @@ class BM25Scorer:
     def score(self, query_rep: BM25Query, keys: Sequence[BM25DocKey]) -> np.ndarray:
         return self._score_fn(query_rep, keys)
 
-    def score_ids(self, query_rep: BM25Query, doc_ids: Sequence[int]) -> np.ndarray:
+    def score_ids(self, query_rep: BM25Query, doc_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         return self.score(query_rep, self.doc_keys(doc_ids))
 
     def close(self) -> None:
@@ -434,7 +435,7 @@ class SparseRetriever:
         if len(hits) >= k:
             return hits
         present = {d for d, _ in hits}
-        extra = []
+        extra: list[int] = []
         d = 0
         while len(hits) + len(extra) < k and d < self.n_docs:
             if d not in present:

