@@ -10,6 +10,7 @@ documents bit for bit as the unsharded KB would.
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -39,7 +40,7 @@ def _jvm_lock():
         return contextlib.nullcontext()
 
 
-class _ShardScorer:
+class _ShardScorer(ABC):
     """The KB's exact scorer seen by the router: encode here, keys from the owning shards."""
 
     def __init__(self, router: ShardRouter, key_cache_size: int = 100_000):
@@ -64,9 +65,9 @@ class _ShardScorer:
     def score(self, query_rep: Any, keys: Sequence[Any]) -> np.ndarray:
         return self.score_function()(query_rep, keys)
 
+    @abstractmethod
     def score_function(self) -> Callable[[Any, Sequence[Any]], np.ndarray]:
         """The KB's pure scoring function, ``(query_rep, keys) -> float64 scores``."""
-        raise NotImplementedError
 
 
 def dense_score_fn(query_rep: np.ndarray, keys) -> np.ndarray:
