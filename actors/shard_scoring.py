@@ -129,12 +129,6 @@ class ShardedBM25Scorer(_ShardScorer):
             d = self._df[term]
         return d
 
-    def idf(self, df: int) -> float:
-        """:func:`~ralm.retrieval.bm25.bm25_idf` over the global ``docCount``."""
-        from ralm.retrieval.bm25 import bm25_idf
-
-        return bm25_idf(df, self.doc_count)
-
     def _fetch_df(self, terms: list[str]) -> None:
         stats = self.router.term_stats(terms)
         with self._df_lock:

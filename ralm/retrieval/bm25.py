@@ -252,10 +252,6 @@ class BM25Scorer:
             self._df[term] = d
         return d
 
-    def idf(self, df: int) -> float:
-        """:func:`bm25_idf` over this index's ``docCount``."""
-        return bm25_idf(df, self.doc_count)
-
     # ---- ExactScorer protocol
     def analyze(self, text: str) -> list[str]:
         with JVM_LOCK:
