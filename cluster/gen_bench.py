@@ -97,7 +97,9 @@ def _setup(args):
         idx = Path(tempfile.mkdtemp(prefix="gen-bench-idx-"))
         build_index(args.retriever, corpus, idx, rcfg, progress=False, encoder=enc)
     kb = load_retriever(rcfg, corpus, idx, encoder=enc)
-    eng = LMEngine.from_config(GeneratorConfig())
+    # KV sessions off in both arms: this measures the doc-KV prefill, and a step that continues
+    # a request's session computes no document KV at all (bench-batching measures sessions)
+    eng = LMEngine.from_config(GeneratorConfig(kv_session_bytes=0))
     nocache = LMEngine(eng.model, eng.tokenizer, eng.cfg.model_copy(update={"doc_kv_cache_bytes": 0}))
     return corpus, questions, kb, eng, LocalGenerator(eng, corpus), LocalGenerator(nocache, corpus)
 

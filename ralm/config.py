@@ -82,6 +82,24 @@ class GeneratorConfig(_Strict):
     torch_threads: int = Field(
         C.TORCH_THREADS, ge=1, description="torch intra-op threads; fixed so numerics are the same in every process."
     )
+    invariant: bool = Field(
+        True,
+        description="Run the batch- and chunk-invariant forward (docs/batching.md): a sequence's logits are the same bits alone or batched, prefilled at once or token by token. Enables continuous batching and KV sessions; false restores the plain forward (re-prefill every step, one step at a time).",
+    )
+    invariant_tile_rows: int = Field(
+        C.INVARIANT_TILE_ROWS,
+        ge=1,
+        description="Linear layers run on row counts padded to a multiple of this; checked at load for row invariance.",
+    )
+    kv_session_bytes: int = Field(
+        C.KV_SESSION_BYTES,
+        ge=0,
+        description="Byte budget of the in-flight requests' KV sessions (LRU); 0 recomputes the context every step.",
+    )
+    batch_token_budget: int = Field(
+        C.BATCH_TOKEN_BUDGET, ge=1, description="Most tokens (prefill chunks + decode tokens) in one batched forward."
+    )
+    batch_max_sequences: int = Field(C.BATCH_MAX_SEQUENCES, ge=1, description="Most sequences in one batched forward.")
 
 
 class SpecConfig(_Strict):

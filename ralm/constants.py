@@ -51,6 +51,14 @@ IDGR_UNRELATED = 2  # IDGR: lower-ranked doc ids listed as unrelated
 DIVERGENCE_GAP = 1e-3  # a drafted/plain divergence is a float near-tie below this top-2 logit gap
 TORCH_THREADS = 1  # 1 avoids oversubscription (FAISS/Lucene/other requests share the cores)
 
+# ---- batch- and chunk-invariant forward, KV sessions, continuous batching (docs/batching.md) ----
+INVARIANT_TILE_ROWS = 16  # linear layers run on row counts padded to a multiple of this (fixed GEMM path)
+INVARIANT_QUERY_TILE = 16  # attention: queries in tiles of this many rows ...
+INVARIANT_KEY_BLOCK = 64  # ... against keys in blocks of this many positions, summed block by block
+KV_SESSION_BYTES = 256 * 1024 * 1024  # per-engine budget of the in-flight requests' KV sessions (LRU)
+BATCH_TOKEN_BUDGET = 512  # tokens one batched forward processes at most (prefill chunks + decode tokens)
+BATCH_MAX_SEQUENCES = 64  # sequences one batched forward holds at most
+
 # ---- KNN-LM (token level; docs/design.md "KNN-LM"; RaLMSpec paper section 5.3) ----
 KNN_K = 16  # neighbours retrieved per token (1..1024)
 KNN_MAX_K = 1024

@@ -30,6 +30,10 @@ from typing import TypedDict
 import torch
 
 from cache.doc_kv import DocPrefixTree
+from ralm.batching.engine import BatchEngine, StepCall
+from ralm.batching.invariant import make_invariant
+from ralm.batching.scheduler import ContinuousBatcher
+from ralm.batching.sessions import SessionStore
 from ralm.config import GeneratorConfig
 from ralm.drafting import DEFAULT_OPTIONS, StepOptions
 from ralm.drafting.kv import docs_past, last_logits_kwargs, segment_bytes
@@ -62,6 +66,8 @@ class StepOutput:
     docs_computed: int = 0
     kv_bytes_reused: int = 0
     low_confidence: bool = False  # FLARE: the step ended before a low-probability token
+    context_reused: int = 0  # context tokens whose KV came from the request's KV session
+    context_computed: int = 0  # context tokens fed to the model before the first new token
 
 
 def _kv_bytes(cache) -> int:
@@ -84,12 +90,36 @@ class LMEngine:
         eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
         if isinstance(eos, (list, tuple)):
             eos = eos[0]
-        self.eos_token_id: int | None = eos
+        self._eos_token_id: int | None = eos
         self.device = next(model.parameters()).device
         self.max_positions = self._max_positions(model.config)
         self.doc_kv = DocPrefixTree(self.cfg.doc_kv_cache_bytes, segment_bytes)
         self.dense_store = None  # DenseDatastore for drafting='dense' (attach_dense_datastore)
         self._doc_tok_memo: dict[str, tuple[int, ...]] = {}
+        self.batch: BatchEngine | None = None
+        self.batcher: ContinuousBatcher | None = None
+        self.sessions = SessionStore(self.cfg.kv_session_bytes if self.cfg.invariant else 0)
+        if self.cfg.invariant:
+            make_invariant(self.model, self.cfg.invariant_tile_rows)
+            self.batch = BatchEngine(
+                self.model,
+                self.eos_token_id,
+                lambda docs: docs_past(self, docs),
+                self.sessions,
+                self.cfg.batch_token_budget,
+                self.cfg.batch_max_sequences,
+            )
+            self.batcher = ContinuousBatcher(self.batch)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_token_id
+
+    @eos_token_id.setter
+    def eos_token_id(self, value: int | None) -> None:
+        self._eos_token_id = value
+        if self.batch is not None:
+            self.batch.eos_token_id = value
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -188,8 +218,13 @@ class LMEngine:
         k: int,
         ignore_eos: bool = False,
         options: StepOptions | None = None,
+        owner: str | None = None,
     ) -> StepOutput:
         """``f(doc, context, k)``: up to ``k`` greedy tokens after ``[doc][context]``.
+
+        With the invariant forward (the default) a plain step goes through the continuous
+        batcher, which reuses the request's KV session and batches it with concurrent steps;
+        ``owner`` tags the session so :meth:`release` can free it when the request ends.
 
         ``doc_text`` may be a list of documents: the prompt is ``[doc1]..[docn][context]``.
         With ``ignore_eos`` the EOS logit is masked, so the step always yields ``k`` tokens.
@@ -208,6 +243,35 @@ class LMEngine:
                 f"document ({n_doc}) + context ({len(context)}) + {k} new tokens exceed "
                 f"the model's {self.max_positions} positions"
             )
+        if self.batcher is not None:
+            if opts.plain and not opts.allow_inexact_shifted_reuse:
+                call = StepCall(tuple(docs), list(context), int(k), bool(ignore_eos), owner)
+                return self.batcher.submit(call).result()
+            # drafting / FLARE: one sequence, on the model's thread (the forward is the same invariant one)
+            return self.batcher.call(lambda: self._step_one(docs, context, k, ignore_eos, opts)).result()
+        return self._step_one(docs, context, k, ignore_eos, opts)
+
+    def step_batch(self, calls: Sequence[StepCall]) -> list[StepOutput]:
+        """Run several plain steps together (one batched forward per iteration); each output
+        is the one the step gives alone. Needs ``invariant=True``."""
+        if self.batcher is None:
+            raise RalmInputError("step_batch needs the invariant forward (generator.invariant=true)")
+        for c in calls:
+            n_doc = sum(len(d) for d in c.docs)
+            if n_doc + len(c.context) + c.k > self.max_positions:
+                raise RalmInputError(
+                    f"document ({n_doc}) + context ({len(c.context)}) + {c.k} new tokens exceed "
+                    f"the model's {self.max_positions} positions"
+                )
+        return self.batcher.step_batch(calls)
+
+    def release(self, owner: str) -> int:
+        """Free the KV sessions of a request that ended or was cancelled."""
+        return self.sessions.release(owner)
+
+    @torch.inference_mode()
+    def _step_one(self, docs, context, k, ignore_eos, opts: StepOptions) -> StepOutput:
+        """One step on its own: documents' KV, one context prefill, greedy decode."""
         t0 = time.perf_counter()
         past, info = docs_past(self, docs, opts.allow_inexact_shifted_reuse)
         kv = _KvStats(docs_reused=info.docs_reused, docs_computed=info.docs_computed, kv_bytes_reused=info.bytes_reused)
@@ -254,4 +318,13 @@ class LMEngine:
             out = self.model(input_ids=step_ids, past_key_values=past, use_cache=True)
             logits, past = out.logits[0, -1], out.past_key_values
         t2 = time.perf_counter()
-        return StepOutput(tokens, eos, t1 - t0, t2 - t1, hit, forward_passes=max(1, len(tokens) + int(eos)), **kv)
+        return StepOutput(
+            tokens,
+            eos,
+            t1 - t0,
+            t2 - t1,
+            hit,
+            forward_passes=max(1, len(tokens) + int(eos)),
+            context_computed=len(context),
+            **kv,
+        )

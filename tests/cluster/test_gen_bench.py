@@ -26,7 +26,7 @@ class ToyKB:
 
 @pytest.fixture(scope="module")
 def gens(fixture_corpus):
-    eng = tiny_engine("gpt2", seed=4, max_doc_tokens=48)
+    eng = tiny_engine("gpt2", seed=4, max_doc_tokens=48, kv_session_bytes=0)  # measures the doc-KV prefill
     nocache = type(eng)(eng.model, eng.tokenizer, eng.cfg.model_copy(update={"doc_kv_cache_bytes": 0}))
     return LocalGenerator(eng, fixture_corpus), LocalGenerator(nocache, fixture_corpus)
 

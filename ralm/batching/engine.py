@@ -1,0 +1,230 @@
+"""The batched step engine: many ``f(docs, context, k)`` steps advanced together.
+
+Each step is a small state machine:
+
+1. **start**: take the request's KV session (:mod:`ralm.batching.sessions`) or build one
+   from the doc-KV cache; the context tokens the session lacks become *pending*;
+2. **prefill**: pending tokens are fed in chunks (as much as the iteration's token budget
+   allows); when the last pending token has been fed, its logits give the next token;
+3. **decode**: each new token is fed alone, one per iteration, until ``k`` tokens or EOS;
+4. **finish**: the session goes back to the store (its context now includes the tokens
+   generated, except the last one, whose KV was never needed).
+
+:meth:`BatchEngine.iterate` runs one packed forward over all active steps: decode tokens
+first (one each), then prefill chunks in arrival order, up to ``token_budget`` tokens and
+``max_sequences`` sequences. Greedy choice is that of the plain engine: ``argmax`` of the
+float32 logits (lowest id on ties), EOS masked with ``ignore_eos``, EOS not returned.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ralm import constants as C
+from ralm.batching.packed import SeqKV, packed_forward
+from ralm.batching.sessions import DocsKey, Session, SessionStore
+from ralm.errors import RalmInputError
+
+
+@dataclass
+class StepCall:
+    """One step: up to ``k`` greedy tokens after ``[docs][context]``."""
+
+    docs: DocsKey  # tuple of documents, each a tuple of token ids (empty: no document)
+    context: list[int]
+    k: int
+    ignore_eos: bool = False
+    owner: str | None = None  # the request the session belongs to (freed with SessionStore.release)
+
+
+@dataclass
+class ActiveStep:
+    """A step in progress (engine-internal state, exposed for the scheduler and tests)."""
+
+    call: StepCall
+    session: Session
+    pending: list[int]
+    t_start: float
+    tokens: list[int] = field(default_factory=list)
+    eos: bool = False
+    done: bool = False
+    t_first: float | None = None
+    forward_passes: int = 0
+    doc_kv_hit: bool = False
+    docs_reused: int = 0
+    docs_computed: int = 0
+    kv_bytes_reused: int = 0
+    context_reused: int = 0
+    context_computed: int = 0
+
+
+@dataclass
+class IterationStats:
+    """What one batched forward held."""
+
+    sequences: int
+    tokens: int
+    seconds: float
+
+
+class BatchEngine:
+    """Advances :class:`StepCall` s together through packed, invariant forward passes.
+
+    ``model``: a model rewritten by :func:`ralm.batching.invariant.make_invariant`;
+    ``docs_kv(docs) -> (hf_cache | None, info)``: the documents' KV (the doc-KV cache);
+    ``sessions``: the session store.
+    """
+
+    def __init__(
+        self,
+        model,
+        eos_token_id: int | None,
+        docs_kv: Callable,
+        sessions: SessionStore,
+        token_budget: int = C.BATCH_TOKEN_BUDGET,
+        max_sequences: int = C.BATCH_MAX_SEQUENCES,
+    ):
+        self.model = model
+        self.eos_token_id = eos_token_id
+        self.docs_kv = docs_kv
+        self.sessions = sessions
+        self.token_budget = int(token_budget)
+        self.max_sequences = int(max_sequences)
+        self.n_layers = int(model.config.num_hidden_layers)
+        self.on_iteration: Callable[[IterationStats], None] | None = None
+
+    # ------------------------------------------------------------------ start / finish
+    def start(self, call: StepCall) -> ActiveStep:
+        """Find or build the step's session and its pending tokens (no forward for the context)."""
+        if call.k <= 0:
+            raise RalmInputError("k must be positive")
+        if not call.context:
+            raise RalmInputError("context must contain at least one token")
+        t0 = time.perf_counter()
+        ctx = [int(t) for t in call.context]
+        sess, reuse = self.sessions.take(call.docs, ctx)
+        hit = True
+        reused = computed = bytes_reused = 0
+        if sess is None:
+            past, info = self.docs_kv(call.docs)
+            kv = SeqKV.from_cache(past, self.n_layers)
+            sess = Session(call.docs, len(kv), [], kv, call.owner)
+            hit = info.hit
+            reused, computed, bytes_reused = info.docs_reused, info.docs_computed, info.bytes_reused
+            reuse = 0
+        else:
+            reused = len(call.docs)
+        reuse = min(reuse, len(ctx) - 1)  # the last context token is always fed: its logits start the step
+        sess.kv.crop(sess.doc_len + reuse)
+        sess.context = ctx[:reuse]
+        sess.owner = call.owner if call.owner is not None else sess.owner
+        self.sessions.stats.reused_tokens += reuse
+        return ActiveStep(
+            call,
+            sess,
+            ctx[reuse:],
+            t0,
+            doc_kv_hit=hit,
+            docs_reused=reused,
+            docs_computed=computed,
+            kv_bytes_reused=bytes_reused,
+            context_reused=reuse,
+            context_computed=len(ctx) - reuse,
+        )
+
+    def finish(self, a: ActiveStep):
+        """Give the session back and build the step's :class:`~ralm.engine.StepOutput`."""
+        from ralm.engine import StepOutput
+
+        self.sessions.put(a.session)
+        t_end = time.perf_counter()
+        t_first = a.t_first if a.t_first is not None else t_end
+        return StepOutput(
+            list(a.tokens),
+            a.eos,
+            t_first - a.t_start,
+            t_end - t_first,
+            a.doc_kv_hit,
+            forward_passes=a.forward_passes,
+            docs_reused=a.docs_reused,
+            docs_computed=a.docs_computed,
+            kv_bytes_reused=a.kv_bytes_reused,
+            context_reused=a.context_reused,
+            context_computed=a.context_computed,
+        )
+
+    # ------------------------------------------------------------------ one iteration
+    def _plan(self, active: Sequence[ActiveStep]) -> list[tuple[ActiveStep, int]]:
+        """(step, tokens to feed) for this iteration: decode steps first, then prefill chunks."""
+        budget, plan = self.token_budget, []
+        decoding = [a for a in active if not a.done and len(a.pending) == 1]
+        prefilling = [a for a in active if not a.done and len(a.pending) > 1]
+        for a in decoding + prefilling:
+            if budget <= 0 or len(plan) >= self.max_sequences:
+                break
+            n = min(len(a.pending), budget)
+            plan.append((a, n))
+            budget -= n
+        return plan
+
+    @torch.inference_mode()
+    def iterate(self, active: Sequence[ActiveStep]) -> IterationStats:
+        """One packed forward over (some of) ``active``; marks the steps that finish ``done``."""
+        plan = self._plan(active)
+        if not plan:
+            return IterationStats(0, 0, 0.0)
+        t0 = time.perf_counter()
+        chunks, rows, emitting, off = [], [], [], 0
+        for a, n in plan:
+            chunks.append((a.session.kv, a.pending[:n]))
+            off += n
+            if n == len(a.pending):  # the chunk ends the pending tokens: next-token logits
+                rows.append(off - 1)
+                emitting.append(a)
+        logits = packed_forward(self.model, chunks, rows)
+        for a, n in plan:
+            a.session.context.extend(a.pending[:n])
+            a.pending = a.pending[n:]
+            a.forward_passes += 1
+        for a, row in zip(emitting, range(len(rows))):
+            self._emit(a, logits[row])
+        st = IterationStats(len(plan), off, time.perf_counter() - t0)
+        if self.on_iteration is not None:
+            self.on_iteration(st)
+        return st
+
+    def _emit(self, a: ActiveStep, logits: torch.Tensor) -> None:
+        scores = logits.float()
+        if a.call.ignore_eos and self.eos_token_id is not None:
+            scores = scores.clone()
+            scores[self.eos_token_id] = float("-inf")
+        nxt = int(torch.argmax(scores))  # first index of the max: lowest id on ties
+        if a.t_first is None:
+            a.t_first = time.perf_counter()
+        if self.eos_token_id is not None and nxt == self.eos_token_id:
+            a.eos = a.done = True
+            return
+        a.tokens.append(nxt)
+        if len(a.tokens) >= a.call.k:
+            a.done = True
+        else:
+            a.pending = [nxt]
+
+    # ------------------------------------------------------------------ a whole batch
+    def step_batch(self, calls: Sequence[StepCall]) -> list:
+        """Run ``calls`` together to completion; one :class:`~ralm.engine.StepOutput` each, in order.
+        Each output is the one the step gives alone (the forward is batch-invariant)."""
+        active = [self.start(c) for c in calls]
+        outs: list = [None] * len(active)
+        while True:
+            live = [a for a in active if not a.done]
+            if not live:
+                break
+            self.iterate(live)
+        for i, a in enumerate(active):
+            outs[i] = self.finish(a)
+        return outs

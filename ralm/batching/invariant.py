@@ -1,0 +1,317 @@
+"""A batch- and chunk-invariant forward pass for Hugging Face causal LMs.
+
+The exactness contract asks that a request's tokens equal what RaLMSeq returns for it
+alone. Batching requests together and keeping their KV between steps only keeps that
+promise if a sequence's logits and KV do not depend on
+
+* which other sequences share its forward pass, or where it sits in the batch, and
+* whether its context was processed in one prefill, in chunks, or one token at a time.
+
+A plain CPU forward has neither property. ``make_invariant(model)`` rewrites a model in
+place so that it has both, without forking its code:
+
+Linear layers (``nn.Linear`` and GPT-2's ``Conv1D``)
+    A float32 GEMM gives a row different last bits when the row count changes (a 1-row
+    product is a GEMV with another summation order; 2 rows take another path again). Run
+    on a row count padded to a multiple of ``tile_rows``, every row takes the same kernel
+    and the same reduction order over the input features whatever the other rows hold.
+    :func:`check_row_invariance` verifies this on the running machine at start-up.
+
+Attention (registered through transformers' ``AttentionInterface``)
+    Per sequence, queries in tiles of ``query_tile`` rows against keys in blocks of
+    ``key_block`` positions: every matrix product has one fixed shape. Softmax uses the
+    exact row max, ``exp`` (position-independent, see below) and a *deferred* sum: values
+    carry an extra column of ones, so ``p @ [V | 1]`` yields the numerator and the
+    denominator in one product, and block partials are added in block order. A key a query
+    may not see gets ``exp(-inf) = 0`` and adds an exact zero, so a longer padded key range
+    (the same row inside a bigger prefill) changes no bit.
+
+Element-wise functions
+    torch evaluates an element-wise op with SIMD code on full vectors and with scalar code
+    on the tail, and for ``sigmoid``, ``silu`` and ``gelu`` the two give different bits
+    (measured: 4% of inputs). ``exp``, ``tanh``, ``erf``, ``rsqrt``, ``cos``, ``sin`` and
+    the IEEE operations (``+ - * /``, ``pow(x, 2|3)``) agree bit for bit, so SiLU and the
+    GELUs are rewritten from those. Norms (LayerNorm, RMSNorm) reduce each row on its own
+    and are row-invariant as they are.
+
+Only architectures made of these parts are accepted (GPT-2, OPT, Llama, Mistral without
+a sliding window, Qwen2, and the project's model); anything else raises a clear error.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ralm import constants as C
+from ralm.errors import RalmInputError
+
+ATTENTION_NAME = "ralm_invariant"
+SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "mistral", "qwen2")
+
+
+class InvariantUnavailable(RalmInputError):
+    """The model or the machine cannot run the invariant forward (see the message)."""
+
+
+# --------------------------------------------------------------------------- linear
+def _pad_rows(x2: torch.Tensor, tile: int) -> tuple[torch.Tensor, int]:
+    n = x2.shape[0]
+    pad = (-n) % tile
+    if pad:
+        x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
+    return x2, n
+
+
+class InvariantLinear(nn.Module):
+    """``y = x W^T + b`` on rows padded to a multiple of ``tile_rows`` (one GEMM path).
+
+    ``x [..., in]`` -> ``[..., out]``. Worked example with ``tile_rows=16``: a decode step of
+    3 sequences is a ``[3, in]`` input; it runs as ``[16, in]`` (13 zero rows) and the 3
+    real rows come back; the same row inside a 40-row prefill runs as part of ``[48, in]``
+    and gets the same bits.
+    """
+
+    def __init__(self, weight: torch.Tensor | nn.Parameter, bias: torch.Tensor | None, tile_rows: int):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else (bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias))
+        self.tile_rows = int(tile_rows)
+        self.in_features = int(self.weight.shape[1])
+        self.out_features = int(self.weight.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2, n = _pad_rows(x.reshape(-1, shape[-1]), self.tile_rows)
+        y = F.linear(x2, self.weight, self.bias)
+        return y[:n].reshape(*shape[:-1], self.out_features)
+
+
+# --------------------------------------------------------------------------- activations
+class InvariantSiLU(nn.Module):
+    """``x * sigmoid(x)`` as ``x / (1 + exp(-x))``: built only from position-invariant ops."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / (1.0 + torch.exp(-x))
+
+
+class InvariantGELU(nn.Module):
+    """Exact (erf) GELU from ``erf`` and IEEE arithmetic."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+class InvariantGELUTanh(nn.Module):
+    """The tanh approximation of GELU from ``tanh`` and IEEE arithmetic (``x**3`` as ``x*x*x``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * (x * x * x))))
+
+
+#: activation class name -> invariant replacement (None: already invariant, kept)
+_ACTIVATIONS: dict[str, type[nn.Module] | None] = {
+    "SiLU": InvariantSiLU,
+    "SiLUActivation": InvariantSiLU,
+    "GELUActivation": InvariantGELU,
+    "GELU": InvariantGELU,
+    "GELUTanh": InvariantGELUTanh,
+    "PytorchGELUTanh": InvariantGELUTanh,
+    "FastGELUActivation": InvariantGELUTanh,
+    "NewGELUActivation": None,
+    "ReLU": None,
+    "InvariantSiLU": None,
+    "InvariantGELU": None,
+    "InvariantGELUTanh": None,
+}
+#: leaf modules that are row-wise (or position-wise) by construction
+_ROWWISE_SUFFIXES = ("LayerNorm", "RMSNorm", "Embedding", "Dropout", "RotaryEmbedding", "Identity")
+
+
+def _is_rowwise(mod: nn.Module) -> bool:
+    name = type(mod).__name__
+    return isinstance(mod, (nn.Embedding, nn.LayerNorm, nn.Dropout, nn.Identity)) or name.endswith(_ROWWISE_SUFFIXES)
+
+
+# --------------------------------------------------------------------------- attention
+def attend(
+    q: torch.Tensor,
+    k_pad: torch.Tensor,
+    v_aug: torch.Tensor,
+    q_pos: torch.Tensor,
+    scaling: float,
+    query_tile: int = C.INVARIANT_QUERY_TILE,
+    key_block: int = C.INVARIANT_KEY_BLOCK,
+) -> torch.Tensor:
+    """Causal attention of one sequence, with a fixed reduction order.
+
+    ``q [H, nq, D]``: the queries; ``k_pad [Hkv, nb*key_block, D]``: keys at positions
+    ``0..``, padded to whole blocks (pad content is never seen); ``v_aug [Hkv, nb*key_block,
+    D+1]``: values with a last column of ones; ``q_pos [nq]`` (long): each query's position
+    (query ``i`` sees keys ``j <= q_pos[i]``). ``H`` is a multiple of ``Hkv`` (grouped-query
+    attention: query heads ``g*G .. g*G+G-1`` read kv head ``g``). Returns ``[nq, H, D]``.
+
+    Every product is ``[query_tile, D] @ [D, key_block]`` or ``[query_tile, key_block] @
+    [key_block, D+1]``, the partial results of the key blocks are added in block order, and a
+    masked key adds an exact zero, so a query's output depends only on its own row and the
+    keys it sees. Example: query at position 70 with ``key_block=64``: block 0 (keys 0-63)
+    and block 1 (keys 64-70 visible, 71-127 masked); inside a 100-token prefill or as a
+    single decode token, the same two partials are formed and added in the same order.
+    """
+    H, nq, D = q.shape
+    hkv = k_pad.shape[0]
+    G = H // hkv
+    QT, KB = query_tile, key_block
+    nqt = -(-nq // QT)
+    nb = k_pad.shape[1] // KB
+    if nb * KB != k_pad.shape[1] or v_aug.shape[1] != k_pad.shape[1]:
+        raise ValueError("keys/values must be padded to whole key blocks")
+    qp = q.new_zeros(H, nqt * QT, D)
+    qp[:, :nq] = q
+    qp = qp.view(hkv, G * nqt, 1, QT, D)  # head-major: [kv head, (group, tile), 1, QT, D]
+    kb = k_pad.reshape(hkv, 1, nb, KB, D).transpose(-1, -2)  # [Hkv, 1, nb, D, KB]
+    s = torch.matmul(qp, kb) * scaling  # [Hkv, G*nqt, nb, QT, KB]
+    pos = q_pos.new_full((nqt * QT,), int(q_pos[-1]))  # pad rows: a copy of the last position
+    pos[:nq] = q_pos
+    kpos = torch.arange(nb * KB, device=q.device).view(nb, KB)
+    hidden = kpos[None, :, None, :] > pos.view(nqt, 1, QT, 1)  # [nqt, nb, QT, KB]
+    s = s.masked_fill(hidden.repeat(G, 1, 1, 1), float("-inf"))
+    m = s.amax(dim=-1, keepdim=True).amax(dim=2, keepdim=True)  # exact row max over all blocks
+    e = torch.exp(s - m)
+    o = torch.matmul(e, v_aug.reshape(hkv, 1, nb, KB, D + 1))  # [Hkv, G*nqt, nb, QT, D+1]
+    acc = o[:, :, 0]
+    for j in range(1, nb):  # block order, always
+        acc = acc + o[:, :, j]
+    out = acc[..., :D] / acc[..., D:]  # [Hkv, G*nqt, QT, D]
+    return out.reshape(H, nqt * QT, D)[:, :nq].transpose(0, 1)
+
+
+def pad_kv(k: torch.Tensor, v: torch.Tensor, key_block: int = C.INVARIANT_KEY_BLOCK):
+    """``k, v [Hkv, L, D]`` -> ``(k_pad [Hkv, nb*B, D], v_aug [Hkv, nb*B, D+1])`` (copies)."""
+    hkv, L, D = k.shape
+    n = -(-L // key_block) * key_block
+    k_pad = k.new_zeros(hkv, n, D)
+    k_pad[:, :L] = k
+    v_aug = v.new_zeros(hkv, n, D + 1)
+    v_aug[:, :L, :D] = v
+    v_aug[..., D] = 1.0
+    return k_pad, v_aug
+
+
+def invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The ``AttentionInterface`` entry point. ``query [B, H, nq, D]``, ``key/value [B, Hkv, Lk,
+    D]`` (after the cache update). With ``ralm_batch`` (a packed batch of sequences, see
+    :mod:`ralm.batching.packed`) the batch attends each of its sequences; otherwise each row
+    of the batch is one unpadded sequence whose queries are its last ``nq`` positions."""
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    packed = kwargs.get("ralm_batch")
+    if packed is not None:
+        return packed.attend(module, query, key, value, float(scaling)), None
+    if attention_mask is not None:
+        raise InvariantUnavailable("the invariant forward takes no padding mask: run sequences unpadded")
+    nq, lk = query.shape[2], key.shape[2]
+    pos = torch.arange(lk - nq, lk, device=query.device)
+    outs = []
+    for b in range(query.shape[0]):
+        k_pad, v_aug = pad_kv(key[b], value[b])
+        outs.append(attend(query[b], k_pad, v_aug, pos, float(scaling)))
+    return torch.stack(outs), None
+
+
+_REGISTERED = False
+
+
+def _register_attention() -> None:
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, invariant_attention)
+    _REGISTERED = True
+
+
+# --------------------------------------------------------------------------- the switch
+def check_row_invariance(layer: InvariantLinear, rows: int = 5) -> None:
+    """Raise :class:`InvariantUnavailable` unless ``layer`` gives each row the same bits alone
+    and at every position of bigger batches (the BLAS property the design rests on)."""
+    g = torch.Generator().manual_seed(0)
+    w = layer.weight
+    x = torch.randn(rows * layer.tile_rows + 3, layer.in_features, generator=g).to(w.dtype).to(w.device)
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+        for n in (2, layer.tile_rows + 1, x.shape[0]):
+            for s in (0, 1):
+                if not torch.equal(layer(x[s : s + n]), alone[s : s + n]):
+                    raise InvariantUnavailable(
+                        f"this machine's matrix multiply is not row-invariant at {layer.tile_rows}-row tiles "
+                        f"({w.dtype}, {w.device}); set generator.invariant=false (no batching, no KV sessions) "
+                        "or try another invariant_tile_rows"
+                    )
+
+
+def _check_architecture(model) -> None:
+    cfg = model.config
+    mt = getattr(cfg, "model_type", "")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise InvariantUnavailable(
+            f"the invariant forward supports {', '.join(SUPPORTED_MODEL_TYPES)} models, not {mt!r}; "
+            "set generator.invariant=false to serve it without batching and KV sessions"
+        )
+    window = getattr(cfg, "sliding_window", None)
+    uses_window = getattr(cfg, "use_sliding_window", mt == "mistral")
+    if window and uses_window and window < getattr(cfg, "max_position_embeddings", 0):
+        raise InvariantUnavailable(
+            f"{mt} with a {window}-token sliding window is not supported by the invariant forward"
+        )
+
+
+def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS) -> Any:
+    """Rewrite ``model`` in place for the invariant forward and return it (idempotent).
+
+    Linear layers become :class:`InvariantLinear` (sharing the weights of ``nn.Linear``,
+    e.g. a tied LM head; ``Conv1D`` weights are transposed once), activations become their
+    invariant forms, and attention runs :func:`invariant_attention`. Raises
+    :class:`InvariantUnavailable` for an unsupported architecture or machine.
+    """
+    if getattr(model, "_ralm_invariant", None) == tile_rows:
+        return model
+    _check_architecture(model)
+    from transformers.pytorch_utils import Conv1D
+
+    unknown: set[str] = set()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            kind = type(child).__name__
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, InvariantLinear(child.weight, child.bias, tile_rows))
+            elif isinstance(child, Conv1D):  # weight [in, out]: y = x W + b
+                w = nn.Parameter(child.weight.detach().t().contiguous(), requires_grad=False)
+                setattr(parent, name, InvariantLinear(w, child.bias, tile_rows))
+            elif isinstance(child, InvariantLinear):
+                child.tile_rows = tile_rows
+            elif kind in _ACTIVATIONS:
+                repl = _ACTIVATIONS[kind]
+                if repl is not None:
+                    setattr(parent, name, repl())
+            elif not list(child.children()) and not _is_rowwise(child):
+                unknown.add(kind)
+    if unknown:
+        raise InvariantUnavailable(
+            f"no invariant form for module types {sorted(unknown)}; set generator.invariant=false to serve this model"
+        )
+    _register_attention()
+    model.set_attn_implementation(ATTENTION_NAME)
+    first = next(m for m in model.modules() if isinstance(m, InvariantLinear))
+    check_row_invariance(first)
+    model._ralm_invariant = tile_rows
+    return model
+
+
+def is_invariant(model) -> bool:
+    return bool(getattr(model, "_ralm_invariant", None))

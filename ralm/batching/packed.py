@@ -1,0 +1,162 @@
+"""Several sequences in one forward pass: packed tokens, per-sequence KV.
+
+A batched forward is a *single* row of tokens, ``input_ids [1, N]``: the new tokens of
+every sequence one after another (a prefill chunk of one, the decode token of another),
+with each token's own position in ``position_ids``. The model runs without a Hugging Face
+cache (``use_cache=False``), so every layer sees the keys and values of exactly these N
+tokens; the invariant attention (:mod:`ralm.batching.invariant`) receives the
+:class:`PackedBatch` through the forward's keyword arguments, appends each sequence's new
+keys/values to that sequence's :class:`SeqKV`, and attends each sequence to its own KV.
+
+Nothing in a sequence's computation depends on its neighbours: linear layers and norms
+are row-invariant, positions are per token, attention is per sequence. Example: sequences
+A (3 prefill tokens at positions 7-9) and B (one decode token at position 41) give
+``input_ids = [a7 a8 a9 b41]``, ``position_ids = [7 8 9 41]``; at every layer rows 0-2
+attend to A's 10 keys and row 3 to B's 42 keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ralm import constants as C
+from ralm.batching.invariant import attend
+
+
+class SeqKV:
+    """The keys and values of one sequence, every layer, in block-padded buffers.
+
+    Per layer: ``k [Hkv, capacity, D]`` and ``v [Hkv, capacity, D+1]`` (the last value column
+    is ones: the attention's softmax denominator). ``capacity`` is a multiple of the key
+    block and grows by doubling, so appending is amortised O(new tokens). Positions past
+    ``len`` may hold stale values after a :meth:`crop`; the attention never sees them (they
+    are masked, and their finite values times a zero weight add exact zeros).
+    """
+
+    def __init__(self, n_layers: int, key_block: int = C.INVARIANT_KEY_BLOCK):
+        self.key_block = key_block
+        self.k: list[torch.Tensor | None] = [None] * n_layers
+        self.v: list[torch.Tensor | None] = [None] * n_layers
+        self.layer_len = [0] * n_layers
+
+    def __len__(self) -> int:
+        return self.layer_len[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v) if t is not None)
+
+    def _reserve(self, layer: int, like: torch.Tensor, need: int) -> None:
+        k = self.k[layer]
+        cap = 0 if k is None else k.shape[1]
+        if need <= cap:
+            return
+        B = self.key_block
+        new_cap = max(2 * cap, -(-need // B) * B)
+        hkv, _, D = like.shape
+        nk = like.new_zeros(hkv, new_cap, D)
+        nv = like.new_zeros(hkv, new_cap, D + 1)
+        nv[..., D] = 1.0
+        if k is not None:
+            n = self.layer_len[layer]
+            nk[:, :n] = k[:, :n]
+            nv[:, :n] = self.v[layer][:, :n]  # type: ignore[index]
+        self.k[layer], self.v[layer] = nk, nv
+
+    def append(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Append ``k_new, v_new [Hkv, n, D]`` to ``layer``."""
+        a = self.layer_len[layer]
+        n = k_new.shape[1]
+        self._reserve(layer, k_new, a + n)
+        D = k_new.shape[2]
+        self.k[layer][:, a : a + n] = k_new  # type: ignore[index]
+        self.v[layer][:, a : a + n, :D] = v_new  # type: ignore[index]
+        self.layer_len[layer] = a + n
+
+    def padded(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_pad [Hkv, nb*B, D], v_aug [Hkv, nb*B, D+1])``: views over whole blocks."""
+        n = -(-self.layer_len[layer] // self.key_block) * self.key_block
+        return self.k[layer][:, :n], self.v[layer][:, :n]  # type: ignore[index]
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions (a rollback)."""
+        if length < 0 or length > len(self):
+            raise ValueError(f"cannot crop a {len(self)}-position KV to {length}")
+        self.layer_len = [length] * len(self.layer_len)
+
+    @classmethod
+    def from_cache(cls, cache, n_layers: int, key_block: int = C.INVARIANT_KEY_BLOCK) -> SeqKV:
+        """A copy of a Hugging Face cache of batch size 1 (e.g. the documents' KV); None: empty."""
+        kv = cls(n_layers, key_block)
+        if cache is None:
+            return kv
+        for i, layer in enumerate(cache.layers):
+            kv.append(i, layer.keys[0], layer.values[0])
+        return kv
+
+
+@dataclass
+class Segment:
+    """One sequence's share of a packed forward: ``n`` tokens from row ``start`` on."""
+
+    start: int
+    n: int
+    kv: SeqKV
+
+
+class PackedBatch:
+    """The plan of one packed forward; passed to the model as ``ralm_batch=``."""
+
+    def __init__(self, segments: Sequence[Segment]):
+        self.segments = list(segments)
+
+    def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
+        """``query [1, H, N, D]``, ``key/value [1, Hkv, N, D]`` (this layer's new tokens) ->
+        ``[1, N, H, D]``; appends each segment's keys/values to its sequence first."""
+        layer = int(module.layer_idx)
+        outs = []
+        for seg in self.segments:
+            a, b = seg.start, seg.start + seg.n
+            start_pos = seg.kv.layer_len[layer]
+            seg.kv.append(layer, key[0, :, a:b], value[0, :, a:b])
+            k_pad, v_aug = seg.kv.padded(layer)
+            pos = torch.arange(start_pos, start_pos + seg.n, device=query.device)
+            outs.append(attend(query[0, :, a:b], k_pad, v_aug, pos, scaling))
+        return torch.cat(outs).unsqueeze(0)
+
+
+@torch.inference_mode()
+def packed_forward(model, chunks: Sequence[tuple[SeqKV, Sequence[int]]], logits_rows: Sequence[int] | None = None):
+    """One forward over several sequences: ``chunks`` = ``(kv, new token ids)`` pairs.
+
+    Appends every chunk's KV to its sequence and returns the logits of the packed rows
+    ``logits_rows`` (indices into the concatenated tokens; default: each chunk's last
+    token), ``[len(logits_rows), vocab]``.
+    """
+    device = next(model.parameters()).device
+    ids: list[int] = []
+    pos: list[int] = []
+    segs: list[Segment] = []
+    for kv, toks in chunks:
+        if not toks:
+            raise ValueError("a packed chunk needs at least one token")
+        segs.append(Segment(len(ids), len(toks), kv))
+        base = len(kv)
+        ids.extend(int(t) for t in toks)
+        pos.extend(range(base, base + len(toks)))
+    if logits_rows is None:
+        logits_rows = [s.start + s.n - 1 for s in segs]
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+    position_ids = torch.tensor([pos], dtype=torch.long, device=device)
+    keep = torch.tensor(list(logits_rows), dtype=torch.long, device=device)
+    out = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=keep,
+        ralm_batch=PackedBatch(segs),
+    )
+    return out.logits[0]

@@ -1,0 +1,169 @@
+"""Packed forwards, KV sessions, batched steps and the continuous batcher: every output
+equals the one the step gives alone, recomputed from scratch."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from ralm.batching.engine import StepCall
+from ralm.batching.packed import SeqKV, packed_forward
+from ralm.batching.sessions import Session, SessionStore
+from ralm.errors import RalmInputError
+from tests.factories import tiny_engine
+
+pytestmark = pytest.mark.unit
+
+
+@torch.inference_mode()
+def test_packed_batches_of_2_to_32_equal_each_sequence_alone(family_model):
+    family, model = family_model
+    rng = random.Random(11)
+    L = model.config.num_hidden_layers
+    seqs = [[rng.randrange(1, 290) for _ in range(rng.randint(3, 90))] for _ in range(32)]
+    alone = [model(input_ids=torch.tensor([s])).logits[0] for s in seqs]
+    for n_batch in (2, 5, 32):
+        order = rng.sample(range(32), n_batch)  # sequences at random positions of the batch
+        kvs = {i: SeqKV(L) for i in order}
+        done = dict.fromkeys(order, 0)
+        got: dict[int, list] = {i: [] for i in order}
+        while any(done[i] < len(seqs[i]) for i in order):
+            live = [i for i in order if done[i] < len(seqs[i])]
+            rng.shuffle(live)
+            chunks, rows, spans, off = [], [], [], 0
+            for i in live[: rng.randint(1, len(live))]:
+                n = min(rng.choice([1, 1, 2, 7, 33]), len(seqs[i]) - done[i])  # mixed prefill/decode
+                chunks.append((kvs[i], seqs[i][done[i] : done[i] + n]))
+                rows.extend(range(off, off + n))
+                spans.append((i, n))
+                off += n
+            logits = packed_forward(model, chunks, rows)
+            r = 0
+            for i, n in spans:
+                got[i].append(logits[r : r + n])
+                r, done[i] = r + n, done[i] + n
+        for i in order:
+            assert torch.equal(torch.cat(got[i]), alone[i]), (family, n_batch, i)
+
+
+def test_session_store_takes_the_longest_common_prefix_and_evicts_by_bytes():
+    kv = SeqKV(1)
+    kv.append(0, torch.zeros(1, 10, 4), torch.zeros(1, 10, 4))
+    size = kv.nbytes
+    store = SessionStore(capacity_bytes=3 * size)
+    store.put(Session((("d",),), 2, [1, 2, 3], kv, owner="a"))
+    store.put(Session((("d",),), 2, [1, 2, 9, 9], _kv(), owner="b"))
+    s, n = store.take((("d",),), [1, 2, 9, 5])
+    assert (s.owner, n) == ("b", 3)
+    assert store.take((("other",),), [1]) == (None, 0)
+    store.put(s)
+    store.put(Session((("e",),), 0, [4], _kv(), owner="a"))
+    store.put(Session((("f",),), 0, [4], _kv(), owner="c"))  # over budget: the oldest goes
+    assert store.stats.evictions == 1 and store.stats.bytes_used <= 3 * size
+    assert store.release("a") == 1 and all(s.owner != "a" for s in store._items.values())
+    assert SessionStore(0).take((), [1]) == (None, 0)
+
+
+def _kv():
+    kv = SeqKV(1)
+    kv.append(0, torch.zeros(1, 10, 4), torch.zeros(1, 10, 4))
+    return kv
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """Two engines over one model: with KV sessions, and recomputing every step."""
+    with_sessions = tiny_engine("llama", seed=4)
+    without = type(with_sessions)(
+        with_sessions.model, with_sessions.tokenizer, with_sessions.cfg.model_copy(update={"kv_session_bytes": 0})
+    )
+    return with_sessions, without
+
+
+DOCS = [
+    "shutil.copytree copies a whole directory tree.",
+    "json.dumps serialises an object to a JSON string.",
+    "os.path.join joins path components.",
+]
+
+
+def test_session_reuse_equals_recompute_through_rollbacks_and_document_switches(engines):
+    fast, slow = engines
+    rng = random.Random(5)
+    ctx = fast.encode_question("how do I copy files?")
+    reused = 0
+    for _ in range(25):
+        docs = [rng.choice(DOCS)] if rng.random() < 0.8 else [DOCS[0], DOCS[2]]
+        if rng.random() < 0.25 and len(ctx) > 6:  # a rollback: drop some generated tokens
+            ctx = ctx[: rng.randint(5, len(ctx) - 1)]
+        a = fast.step(docs, ctx, 4, owner="req")
+        b = slow.step(docs, ctx, 4)
+        assert (a.tokens, a.eos) == (b.tokens, b.eos)
+        reused += a.context_reused
+        assert b.context_reused == 0 and b.context_computed == len(ctx)
+        ctx = ctx + a.tokens if not a.eos else ctx + [rng.randrange(5, 50)]
+    assert reused > 0  # sessions were actually reused
+    assert fast.release("req") >= 1 and fast.release("req") == 0
+
+
+def test_step_batch_equals_each_step_alone(engines):
+    fast, slow = engines
+    rng = random.Random(9)
+    calls = []
+    for i in range(20):
+        q = fast.encode_question(f"question number {i} about {rng.choice(['json', 'files', 'paths'])}")
+        docs = tuple(fast.doc_tokens(d) for d in rng.sample(DOCS, rng.randint(0, 2)))
+        calls.append(StepCall(docs, q + [rng.randrange(5, 60) for _ in range(rng.randint(0, 30))], rng.randint(1, 9)))
+    batched = fast.step_batch(calls)
+    for c, out in zip(calls, batched):
+        alone = slow.batch.step_batch([c])[0]
+        assert (out.tokens, out.eos) == (alone.tokens, alone.eos)
+
+
+def test_concurrent_steps_from_threads_are_batched_and_exact(engines):
+    fast, slow = engines
+    questions = [fast.encode_question(f"tell me about module {i}") for i in range(16)]
+    results: dict[int, list[int]] = {}
+
+    def run(i):
+        ctx = list(questions[i])
+        for _ in range(3):
+            ctx += fast.step(DOCS[i % 3], ctx, 5, ignore_eos=True, owner=f"t{i}").tokens
+        results[i] = ctx
+
+    before = fast.batcher.iterations
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(16):
+        ctx = list(questions[i])
+        for _ in range(3):
+            ctx += slow.step(DOCS[i % 3], ctx, 5, ignore_eos=True).tokens
+        assert results[i] == ctx
+    m = fast.batcher.metrics()
+    assert m["max_batch"] > 1  # steps really shared forwards
+    assert fast.batcher.iterations - before < 16 * 3 * 5  # fewer forwards than steps x tokens
+    assert m["generated_tokens_per_s"] > 0 and sum(m["batch_size_histogram"].values()) == m["iterations"]
+
+
+def test_a_bad_step_fails_alone_and_the_batcher_keeps_serving(engines):
+    fast, _ = engines
+    bad = fast.batcher.submit(StepCall((), [], 3))
+    with pytest.raises(RalmInputError, match="at least one token"):
+        bad.result(timeout=30)
+    ok = fast.step(None, fast.encode_question("still there?"), 2)
+    assert len(ok.tokens) + int(ok.eos) >= 1
+
+
+def test_step_batch_needs_the_invariant_forward():
+    eng = tiny_engine("gpt2", seed=2, invariant=False)
+    assert eng.batcher is None
+    out = eng.step(None, eng.encode_question("plain forward"), 3)  # the plain engine still steps
+    assert out.forward_passes >= 1
+    with pytest.raises(RalmInputError, match="invariant"):
+        eng.step_batch([StepCall((), [1, 2], 1)])
