@@ -6,6 +6,7 @@
     ralmspec serve                                   start the HTTP server (OpenAI-compatible + native API)
     ralmspec served-bench ...                        served throughput/latency benchmark
     ralmspec bench-gen ...                           doc-KV reuse and drafting benchmark
+    ralmspec bench-batching ...                      continuous batching and KV sessions benchmark
     ralmspec costs                                   unit costs of retrieval and generation
     ralmspec bench-knn ...                           KNN-LM speculation benchmark
     ralmspec eval     --questions FILE ...           resumable batch evaluation (local or `ray job submit`)
@@ -131,6 +132,14 @@ _PLUGGED_COMMANDS = [
         "gen_bench_main",
         False,
         "generation-side benchmark: doc-KV reuse, n-gram vs dense drafting",
+    ),
+    (
+        "bench-batching",
+        "cluster.batch_bench",
+        "add_batch_bench_args",
+        "batch_bench_main",
+        False,
+        "generator benchmark: invariant forward cost, continuous batching and KV sessions",
     ),
     (
         "costs",

@@ -52,8 +52,8 @@ DIVERGENCE_GAP = 1e-3  # a drafted/plain divergence is a float near-tie below th
 TORCH_THREADS = 1  # 1 avoids oversubscription (FAISS/Lucene/other requests share the cores)
 
 # ---- batch- and chunk-invariant forward, KV sessions, continuous batching (docs/batching.md) ----
-INVARIANT_TILE_ROWS = 16  # linear layers run on row counts padded to a multiple of this (fixed GEMM path)
-INVARIANT_QUERY_TILE = 16  # attention: queries in tiles of this many rows ...
+INVARIANT_TILE_ROWS = 4  # linear layers run on row counts padded to a multiple of this (fixed GEMM path)
+INVARIANT_QUERY_TILE = 4  # attention: queries in tiles of this many rows ...
 INVARIANT_KEY_BLOCK = 64  # ... against keys in blocks of this many positions, summed block by block
 KV_SESSION_BYTES = 256 * 1024 * 1024  # per-engine budget of the in-flight requests' KV sessions (LRU)
 BATCH_TOKEN_BUDGET = 512  # tokens one batched forward processes at most (prefill chunks + decode tokens)

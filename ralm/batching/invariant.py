@@ -40,6 +40,7 @@ a sliding window, Qwen2, and the project's model); anything else raises a clear 
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -49,6 +50,8 @@ from torch import nn
 
 from ralm import constants as C
 from ralm.errors import RalmInputError
+
+log = logging.getLogger(__name__)
 
 ATTENTION_NAME = "ralm_invariant"
 SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "mistral", "qwen2")
@@ -147,57 +150,61 @@ def attend(
     query_tile: int = C.INVARIANT_QUERY_TILE,
     key_block: int = C.INVARIANT_KEY_BLOCK,
 ) -> torch.Tensor:
-    """Causal attention of one sequence, with a fixed reduction order.
+    """Causal attention of ``S`` sequences at once, with a fixed reduction order.
 
-    ``q [H, nq, D]``: the queries; ``k_pad [Hkv, nb*key_block, D]``: keys at positions
-    ``0..``, padded to whole blocks (pad content is never seen); ``v_aug [Hkv, nb*key_block,
-    D+1]``: values with a last column of ones; ``q_pos [nq]`` (long): each query's position
-    (query ``i`` sees keys ``j <= q_pos[i]``). ``H`` is a multiple of ``Hkv`` (grouped-query
-    attention: query heads ``g*G .. g*G+G-1`` read kv head ``g``). Returns ``[nq, H, D]``.
+    ``q [S, H, nq, D]``: the queries; ``k_pad [S, Hkv, nb*key_block, D]``: keys at positions
+    ``0..``, padded to whole blocks (pad content is never seen); ``v_aug [S, Hkv, nb*key_block,
+    D+1]``: values with a last column of ones; ``q_pos [S, nq]`` (long): each query's position
+    (query ``i`` sees keys ``j <= q_pos[s, i]``; a padded query row may repeat a position).
+    ``H`` is a multiple of ``Hkv`` (grouped-query attention: query heads ``g*G .. g*G+G-1``
+    read kv head ``g``). Returns ``[S, nq, H, D]``.
 
     Every product is ``[query_tile, D] @ [D, key_block]`` or ``[query_tile, key_block] @
     [key_block, D+1]``, the partial results of the key blocks are added in block order, and a
     masked key adds an exact zero, so a query's output depends only on its own row and the
-    keys it sees. Example: query at position 70 with ``key_block=64``: block 0 (keys 0-63)
-    and block 1 (keys 64-70 visible, 71-127 masked); inside a 100-token prefill or as a
-    single decode token, the same two partials are formed and added in the same order.
+    keys it sees, not on ``S``, ``nq`` or ``nb``. Example: query at position 70 with
+    ``key_block=64``: block 0 (keys 0-63) and block 1 (keys 64-70 visible, 71-127 masked);
+    inside a 100-token prefill, as a single decode token, or next to a 900-token sequence
+    (more, fully masked blocks: exact zeros), the same two partials are added in the same order.
     """
-    H, nq, D = q.shape
-    hkv = k_pad.shape[0]
+    S, H, nq, D = q.shape
+    hkv = k_pad.shape[1]
     G = H // hkv
     QT, KB = query_tile, key_block
     nqt = -(-nq // QT)
-    nb = k_pad.shape[1] // KB
-    if nb * KB != k_pad.shape[1] or v_aug.shape[1] != k_pad.shape[1]:
+    nb = k_pad.shape[2] // KB
+    if nb * KB != k_pad.shape[2] or v_aug.shape[2] != k_pad.shape[2]:
         raise ValueError("keys/values must be padded to whole key blocks")
-    qp = q.new_zeros(H, nqt * QT, D)
-    qp[:, :nq] = q
-    qp = qp.view(hkv, G * nqt, 1, QT, D)  # head-major: [kv head, (group, tile), 1, QT, D]
-    kb = k_pad.reshape(hkv, 1, nb, KB, D).transpose(-1, -2)  # [Hkv, 1, nb, D, KB]
-    s = torch.matmul(qp, kb) * scaling  # [Hkv, G*nqt, nb, QT, KB]
-    pos = q_pos.new_full((nqt * QT,), int(q_pos[-1]))  # pad rows: a copy of the last position
-    pos[:nq] = q_pos
-    kpos = torch.arange(nb * KB, device=q.device).view(nb, KB)
-    hidden = kpos[None, :, None, :] > pos.view(nqt, 1, QT, 1)  # [nqt, nb, QT, KB]
-    s = s.masked_fill(hidden.repeat(G, 1, 1, 1), float("-inf"))
-    m = s.amax(dim=-1, keepdim=True).amax(dim=2, keepdim=True)  # exact row max over all blocks
+    qp = q.new_zeros(S, H, nqt * QT, D)
+    qp[:, :, :nq] = q
+    qp = qp.view(S, hkv, G * nqt, 1, QT, D)  # head-major: [S, kv head, (group, tile), 1, QT, D]
+    kb = k_pad.reshape(S, hkv, 1, nb, KB, D).transpose(-1, -2)  # [S, Hkv, 1, nb, D, KB]
+    s = torch.matmul(qp, kb) * scaling  # [S, Hkv, G*nqt, nb, QT, KB]
+    pos = q_pos[:, -1:].repeat(1, nqt * QT)  # pad rows: a copy of the last position
+    pos[:, :nq] = q_pos
+    kpos = torch.arange(nb * KB, device=q.device).view(1, 1, nb, 1, KB)
+    hidden = kpos > pos.view(S, nqt, 1, QT, 1)  # [S, nqt, nb, QT, KB]
+    if G > 1:
+        hidden = hidden.repeat(1, G, 1, 1, 1)
+    s = s.masked_fill(hidden.unsqueeze(1), float("-inf"))
+    m = s.amax(dim=-1, keepdim=True).amax(dim=3, keepdim=True)  # exact row max over all blocks
     e = torch.exp(s - m)
-    o = torch.matmul(e, v_aug.reshape(hkv, 1, nb, KB, D + 1))  # [Hkv, G*nqt, nb, QT, D+1]
-    acc = o[:, :, 0]
+    o = torch.matmul(e, v_aug.reshape(S, hkv, 1, nb, KB, D + 1))  # [S, Hkv, G*nqt, nb, QT, D+1]
+    acc = o[:, :, :, 0]
     for j in range(1, nb):  # block order, always
-        acc = acc + o[:, :, j]
-    out = acc[..., :D] / acc[..., D:]  # [Hkv, G*nqt, QT, D]
-    return out.reshape(H, nqt * QT, D)[:, :nq].transpose(0, 1)
+        acc = acc + o[:, :, :, j]
+    out = acc[..., :D] / acc[..., D:]  # [S, Hkv, G*nqt, QT, D]
+    return out.reshape(S, H, nqt * QT, D)[:, :, :nq].transpose(1, 2)
 
 
 def pad_kv(k: torch.Tensor, v: torch.Tensor, key_block: int = C.INVARIANT_KEY_BLOCK):
-    """``k, v [Hkv, L, D]`` -> ``(k_pad [Hkv, nb*B, D], v_aug [Hkv, nb*B, D+1])`` (copies)."""
-    hkv, L, D = k.shape
+    """``k, v [..., L, D]`` -> ``(k_pad [..., nb*B, D], v_aug [..., nb*B, D+1])`` (copies)."""
+    L, D = k.shape[-2:]
     n = -(-L // key_block) * key_block
-    k_pad = k.new_zeros(hkv, n, D)
-    k_pad[:, :L] = k
-    v_aug = v.new_zeros(hkv, n, D + 1)
-    v_aug[:, :L, :D] = v
+    k_pad = k.new_zeros(*k.shape[:-2], n, D)
+    k_pad[..., :L, :] = k
+    v_aug = v.new_zeros(*v.shape[:-2], n, D + 1)
+    v_aug[..., :L, :D] = v
     v_aug[..., D] = 1.0
     return k_pad, v_aug
 
@@ -215,12 +222,9 @@ def invariant_attention(module, query, key, value, attention_mask, scaling=None,
     if attention_mask is not None:
         raise InvariantUnavailable("the invariant forward takes no padding mask: run sequences unpadded")
     nq, lk = query.shape[2], key.shape[2]
-    pos = torch.arange(lk - nq, lk, device=query.device)
-    outs = []
-    for b in range(query.shape[0]):
-        k_pad, v_aug = pad_kv(key[b], value[b])
-        outs.append(attend(query[b], k_pad, v_aug, pos, float(scaling)))
-    return torch.stack(outs), None
+    pos = torch.arange(lk - nq, lk, device=query.device).expand(query.shape[0], nq)
+    k_pad, v_aug = pad_kv(key, value)
+    return attend(query, k_pad, v_aug, pos, float(scaling)), None
 
 
 _REGISTERED = False
@@ -279,7 +283,7 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS) -> Any:
     invariant forms, and attention runs :func:`invariant_attention`. Raises
     :class:`InvariantUnavailable` for an unsupported architecture or machine.
     """
-    if getattr(model, "_ralm_invariant", None) == tile_rows:
+    if getattr(model, "_ralm_invariant", None):
         return model
     _check_architecture(model)
     from transformers.pytorch_utils import Conv1D
@@ -293,8 +297,6 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS) -> Any:
             elif isinstance(child, Conv1D):  # weight [in, out]: y = x W + b
                 w = nn.Parameter(child.weight.detach().t().contiguous(), requires_grad=False)
                 setattr(parent, name, InvariantLinear(w, child.bias, tile_rows))
-            elif isinstance(child, InvariantLinear):
-                child.tile_rows = tile_rows
             elif kind in _ACTIVATIONS:
                 repl = _ACTIVATIONS[kind]
                 if repl is not None:
@@ -307,10 +309,56 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS) -> Any:
         )
     _register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
-    first = next(m for m in model.modules() if isinstance(m, InvariantLinear))
-    check_row_invariance(first)
-    model._ralm_invariant = tile_rows
+    layers = [m for m in model.modules() if isinstance(m, InvariantLinear)]
+    for tile in dict.fromkeys((tile_rows, 16, 64)):  # the configured tile, then safer ones
+        for layer in layers:
+            layer.tile_rows = tile
+        try:
+            for layer in {(m.in_features, m.out_features): m for m in layers}.values():
+                check_row_invariance(layer)
+        except InvariantUnavailable:
+            log.warning("matrix multiply not row-invariant at %d-row tiles here; trying larger tiles", tile)
+            continue
+        check_attention_invariance(_head_dim(model), layers[0].weight.device, layers[0].weight.dtype)
+        model._ralm_invariant = tile
+        return model
+    check_row_invariance(layers[0])  # raises with the reason
     return model
+
+
+def check_attention_invariance(head_dim: int, device="cpu", dtype=torch.float32) -> None:
+    """Raise :class:`InvariantUnavailable` unless :func:`attend` gives a query the same bits
+    alone, inside a prefill and next to another sequence (checked at engine load)."""
+    g = torch.Generator().manual_seed(1)
+    L = C.INVARIANT_KEY_BLOCK + 9
+    q, k, v = (torch.randn(1, 2, L, head_dim, generator=g).to(device, dtype) for _ in range(3))
+    pos = torch.arange(L, device=device)[None]
+    k_pad, v_aug = pad_kv(k, v)
+    full = attend(q, k_pad, v_aug, pos, 0.125)
+    kp1, va1 = pad_kv(k[:, :, : L - 3], v[:, :, : L - 3])
+    one = attend(q[:, :, L - 4 : L - 3], kp1, va1, pos[:, L - 4 : L - 3], 0.125)
+    two = attend(
+        torch.cat([q[:, :, L - 4 : L - 3], q[:, :, :1]]),
+        torch.cat([k_pad, k_pad]),
+        torch.cat([v_aug, v_aug]),
+        torch.tensor([[L - 4], [0]], device=device),
+        0.125,
+    )
+    if not (torch.equal(one[0, 0], full[0, L - 4]) and torch.equal(two[0, 0], full[0, L - 4])):
+        raise InvariantUnavailable(
+            f"this machine's batched matrix multiply is not shape-invariant for attention tiles ({dtype}, {device}); "
+            "set generator.invariant=false"
+        )
+
+
+def _head_dim(model) -> int:
+    cfg = model.config
+    hd = getattr(cfg, "head_dim", None)
+    if isinstance(hd, int) and hd > 0:
+        return hd
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd")
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head")
+    return int(hidden) // int(heads)
 
 
 def is_invariant(model) -> bool:

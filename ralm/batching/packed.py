@@ -76,9 +76,12 @@ class SeqKV:
         self.v[layer][:, a : a + n, :D] = v_new  # type: ignore[index]
         self.layer_len[layer] = a + n
 
-    def padded(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k_pad [Hkv, nb*B, D], v_aug [Hkv, nb*B, D+1])``: views over whole blocks."""
-        n = -(-self.layer_len[layer] // self.key_block) * self.key_block
+    def span(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k [Hkv, n, D], v_aug [Hkv, n, D+1])``: views of the first ``n`` positions (``n`` a
+        multiple of the key block, at least the length; the buffers grow to hold it)."""
+        k = self.k[layer]
+        assert k is not None
+        self._reserve(layer, k[:, :1], n)
         return self.k[layer][:, :n], self.v[layer][:, :n]  # type: ignore[index]
 
     def crop(self, length: int) -> None:
@@ -107,25 +110,65 @@ class Segment:
     kv: SeqKV
 
 
+class _Group:
+    """Segments attended together: their indices, query-row gather and output-scatter maps."""
+
+    def __init__(self, segments: Sequence[Segment], idx: list[int], device):
+        segs = [segments[i] for i in idx]
+        self.idx = idx
+        self.n_max = n_max = max(s.n for s in segs)
+        gather, pos, valid, rows = [], [], [], []
+        for j, s in enumerate(segs):
+            base = len(s.kv)  # the sequence's length before this forward (every layer)
+            for t in range(n_max):
+                tt = min(t, s.n - 1)  # padded query rows repeat the last real one
+                gather.append(s.start + tt)
+                pos.append(base + tt)
+                if t < s.n:
+                    valid.append(j * n_max + t)
+                    rows.append(s.start + t)
+        self.gather = torch.tensor(gather, dtype=torch.long, device=device)
+        self.pos = torch.tensor(pos, dtype=torch.long, device=device).view(len(segs), n_max)
+        self.valid = torch.tensor(valid, dtype=torch.long, device=device)
+        self.rows = torch.tensor(rows, dtype=torch.long, device=device)
+
+
 class PackedBatch:
     """The plan of one packed forward; passed to the model as ``ralm_batch=``."""
 
-    def __init__(self, segments: Sequence[Segment]):
+    def __init__(self, segments: Sequence[Segment], device=None):
         self.segments = list(segments)
+        self.n_tokens = sum(s.n for s in self.segments)
+        by_tiles: dict[int, list[int]] = {}
+        for i, seg in enumerate(self.segments):
+            by_tiles.setdefault(-(-seg.n // C.INVARIANT_QUERY_TILE), []).append(i)
+        self.groups = [_Group(self.segments, idx, device) for idx in by_tiles.values()]
 
     def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
         """``query [1, H, N, D]``, ``key/value [1, Hkv, N, D]`` (this layer's new tokens) ->
-        ``[1, N, H, D]``; appends each segment's keys/values to its sequence first."""
+        ``[1, N, H, D]``; appends each segment's keys/values to its sequence first.
+
+        Segments with the same number of query tiles attend together (one stacked call):
+        typically every decode token of the iteration in one call, each prefill chunk alone.
+        Shorter sequences of a group are attended over the group's longest key range; their
+        extra blocks are masked and add exact zeros."""
         layer = int(module.layer_idx)
-        outs = []
+        KB = C.INVARIANT_KEY_BLOCK
         for seg in self.segments:
-            a, b = seg.start, seg.start + seg.n
-            start_pos = seg.kv.layer_len[layer]
-            seg.kv.append(layer, key[0, :, a:b], value[0, :, a:b])
-            k_pad, v_aug = seg.kv.padded(layer)
-            pos = torch.arange(start_pos, start_pos + seg.n, device=query.device)
-            outs.append(attend(query[0, :, a:b], k_pad, v_aug, pos, scaling))
-        return torch.cat(outs).unsqueeze(0)
+            seg.kv.append(layer, key[0, :, seg.start : seg.start + seg.n], value[0, :, seg.start : seg.start + seg.n])
+        H, D = query.shape[1], query.shape[3]
+        out = query.new_empty(self.n_tokens, H, D)
+        q_rows = query[0].transpose(0, 1)  # [N, H, D]
+        for g in self.groups:
+            segs = [self.segments[i] for i in g.idx]
+            span = max(-(-s.kv.layer_len[layer] // KB) * KB for s in segs)
+            ks, vs = zip(*(s.kv.span(layer, span) for s in segs))
+            k_pad = ks[0].unsqueeze(0) if len(ks) == 1 else torch.stack(ks)
+            v_aug = vs[0].unsqueeze(0) if len(vs) == 1 else torch.stack(vs)
+            q = q_rows.index_select(0, g.gather).view(len(segs), g.n_max, H, D).transpose(1, 2)
+            o = attend(q, k_pad, v_aug, g.pos, scaling)  # [S, n_max, H, D]
+            out.index_copy_(0, g.rows, o.reshape(-1, H, D).index_select(0, g.valid))
+        return out.unsqueeze(0)
 
 
 @torch.inference_mode()
@@ -157,6 +200,6 @@ def packed_forward(model, chunks: Sequence[tuple[SeqKV, Sequence[int]]], logits_
         position_ids=position_ids,
         use_cache=False,
         logits_to_keep=keep,
-        ralm_batch=PackedBatch(segs),
+        ralm_batch=PackedBatch(segs, device),
     )
     return out.logits[0]

@@ -86,17 +86,26 @@ def test_attend_is_attention_and_chunk_invariant(hkv):
     k = torch.randn(hkv, L, D, generator=g)
     v = torch.randn(hkv, L, D, generator=g)
     pos = torch.arange(L)
-    k_pad, v_aug = pad_kv(k, v)
-    full = attend(q, k_pad, v_aug, pos, 0.25)
+
+    def att(qq, kk, vv, pp):  # one sequence (S = 1)
+        kp, va = pad_kv(kk, vv)
+        return attend(qq[None], kp[None], va[None], pp[None], 0.25)[0]
+
+    full = att(q, k, v, pos)
     assert torch.allclose(full.double(), _reference_attention(q, k, v, pos, 0.25), atol=1e-5)
     # query i alone, seeing only keys 0..i (a decode step), and chunks of 37: same bits
     for i in [0, 1, 63, 64, 65, 149]:
-        kp, va = pad_kv(k[:, : i + 1], v[:, : i + 1])
-        assert torch.equal(attend(q[:, i : i + 1], kp, va, pos[i : i + 1], 0.25), full[i : i + 1])
+        assert torch.equal(att(q[:, i : i + 1], k[:, : i + 1], v[:, : i + 1], pos[i : i + 1]), full[i : i + 1])
     for a in range(0, L, 37):
         b = min(L, a + 37)
-        kp, va = pad_kv(k[:, :b], v[:, :b])
-        assert torch.equal(attend(q[:, a:b], kp, va, pos[a:b], 0.25), full[a:b])
+        assert torch.equal(att(q[:, a:b], k[:, :b], v[:, :b], pos[a:b]), full[a:b])
+    # next to other sequences: a stacked call over longer key ranges changes no bit
+    kp, va = pad_kv(k, v)
+    other = torch.randn(3, H, 1, D, generator=g)
+    qs = torch.cat([q[None, :, 70:71], other])
+    ps = torch.tensor([[70], [149], [3], [100]])
+    many = attend(qs, kp.expand(4, -1, -1, -1), va.expand(4, -1, -1, -1), ps, 0.25)
+    assert torch.equal(many[0], full[70:71])
 
 
 # ----------------------------------------------------------------------------- whole model

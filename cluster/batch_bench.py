@@ -1,0 +1,232 @@
+"""``ralmspec bench-batching``: the generator with and without continuous batching and KV sessions.
+
+Three measurements, each side by side in one run (these machines are noisy):
+
+(a) **forward cost**: the invariant forward against the plain one on the same weights, at
+    batch 1 (one decode token after a ``--context``-token KV) and at batch 16 (16 such
+    sequences in one forward: padded HF batch for the plain model, one packed forward for
+    the invariant one);
+(b) **generator throughput**: ``--concurrency`` levels (default 1, 4, 16, 32) of requests,
+    each generating ``--new-tokens`` tokens in steps of ``--stride`` on one document, in four
+    arms: the plain engine one step at a time (re-prefill, what a replica did before
+    batching), sessions only (one step at a time), batching only (sessions off) and both;
+(c) **per-request generation time** at ``--new-tokens`` with sessions against re-prefill:
+    (b)'s concurrency-1 rows.
+
+Every arm's tokens are compared with the invariant engine's alone (batch 1, no session):
+they must be identical (exit status 1 otherwise). The plain engine's tokens are a different
+floating-point function; how many requests agree with it is reported, not required.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from cluster.report import exactness_status, machine_note, write_report
+from ralm import constants as C
+
+ARMS = ("plain-serial", "sessions", "batching", "batching+sessions")
+
+
+def add_batch_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=str(C.DEMO_MODEL_DIR), help="generator (local path or Hugging Face name)")
+    p.add_argument("--corpus", type=Path, default=Path("tests/data/fixture_corpus.jsonl"), help="documents (jsonl)")
+    p.add_argument("--questions", type=Path, default=Path("tests/data/fixture_questions.jsonl"), help="questions")
+    p.add_argument("--concurrency", default="1,4,16,32", help="comma-separated numbers of concurrent requests")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
+    p.add_argument("--stride", type=int, default=4, help="tokens per step (a retrieval every stride tokens)")
+    p.add_argument("--context", type=int, default=300, help="(a): KV length before the measured decode token")
+    p.add_argument("--reps", type=int, default=20, help="(a): timed repetitions (median)")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"(b) arms to run, of {', '.join(ARMS)}")
+    p.add_argument("--out", type=Path, default=Path("bench-batching-out"))
+
+
+# ----------------------------------------------------------------------------- (a)
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def forward_cost(plain_model, inv_model, context: int, reps: int) -> dict:
+    """Decode-token latency at batch 1 and tokens/s at batch 16, plain vs invariant."""
+    import torch
+
+    from ralm.batching.packed import SeqKV, packed_forward
+
+    g = torch.Generator().manual_seed(0)
+    vocab = plain_model.config.vocab_size
+    res: dict = {"context": context}
+    with torch.inference_mode():
+        for batch in (1, 16):
+            ids = torch.randint(1, vocab, (batch, context + 1), generator=g)
+            past = plain_model(input_ids=ids[:, :context], use_cache=True).past_key_values
+            lens = [len(layer.keys[0, 0]) for layer in past.layers]
+            times = []
+            for _ in range(reps):
+                for layer, n in zip(past.layers, lens):  # the same KV length every rep
+                    layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
+                t0 = time.perf_counter()
+                plain_model(input_ids=ids[:, context:], past_key_values=past, use_cache=True)
+                times.append(time.perf_counter() - t0)
+            plain_s = _median(times)
+            kvs = []
+            for b in range(batch):
+                kv = SeqKV(int(inv_model.config.num_hidden_layers))
+                packed_forward(inv_model, [(kv, ids[b, :context].tolist())], [])
+                kvs.append(kv)
+            times = []
+            for _ in range(reps):
+                for kv in kvs:
+                    kv.crop(context)
+                t0 = time.perf_counter()
+                packed_forward(inv_model, [(kv, [int(ids[b, context])]) for b, kv in enumerate(kvs)])
+                times.append(time.perf_counter() - t0)
+            inv_s = _median(times)
+            res[f"batch{batch}"] = {
+                "plain_ms": plain_s * 1e3,
+                "invariant_ms": inv_s * 1e3,
+                "invariant_over_plain": inv_s / plain_s,
+                "plain_tokens_per_s": batch / plain_s,
+                "invariant_tokens_per_s": batch / inv_s,
+            }
+    return res
+
+
+# ----------------------------------------------------------------------------- (b), (c)
+def _requests(engine, corpus_path: Path, questions_path: Path, n: int) -> list[tuple[list[int], str]]:
+    from ralm.corpus import Corpus, load_questions
+
+    corpus = Corpus.load(corpus_path)
+    qs = load_questions(questions_path)
+    return [(engine.encode_question(qs[i % len(qs)]), corpus.text(i % len(corpus))) for i in range(n)]
+
+
+def run_arm(engine, reqs, concurrency: int, new_tokens: int, stride: int, serial: bool) -> dict:
+    """Run every request to ``new_tokens`` tokens; ``serial``: one step at a time (a lock)."""
+    lock = threading.Lock() if serial else None
+    out: list[list[int]] = [[] for _ in reqs]
+    per_request_s: list[float] = [0.0] * len(reqs)
+
+    def one(i):
+        ctx, doc = list(reqs[i][0]), reqs[i][1]
+        n0 = len(ctx)
+        t0 = time.perf_counter()
+        while len(ctx) - n0 < new_tokens:
+            k = min(stride, new_tokens - (len(ctx) - n0))
+            if lock is not None:
+                with lock:
+                    r = engine.step(doc, ctx, k, ignore_eos=True, owner=f"r{i}")
+            else:
+                r = engine.step(doc, ctx, k, ignore_eos=True, owner=f"r{i}")
+            ctx += r.tokens
+        per_request_s[i] = time.perf_counter() - t0
+        engine.release(f"r{i}")
+        out[i] = ctx[n0:]
+
+    engine.sessions.clear()
+    engine.doc_kv.clear()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, range(len(reqs))))
+    wall = time.perf_counter() - t0
+    total = sum(len(t) for t in out)
+    return {
+        "wall_s": wall,
+        "tokens": total,
+        "tokens_per_s": total / wall,
+        "mean_request_s": sum(per_request_s) / len(per_request_s),
+        "outputs": out,
+    }
+
+
+def batch_bench_main(args) -> int:
+    import torch
+
+    from ralm.config import GeneratorConfig
+    from ralm.engine import LMEngine
+
+    levels = [int(x) for x in str(args.concurrency).split(",") if x]
+    arms = [a for a in str(args.arms).split(",") if a]
+    base = GeneratorConfig(model=args.model)
+    plain = LMEngine.from_config(base.model_copy(update={"invariant": False}))
+    inv = LMEngine.from_config(base)
+    nosess = LMEngine(inv.model, inv.tokenizer, inv.cfg.model_copy(update={"kv_session_bytes": 0}))
+    engines = {"plain-serial": plain, "sessions": inv, "batching": nosess, "batching+sessions": inv}
+    notes = [
+        f"# ralmspec bench-batching: generator {args.model}, {args.new_tokens} new tokens per request, stride {args.stride}",
+        machine_note(),
+        f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s); linear-layer kernel: "
+        f"{torch.backends.cpu.get_cpu_capability()} GEMM on {inv.cfg.invariant_tile_rows}-row tiles",
+        f"Date: {time.strftime('%Y-%m-%d')}",
+    ]
+    print("\n".join(notes), flush=True)
+    cost = forward_cost(plain.model, inv.model, args.context, args.reps)
+    print(json.dumps(cost), flush=True)
+    rows, different, plain_agree, compared = [], 0, 0, 0
+    for c in levels:
+        reqs = _requests(inv, args.corpus, args.questions, c)
+        ref = run_arm(nosess, reqs, 1, args.new_tokens, args.stride, serial=True)["outputs"] if c > 1 else None
+        by_arm = {}
+        for arm in arms:
+            r = run_arm(engines[arm], reqs, c, args.new_tokens, args.stride, serial=arm in ("plain-serial", "sessions"))
+            by_arm[arm] = r
+            print(f"concurrency {c:3d} {arm:18s} {r['tokens_per_s']:8.1f} tok/s  wall {r['wall_s']:.2f}s", flush=True)
+        want = ref or by_arm.get("batching", by_arm.get("batching+sessions", next(iter(by_arm.values()))))["outputs"]
+        for arm, r in by_arm.items():
+            same = sum(a == b for a, b in zip(r["outputs"], want))
+            if arm == "plain-serial":
+                plain_agree += same
+                compared += len(reqs)
+            else:
+                different += len(reqs) - same
+            rows.append(
+                {
+                    "concurrency": c,
+                    "arm": arm,
+                    **{k: v for k, v in r.items() if k != "outputs"},
+                    "identical": same,
+                    "requests": len(reqs),
+                }
+            )
+        serial = by_arm.get("plain-serial")
+        for row in rows[-len(by_arm) :]:
+            row["speedup_vs_plain_serial"] = row["tokens_per_s"] / serial["tokens_per_s"] if serial else None
+    md = _markdown(notes, cost, rows, plain_agree, compared)
+    write_report(args.out, "bench-batching", {"notes": notes, "forward_cost": cost, "rows": rows}, md)
+    print(md)
+    return exactness_status(different, "outputs of batched/session arms differ from the invariant engine alone")
+
+
+def _markdown(notes, cost, rows, plain_agree, compared) -> str:
+    lines = [*notes, ""]
+    lines.append("## (a) Forward cost: invariant vs plain (median of reps)")
+    lines.append("")
+    lines.append("| batch | plain ms | invariant ms | invariant / plain | plain tok/s | invariant tok/s |")
+    lines.append("|---:|---:|---:|---:|---:|---:|")
+    for b in (1, 16):
+        r = cost[f"batch{b}"]
+        lines.append(
+            f"| {b} | {r['plain_ms']:.2f} | {r['invariant_ms']:.2f} | {r['invariant_over_plain']:.2f}x | "
+            f"{r['plain_tokens_per_s']:.0f} | {r['invariant_tokens_per_s']:.0f} |"
+        )
+    lines += ["", "## (b) Generator throughput, (c) per-request generation time", ""]
+    lines.append("| concurrent | arm | tokens/s | vs plain serial | wall s | mean request s | identical |")
+    lines.append("|---:|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        sp = r.get("speedup_vs_plain_serial")
+        lines.append(
+            f"| {r['concurrency']} | {r['arm']} | {r['tokens_per_s']:.1f} | "
+            f"{'' if sp is None else f'{sp:.2f}x'} | {r['wall_s']:.2f} | {r['mean_request_s']:.2f} | "
+            f"{r['identical']}/{r['requests']} |"
+        )
+    lines += [
+        "",
+        "identical: tokens equal to the invariant engine's for the request alone (batch 1, no session); "
+        f"for plain-serial, agreement with that reference ({plain_agree}/{compared}), a different float function.",
+    ]
+    return "\n".join(lines) + "\n"
