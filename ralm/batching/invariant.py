@@ -356,8 +356,8 @@ def _head_dim(model) -> int:
     hd = getattr(cfg, "head_dim", None)
     if isinstance(hd, int) and hd > 0:
         return hd
-    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd")
-    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head")
+    hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
+    heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
     return int(hidden) // int(heads)
 
 
