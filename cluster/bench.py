@@ -6,6 +6,12 @@ query encodings or BM25 document vectors left by another configuration's run. Ev
 output is compared token by token with RaLMSeq's; any difference makes the command exit
 non-zero. Writes ``bench.json``, ``bench.md`` and ``bench.png`` (stacked generation /
 retrieval bars, like the RaLMSpec paper's Figure 4).
+
+With ``--concurrency N`` (N > 1) each configuration instead runs all its questions as one
+wave, N at a time through the shared engine (:mod:`cluster.concurrency`), starting from
+the same cold state (caches cleared before each configuration's wave); every output is
+still compared with RaLMSeq's for the same question, and the report adds each
+configuration's wall time, requests/s and generated tokens/s.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ import logging
 import time
 from pathlib import Path
 
+from cluster.concurrency import CONCURRENCY_HELP, check_concurrency, run_wave, verify_pool
 from cluster.report import (
     BENCH_COLUMNS,
+    THROUGHPUT_COLUMNS,
     ConfigRuns,
     ConfigSummary,
     bench_header,
@@ -26,6 +34,7 @@ from cluster.report import (
     machine_note,
     markdown_table,
     summarize,
+    with_throughput,
     write_report,
 )
 from ralm.config import SpecConfig
@@ -53,13 +62,21 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="stop requests at EOS (default: fixed-length generation with EOS masked, as in the paper)",
     )
+    p.add_argument("--concurrency", type=int, default=1, metavar="N", help=CONCURRENCY_HELP)
 
 
 def run_retriever(
-    pipe, kind: str, questions: list[str], configs: list[str], warmup: int, progress: bool = True
+    pipe,
+    kind: str,
+    questions: list[str],
+    configs: list[str],
+    warmup: int,
+    progress: bool = True,
+    concurrency: int = 1,
 ) -> tuple[list[ConfigSummary], list[dict]]:
     """Every question through RaLMSeq and each configuration (after ``warmup`` untimed
-    questions): the summary rows (RaLMSeq first) and one record per question."""
+    questions): the summary rows (RaLMSeq first) and one record per question, in question
+    order. ``concurrency`` > 1: each configuration's questions run as one concurrent wave."""
     from tqdm import tqdm
 
     from ralm.seq import run_seq
@@ -81,8 +98,11 @@ def run_retriever(
         # every request starts cold: no doc KV, no memoised query encodings or BM25
         # document vectors from an earlier configuration's run of the same question
         pipe.engine.doc_kv.clear()
+        pipe.engine.sessions.clear()  # no request's KV session left by another configuration
         getattr(kb.scorer, "clear_caches", lambda: None)()
 
+    if concurrency > 1:
+        return _run_waves(pipe, kind, questions[warmup:], configs, specs, cold, concurrency)
     for q in tqdm(questions[warmup:], desc=f"bench {kind}", disable=not progress):
         cold()
         b = run_seq(q, gen, kb, req)
@@ -104,6 +124,40 @@ def run_retriever(
     return rows, per_request
 
 
+def _run_waves(pipe, kind: str, questions: list[str], configs: list[str], specs: dict, cold, concurrency: int):
+    """:func:`run_retriever` with ``concurrency`` > 1: RaLMSeq, then each configuration, as
+    one wave of all ``questions`` run ``concurrency`` at a time, each wave from a cold start."""
+    from ralm.seq import run_seq
+    from ralm.spec import run_spec
+
+    kb, gen, req = pipe.retriever(kind), pipe.generator, pipe.cfg.request
+
+    def wave(name: str, answer) -> tuple[ConfigRuns, object]:
+        cold()
+        with verify_pool(concurrency) as pool:
+            results, tp = run_wave(lambda q: answer(q, pool), questions, concurrency, lambda r: len(r.tokens))
+        log.info("bench %s %s: %d requests in %.2f s", kind, name, tp.requests, tp.wall_s)
+        return ConfigRuns(name, results), tp
+
+    base, base_tp = wave("RaLMSeq", lambda q, pool: run_seq(q, gen, kb, req))
+    base.identical = [True] * len(base.results)
+    per_request = [
+        {"retriever": kind, "question": q, "seq": b.stats.as_dict(), "seq_tokens": len(b.tokens)}
+        for q, b in zip(questions, base.results)
+    ]
+    rows = [with_throughput(summarize(base, base, retriever=kind), base_tp)]
+    for c in configs:
+        runs, tp = wave(c, lambda q, pool, c=c: run_spec(q, gen, kb, req, specs[c], executor=pool))
+        for q, b, r, row in zip(questions, base.results, runs.results, per_request):
+            same = r.tokens == b.tokens
+            runs.identical.append(same)
+            row[c] = {"identical": same, **r.stats.as_dict()}
+            if not same:
+                log.error("OUTPUT DIFFERS: retriever=%s config=%s question=%r", kind, c, q)
+        rows.append(with_throughput(summarize(base, runs, retriever=kind), tp))
+    return rows, per_request
+
+
 def bench_main(args: argparse.Namespace) -> int:
     """Entry point of ``ralmspec bench``; returns 1 if any RaLMSpec output differed from RaLMSeq's."""
     from cluster.config_args import load_config
@@ -117,21 +171,25 @@ def bench_main(args: argparse.Namespace) -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in configs:
         SpecConfig.parse(c)  # fail fast on a bad name
+    check_concurrency(args.concurrency)
     questions = load_questions(args.questions or C.DEMO_QUESTIONS, limit=args.num_questions + args.warmup)
     warm, timed = questions[: args.warmup], questions[args.warmup :]
     if not timed:
         timed, warm = questions, []
     pipe = Pipeline.from_config(cfg, kinds=kinds)
-    notes = bench_header("bench", len(timed), cfg, kinds, f"{cfg.corpus} ({len(pipe.corpus)} passages)")
+    concurrency = check_concurrency(args.concurrency, pipe.engine)
+    notes = bench_header(
+        "bench", len(timed), cfg, kinds, f"{cfg.corpus} ({len(pipe.corpus)} passages)", concurrency=concurrency
+    )
     notes.append(machine_note({k: r.dense_scan for k in kinds if hasattr(r := pipe.retriever(k), "dense_scan")}))
     all_rows: list[ConfigSummary] = []
     all_req: list[dict] = []
     t0 = time.perf_counter()
     for kind in kinds:
-        rows, per_req = run_retriever(pipe, kind, warm + timed, configs, warmup=len(warm))
+        rows, per_req = run_retriever(pipe, kind, warm + timed, configs, warmup=len(warm), concurrency=concurrency)
         all_rows += rows
         all_req += per_req
-    md = markdown_table(all_rows, notes, BENCH_COLUMNS)
+    md = markdown_table(all_rows, notes, BENCH_COLUMNS + (THROUGHPUT_COLUMNS if concurrency > 1 else []))
     write_report(
         args.out,
         "bench",
@@ -140,7 +198,9 @@ def bench_main(args: argparse.Namespace) -> int:
             "summary": [r.as_dict() for r in all_rows],
             "requests": all_req,
             "config": json.loads(cfg.model_dump_json()),
+            "concurrency": concurrency,
             "wall_s": time.perf_counter() - t0,
+            **({"batcher": pipe.engine.batcher.metrics()} if concurrency > 1 and pipe.engine.batcher else {}),
         },
         md,
     )

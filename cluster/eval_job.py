@@ -20,7 +20,10 @@ server needed. (The in-process memory store would lose everything with the proce
 
 **Backends.** Items are answered by an :class:`EvalBackend`:
 
-* ``local`` - an in-process :class:`ralm.pipeline.Pipeline` (no Ray);
+* ``local`` - an in-process :class:`ralm.pipeline.Pipeline` (no Ray); with
+  ``--concurrency N`` (N > 1) the items of each (retriever, config) run as one wave, N at
+  a time through the shared engine (:mod:`cluster.concurrency`), each wave from a cold
+  start, and the report adds this run's throughput per configuration;
 * ``ray`` - a pool of Ray actors, each holding a Pipeline; used automatically when the
   command runs as a Ray job (``ray job submit --working-dir . -- ralmspec eval ...``);
 * anything registered with :func:`register_backend`, e.g. the serving layer's coordinator
@@ -53,8 +56,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from actors.signals import preserve_fatal_signal_handlers
+from cluster.concurrency import CONCURRENCY_HELP, check_concurrency
 from cluster.config_args import add_config_args, load_config
 from cluster.eval_items import EvalItem, make_items
+from cluster.eval_local import LocalBackend, _answer, _warm
 from cluster.eval_report import write_outputs
 from cluster.report import bench_header, exactness_status
 from ralm.config import SpecConfig
@@ -78,59 +83,6 @@ class EvalBackend(Protocol):
     def run(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, dict]]: ...
 
     def close(self) -> None: ...
-
-
-def _answer(pipe, item: EvalItem) -> dict:
-    from ralm.errors import RalmInputError
-
-    pipe.engine.doc_kv.clear()  # every request starts cold, like the benchmark
-    try:
-        res = pipe.answer(item.question, kind=item.retriever, method=item.method, spec=item.spec())
-    except RalmInputError as e:  # deterministic: record it, don't retry forever
-        return {"error": str(e)}
-    return res.as_dict()
-
-
-def _warm(pipe, questions: Sequence[str], kinds: Sequence[str]) -> None:
-    """Untimed warm-up (FAISS, Lucene, torch lazy initialisation)."""
-    from ralm.errors import RalmInputError
-
-    for q in questions:
-        for kind in kinds:
-            try:
-                pipe.answer(q, kind=kind, method="seq")
-                pipe.answer(q, kind=kind, method="spec")
-            except RalmInputError:
-                pass
-
-
-class LocalBackend:
-    """In-process :class:`ralm.pipeline.Pipeline`, one item at a time."""
-
-    name = "local"
-
-    def __init__(self, cfg, kinds: Sequence[str], warmup: Sequence[str] = (), pipeline=None):
-        self.cfg, self.kinds, self.warmup = cfg, tuple(kinds), list(warmup)
-        self._pipe = pipeline
-
-    @property
-    def pipe(self):
-        if self._pipe is None:
-            from ralm.pipeline import Pipeline
-
-            self._pipe = Pipeline.from_config(self.cfg, kinds=self.kinds)
-            _warm(self._pipe, self.warmup, self.kinds)
-        return self._pipe
-
-    def describe(self) -> str:
-        return f"local (in-process pipeline, pid {os.getpid()})"
-
-    def run(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, dict]]:
-        for item in items:
-            yield item, _answer(self.pipe, item)
-
-    def close(self) -> None:
-        pass
 
 
 class _RayEvalWorker:
@@ -254,13 +206,21 @@ def register_backend(name: str, factory: BackendFactory) -> None:
     _BACKENDS[name] = factory
 
 
-register_backend("local", lambda cfg, kinds, args, warm: LocalBackend(cfg, kinds, warm))
-register_backend(
-    "ray",
-    lambda cfg, kinds, args, warm: RayBackend(
+def _ray_backend(cfg, kinds: Sequence[str], args: argparse.Namespace, warm: Sequence[str]) -> RayBackend:
+    if getattr(args, "concurrency", 1) > 1:
+        from ralm.errors import ConfigError
+
+        raise ConfigError("--concurrency applies to the local backend; the ray backend scales with --workers")
+    return RayBackend(
         cfg, kinds, workers=args.workers, num_cpus=args.worker_cpus, num_gpus=args.worker_gpus, warmup=warm
-    ),
+    )
+
+
+register_backend(
+    "local",
+    lambda cfg, kinds, args, warm: LocalBackend(cfg, kinds, warm, concurrency=getattr(args, "concurrency", 1)),
 )
+register_backend("ray", _ray_backend)
 
 
 def in_ray_job() -> bool:
@@ -319,6 +279,9 @@ class RunReport:
     computed: int
     computed_keys: list[str]
     wall_s: float
+    concurrency: int = 1
+    # --concurrency N > 1: per (retriever, config) computed in this run, its waves' throughput
+    throughput: list[dict] = dataclasses.field(default_factory=list)
 
 
 def run_items(
@@ -387,6 +350,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-cpus", type=float, default=1.0, help="ray backend: CPUs per actor")
     p.add_argument("--worker-gpus", type=float, default=0.0, help="ray backend: GPUs per actor")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up questions per backend worker")
+    p.add_argument("--concurrency", type=int, default=1, metavar="N", help="local backend: " + CONCURRENCY_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -407,6 +371,7 @@ def eval_main(args: argparse.Namespace) -> int:
         raise ConfigError("--retrievers and --configs must each name at least one entry")
     for c in configs:
         SpecConfig.parse(c)  # fail fast on a bad name
+    check_concurrency(args.concurrency)
     qpath = Path(args.questions or C.DEMO_QUESTIONS)
     questions = load_questions(qpath, limit=args.num_questions)
     items = make_items(questions, kinds, configs)
@@ -454,8 +419,24 @@ def eval_main(args: argparse.Namespace) -> int:
                     report = run_items(store, job_id, run_id, items, backend, progress=progress)
                 finally:
                     backend.close()
-            notes = bench_header("eval", len(questions), cfg, kinds, f"{cfg.corpus} (questions from {qpath})")
-            res = write_outputs(out, job_id, store, items, configs, kinds, notes)
+                throughput = getattr(backend, "throughput", {})
+                report.concurrency = args.concurrency
+                report.throughput = [
+                    {
+                        "retriever": k,
+                        "config": c,
+                        **dataclasses.asdict(tp),
+                        "requests_per_s": tp.requests_per_s,
+                        "tokens_per_s": tp.tokens_per_s,
+                    }
+                    for (k, c), tp in throughput.items()
+                ]
+            else:
+                throughput = {}
+            notes = bench_header(
+                "eval", len(questions), cfg, kinds, f"{cfg.corpus} (questions from {qpath})", args.concurrency
+            )
+            res = write_outputs(out, job_id, store, items, configs, kinds, notes, throughput=throughput)
         except StateStoreError as e:
             print(f"error: {e}", file=sys.stderr)
             return 3

@@ -6,19 +6,30 @@ item, with ``identical`` against the RaLMSeq row of the same question and retrie
 ``first_difference`` when it is not), ``summary.md`` / ``summary.json`` (the benchmark
 table, over the questions whose baseline and every configuration are recorded: one
 :class:`cluster.report.ConfigSummary` per retriever and configuration, with its fields
-spelled out) and ``latency.png``.
+spelled out) and ``latency.png``. With ``--concurrency N`` (N > 1) the rows of the
+configurations this run computed also carry the throughput of this run's waves (wall
+time, requests/s, tokens/s), which, unlike the latencies, is a property of one run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from cluster.eval_items import SEQ, EvalItem
-from cluster.report import BENCH_COLUMNS, ConfigRuns, ConfigSummary, latency_chart, markdown_table, summarize
+from cluster.report import (
+    BENCH_COLUMNS,
+    THROUGHPUT_COLUMNS,
+    ConfigRuns,
+    ConfigSummary,
+    latency_chart,
+    markdown_table,
+    summarize,
+    with_throughput,
+)
 from ralm.results import RalmResult, RequestStats
 
 
@@ -113,11 +124,22 @@ def write_outputs(
     configs: Sequence[str],
     kinds: Sequence[str],
     notes: list[str],
+    throughput: Mapping[tuple[str, str], Any] | None = None,
 ) -> dict[str, Any]:
     """Write the job's outputs to ``out`` from what ``store`` holds under ``job_id``; returns
-    ``{"counts", "summary" (the ConfigSummary rows), "markdown"}``."""
+    ``{"counts", "summary" (the ConfigSummary rows), "markdown"}``. ``throughput``: this
+    run's :class:`cluster.concurrency.Throughput` per (retriever, config name or ``seq``)."""
     rows_by_key = store.job_results(job_id)
     per_req, summary, counts = build_report(rows_by_key, items, configs, kinds)
+    columns = list(BENCH_COLUMNS)
+    if throughput:
+        tp: dict[tuple[str | None, str], Any] = {
+            (k, "RaLMSeq" if c == SEQ else c): t for (k, c), t in throughput.items()
+        }
+        summary = [
+            with_throughput(r, tp[(r.retriever, r.config)]) if (r.retriever, r.config) in tp else r for r in summary
+        ]
+        columns += THROUGHPUT_COLUMNS
     runs = sorted({r["run_id"] for r in per_req if r.get("run_id")})
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.jsonl", "w", encoding="utf-8") as fh:
@@ -132,7 +154,7 @@ def write_outputs(
         notes.append(
             f"INCOMPLETE: {counts['missing']} requests are not recorded yet; rerun with --job-id {job_id} to finish."
         )
-    md = markdown_table(summary, notes, BENCH_COLUMNS) if summary else "\n".join(notes) + "\n"
+    md = markdown_table(summary, notes, columns) if summary else "\n".join(notes) + "\n"
     (out / "summary.md").write_text(md, encoding="utf-8")
     (out / "summary.json").write_text(
         json.dumps(

@@ -71,6 +71,11 @@ class ConfigSummary:
     tokens: float | None = None
     cache_entries: float | None = None  # KNN-LM: speculative cache size at the end
     cache_lookup_ms: float | None = None  # KNN-LM: mean speculative cache lookup
+    # with --concurrency N > 1: the configuration's requests ran N at a time as one wave
+    concurrency: int | None = None
+    wall_s: float | None = None  # wall time of the wave (of the waves, added up)
+    requests_per_s: float | None = None  # requests / wall_s
+    tokens_per_s: float | None = None  # generated tokens / wall_s
 
     # keys of results written before the fields were spelled out (docs/results/*.json)
     LEGACY_KEYS = {
@@ -84,7 +89,7 @@ class ConfigSummary:
     def as_dict(self) -> dict[str, Any]:
         """The JSON row (the block labels that do not apply are left out)."""
         d = dataclasses.asdict(self)
-        return {k: v for k, v in d.items() if v is not None or k not in ("retriever", "index", "k")}
+        return {k: v for k, v in d.items() if v is not None or k not in _OMIT_IF_NONE}
 
     @classmethod
     def from_dict(cls, row: Mapping[str, Any]) -> ConfigSummary:
@@ -96,6 +101,20 @@ class ConfigSummary:
     @classmethod
     def coerce(cls, row: ConfigSummary | Mapping[str, Any]) -> ConfigSummary:
         return row if isinstance(row, ConfigSummary) else cls.from_dict(row)
+
+
+_OMIT_IF_NONE = ("retriever", "index", "k", "concurrency", "wall_s", "requests_per_s", "tokens_per_s")
+
+
+def with_throughput(row: ConfigSummary, tp: Any) -> ConfigSummary:
+    """``row`` with the throughput of its wave(s) (``tp``: a :class:`cluster.concurrency.Throughput`)."""
+    return dataclasses.replace(
+        row,
+        concurrency=tp.concurrency,
+        wall_s=tp.wall_s,
+        requests_per_s=tp.requests_per_s,
+        tokens_per_s=tp.tokens_per_s,
+    )
 
 
 def summarize(
@@ -194,6 +213,9 @@ _COLUMNS: dict[str, Column] = {
         ("mean stride", lambda s: _opt(s.mean_stride, 1)),
         ("cache lookup ms", lambda s: _opt(s.cache_lookup_ms)),
         ("identical", lambda s: f"{s.identical}/{s.requests}"),
+        ("wall s", lambda s: _opt(s.wall_s)),
+        ("requests/s", lambda s: _opt(s.requests_per_s)),
+        ("tokens/s", lambda s: _opt(s.tokens_per_s, 1)),
     ]
 }
 _TIMES = [
@@ -209,6 +231,7 @@ _TIMES = [
     "rollbacks",
 ]
 BENCH_COLUMNS = ["retriever", "config", *_TIMES, "regenerated tokens", "mean stride", "identical"]
+THROUGHPUT_COLUMNS = ["wall s", "requests/s", "tokens/s"]  # --concurrency N > 1
 KNN_COLUMNS = ["index", "k", "config", *_TIMES, "direct steps", "mean stride", "cache lookup ms", "identical"]
 
 
@@ -218,16 +241,18 @@ def markdown_table(
     columns: Sequence[str] = tuple(BENCH_COLUMNS),
 ) -> str:
     """The header notes, a blank line and the summary table (``columns``: names from
-    ``BENCH_COLUMNS`` / ``KNN_COLUMNS``). Rows may be dicts read back from a results file."""
+    ``BENCH_COLUMNS`` / ``KNN_COLUMNS``, plus ``THROUGHPUT_COLUMNS``). Rows may be dicts read back from a results file."""
     cols = [_COLUMNS[c] for c in columns]
     lines = table([h for h, _ in cols], ([cell(s) for _, cell in cols] for s in map(ConfigSummary.coerce, rows)))
     return "\n".join([*notes, "", *lines]) + "\n"
 
 
 # ---------------------------------------------------------------- header
-def bench_header(tool: str, n_questions: int, cfg: Any, kinds: Sequence[str], corpus_desc: str) -> list[str]:
+def bench_header(
+    tool: str, n_questions: int, cfg: Any, kinds: Sequence[str], corpus_desc: str, concurrency: int = 1
+) -> list[str]:
     """Header lines of a benchmark/evaluation report (``cfg``: the RalmConfig), with the
-    padding disclosure when the EDR index is padded."""
+    padding disclosure when the EDR index is padded and, above 1, the concurrency."""
     notes = [
         f"# ralmspec {tool}: {n_questions} questions, corpus {corpus_desc}, generator {cfg.generator.model}, "
         f"k={cfg.request.generation_stride}, max_new_tokens={cfg.request.max_new_tokens}"
@@ -237,6 +262,12 @@ def bench_header(tool: str, n_questions: int, cfg: Any, kinds: Sequence[str], co
             f"Note: the EDR flat index is padded to {cfg.retriever.pad_to:,} rows with random "
             f"vectors that never outrank a real passage, to emulate Wikipedia-scale search cost; "
             f"results are unchanged."
+        )
+    if concurrency > 1:
+        notes.append(
+            f"Concurrency: {concurrency} requests at once per configuration, batched by the in-process engine; "
+            f"caches cleared once per configuration; latencies are per request, throughput per configuration "
+            f"(wall s, requests/s, generated tokens/s)."
         )
     return notes
 

@@ -109,3 +109,46 @@ def test_bench_exits_nonzero_when_an_output_differs(tmp_path, index_dirs, monkey
     )
     assert rc == 1
     assert "differ from RaLMSeq" in capsys.readouterr().err
+
+
+def test_bench_concurrency_keeps_every_request_exact_and_in_order(tmp_path, index_dirs, capsys):
+    """``--concurrency 4``: each configuration's 4 questions run at once through the shared
+    engine; every RaLMSpec output equals RaLMSeq's, rows keep question order, and the report
+    records the concurrency and each configuration's throughput."""
+    from ralm.corpus import load_questions
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "corpus": str(FIXTURE_CORPUS),
+                "work_dir": str(tmp_path / "work"),
+                "retriever": {"kind": "edr", "index_dir": str(index_dirs["edr"])},
+            }
+        )
+    )
+    out = tmp_path / "out"
+    argv = ["bench", "--config", str(cfg), "--questions", str(FIXTURE_QUESTIONS), "-n", "4", "--warmup", "0"]
+    argv += ["--retrievers", "edr", "--configs", "base,PSA", "--max-new-tokens", "8", "--out", str(out)]
+    assert main([*argv, "--concurrency", "4"]) == 0
+    data = json.loads((out / "bench.json").read_text())
+    assert data["concurrency"] == 4
+    assert [r["question"] for r in data["requests"]] == load_questions(FIXTURE_QUESTIONS, limit=4)
+    assert all(r[c]["identical"] for r in data["requests"] for c in ("base", "PSA"))
+    rows = {r["config"]: r for r in data["summary"]}
+    assert set(rows) == {"RaLMSeq", "base", "PSA"}
+    for r in rows.values():
+        assert r["requests"] == r["identical"] == 4 and r["concurrency"] == 4
+        assert r["wall_s"] > 0 and r["requests_per_s"] == pytest.approx(4 / r["wall_s"])
+        assert r["tokens_per_s"] == pytest.approx(4 * r["tokens"] / r["wall_s"])
+    assert data["batcher"]["steps_done"] > 0
+    md = (out / "bench.md").read_text()
+    assert "Concurrency: 4 requests at once" in md and "| requests/s | tokens/s |" in md
+
+
+def test_bench_rejects_a_concurrency_below_one(tmp_path, index_dirs, capsys):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"corpus": str(FIXTURE_CORPUS), "work_dir": str(tmp_path / "work")}))
+    argv = ["bench", "--config", str(cfg), "--retrievers", "edr", "--concurrency", "0", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    assert "--concurrency must be at least 1" in capsys.readouterr().err

@@ -250,6 +250,54 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return d
 
 
+def test_local_backend_concurrency_is_exact_and_reports_throughput(tmp_path, tiny_model_dir, index_dirs, capsys):
+    """``--concurrency 4`` on the local backend: each (retriever, config) runs its 4 items at
+    once through the shared engine; every RaLMSpec output equals RaLMSeq's, the RaLMSeq
+    outputs equal a one-at-a-time run's, results keep item order, and the report records
+    the concurrency and a throughput per configuration."""
+    import yaml
+
+    from ralm.config import RalmConfig
+    from ralm.corpus import load_questions
+    from ralm.pipeline import Pipeline
+
+    cfg = tmp_path / "ralmspec.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "corpus": str(DATA / "fixture_corpus.jsonl"),
+                "work_dir": str(tmp_path / "work"),
+                "retriever": {"kind": "edr", "index_dir": str(index_dirs["edr"])},
+                "generator": {"model": str(tiny_model_dir), "torch_threads": 1},
+                "request": {"max_new_tokens": 12},
+            }
+        )
+    )
+    out = tmp_path / "out"
+    argv = ["--config", str(cfg), "--questions", str(DATA / "fixture_questions.jsonl"), "-n", "4"]
+    argv += ["--retrievers", "edr", "--configs", "base,PSA", "--state-url", "memory://", "--out", str(out)]
+    argv += ["--backend", "local", "--warmup", "0", "--no-progress", "--concurrency", "4"]
+    assert eval_job.main(argv) == 0
+    questions = load_questions(DATA / "fixture_questions.jsonl", limit=4)
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["qid"], r["config"]) for r in rows] == [(q, c) for q in range(4) for c in ("seq", "base", "PSA")]
+    assert all(r["identical"] is True for r in rows)
+    pipe = Pipeline.from_config(RalmConfig.from_yaml(cfg), kinds=("edr",), progress=False)
+    alone = [pipe.answer(q, kind="edr", method="seq").tokens for q in questions]
+    assert [r["tokens"] for r in rows if r["config"] == "seq"] == alone
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["counts"]["identical"] == summary["counts"]["compared"] == 8
+    for r in summary["summary"]:
+        assert r["concurrency"] == 4 and r["requests_per_s"] > 0 and r["tokens_per_s"] > 0 and r["wall_s"] > 0
+    run = json.loads(next((out / "runs").glob("*.json")).read_text())
+    assert run["concurrency"] == 4
+    assert {(t["retriever"], t["config"], t["requests"]) for t in run["throughput"]} == {
+        ("edr", c, 4) for c in ("seq", "base", "PSA")
+    }
+    md = (out / "summary.md").read_text()
+    assert "Concurrency: 4 requests at once" in md and "| requests/s | tokens/s |" in md
+
+
 def test_killed_job_resumes_without_recomputing(tmp_path, tiny_model_dir, index_dirs):
     srv = RedisServer(tmp_path / "redis").start()
     try:
