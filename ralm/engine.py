@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TypedDict
 
 import torch
@@ -38,6 +37,7 @@ from ralm.config import GeneratorConfig
 from ralm.drafting import DEFAULT_OPTIONS, StepOptions
 from ralm.drafting.kv import docs_past, last_logits_kwargs, segment_bytes
 from ralm.errors import RalmInputError
+from ralm.step_output import StepOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -48,26 +48,6 @@ class _KvStats(TypedDict):
     docs_reused: int
     docs_computed: int
     kv_bytes_reused: int
-
-
-@dataclass
-class StepOutput:
-    tokens: list[int]  # generated token ids, EOS excluded
-    eos: bool  # the step ended on EOS
-    prefill_s: float  # doc-KV (on a miss) + context prefill wall time
-    decode_s: float  # incremental decode wall time
-    doc_kv_hit: bool
-    # additive statistics (drafting, multi-document KV reuse, FLARE)
-    forward_passes: int = 0  # model forward passes, prefill included (doc KV excluded)
-    draft_rounds: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    docs_reused: int = 0  # documents whose KV came from the doc-KV cache
-    docs_computed: int = 0
-    kv_bytes_reused: int = 0
-    low_confidence: bool = False  # FLARE: the step ended before a low-probability token
-    context_reused: int = 0  # context tokens whose KV came from the request's KV session
-    context_computed: int = 0  # context tokens fed to the model before the first new token
 
 
 def _kv_bytes(cache) -> int:

@@ -28,6 +28,7 @@ from ralm import constants as C
 from ralm.batching.packed import SeqKV, packed_forward
 from ralm.batching.sessions import DocsKey, Session, SessionStore
 from ralm.errors import RalmInputError
+from ralm.step_output import StepOutput
 
 
 @dataclass
@@ -138,8 +139,6 @@ class BatchEngine:
 
     def finish(self, a: ActiveStep):
         """Give the session back and build the step's :class:`~ralm.engine.StepOutput`."""
-        from ralm.engine import StepOutput
-
         self.sessions.put(a.session)
         t_end = time.perf_counter()
         t_first = a.t_first if a.t_first is not None else t_end
@@ -160,7 +159,8 @@ class BatchEngine:
     # ------------------------------------------------------------------ one iteration
     def _plan(self, active: Sequence[ActiveStep]) -> list[tuple[ActiveStep, int]]:
         """(step, tokens to feed) for this iteration: decode steps first, then prefill chunks."""
-        budget, plan = self.token_budget, []
+        budget = self.token_budget
+        plan: list[tuple[ActiveStep, int]] = []
         decoding = [a for a in active if not a.done and len(a.pending) == 1]
         prefilling = [a for a in active if not a.done and len(a.pending) > 1]
         for a in decoding + prefilling:
