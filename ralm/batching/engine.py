@@ -43,6 +43,21 @@ class StepCall:
 
 
 @dataclass
+class FeedCall:
+    """Feed ``tokens`` to a caller-owned sequence ``kv`` and return the last token's logits and
+    final hidden state (a KNN-LM step: the query and the LM distribution); no generation."""
+
+    kv: SeqKV
+    tokens: list[int]
+
+
+@dataclass
+class FeedOutput:
+    logits: torch.Tensor  # [vocab], after the last token fed
+    hidden: torch.Tensor  # [d], the final hidden state there
+
+
+@dataclass
 class ActiveStep:
     """A step in progress (engine-internal state, exposed for the scheduler and tests)."""
 
@@ -61,6 +76,8 @@ class ActiveStep:
     kv_bytes_reused: int = 0
     context_reused: int = 0
     context_computed: int = 0
+    feed: FeedOutput | None = None  # a FeedCall's result (feed calls generate nothing)
+    is_feed: bool = False
 
 
 @dataclass
@@ -99,8 +116,15 @@ class BatchEngine:
         self.on_iteration: Callable[[IterationStats], None] | None = None
 
     # ------------------------------------------------------------------ start / finish
-    def start(self, call: StepCall) -> ActiveStep:
+    def start(self, call: StepCall | FeedCall) -> ActiveStep:
         """Find or build the step's session and its pending tokens (no forward for the context)."""
+        if isinstance(call, FeedCall):
+            if not call.tokens:
+                raise RalmInputError("a feed needs at least one token")
+            own = Session((), 0, [], call.kv)
+            return ActiveStep(
+                StepCall((), [0], 1), own, [int(t) for t in call.tokens], time.perf_counter(), is_feed=True
+            )
         if call.k <= 0:
             raise RalmInputError("k must be positive")
         if not call.context:
@@ -138,7 +162,10 @@ class BatchEngine:
         )
 
     def finish(self, a: ActiveStep):
-        """Give the session back and build the step's :class:`~ralm.engine.StepOutput`."""
+        """Give the session back and build the step's :class:`~ralm.engine.StepOutput` (a feed:
+        its :class:`FeedOutput`; the sequence stays the caller's)."""
+        if a.is_feed:
+            return a.feed
         self.sessions.put(a.session)
         t_end = time.perf_counter()
         t_first = a.t_first if a.t_first is not None else t_end
@@ -185,13 +212,21 @@ class BatchEngine:
             if n == len(a.pending):  # the chunk ends the pending tokens: next-token logits
                 rows.append(off - 1)
                 emitting.append(a)
-        logits = packed_forward(self.model, chunks, rows)
+        hidden = None
+        if any(a.is_feed for a in emitting):
+            logits, hidden = packed_forward(self.model, chunks, rows, with_hidden=True)
+        else:
+            logits = packed_forward(self.model, chunks, rows)
         for a, n in plan:
             a.session.context.extend(a.pending[:n])
             a.pending = a.pending[n:]
             a.forward_passes += 1
-        for a, row in zip(emitting, range(len(rows))):
-            self._emit(a, logits[row])
+        for row, a in enumerate(emitting):
+            if a.is_feed:
+                a.feed = FeedOutput(logits[row], hidden[row])  # type: ignore[index]
+                a.done = True
+            else:
+                self._emit(a, logits[row])
         st = IterationStats(len(plan), off, time.perf_counter() - t0)
         if self.on_iteration is not None:
             self.on_iteration(st)

@@ -172,12 +172,18 @@ class PackedBatch:
 
 
 @torch.inference_mode()
-def packed_forward(model, chunks: Sequence[tuple[SeqKV, Sequence[int]]], logits_rows: Sequence[int] | None = None):
+def packed_forward(
+    model,
+    chunks: Sequence[tuple[SeqKV, Sequence[int]]],
+    logits_rows: Sequence[int] | None = None,
+    with_hidden: bool = False,
+):
     """One forward over several sequences: ``chunks`` = ``(kv, new token ids)`` pairs.
 
     Appends every chunk's KV to its sequence and returns the logits of the packed rows
     ``logits_rows`` (indices into the concatenated tokens; default: each chunk's last
-    token), ``[len(logits_rows), vocab]``.
+    token), ``[len(logits_rows), vocab]``; with ``with_hidden``, also the final hidden states
+    of those rows (``[len(logits_rows), d]``, the KNN-LM query), as a pair.
     """
     device = next(model.parameters()).device
     ids: list[int] = []
@@ -200,6 +206,9 @@ def packed_forward(model, chunks: Sequence[tuple[SeqKV, Sequence[int]]], logits_
         position_ids=position_ids,
         use_cache=False,
         logits_to_keep=keep,
+        output_hidden_states=with_hidden,
         ralm_batch=PackedBatch(segs, device),
     )
+    if with_hidden:
+        return out.logits[0], out.hidden_states[-1][0].index_select(0, keep)
     return out.logits[0]

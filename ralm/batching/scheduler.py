@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from ralm.batching.engine import ActiveStep, BatchEngine, StepCall
+from ralm.batching.engine import ActiveStep, BatchEngine, FeedCall, StepCall
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,9 @@ class ContinuousBatcher:
         self._seq_total = 0
 
     # ------------------------------------------------------------------ API
-    def submit(self, call: StepCall) -> Future:
-        """Queue a step; the future's result is its :class:`~ralm.engine.StepOutput`."""
+    def submit(self, call: StepCall | FeedCall) -> Future:
+        """Queue a step (the future's result is its :class:`~ralm.step_output.StepOutput`) or a
+        feed (its :class:`~ralm.batching.engine.FeedOutput`)."""
         fut: Future = Future()
         self._ensure_thread()
         self._inbox.put(("step", call, fut))
@@ -156,7 +157,7 @@ class ContinuousBatcher:
             for a, fut in active:
                 if a.done:
                     out = self.engine.finish(a)
-                    self.tokens_generated += len(out.tokens)
+                    self.tokens_generated += 0 if a.is_feed else len(out.tokens)
                     self.steps_done += 1
                     fut.set_result(out)
                 else:

@@ -8,15 +8,18 @@
 
 from ralm.knnlm.cache import KnnEntryCache
 from ralm.knnlm.datastore import Datastore, DatastoreError, build_datastore, model_fingerprint
-from ralm.knnlm.loop import KnnStepper, choose_token, new_cache, run_knn_seq, run_knn_spec
+from ralm.knnlm.loop import choose_token, new_cache, run_knn_seq, run_knn_spec
 from ralm.knnlm.retriever import KnnRetriever, load_knn_retriever
+from ralm.knnlm.stepper import BatchedKnnStepper, KnnStepper, stepper_for
 
 __all__ = [
     "Datastore",
     "DatastoreError",
     "KnnEntryCache",
     "KnnRetriever",
+    "BatchedKnnStepper",
     "KnnStepper",
+    "stepper_for",
     "build_datastore",
     "choose_token",
     "load_knn_retriever",

@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ralm import constants as C
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
@@ -51,23 +50,17 @@ from ralm.errors import RalmInputError
 from ralm.knnlm.cache import KnnEntryCache, default_capacity
 from ralm.knnlm.metric import Hit
 from ralm.knnlm.retriever import KnnRetriever
+from ralm.knnlm.stepper import stepper_for
 from ralm.os3 import StrideScheduler
 from ralm.results import RalmResult, RequestStats
 from ralm.seq import finish
 from ralm.speculation import speculate
 
 if TYPE_CHECKING:
-    from transformers.cache_utils import Cache
+    pass
 
 
 # ---------------------------------------------------------------------------- numerics
-def lm_probs(logits: torch.Tensor) -> np.ndarray:
-    """softmax of float32 logits, computed in float64 with numpy (deterministic)."""
-    lg = logits.detach().to("cpu", torch.float32).numpy().astype(np.float64)
-    e = np.exp(lg - lg.max())
-    return e / e.sum()
-
-
 def knn_probs(hits: Sequence[Hit], values: np.ndarray, vocab: int, temperature: float) -> np.ndarray:
     """p_knn over the vocabulary from neighbours ordered by (dist asc, id asc)."""
     p = np.zeros(vocab, dtype=np.float64)
@@ -94,69 +87,6 @@ def choose_token(
         mix = mix.copy()
         mix[mask_token] = -np.inf
     return int(np.argmax(mix))
-
-
-# ---------------------------------------------------------------------------- the LM
-class KnnStepper:
-    """One prefill of the prompt, then single-token forwards on one DynamicCache.
-
-    ``h`` is the final hidden state (float32 numpy, the query) and ``p_lm`` the float64
-    LM distribution after the last token fed; ``past`` covers every token fed.
-    """
-
-    def __init__(self, model: Any):
-        self.model = model
-        self.device = next(model.parameters()).device
-        self.past: Cache | None = None
-        self.length = 0
-        self.h: np.ndarray | None = None
-        self.p_lm: np.ndarray | None = None
-        self.forwards = 0  # model forward passes run (prefill + one per token fed)
-
-    @torch.inference_mode()
-    def _run(self, ids: list[int]) -> None:
-        from transformers import DynamicCache
-
-        x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        past = self.past if self.past is not None else DynamicCache()
-        out = self.model(input_ids=x, past_key_values=past, use_cache=True, output_hidden_states=True)
-        self.past = out.past_key_values
-        self.length += len(ids)
-        self.forwards += 1
-        self.h = out.hidden_states[-1][0, -1].detach().to("cpu", torch.float32).numpy().copy()
-        self.p_lm = lm_probs(out.logits[0, -1])
-
-    def query(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(h, p_lm)`` after the last token fed."""
-        if self.h is None or self.p_lm is None:
-            raise RuntimeError("no token fed since the last prefill or crop")
-        return self.h, self.p_lm
-
-    def prefill(self, ids: list[int]) -> None:
-        self.past, self.length = None, 0
-        self._run(list(ids))
-
-    def feed(self, token: int) -> None:
-        self._run([int(token)])
-
-    def crop(self, length: int) -> None:
-        """Drop the KV of every position >= ``length`` (the tokens fed after it)."""
-        if length > self.length:
-            raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
-        if self.past is None:
-            raise RuntimeError("nothing to crop: no prefill yet")
-        have = self.past.get_seq_length()
-        if have != self.length:
-            raise RuntimeError(f"KV cache holds {have} positions, expected {self.length}")
-        remove = self.length - length
-        if remove:
-            # a negative argument removes that many positions, in every transformers version
-            # (older ones also accept an absolute length; 5.x only a negative count)
-            self.past.crop(-remove)
-        if self.past.get_seq_length() != length:
-            raise RuntimeError(f"KV crop to {length} left {self.past.get_seq_length()} positions")
-        self.length = length
-        self.h = self.p_lm = None
 
 
 def _model_of(lm: Any):
@@ -201,7 +131,7 @@ def run_knn_seq(
     stop_tok, mask_tok = _eos_setup(lm, req)
     values = kb.ds.values
     st = RequestStats(method="knn-seq", retriever=kb.name, knn_k=knn.k)
-    lm_step = KnnStepper(_model_of(lm))
+    lm_step = stepper_for(lm)
     t0 = time.perf_counter()
     lm_step.prefill(X)
     st.gen_time_s += time.perf_counter() - t0
@@ -297,7 +227,7 @@ class _KnnSpecRun:
         self.sched = StrideScheduler(spec)
         name = ("P," if self.fetch_k > knn.k else "") + (f"s={spec.stride}" if not spec.adaptive_stride else "S")
         self.stats = RequestStats(method=f"knn-spec[{name}]", retriever=kb.name, knn_k=knn.k)
-        self.step_lm = KnnStepper(_model_of(lm))
+        self.step_lm = stepper_for(lm)
         self._direct_run = 0  # consecutive direct (s = 0) steps so far
 
     @property

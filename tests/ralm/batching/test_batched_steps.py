@@ -167,3 +167,31 @@ def test_step_batch_needs_the_invariant_forward():
     assert out.forward_passes >= 1
     with pytest.raises(RalmInputError, match="invariant"):
         eng.step_batch([StepCall((), [1, 2], 1)])
+
+
+def test_knn_feeds_through_the_batcher_equal_a_lone_stepper(engines):
+    """KNN-LM's (h, p_lm) from batched feeds, interleaved with other requests' steps, are the
+    bits of a plain single-cache stepper on the same invariant model, through crops too."""
+    import numpy as np
+
+    from ralm.knnlm.stepper import BatchedKnnStepper, KnnStepper, stepper_for
+
+    fast, _ = engines
+    assert isinstance(stepper_for(fast), BatchedKnnStepper)
+    ids = fast.encode_question("which module joins paths?")
+    a, b = stepper_for(fast), KnnStepper(fast.model)
+    other = fast.batcher.submit(StepCall((), fast.encode_question("meanwhile another request"), 8))
+    a.prefill(ids)
+    b.prefill(ids)
+    for t in [7, 9, 11, 13]:
+        ha, pa = a.query()
+        hb, pb = b.query()
+        assert np.array_equal(ha, hb) and np.array_equal(pa, pb)
+        a.feed(t)
+        b.feed(t)
+    a.crop(len(ids) + 2)
+    b.crop(len(ids) + 2)
+    a.feed(5)
+    b.feed(5)
+    assert np.array_equal(a.query()[0], b.query()[0]) and np.array_equal(a.query()[1], b.query()[1])
+    assert len(other.result(timeout=60).tokens) >= 1
