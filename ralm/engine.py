@@ -224,10 +224,10 @@ class LMEngine:
                 f"the model's {self.max_positions} positions"
             )
         if self.batcher is not None:
-            if opts.plain and not opts.allow_inexact_shifted_reuse:
-                call = StepCall(tuple(docs), list(context), int(k), bool(ignore_eos), owner)
+            if opts.drafting in ("none", "ngram") and not opts.allow_inexact_shifted_reuse:
+                call = StepCall(tuple(docs), list(context), int(k), bool(ignore_eos), owner, options)
                 return self.batcher.submit(call).result()
-            # drafting / FLARE: one sequence, on the model's thread (the forward is the same invariant one)
+            # dense drafting (several drafts, hidden states): one sequence, on the model's thread
             return self.batcher.call(lambda: self._step_one(docs, context, k, ignore_eos, opts)).result()
         return self._step_one(docs, context, k, ignore_eos, opts)
 

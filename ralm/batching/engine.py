@@ -21,12 +21,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ralm import constants as C
 from ralm.batching.packed import SeqKV, packed_forward
 from ralm.batching.sessions import DocsKey, Session, SessionStore
+from ralm.drafting import StepOptions
 from ralm.errors import RalmInputError
 from ralm.step_output import StepOutput
 
@@ -40,6 +42,7 @@ class StepCall:
     k: int
     ignore_eos: bool = False
     owner: str | None = None  # the request the session belongs to (freed with SessionStore.release)
+    options: StepOptions | None = None  # n-gram drafting and the FLARE stop (None: plain greedy)
 
 
 @dataclass
@@ -78,6 +81,12 @@ class ActiveStep:
     context_computed: int = 0
     feed: FeedOutput | None = None  # a FeedCall's result (feed calls generate nothing)
     is_feed: bool = False
+    drafter: Any = None  # n-gram drafter (options.drafting == "ngram")
+    verify: list[int] | None = None  # the draft fed after pending[0], checked when its logits come
+    draft_rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    low_confidence: bool = False
 
 
 @dataclass
@@ -148,6 +157,14 @@ class BatchEngine:
         sess.context = ctx[:reuse]
         sess.owner = call.owner if call.owner is not None else sess.owner
         self.sessions.stats.reused_tokens += reuse
+        drafter = None
+        if call.options is not None and call.options.drafting == "ngram":
+            from ralm.drafting.ngram import NGramDrafter
+
+            o = call.options
+            drafter = NGramDrafter(call.docs, o.ngram_n, o.ngram_m, o.ngram_min_n)
+        elif call.options is not None and call.options.drafting != "none":
+            raise RalmInputError(f"drafting={call.options.drafting!r} is not run by the batched engine")
         return ActiveStep(
             call,
             sess,
@@ -159,6 +176,7 @@ class BatchEngine:
             kv_bytes_reused=bytes_reused,
             context_reused=reuse,
             context_computed=len(ctx) - reuse,
+            drafter=drafter,
         )
 
     def finish(self, a: ActiveStep):
@@ -181,6 +199,10 @@ class BatchEngine:
             kv_bytes_reused=a.kv_bytes_reused,
             context_reused=a.context_reused,
             context_computed=a.context_computed,
+            draft_rounds=a.draft_rounds,
+            drafted_tokens=a.drafted_tokens,
+            accepted_tokens=a.accepted_tokens,
+            low_confidence=a.low_confidence,
         )
 
     # ------------------------------------------------------------------ one iteration
@@ -188,12 +210,12 @@ class BatchEngine:
         """(step, tokens to feed) for this iteration: decode steps first, then prefill chunks."""
         budget = self.token_budget
         plan: list[tuple[ActiveStep, int]] = []
-        decoding = [a for a in active if not a.done and len(a.pending) == 1]
-        prefilling = [a for a in active if not a.done and len(a.pending) > 1]
+        decoding = [a for a in active if not a.done and (len(a.pending) == 1 or a.verify is not None)]
+        prefilling = [a for a in active if not a.done and len(a.pending) > 1 and a.verify is None]
         for a in decoding + prefilling:
             if budget <= 0 or len(plan) >= self.max_sequences:
                 break
-            n = min(len(a.pending), budget)
+            n = len(a.pending) if a.verify is not None else min(len(a.pending), budget)  # a draft is fed whole
             plan.append((a, n))
             budget -= n
         return plan
@@ -205,15 +227,21 @@ class BatchEngine:
         if not plan:
             return IterationStats(0, 0, 0.0)
         t0 = time.perf_counter()
-        chunks, rows, emitting, off = [], [], [], 0
+        chunks: list[tuple[SeqKV, list[int]]] = []
+        rows: list[int] = []
+        emitting: list[tuple[ActiveStep, int, int]] = []
+        off = 0
         for a, n in plan:
             chunks.append((a.session.kv, a.pending[:n]))
             off += n
-            if n == len(a.pending):  # the chunk ends the pending tokens: next-token logits
+            if a.verify is not None:  # a drafted chunk: logits at every position
+                emitting.append((a, len(rows), n))
+                rows.extend(range(off - n, off))
+            elif n == len(a.pending):  # the chunk ends the pending tokens: next-token logits
+                emitting.append((a, len(rows), 1))
                 rows.append(off - 1)
-                emitting.append(a)
         hidden = None
-        if any(a.is_feed for a in emitting):
+        if any(a.is_feed for a, _, _ in emitting):
             logits, hidden = packed_forward(self.model, chunks, rows, with_hidden=True)
         else:
             logits = packed_forward(self.model, chunks, rows)
@@ -221,10 +249,12 @@ class BatchEngine:
             a.session.context.extend(a.pending[:n])
             a.pending = a.pending[n:]
             a.forward_passes += 1
-        for row, a in enumerate(emitting):
+        for a, row, n in emitting:
             if a.is_feed:
                 a.feed = FeedOutput(logits[row], hidden[row])  # type: ignore[index]
                 a.done = True
+            elif a.verify is not None:
+                self._emit_verified(a, logits[row : row + n])
             else:
                 self._emit(a, logits[row])
         st = IterationStats(len(plan), off, time.perf_counter() - t0)
@@ -232,22 +262,62 @@ class BatchEngine:
             self.on_iteration(st)
         return st
 
-    def _emit(self, a: ActiveStep, logits: torch.Tensor) -> None:
+    def _scores(self, a: ActiveStep, logits: torch.Tensor) -> torch.Tensor:
         scores = logits.float()
         if a.call.ignore_eos and self.eos_token_id is not None:
             scores = scores.clone()
-            scores[self.eos_token_id] = float("-inf")
+            scores[..., self.eos_token_id] = float("-inf")
+        return scores
+
+    def _emit(self, a: ActiveStep, logits: torch.Tensor) -> None:
+        """The next token from ``logits [vocab]``: EOS ends the step; with FLARE, so does a
+        low-probability token (after the first); with a drafter, the next chunk carries a draft."""
+        scores = self._scores(a, logits)
         nxt = int(torch.argmax(scores))  # first index of the max: lowest id on ties
         if a.t_first is None:
             a.t_first = time.perf_counter()
         if self.eos_token_id is not None and nxt == self.eos_token_id:
             a.eos = a.done = True
             return
+        thr = a.call.options.flare_threshold if a.call.options is not None else None
+        if thr is not None and a.tokens and float(torch.softmax(scores, dim=-1)[nxt]) < thr:
+            a.low_confidence = a.done = True
+            return
         a.tokens.append(nxt)
         if len(a.tokens) >= a.call.k:
             a.done = True
-        else:
-            a.pending = [nxt]
+            return
+        a.pending = [nxt]
+        m = a.call.k - len(a.tokens) - 1
+        if a.drafter is not None and m > 0:
+            drafts = a.drafter.propose(list(a.call.context) + a.tokens, None, nxt, m)
+            draft = list(drafts[0][:m]) if drafts and len(drafts[0]) else []
+            if draft:
+                a.pending, a.verify = [nxt, *draft], draft
+
+    def _emit_verified(self, a: ActiveStep, logits: torch.Tensor) -> None:
+        """``logits [1 + len(draft), vocab]`` of ``[nxt, draft...]``: accept the draft while it
+        equals the argmax (and passes FLARE), drop the KV of the rest, then emit the token
+        after the last accepted one. With the invariant forward each row is the logit vector
+        one-token decoding would give, so the tokens are plain greedy decoding's."""
+        draft, a.verify = a.verify or [], None
+        scores = self._scores(a, logits)
+        preds = torch.argmax(scores, dim=-1).tolist()
+        thr = a.call.options.flare_threshold if a.call.options is not None else None
+        acc = 0
+        while acc < len(draft) and draft[acc] == preds[acc] and draft[acc] != self.eos_token_id:
+            if thr is not None and float(torch.softmax(scores[acc], dim=-1)[draft[acc]]) < thr:
+                break
+            acc += 1
+        a.draft_rounds += 1
+        a.drafted_tokens += len(draft)
+        a.accepted_tokens += acc
+        drop = len(draft) - acc
+        if drop:
+            a.session.kv.crop(len(a.session.kv) - drop)
+            del a.session.context[-drop:]
+        a.tokens.extend(draft[:acc])
+        self._emit(a, logits[acc])
 
     # ------------------------------------------------------------------ a whole batch
     def step_batch(self, calls: Sequence[StepCall]) -> list:

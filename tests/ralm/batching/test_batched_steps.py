@@ -195,3 +195,36 @@ def test_knn_feeds_through_the_batcher_equal_a_lone_stepper(engines):
     b.feed(5)
     assert np.array_equal(a.query()[0], b.query()[0]) and np.array_equal(a.query()[1], b.query()[1])
     assert len(other.result(timeout=60).tokens) >= 1
+
+
+@pytest.mark.parametrize("flare", [None, 0.0045])
+def test_batched_ngram_drafting_and_flare_equal_the_single_sequence_loop(engines, flare):
+    """n-gram drafting checks several tokens per sequence inside the batched forward; on the
+    invariant forward it returns plain greedy decoding's tokens, and it matches the
+    single-sequence drafted loop (``drafted_decode``) token for token, FLARE stop included."""
+    from ralm.drafting import StepOptions
+
+    fast, _ = engines
+    drafted = StepOptions(drafting="ngram", flare_threshold=flare)
+    plain = StepOptions(flare_threshold=flare) if flare is not None else None
+    rounds = stops = 0
+    calls = []
+    for i, doc in enumerate(DOCS * 2):
+        ctx = fast.encode_question(f"{doc} again {i}")  # the document's words: drafts hit
+        docs = [fast.doc_tokens(doc)]
+        one = fast.batcher.call(lambda d=docs, c=ctx: fast._step_one(d, c, 12, False, drafted)).result()
+        calls.append(StepCall(tuple(docs), ctx, 12, options=drafted))
+        ref = fast.step(doc, ctx, 12, options=plain)
+        assert (one.tokens, one.eos, one.low_confidence) == (ref.tokens, ref.eos, ref.low_confidence)
+        got = fast.step(doc, ctx, 12, options=drafted)
+        assert (got.tokens, got.eos, got.low_confidence) == (ref.tokens, ref.eos, ref.low_confidence)
+        rounds += got.draft_rounds
+        stops += got.low_confidence
+    if flare is None:
+        assert rounds > 0 and stops == 0  # drafts were really checked in batched forwards
+    else:
+        assert stops > 0  # FLARE really stopped steps (this random model's top probabilities are below 0.0045)
+    together = fast.step_batch(calls)  # all drafted steps in shared forwards
+    for c, out in zip(calls, together):
+        alone = fast.step_batch([c])[0]
+        assert (out.tokens, out.eos) == (alone.tokens, alone.eos)
