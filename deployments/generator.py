@@ -8,6 +8,14 @@ only loads it and takes calls). Steps carry the request's generation options
 config enables them, a replica also holds a DReSD datastore for dense drafting and a KNN-LM
 token datastore, and runs KNN-LM requests (:mod:`deployments.modes`).
 
+Batching. ``step`` is asynchronous: a plain step is handed to the engine's continuous
+batcher (:mod:`ralm.batching.scheduler`), so the steps of all requests in flight on a
+replica share one packed forward per iteration (n-gram drafted and FLARE steps too), and
+each still gets the tokens it gets alone. Dense-drafted steps and KNN-LM forward passes
+run one at a time on the batcher's thread between two iterations. ``info()['batching']`` reports the batcher's
+metrics and the KV session store's statistics. With ``generator.invariant=false`` there
+is no batcher: steps run in a worker thread, one at a time under ``serialize_steps``.
+
 Placement. :class:`GeneratorDeploymentOptions` turns the config into Serve deployment
 options: replicas or autoscaling, ``num_cpus``/``num_gpus`` per replica and, for models
 that need several GPUs in one replica, a placement group. The ``llama2-70b-4gpu``
@@ -20,6 +28,7 @@ visible to the replica before CUDA starts.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -64,7 +73,13 @@ class GeneratorDeploymentOptions(BaseModel):
     num_gpus: float = Field(
         0.0, ge=0, description="GPUs reserved per replica actor (with a placement group: in bundle 0)."
     )
-    max_ongoing_requests: int = Field(16, ge=1, description="Concurrent step calls a replica accepts.")
+    max_ongoing_requests: int = Field(
+        64,
+        ge=1,
+        description="Concurrent step calls a replica accepts. With the continuous batcher (generator.invariant, "
+        "the default) the steps in flight share forward passes, so this bounds the batch: keep it at least "
+        "the number of requests in flight (pool.max_size).",
+    )
     autoscaling: AutoscalingOptions | None = Field(None, description="Autoscaling instead of a fixed replica count.")
     placement_group_bundles: list[dict[str, float]] | None = Field(
         None, description="Per-replica placement group; the replica actor runs in the first bundle."
@@ -73,7 +88,10 @@ class GeneratorDeploymentOptions(BaseModel):
         None, description="Placement group strategy (STRICT_PACK: every bundle on one node)."
     )
     serialize_steps: bool = Field(
-        True, description="Run one step at a time per replica (steps never share a forward pass)."
+        True,
+        description="Only with generator.invariant=false (no continuous batcher): run one step at a time per "
+        "replica. With the batcher (the default) steps of concurrent requests always share forward passes "
+        "and this setting is ignored.",
     )
     env_vars: dict[str, str] = Field(
         default_factory=dict, description="Environment variables of the replica processes."
@@ -134,7 +152,6 @@ def preset(name: str, model: str | None = None) -> tuple[dict, GeneratorDeployme
             num_replicas=1,
             num_cpus=1,
             num_gpus=1,
-            max_ongoing_requests=32,
             placement_group_bundles=[{"CPU": 1, "GPU": 1}, {"GPU": 1}, {"GPU": 1}, {"GPU": 1}],
             placement_group_strategy="STRICT_PACK",
             env_vars={NOSET_CUDA_ENV: "1"},
@@ -227,17 +244,34 @@ class GeneratorServer:
         self.dense = load_dense_datastore(dense_drafting, self.engine, self.corpus)
         self.knn = knn_server(knnlm, self.engine, self.corpus, self._lock)
 
-    def step(
+    async def step(
         self, doc_id: Any, context: Sequence[int], k: int, ignore_eos: bool = False, options: Any = None
     ) -> StepOutput:
         """``f(doc_id, context, k)`` on this replica's engine. ``doc_id``: an id, None, or a tuple of
         ranked ids (several documents, IDGR); ``options``: :class:`ralm.drafting.StepOptions`
-        (drafting, FLARE, ...; None: the plain step)."""
+        (drafting, FLARE, ...; None: the plain step).
+
+        With the invariant forward (the default) a plain step joins the engine's continuous
+        batcher, so the steps of concurrent requests share forward passes; other steps run alone
+        on the batcher's thread between two iterations. With ``generator.invariant=false`` steps
+        run in a worker thread, one at a time when ``serialize_steps`` is set.
+        """
+        self.steps += 1
+        context, k, ignore_eos = list(context), int(k), bool(ignore_eos)
+        batcher = self.engine.batcher
+        if batcher is None:
+            return await asyncio.to_thread(self._step_locked, doc_id, context, k, ignore_eos, options)
+        call = self.local.step_call(doc_id, context, k, ignore_eos, options)
+        if call is not None:
+            return await asyncio.wrap_future(batcher.submit(call))
+        return await asyncio.wrap_future(
+            batcher.call(lambda: self.local.step_alone(doc_id, context, k, ignore_eos, options))
+        )
+
+    def _step_locked(self, doc_id: Any, context: list[int], k: int, ignore_eos: bool, options: Any) -> StepOutput:
+        """A step without the batcher (``invariant=false``), under the step lock."""
         with self._lock:
-            self.steps += 1
-            if options is None:
-                return self.local.step(doc_id, list(context), int(k), ignore_eos=bool(ignore_eos))
-            return self.local.step(doc_id, list(context), int(k), ignore_eos=bool(ignore_eos), options=options)
+            return self.local.step(doc_id, context, k, ignore_eos=ignore_eos, options=options)
 
     def knn_generate(
         self,
@@ -248,7 +282,8 @@ class GeneratorServer:
         spec: dict | None = None,
     ):
         """One KNN-LM request (``method`` knnlm-seq or knnlm-spec) on this replica; a
-        :class:`~ralm.results.RalmResult`. Each forward pass takes the step lock."""
+        :class:`~ralm.results.RalmResult`. Each forward pass runs between the batcher's
+        iterations (under the step lock with ``invariant=false``)."""
         from ralm.errors import RalmInputError
 
         if self.knn is None:
@@ -278,11 +313,19 @@ class GeneratorServer:
             "corpus_sha256": self.corpus.sha256,
             "steps": self.steps,
             "doc_kv": self.engine.doc_kv.stats.as_dict() if hasattr(self.engine.doc_kv, "stats") else None,
+            "batching": self.batching(),
             "features": self.features(),
             "dense_drafting": self.dense,
             "knnlm": self.knn.info() if self.knn is not None else None,
             "pid": os.getpid(),
         }
+
+    def batching(self) -> dict | None:
+        """The continuous batcher's metrics (sequences-per-iteration histogram, iterations,
+        tokens/s, ...) and the KV session store's statistics; None without the batcher."""
+        if self.engine.batcher is None:
+            return None
+        return {**self.engine.batcher.metrics(), "sessions": self.engine.sessions.stats.as_dict()}
 
     def check_health(self) -> None:
         return None

@@ -16,7 +16,8 @@ Endpoints:
 - ``POST /v1/ralm/generate`` - native: ``question`` + the same options, returns text,
   tokens, finish reason, ``exact`` (false when an inexact option - IDGR, shifted doc-KV
   reuse - was on) and :meth:`~ralm.results.RequestStats.as_dict`.
-- ``GET /v1/ralm/stats`` - coordinator pool, verifiers (batching) and generator.
+- ``GET /v1/ralm/stats`` - coordinator pool, verifiers (batching) and generator (its
+  continuous batching: ``generator.batching``).
 - ``POST /v1/ralm/admin/verifier`` - change the verifiers' batching policy (``ingress.admin``).
 - ``GET /healthz``.
 

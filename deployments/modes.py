@@ -11,8 +11,10 @@ that lives in every generator replica, and are switched on in the app config:
 - **KNN-LM** is a different, token-level loop (:mod:`ralm.knnlm`): it needs the model's
   hidden state at every token, so a KNN-LM request runs *inside* a generator replica
   (:class:`KnnServer`, calling :func:`ralm.knnlm.run_knn_seq` / :func:`~ralm.knnlm.run_knn_spec`
-  as they are), with the token datastore loaded there. Its forward passes take the
-  replica's step lock one at a time, so RaLM steps of other requests interleave with it.
+  as they are), with the token datastore loaded there. Its forward passes run one at a
+  time on the engine's continuous batcher thread (between two batched iterations; under the
+  replica's step lock with ``generator.invariant=false``), so RaLM steps of other requests
+  interleave with it.
 
 A request asking for a mode the server has not enabled gets a 400 from the ingress.
 """
@@ -124,27 +126,44 @@ def load_dense_datastore(opts: dict | DenseDraftingOptions | None, engine, corpu
 
 
 # ------------------------------------------------------------------ KNN-LM
-class _LockedModel:
-    """The engine's model with each forward pass under the replica's step lock."""
+class _ReplicaModel:
+    """The engine's model, each forward pass one at a time with the replica's steps: on the
+    continuous batcher's thread (``engine.batcher.call``) when the engine has one, else under
+    the replica's step lock."""
 
-    def __init__(self, model, lock):
-        self.model, self.lock = model, lock
-        self.config = model.config
+    def __init__(self, engine, lock):
+        self.engine, self.model, self.lock = engine, engine.model, lock
+        self.config = engine.model.config
 
     def parameters(self):
         return self.model.parameters()
 
     def __call__(self, *args, **kwargs):
-        with self.lock:
-            return self.model(*args, **kwargs)
+        batcher = self.engine.batcher
+        if batcher is None:
+            with self.lock:
+                return self.model(*args, **kwargs)
+        import torch
+
+        # autograd modes are per thread: the forward runs in the caller's
+        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+        def forward():
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                return self.model(*args, **kwargs)
+
+        return batcher.call(forward).result()
 
 
 class _KnnLM:
-    """What the KNN-LM loops need of an LM (:class:`~ralm.engine.LMEngine`'s interface), locked."""
+    """What the KNN-LM loops need of an LM (:class:`~ralm.engine.LMEngine`'s interface), its
+    forward passes serialised with the replica's steps (:class:`_ReplicaModel`)."""
 
     def __init__(self, engine, lock):
         self.engine = engine
-        self.model = _LockedModel(engine.model, lock)
+        self.model = _ReplicaModel(engine, lock)
+        # with a batcher, the KNN-LM steppers feed through it (batched with the replica's steps)
+        self.batcher = engine.batcher
         self.tokenizer = engine.tokenizer
         self.eos_token_id = engine.eos_token_id
         self.max_positions = engine.max_positions

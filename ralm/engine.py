@@ -190,6 +190,41 @@ class LMEngine:
             return DenseDrafter(self.dense_store, opts.dense_num_drafts, opts.dense_draft_len, opts.dense_candidates)
         return None
 
+    def _docs_for(self, doc_text: str | Sequence[str] | None, context: Sequence[int], k: int) -> list[tuple[int, ...]]:
+        """The documents' token ids (truncated to ``max_doc_tokens``), after checking that the
+        context is not empty and that ``[docs][context]`` plus ``k`` new tokens fit the model."""
+        if not context:
+            raise RalmInputError("context must contain at least one token")
+        texts = [doc_text] if isinstance(doc_text, str) else list(doc_text or [])
+        docs = [self.doc_tokens(t) for t in texts if t]
+        n_doc = sum(len(d) for d in docs)
+        if n_doc + len(context) + k > self.max_positions:
+            raise RalmInputError(
+                f"document ({n_doc}) + context ({len(context)}) + {k} new tokens exceed "
+                f"the model's {self.max_positions} positions"
+            )
+        return docs
+
+    def step_call(
+        self,
+        doc_text: str | Sequence[str] | None,
+        context: Sequence[int],
+        k: int,
+        ignore_eos: bool = False,
+        options: StepOptions | None = None,
+        owner: str | None = None,
+    ) -> StepCall | None:
+        """The :class:`~ralm.batching.engine.StepCall` of a step the continuous batcher runs
+        (``batcher.submit``), or None when it runs alone instead: no batcher
+        (``invariant=false``), ``k <= 0``, dense drafting or inexact shifted doc-KV reuse
+        (plain steps, n-gram drafting and the FLARE stop are batched).
+        Raises :class:`~ralm.errors.RalmInputError` on bad input, as :meth:`step` does."""
+        opts = options or DEFAULT_OPTIONS
+        if self.batcher is None or k <= 0 or opts.drafting not in ("none", "ngram") or opts.allow_inexact_shifted_reuse:
+            return None
+        docs = self._docs_for(doc_text, context, k)
+        return StepCall(tuple(docs), list(context), int(k), bool(ignore_eos), owner, options)
+
     @torch.inference_mode()
     def step(
         self,
@@ -202,34 +237,41 @@ class LMEngine:
     ) -> StepOutput:
         """``f(doc, context, k)``: up to ``k`` greedy tokens after ``[doc][context]``.
 
-        With the invariant forward (the default) a plain step goes through the continuous
-        batcher, which reuses the request's KV session and batches it with concurrent steps;
-        ``owner`` tags the session so :meth:`release` can free it when the request ends.
+        With the invariant forward (the default) a step goes through the continuous
+        batcher (:meth:`step_call`), which reuses the request's KV session and batches it with
+        concurrent steps; ``owner`` tags the session so :meth:`release` can free it when the
+        request ends. Other steps run alone (:meth:`step_alone`), on the batcher's thread when
+        there is one.
 
         ``doc_text`` may be a list of documents: the prompt is ``[doc1]..[docn][context]``.
         With ``ignore_eos`` the EOS logit is masked, so the step always yields ``k`` tokens.
         ``options`` selects drafting / the FLARE stop (default: the plain greedy loop).
         """
-        opts = options or DEFAULT_OPTIONS
         if k <= 0:
             return StepOutput([], False, 0.0, 0.0, False)
-        if not context:
-            raise RalmInputError("context must contain at least one token")
-        texts = [doc_text] if isinstance(doc_text, str) else list(doc_text or [])
-        docs = [self.doc_tokens(t) for t in texts if t]
-        n_doc = sum(len(d) for d in docs)
-        if n_doc + len(context) + k > self.max_positions:
-            raise RalmInputError(
-                f"document ({n_doc}) + context ({len(context)}) + {k} new tokens exceed "
-                f"the model's {self.max_positions} positions"
-            )
+        call = self.step_call(doc_text, context, k, ignore_eos, options, owner)
+        if call is not None and self.batcher is not None:
+            return self.batcher.submit(call).result()
         if self.batcher is not None:
-            if opts.drafting in ("none", "ngram") and not opts.allow_inexact_shifted_reuse:
-                call = StepCall(tuple(docs), list(context), int(k), bool(ignore_eos), owner, options)
-                return self.batcher.submit(call).result()
             # dense drafting (several drafts, hidden states): one sequence, on the model's thread
-            return self.batcher.call(lambda: self._step_one(docs, context, k, ignore_eos, opts)).result()
-        return self._step_one(docs, context, k, ignore_eos, opts)
+            return self.batcher.call(lambda: self.step_alone(doc_text, context, k, ignore_eos, options)).result()
+        return self.step_alone(doc_text, context, k, ignore_eos, options)
+
+    @torch.inference_mode()
+    def step_alone(
+        self,
+        doc_text: str | Sequence[str] | None,
+        context: Sequence[int],
+        k: int,
+        ignore_eos: bool = False,
+        options: StepOptions | None = None,
+    ) -> StepOutput:
+        """The step on the calling thread, outside the batcher. The caller must own the model:
+        run it on the batcher's thread (``batcher.call``) when there is a batcher."""
+        if k <= 0:
+            return StepOutput([], False, 0.0, 0.0, False)
+        docs = self._docs_for(doc_text, context, k)
+        return self._step_one(docs, context, k, ignore_eos, options or DEFAULT_OPTIONS)
 
     def step_batch(self, calls: Sequence[StepCall]) -> list[StepOutput]:
         """Run several plain steps together (one batched forward per iteration); each output

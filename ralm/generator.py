@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, TypeAlias, cast
 
+from ralm.batching.engine import StepCall
 from ralm.corpus import Corpus
 from ralm.drafting import StepOptions
 from ralm.engine import LMEngine, StepOutput
@@ -58,26 +59,18 @@ class LocalGenerator:
     def decode(self, tokens: Sequence[int]) -> str:
         return self.engine.decode(tokens)
 
-    def step(
-        self,
-        doc_id: DocIds,
-        context: Sequence[int],
-        k: int,
-        ignore_eos: bool = False,
-        options: StepOptions | None = None,
-    ) -> StepOutput:
-        """``f`` on corpus passage ``doc_id`` (None: no document).
+    def doc_texts(self, doc_id: DocIds, options: StepOptions | None = None) -> str | list[str] | None:
+        """The prompt's document text(s) for ``doc_id`` (None: no document).
 
         ``doc_id`` may be a tuple of ranked ids (``RequestConfig.num_docs`` > 1 or IDGR): the
         first ``options.num_docs`` are the prompt's documents, the rest are only listed as
-        unrelated in the IDGR block. ``options``: :class:`ralm.drafting.StepOptions`.
+        unrelated in the IDGR block.
         """
         ids: list[int]
         if doc_id is None or isinstance(doc_id, (int,)) or not hasattr(doc_id, "__len__"):
             one = cast("int | None", doc_id)  # also a numpy integer: no __len__
-            text = self.corpus.text(one) if one is not None else None
             if options is None:
-                return self.engine.step(text, context, k, ignore_eos=ignore_eos)
+                return self.corpus.text(one) if one is not None else None
             ids = [one] if one is not None else []
         else:
             ids = [int(d) for d in doc_id]
@@ -87,4 +80,43 @@ class LocalGenerator:
             from ralm.drafting.idgr import idgr_block
 
             texts.append(idgr_block(ids[:n], ids[n:]))
-        return self.engine.step(texts, context, k, ignore_eos=ignore_eos, options=options)
+        return texts
+
+    def step_call(
+        self,
+        doc_id: DocIds,
+        context: Sequence[int],
+        k: int,
+        ignore_eos: bool = False,
+        options: StepOptions | None = None,
+        owner: str | None = None,
+    ) -> StepCall | None:
+        """The continuous batcher's :class:`~ralm.batching.engine.StepCall` for this step
+        (``engine.batcher.submit``), or None when the step is not a batched one (see
+        :meth:`ralm.engine.LMEngine.step_call`); bad input raises as :meth:`step` does."""
+        return self.engine.step_call(self.doc_texts(doc_id, options), context, k, ignore_eos, options, owner)
+
+    def step_alone(
+        self,
+        doc_id: DocIds,
+        context: Sequence[int],
+        k: int,
+        ignore_eos: bool = False,
+        options: StepOptions | None = None,
+    ) -> StepOutput:
+        """The step on the calling thread, outside the batcher (:meth:`ralm.engine.LMEngine.step_alone`:
+        with a batcher, call it on the batcher's thread through ``engine.batcher.call``)."""
+        return self.engine.step_alone(self.doc_texts(doc_id, options), context, k, ignore_eos, options)
+
+    def step(
+        self,
+        doc_id: DocIds,
+        context: Sequence[int],
+        k: int,
+        ignore_eos: bool = False,
+        options: StepOptions | None = None,
+    ) -> StepOutput:
+        """``f`` on corpus passage ``doc_id`` (None: no document; a tuple of ranked ids: several
+        documents or IDGR, see :meth:`doc_texts`). ``options``: :class:`ralm.drafting.StepOptions`.
+        A plain step runs through the continuous batcher (:meth:`step_call`), others alone."""
+        return self.engine.step(self.doc_texts(doc_id, options), context, k, ignore_eos=ignore_eos, options=options)

@@ -48,7 +48,7 @@ def test_llama2_70b_preset_options():
     # Serve accepts these options as they are
     dep = generator_deployment(opts)
     assert dep.name == "Generator"
-    assert dep._deployment_config.max_ongoing_requests == 32
+    assert dep._deployment_config.max_ongoing_requests == 64
     assert dep._replica_config.placement_group_strategy == "STRICT_PACK"
     assert dep._replica_config.placement_group_bundles == bundles
 

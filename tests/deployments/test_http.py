@@ -147,6 +147,33 @@ def test_sixteen_concurrent_requests_are_all_exact(server, baselines, questions)
     )
 
 
+def _batched_iterations(client) -> tuple[int, dict]:
+    """Generator forward passes that held more than one sequence so far, and the batching stats."""
+    gen = client.get("/v1/ralm/stats").json()["generator"]["batching"]
+    return sum(n for bucket, n in gen["batch_size_histogram"].items() if bucket != "<=1"), gen
+
+
+def test_concurrent_requests_share_the_generators_forward_passes(server, baselines, questions):
+    """16 concurrent requests, RaLMSeq and RaLMSpec PSA mixed, through the continuously batched
+    generator: each gets exactly the tokens of in-process RaLMSeq run alone, and steps of
+    different requests shared forward passes."""
+    before, _ = _batched_iterations(server["client"])
+    jobs = [(questions[i % len(questions)], KINDS[i % 2], ("seq", "spec")[(i // 2) % 2]) for i in range(16)]
+
+    def one(job):
+        q, kind, method = job
+        with httpx.Client(base_url=server["url"], timeout=600) as c:
+            return _generate(c, q, kind, method, "PSA" if method == "spec" else None)
+
+    with ThreadPoolExecutor(16) as ex:
+        results = list(ex.map(one, jobs))
+    for (q, kind, method), res in zip(jobs, results):
+        assert res["tokens"] == baselines[kind][q].tokens, (q, kind, method)
+    after, gen = _batched_iterations(server["client"])
+    assert after > before, gen
+    assert gen["max_batch"] > 1 and gen["steps_done"] > 0 and gen["sessions"]["takes"] > 0
+
+
 BAD = [
     # (body, status, message fragment)
     ({"prompt": ""}, 400, "empty"),
