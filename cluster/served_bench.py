@@ -28,7 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import fmean
 
-from cluster.report import table, write_report
+from cluster.report import write_report
+from cluster.served_report import one_request_rows, to_markdown
 from ralm.config import SpecConfig
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,12 @@ def add_served_bench_args(p: argparse.ArgumentParser) -> None:
         "OS3's gamma cap, e.g. spec:PSA@0.9)",
     )
     p.add_argument("--batching", default="on,off", help="cross-request batching settings to measure: on,off")
+    p.add_argument(
+        "--gen-batching",
+        default="on",
+        help="generator settings to measure, each on a freshly started in-process server: on (invariant forward, "
+        "continuous batching, KV sessions) and/or off (generator.invariant=false: one step at a time, re-prefill)",
+    )
     p.add_argument("--window-ms", type=float, help="verifier batching window (default: the server's)")
     p.add_argument("--max-inflight", type=int, help="verifier batches in flight per retriever (default: the server's)")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -362,119 +369,9 @@ def in_process_latencies(
     return out
 
 
-def one_request_rows(rows: list[dict], ref: dict[tuple[str, str], dict], questions: list[str]) -> list[dict]:
-    """Served (1 in flight, batching on) against in-process mean latency, per (retriever, method)."""
-    out = []
-    for r in rows:
-        key = (r["retriever"], r["method"])
-        if r["concurrency"] != 1 or not r["batching"] or key not in ref:
-            continue
-        ip = ref[key]["mean_s"]
-        out.append(
-            {
-                "retriever": r["retriever"],
-                "method": r["method"],
-                "served_mean_s": r["mean_s"],
-                "in_process_mean_s": ip,
-                "served_over_in_process": r["mean_s"] / ip if ip else None,
-            }
-        )
-    return out
-
-
-def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] | None = None) -> str:
-    """The served benchmark's report: header, notes, one row per measurement and, when
-    measured, the 1-request served-vs-in-process rows."""
-    lines = [
-        "# Served benchmark: RaLMSeq vs RaLMSpec under concurrent load",
-        "",
-        f"Server {meta['url']}, model `{meta['model']}`, {meta['requests']} requests per row, "
-        f"{meta['max_new_tokens']} new tokens each. Latency is per request (HTTP round trip); "
-        f"throughput is requests finished per second of wall time. `q/search`: queries per KB "
-        f"search sent by the verifier (cross-request batching); `req/batch`: requests per batch.",
-        "",
-    ]
-    lines += [f"> {n}" for n in notes] + ([""] if notes else [])
-
-    def f2(v: float | None) -> str:
-        return f"{v:.2f}" if v is not None else "-"
-
-    def name(method: str) -> str:
-        return "RaLMSeq" if method == "seq" else "RaLMSpec " + method[5:-1]
-
-    lines += table(
-        [
-            "retriever",
-            "method",
-            "batching",
-            "concurrency",
-            "req/s",
-            "tokens/s",
-            "p50 (s)",
-            "p95 (s)",
-            "mean (s)",
-            "q/search",
-            "req/batch",
-            "tok/fwd",
-            "accept",
-            "doc-KV hit",
-            "identical",
-        ],
-        (
-            [
-                r["retriever"],
-                name(r["method"]),
-                "on" if r["batching"] else "off",
-                r["concurrency"],
-                f"{r['throughput_rps']:.2f}",
-                f"{r['tokens_per_s']:.1f}",
-                f"{r['p50_s']:.2f}",
-                f"{r['p95_s']:.2f}",
-                f"{r['mean_s']:.2f}",
-                f"{r['queries_per_search']:.2f}" if r["queries_per_search"] else "-",
-                f"{r['requests_per_batch']:.2f}" if r["requests_per_batch"] else "-",
-                f2(r.get("tokens_per_forward")),
-                f2(r.get("acceptance_rate")),
-                f2(r.get("doc_kv_hit_rate")),
-                f"{r['identical']}/{r['requests']}",
-            ]
-            for r in rows
-        ),
-        align="lllrrrrrrrrrrrr",
-    )
-    if one:
-        lines += ["", "## One request in flight: served against the in-process engine", ""]
-        lines += table(
-            ["retriever", "method", "served mean (s)", "in-process mean (s)", "served / in-process"],
-            (
-                [
-                    o["retriever"],
-                    name(o["method"]),
-                    f"{o['served_mean_s']:.2f}",
-                    f"{o['in_process_mean_s']:.2f}",
-                    f"{o['served_over_in_process']:.2f}x",
-                ]
-                for o in one
-            ),
-            align="llrrr",
-        )
-    return "\n".join(lines) + "\n"
-
-
-def served_bench_main(args: argparse.Namespace) -> int:
-    """Entry point of ``ralmspec served-bench``; returns 1 if any answer differed from RaLMSeq's."""
-    from ralm import constants as C
-    from ralm.corpus import load_questions
-
-    questions = load_questions(args.questions or C.DEMO_QUESTIONS)
-    n = args.num_questions
-    if n > len(questions):
-        questions = questions * (n // len(questions) + 1)
-    questions = questions[:n]
-    levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
-    kinds = [k.strip() for k in args.retrievers.split(",") if k.strip()]
-    methods = _parse_methods(args.methods)
-    batching = [{"on": True, "off": False}[x.strip()] for x in args.batching.split(",") if x.strip()]
+def _run_one_server(args, questions, kinds, methods, levels, batching, gen_on: bool, want_ref: bool):
+    """Start the in-process app (generator batching ``gen_on``) unless ``--url`` is given, run
+    every measurement against it, shut it down: (rows, notes, in-process reference, url, model)."""
     url = args.url
     started_here = False
     ref: dict = {}
@@ -485,9 +382,10 @@ def served_bench_main(args: argparse.Namespace) -> int:
             port=args.port, admin=True, pad_to=args.pad_to, retrievers=",".join(dict.fromkeys(kinds))
         )
         data = apply_overrides(load_serve_config(args.serve_config or DEFAULT_SERVE_CONFIG), ns)
-        if getattr(args, "in_process", True) and 1 in levels:
-            from cluster.serve import app_entry
+        from cluster.serve import app_entry
 
+        app_entry(data)["args"].setdefault("ralm", {}).setdefault("generator", {})["invariant"] = gen_on
+        if want_ref and getattr(args, "in_process", True) and 1 in levels:
             print("in-process reference (same config, one request at a time)...", file=sys.stderr)
             ref = in_process_latencies(
                 app_entry(data)["args"].get("ralm", {}),
@@ -497,7 +395,7 @@ def served_bench_main(args: argparse.Namespace) -> int:
                 args.max_new_tokens,
                 getattr(args, "options", None),
             )
-        print("starting the server in-process...", file=sys.stderr)
+        print(f"starting the server in-process (generator batching {'on' if gen_on else 'off'})...", file=sys.stderr)
         url = start_local_app(data)
         started_here = True
     client = Client(url, args.timeout)
@@ -526,6 +424,39 @@ def served_bench_main(args: argparse.Namespace) -> int:
             from ray import serve
 
             serve.shutdown()
+    return rows, notes, ref, url, model
+
+
+def served_bench_main(args: argparse.Namespace) -> int:
+    """Entry point of ``ralmspec served-bench``; returns 1 if any answer differed from RaLMSeq's."""
+    from ralm import constants as C
+    from ralm.corpus import load_questions
+
+    questions = load_questions(args.questions or C.DEMO_QUESTIONS)
+    n = args.num_questions
+    if n > len(questions):
+        questions = questions * (n // len(questions) + 1)
+    questions = questions[:n]
+    levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
+    kinds = [k.strip() for k in args.retrievers.split(",") if k.strip()]
+    methods = _parse_methods(args.methods)
+    batching = [{"on": True, "off": False}[x.strip()] for x in args.batching.split(",") if x.strip()]
+    gen_settings = [{"on": True, "off": False}[x.strip()] for x in args.gen_batching.split(",") if x.strip()]
+    if args.url and gen_settings != [True]:
+        raise SystemExit("--gen-batching off needs the in-process server (no --url): it restarts the app per setting")
+    rows: list[dict] = []
+    notes: list[str] = []
+    ref: dict = {}
+    url, model = args.url, ""
+    for gen_on in gen_settings:
+        part, part_notes, part_ref, url, model = _run_one_server(
+            args, questions, kinds, methods, levels, batching, gen_on, want_ref=not ref
+        )
+        for r in part:
+            r["gen_batching"] = gen_on
+        rows += part
+        notes += [n for n in part_notes if n not in notes]
+        ref = ref or part_ref
     meta = {
         "url": url,
         "model": model,

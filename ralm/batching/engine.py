@@ -150,8 +150,9 @@ class BatchEngine:
             hit = info.hit
             reused, computed, bytes_reused = info.docs_reused, info.docs_computed, info.bytes_reused
             reuse = 0
-        else:
+        else:  # the documents' KV comes with the session
             reused = len(call.docs)
+            bytes_reused = sess.doc_len * sess.kv.bytes_per_position()
         reuse = min(reuse, len(ctx) - 1)  # the last context token is always fed: its logits start the step
         sess.kv.crop(sess.doc_len + reuse)
         sess.context = ctx[:reuse]

@@ -49,6 +49,12 @@ class SeqKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v) if t is not None)
 
+    def bytes_per_position(self) -> int:
+        """KV bytes one position takes over all layers (keys and values, the ones column excluded)."""
+        return sum(
+            k.shape[0] * k.shape[2] * k.element_size() * 2 for k in self.k if k is not None
+        )
+
     def _reserve(self, layer: int, like: torch.Tensor, need: int) -> None:
         k = self.k[layer]
         cap = 0 if k is None else k.shape[1]

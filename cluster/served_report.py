@@ -1,0 +1,107 @@
+"""The served benchmark's report: the markdown of ``ralmspec served-bench`` and the
+one-request rows comparing served with in-process latency."""
+
+from __future__ import annotations
+
+from cluster.report import table
+
+
+def one_request_rows(rows: list[dict], ref: dict[tuple[str, str], dict], questions: list[str]) -> list[dict]:
+    """Served (1 in flight, batching on) against in-process mean latency, per (retriever, method)."""
+    out = []
+    for r in rows:
+        key = (r["retriever"], r["method"])
+        if r["concurrency"] != 1 or not r["batching"] or not r.get("gen_batching", True) or key not in ref:
+            continue
+        ip = ref[key]["mean_s"]
+        out.append(
+            {
+                "retriever": r["retriever"],
+                "method": r["method"],
+                "served_mean_s": r["mean_s"],
+                "in_process_mean_s": ip,
+                "served_over_in_process": r["mean_s"] / ip if ip else None,
+            }
+        )
+    return out
+
+
+def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] | None = None) -> str:
+    """The served benchmark's report: header, notes, one row per measurement and, when
+    measured, the 1-request served-vs-in-process rows."""
+    lines = [
+        "# Served benchmark: RaLMSeq vs RaLMSpec under concurrent load",
+        "",
+        f"Server {meta['url']}, model `{meta['model']}`, {meta['requests']} requests per row, "
+        f"{meta['max_new_tokens']} new tokens each. Latency is per request (HTTP round trip); "
+        f"throughput is requests finished per second of wall time. `q/search`: queries per KB "
+        f"search sent by the verifier (cross-request batching); `req/batch`: requests per batch.",
+        "",
+    ]
+    lines += [f"> {n}" for n in notes] + ([""] if notes else [])
+
+    def f2(v: float | None) -> str:
+        return f"{v:.2f}" if v is not None else "-"
+
+    def name(method: str) -> str:
+        return "RaLMSeq" if method == "seq" else "RaLMSpec " + method[5:-1]
+
+    lines += table(
+        [
+            "retriever",
+            "method",
+            "gen batching",
+            "batching",
+            "concurrency",
+            "req/s",
+            "tokens/s",
+            "p50 (s)",
+            "p95 (s)",
+            "mean (s)",
+            "q/search",
+            "req/batch",
+            "tok/fwd",
+            "accept",
+            "doc-KV hit",
+            "identical",
+        ],
+        (
+            [
+                r["retriever"],
+                name(r["method"]),
+                "on" if r.get("gen_batching", True) else "off",
+                "on" if r["batching"] else "off",
+                r["concurrency"],
+                f"{r['throughput_rps']:.2f}",
+                f"{r['tokens_per_s']:.1f}",
+                f"{r['p50_s']:.2f}",
+                f"{r['p95_s']:.2f}",
+                f"{r['mean_s']:.2f}",
+                f"{r['queries_per_search']:.2f}" if r["queries_per_search"] else "-",
+                f"{r['requests_per_batch']:.2f}" if r["requests_per_batch"] else "-",
+                f2(r.get("tokens_per_forward")),
+                f2(r.get("acceptance_rate")),
+                f2(r.get("doc_kv_hit_rate")),
+                f"{r['identical']}/{r['requests']}",
+            ]
+            for r in rows
+        ),
+        align="llllrrrrrrrrrrrr",
+    )
+    if one:
+        lines += ["", "## One request in flight: served against the in-process engine", ""]
+        lines += table(
+            ["retriever", "method", "served mean (s)", "in-process mean (s)", "served / in-process"],
+            (
+                [
+                    o["retriever"],
+                    name(o["method"]),
+                    f"{o['served_mean_s']:.2f}",
+                    f"{o['in_process_mean_s']:.2f}",
+                    f"{o['served_over_in_process']:.2f}x",
+                ]
+                for o in one
+            ),
+            align="llrrr",
+        )
+    return "\n".join(lines) + "\n"
