@@ -149,6 +149,7 @@ def attend(
     scaling: float,
     query_tile: int = C.INVARIANT_QUERY_TILE,
     key_block: int = C.INVARIANT_KEY_BLOCK,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``S`` sequences at once, with a fixed reduction order.
 
@@ -157,7 +158,8 @@ def attend(
     D+1]``: values with a last column of ones; ``q_pos [S, nq]`` (long): each query's position
     (query ``i`` sees keys ``j <= q_pos[s, i]``; a padded query row may repeat a position).
     ``H`` is a multiple of ``Hkv`` (grouped-query attention: query heads ``g*G .. g*G+G-1``
-    read kv head ``g``). Returns ``[S, nq, H, D]``.
+    read kv head ``g``). Returns ``[S, nq, H, D]``. ``mask``: :func:`hidden_keys` of these
+    arguments, when the caller already has it (it is the same for every layer).
 
     Every product is ``[query_tile, D] @ [D, key_block]`` or ``[query_tile, key_block] @
     [key_block, D+1]``, the partial results of the key blocks are added in block order, and a
@@ -176,25 +178,44 @@ def attend(
     if nb * KB != k_pad.shape[2] or v_aug.shape[2] != k_pad.shape[2]:
         raise ValueError("keys/values must be padded to whole key blocks")
     qp = q.new_zeros(S, H, nqt * QT, D)
-    qp[:, :, :nq] = q
+    qp[:, :, :nq] = q * scaling  # element-wise: the same bits for a row wherever it sits
     qp = qp.view(S, hkv, G * nqt, 1, QT, D)  # head-major: [S, kv head, (group, tile), 1, QT, D]
     kb = k_pad.reshape(S, hkv, 1, nb, KB, D).transpose(-1, -2)  # [S, Hkv, 1, nb, D, KB]
-    s = torch.matmul(qp, kb) * scaling  # [S, Hkv, G*nqt, nb, QT, KB]
-    pos = q_pos[:, -1:].repeat(1, nqt * QT)  # pad rows: a copy of the last position
-    pos[:, :nq] = q_pos
-    kpos = torch.arange(nb * KB, device=q.device).view(1, 1, nb, 1, KB)
-    hidden = kpos > pos.view(S, nqt, 1, QT, 1)  # [S, nqt, nb, QT, KB]
-    if G > 1:
-        hidden = hidden.repeat(1, G, 1, 1, 1)
-    s = s.masked_fill(hidden.unsqueeze(1), float("-inf"))
+    s = torch.matmul(qp, kb)  # [S, Hkv, G*nqt, nb, QT, KB]
+    if mask is None:
+        mask = hidden_keys(q_pos, nq, nb, G, QT, KB)
+    s.masked_fill_(mask, float("-inf"))
     m = s.amax(dim=-1, keepdim=True).amax(dim=3, keepdim=True)  # exact row max over all blocks
-    e = torch.exp(s - m)
+    e = s.sub_(m).exp_()
     o = torch.matmul(e, v_aug.reshape(S, hkv, 1, nb, KB, D + 1))  # [S, Hkv, G*nqt, nb, QT, D+1]
     acc = o[:, :, :, 0]
     for j in range(1, nb):  # block order, always
         acc = acc + o[:, :, :, j]
     out = acc[..., :D] / acc[..., D:]  # [S, Hkv, G*nqt, QT, D]
     return out.reshape(S, H, nqt * QT, D)[:, :, :nq].transpose(1, 2)
+
+
+def hidden_keys(
+    q_pos: torch.Tensor,
+    nq: int,
+    nb: int,
+    groups: int,
+    query_tile: int = C.INVARIANT_QUERY_TILE,
+    key_block: int = C.INVARIANT_KEY_BLOCK,
+) -> torch.Tensor:
+    """The keys each query may not see, shaped for :func:`attend`'s scores:
+    ``[S, 1, groups*nqt, nb, query_tile, key_block]`` (bool; padded query rows repeat the
+    last real position)."""
+    S = q_pos.shape[0]
+    QT, KB = query_tile, key_block
+    nqt = -(-nq // QT)
+    pos = q_pos[:, -1:].repeat(1, nqt * QT)
+    pos[:, :nq] = q_pos
+    kpos = torch.arange(nb * KB, device=q_pos.device).view(1, 1, nb, 1, KB)
+    hidden = kpos > pos.view(S, nqt, 1, QT, 1)  # [S, nqt, nb, QT, KB]
+    if groups > 1:
+        hidden = hidden.repeat(1, groups, 1, 1, 1)
+    return hidden.unsqueeze(1)
 
 
 def pad_kv(k: torch.Tensor, v: torch.Tensor, key_block: int = C.INVARIANT_KEY_BLOCK):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ralm import constants as C
-from ralm.batching.invariant import attend
+from ralm.batching.invariant import attend, hidden_keys
 
 
 class SeqKV:
@@ -51,9 +51,7 @@ class SeqKV:
 
     def bytes_per_position(self) -> int:
         """KV bytes one position takes over all layers (keys and values, the ones column excluded)."""
-        return sum(
-            k.shape[0] * k.shape[2] * k.element_size() * 2 for k in self.k if k is not None
-        )
+        return sum(k.shape[0] * k.shape[2] * k.element_size() * 2 for k in self.k if k is not None)
 
     def _reserve(self, layer: int, like: torch.Tensor, need: int) -> None:
         k = self.k[layer]
@@ -137,6 +135,15 @@ class _Group:
         self.pos = torch.tensor(pos, dtype=torch.long, device=device).view(len(segs), n_max)
         self.valid = torch.tensor(valid, dtype=torch.long, device=device)
         self.rows = torch.tensor(rows, dtype=torch.long, device=device)
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}
+
+    def mask(self, nb: int, groups: int) -> torch.Tensor:
+        """The attention mask over ``nb`` key blocks (the same at every layer: computed once)."""
+        key = (nb, groups)
+        m = self._masks.get(key)
+        if m is None:
+            m = self._masks[key] = hidden_keys(self.pos, self.n_max, nb, groups)
+        return m
 
 
 class PackedBatch:
@@ -172,7 +179,8 @@ class PackedBatch:
             k_pad = ks[0].unsqueeze(0) if len(ks) == 1 else torch.stack(ks)
             v_aug = vs[0].unsqueeze(0) if len(vs) == 1 else torch.stack(vs)
             q = q_rows.index_select(0, g.gather).view(len(segs), g.n_max, H, D).transpose(1, 2)
-            o = attend(q, k_pad, v_aug, g.pos, scaling)  # [S, n_max, H, D]
+            mask = g.mask(span // KB, H // k_pad.shape[1])
+            o = attend(q, k_pad, v_aug, g.pos, scaling, mask=mask)  # [S, n_max, H, D]
             out.index_copy_(0, g.rows, o.reshape(-1, H, D).index_select(0, g.valid))
         return out.unsqueeze(0)
 
