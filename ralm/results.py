@@ -40,6 +40,8 @@ class RequestStats:
     doc_kv_misses: int = 0  # documents whose KV had to be computed
     doc_kv_docs_reused: int = 0  # documents whose KV came from the doc-KV cache
     doc_kv_bytes_reused: int = 0
+    context_tokens_reused: int = 0  # context tokens whose KV came from the request's KV session
+    context_tokens_computed: int = 0  # context tokens fed to the model before each step's first new token
     prefill_time_s: float = 0.0  # doc KV (misses) + context prefill
     decode_time_s: float = 0.0
     low_confidence_stops: int = 0  # FLARE: steps ended by a low-probability token
@@ -88,6 +90,8 @@ class RequestStats:
         self.doc_kv_misses += g("docs_computed")
         self.doc_kv_docs_reused += g("docs_reused")
         self.doc_kv_bytes_reused += g("kv_bytes_reused")
+        self.context_tokens_reused += g("context_reused")
+        self.context_tokens_computed += g("context_computed")
         self.prefill_time_s += g("prefill_s")
         self.decode_time_s += g("decode_s")
         self.low_confidence_stops += int(bool(g("low_confidence")))

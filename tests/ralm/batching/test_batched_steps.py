@@ -93,8 +93,11 @@ DOCS = [
 def test_session_reuse_equals_recompute_through_rollbacks_and_document_switches(engines):
     fast, slow = engines
     rng = random.Random(5)
+    from ralm.results import RequestStats
+
     ctx = fast.encode_question("how do I copy files?")
     reused = 0
+    stats = RequestStats()
     for _ in range(25):
         docs = [rng.choice(DOCS)] if rng.random() < 0.8 else [DOCS[0], DOCS[2]]
         if rng.random() < 0.25 and len(ctx) > 6:  # a rollback: drop some generated tokens
@@ -103,9 +106,11 @@ def test_session_reuse_equals_recompute_through_rollbacks_and_document_switches(
         b = slow.step(docs, ctx, 4)
         assert (a.tokens, a.eos) == (b.tokens, b.eos)
         reused += a.context_reused
+        stats.record_step(a)
         assert b.context_reused == 0 and b.context_computed == len(ctx)
         ctx = ctx + a.tokens if not a.eos else ctx + [rng.randrange(5, 50)]
     assert reused > 0  # sessions were actually reused
+    assert stats.context_tokens_reused == reused > 0 and stats.context_tokens_computed > 0  # up to the response
     assert fast.release("req") >= 1 and fast.release("req") == 0
 
 
