@@ -68,3 +68,33 @@ def test_eos_requests(kind, retrievers, fixture_generator, questions):
         base = run_seq(q, fixture_generator, retrievers[kind], REQ_EOS)
         out = run_spec(q, fixture_generator, retrievers[kind], REQ_EOS, spec)
         assert out.tokens == base.tokens and out.finish_reason == base.finish_reason
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_concurrent_requests_through_the_batcher_equal_seq_alone(
+    kind, retrievers, fixture_generator, questions, baselines
+):
+    """Continuous batching on: 20 requests at once (RaLMSeq, PSA, P with stride 3 mixed)
+    share the generator's batched forwards and KV sessions; each returns the tokens
+    RaLMSeq returned for it alone, one request at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    batcher = fixture_generator.engine.batcher
+    assert batcher is not None  # the default engine batches
+    def shared() -> int:  # iterations that held more than one sequence
+        return sum(n for size, n in batcher.batch_hist.items() if size > 1)
+
+    before = shared()
+    specs = [None, SpecConfig.named("PSA"), SpecConfig.named("P", stride=3)]
+
+    def one(i):
+        q, spec = questions[i], specs[i % len(specs)]
+        if spec is None:
+            return run_seq(q, fixture_generator, retrievers[kind], REQ)
+        return run_spec(q, fixture_generator, retrievers[kind], REQ, spec)
+
+    with ThreadPoolExecutor(10) as pool:
+        outs = list(pool.map(one, range(len(questions))))
+    for out, base in zip(outs, baselines[kind]):
+        assert out.tokens == base.tokens and out.stats.doc_ids == base.stats.doc_ids
+    assert shared() > before  # requests really shared forward passes
