@@ -314,6 +314,8 @@ class GeneratorServer:
             "steps": self.steps,
             "doc_kv": self.engine.doc_kv.stats.as_dict() if hasattr(self.engine.doc_kv, "stats") else None,
             "batching": self.batching(),
+            "invariant_forward": self.engine.batcher is not None,
+            "invariant_error": self.engine.invariant_error,
             "features": self.features(),
             "dense_drafting": self.dense,
             "knnlm": self.knn.info() if self.knn is not None else None,

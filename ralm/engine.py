@@ -22,6 +22,7 @@ doc KV came from the cache or was just computed, and whatever ran before.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import TypedDict
@@ -30,7 +31,7 @@ import torch
 
 from cache.doc_kv import DocPrefixTree
 from ralm.batching.engine import BatchEngine, StepCall
-from ralm.batching.invariant import make_invariant
+from ralm.batching.invariant import InvariantUnavailable, make_invariant
 from ralm.batching.scheduler import ContinuousBatcher
 from ralm.batching.sessions import SessionStore
 from ralm.config import GeneratorConfig
@@ -38,6 +39,8 @@ from ralm.drafting import DEFAULT_OPTIONS, StepOptions
 from ralm.drafting.kv import docs_past, last_logits_kwargs, segment_bytes
 from ralm.errors import RalmInputError
 from ralm.step_output import StepOutput
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -79,8 +82,15 @@ class LMEngine:
         self.batch: BatchEngine | None = None
         self.batcher: ContinuousBatcher | None = None
         self.sessions = SessionStore(self.cfg.kv_session_bytes if self.cfg.invariant else 0)
+        self.invariant_error: str | None = None  # why the invariant forward is off although asked for
         if self.cfg.invariant:
-            make_invariant(self.model, self.cfg.invariant_tile_rows)
+            try:
+                make_invariant(self.model, self.cfg.invariant_tile_rows)
+            except InvariantUnavailable as e:
+                # keep serving: one step at a time, context re-prefilled (exact as before), and say why
+                self.invariant_error = str(e)
+                log.warning("continuous batching and KV sessions are off: %s", e)
+        if self.cfg.invariant and self.invariant_error is None:
             self.batch = BatchEngine(
                 self.model,
                 self.eos_token_id,

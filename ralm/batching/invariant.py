@@ -309,7 +309,18 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS) -> Any:
     _check_architecture(model)
     from transformers.pytorch_utils import Conv1D
 
-    unknown: set[str] = set()
+    unknown = {
+        type(m).__name__
+        for m in model.modules()
+        if not list(m.children())
+        and not isinstance(m, (nn.Linear, Conv1D, InvariantLinear))
+        and type(m).__name__ not in _ACTIVATIONS
+        and not _is_rowwise(m)
+    }
+    if unknown:  # checked before anything is rewritten: the model stays usable as it was
+        raise InvariantUnavailable(
+            f"no invariant form for module types {sorted(unknown)}; set generator.invariant=false to serve this model"
+        )
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             kind = type(child).__name__
@@ -322,12 +333,6 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS) -> Any:
                 repl = _ACTIVATIONS[kind]
                 if repl is not None:
                     setattr(parent, name, repl())
-            elif not list(child.children()) and not _is_rowwise(child):
-                unknown.add(kind)
-    if unknown:
-        raise InvariantUnavailable(
-            f"no invariant form for module types {sorted(unknown)}; set generator.invariant=false to serve this model"
-        )
     _register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     layers = [m for m in model.modules() if isinstance(m, InvariantLinear)]

@@ -161,6 +161,33 @@ def test_unsupported_architecture_is_a_clear_error():
         make_invariant(GPTNeoXForCausalLM(cfg))
 
 
+def test_an_engine_on_an_unsupported_model_keeps_serving_without_batching():
+    """The default (invariant on) does not refuse a model it cannot make invariant: the engine
+    says why, and steps run one at a time on the untouched model."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from ralm.config import GeneratorConfig
+    from ralm.engine import LMEngine
+    from tests.factories import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    cfg = OPTConfig(
+        num_hidden_layers=1,
+        hidden_size=32,
+        ffn_dim=64,
+        num_attention_heads=2,
+        vocab_size=len(tok),
+        word_embed_proj_dim=32,
+        activation_function="quick_gelu",
+    )  # no invariant form
+    model = OPTForCausalLM(cfg).eval()
+    engine = LMEngine(model, tok, GeneratorConfig(model="tiny-opt-quick-gelu"))
+    assert engine.batcher is None and "QuickGELU" in (engine.invariant_error or "")
+    assert not any(isinstance(m, InvariantLinear) for m in model.modules())  # nothing rewritten
+    out = engine.step(None, engine.encode_question("still serving"), 3)
+    assert out.forward_passes >= 1
+
+
 def test_padding_mask_is_refused_not_ignored():
     model = invariant_model("gpt2")
     ids = torch.tensor([[5, 6, 7], [8, 9, 0]])
