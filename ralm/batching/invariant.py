@@ -161,38 +161,42 @@ def attend(
     read kv head ``g``). Returns ``[S, nq, H, D]``. ``mask``: :func:`hidden_keys` of these
     arguments, when the caller already has it (it is the same for every layer).
 
-    Every product is ``[query_tile, D] @ [D, key_block]`` or ``[query_tile, key_block] @
-    [key_block, D+1]``, the partial results of the key blocks are added in block order, and a
-    masked key adds an exact zero, so a query's output depends only on its own row and the
-    keys it sees, not on ``S``, ``nq`` or ``nb``. Example: query at position 70 with
-    ``key_block=64``: block 0 (keys 0-63) and block 1 (keys 64-70 visible, 71-127 masked);
-    inside a 100-token prefill, as a single decode token, or next to a 900-token sequence
-    (more, fully masked blocks: exact zeros), the same two partials are added in the same order.
+    Scores: one product per (sequence, kv head), ``[G*rows, D] @ [D, nb*key_block]``: the
+    reduction is over ``D`` only, rows are padded to a multiple of ``query_tile`` (at least
+    4: one GEMM path per row) and the key range to whole blocks, and a score's bits do not
+    depend on the row count or the key range (checked at load, :func:`check_attention_invariance`).
+    Softmax: the exact row max, ``exp``, and the denominator carried as a column of ones in
+    ``v_aug``. Values: one ``[rows, key_block] @ [key_block, D+1]`` product per block (a
+    fixed-length reduction), the block partials added in block order; a masked key adds an
+    exact zero. Example: a query at position 70 with ``key_block=64`` gets the partials of
+    block 0 (keys 0-63) and block 1 (keys 64-70 visible, 71-127 masked), added in that
+    order, inside a 100-token prefill, as a single decode token or next to a 900-token
+    sequence (whose extra blocks are masked for it: exact zeros).
     """
     S, H, nq, D = q.shape
     hkv = k_pad.shape[1]
     G = H // hkv
     QT, KB = query_tile, key_block
-    nqt = -(-nq // QT)
-    nb = k_pad.shape[2] // KB
-    if nb * KB != k_pad.shape[2] or v_aug.shape[2] != k_pad.shape[2]:
+    L = k_pad.shape[2]
+    nb = L // KB
+    if nb * KB != L or v_aug.shape[2] != L:
         raise ValueError("keys/values must be padded to whole key blocks")
-    qp = q.new_zeros(S, H, nqt * QT, D)
+    rows = -(-nq // QT) * QT
+    qp = q.new_zeros(S, H, rows, D)
     qp[:, :, :nq] = q * scaling  # element-wise: the same bits for a row wherever it sits
-    qp = qp.view(S, hkv, G * nqt, 1, QT, D)  # head-major: [S, kv head, (group, tile), 1, QT, D]
-    kb = k_pad.reshape(S, hkv, 1, nb, KB, D).transpose(-1, -2)  # [S, Hkv, 1, nb, D, KB]
-    s = torch.matmul(qp, kb)  # [S, Hkv, G*nqt, nb, QT, KB]
+    qp = qp.view(S, hkv, G * rows, D)  # head-major: query head g*G+i is rows i*rows.. of kv head g
+    s = torch.matmul(qp, k_pad.transpose(-1, -2))  # [S, Hkv, G*rows, L]
     if mask is None:
         mask = hidden_keys(q_pos, nq, nb, G, QT, KB)
     s.masked_fill_(mask, float("-inf"))
-    m = s.amax(dim=-1, keepdim=True).amax(dim=3, keepdim=True)  # exact row max over all blocks
-    e = s.sub_(m).exp_()
-    o = torch.matmul(e, v_aug.reshape(S, hkv, 1, nb, KB, D + 1))  # [S, Hkv, G*nqt, nb, QT, D+1]
-    acc = o[:, :, :, 0]
+    m = s.amax(dim=-1, keepdim=True)  # exact row max
+    e = s.sub_(m).exp_().view(S, hkv, G * rows, nb, KB).transpose(2, 3)  # [S, Hkv, nb, G*rows, KB]
+    o = torch.matmul(e, v_aug.view(S, hkv, nb, KB, D + 1))  # [S, Hkv, nb, G*rows, D+1]
+    acc = o[:, :, 0]
     for j in range(1, nb):  # block order, always
-        acc = acc + o[:, :, :, j]
-    out = acc[..., :D] / acc[..., D:]  # [S, Hkv, G*nqt, QT, D]
-    return out.reshape(S, H, nqt * QT, D)[:, :, :nq].transpose(1, 2)
+        acc = acc + o[:, :, j]
+    out = acc[..., :D] / acc[..., D:]  # [S, Hkv, G*rows, D]
+    return out.reshape(S, H, rows, D)[:, :, :nq].transpose(1, 2)
 
 
 def hidden_keys(
@@ -204,17 +208,16 @@ def hidden_keys(
     key_block: int = C.INVARIANT_KEY_BLOCK,
 ) -> torch.Tensor:
     """The keys each query may not see, shaped for :func:`attend`'s scores:
-    ``[S, 1, groups*nqt, nb, query_tile, key_block]`` (bool; padded query rows repeat the
-    last real position)."""
+    ``[S, 1, groups*rows, nb*key_block]`` (bool; ``rows`` is ``nq`` padded to the query
+    tile, and padded query rows repeat the last real position)."""
     S = q_pos.shape[0]
-    QT, KB = query_tile, key_block
-    nqt = -(-nq // QT)
-    pos = q_pos[:, -1:].repeat(1, nqt * QT)
+    rows = -(-nq // query_tile) * query_tile
+    pos = q_pos[:, -1:].repeat(1, rows)
     pos[:, :nq] = q_pos
-    kpos = torch.arange(nb * KB, device=q_pos.device).view(1, 1, nb, 1, KB)
-    hidden = kpos > pos.view(S, nqt, 1, QT, 1)  # [S, nqt, nb, QT, KB]
+    kpos = torch.arange(nb * key_block, device=q_pos.device).view(1, 1, -1)
+    hidden = kpos > pos.view(S, rows, 1)  # [S, rows, nb*KB]
     if groups > 1:
-        hidden = hidden.repeat(1, groups, 1, 1, 1)
+        hidden = hidden.repeat(1, groups, 1)
     return hidden.unsqueeze(1)
 
 
@@ -354,25 +357,29 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS) -> Any:
 
 def check_attention_invariance(head_dim: int, device="cpu", dtype=torch.float32) -> None:
     """Raise :class:`InvariantUnavailable` unless :func:`attend` gives a query the same bits
-    alone, inside a prefill and next to another sequence (checked at engine load)."""
+    alone (one key block), inside a prefill over four blocks, and next to another sequence
+    (checked at engine load: it rests on the BLAS giving a score the same bits whatever the
+    row count and the key range)."""
     g = torch.Generator().manual_seed(1)
-    L = C.INVARIANT_KEY_BLOCK + 9
+    KB = C.INVARIANT_KEY_BLOCK
+    L = 3 * KB + 9
     q, k, v = (torch.randn(1, 2, L, head_dim, generator=g).to(device, dtype) for _ in range(3))
     pos = torch.arange(L, device=device)[None]
     k_pad, v_aug = pad_kv(k, v)
     full = attend(q, k_pad, v_aug, pos, 0.125)
-    kp1, va1 = pad_kv(k[:, :, : L - 3], v[:, :, : L - 3])
-    one = attend(q[:, :, L - 4 : L - 3], kp1, va1, pos[:, L - 4 : L - 3], 0.125)
+    p = KB - 5
+    kp1, va1 = pad_kv(k[:, :, : p + 1], v[:, :, : p + 1])
+    one = attend(q[:, :, p : p + 1], kp1, va1, pos[:, p : p + 1], 0.125)
     two = attend(
-        torch.cat([q[:, :, L - 4 : L - 3], q[:, :, :1]]),
+        torch.cat([q[:, :, p : p + 1], q[:, :, L - 1 :]]),
         torch.cat([k_pad, k_pad]),
         torch.cat([v_aug, v_aug]),
-        torch.tensor([[L - 4], [0]], device=device),
+        torch.tensor([[p], [L - 1]], device=device),
         0.125,
     )
-    if not (torch.equal(one[0, 0], full[0, L - 4]) and torch.equal(two[0, 0], full[0, L - 4])):
+    if not (torch.equal(one[0, 0], full[0, p]) and torch.equal(two[0, 0], full[0, p])):
         raise InvariantUnavailable(
-            f"this machine's batched matrix multiply is not shape-invariant for attention tiles ({dtype}, {device}); "
+            f"this machine's batched matrix multiply is not shape-invariant for attention ({dtype}, {device}); "
             "set generator.invariant=false"
         )
 
