@@ -237,6 +237,10 @@ class GeneratorServer:
         self._probes, self.gpu_ids = claim_placement_group_gpus()
         self.cfg = GeneratorConfig.model_validate(generator)
         self.engine = load_engine(self.cfg)
+        if self.engine.batch is not None:  # batch-size histogram and tokens/s, exported by Ray
+            from actors.metrics import record_generator_iteration
+
+            self.engine.batch.on_iteration = record_generator_iteration
         self.corpus = Corpus.load(corpus)
         self.local = LocalGenerator(self.engine, self.corpus)
         self._lock: Any = threading.Lock() if serialize_steps else contextlib.nullcontext()

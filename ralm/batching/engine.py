@@ -93,9 +93,10 @@ class ActiveStep:
 class IterationStats:
     """What one batched forward held."""
 
-    sequences: int
-    tokens: int
-    seconds: float
+    sequences: int  # sequences in the forward
+    tokens: int  # tokens fed (prefill chunks, decode tokens, drafts)
+    seconds: float  # wall time of the iteration
+    generated: int = 0  # new tokens the iteration produced
 
 
 class BatchEngine:
@@ -250,6 +251,7 @@ class BatchEngine:
             a.session.context.extend(a.pending[:n])
             a.pending = a.pending[n:]
             a.forward_passes += 1
+        before = sum(len(a.tokens) for a, _, _ in emitting)
         for a, row, n in emitting:
             if a.is_feed:
                 a.feed = FeedOutput(logits[row], hidden[row])  # type: ignore[index]
@@ -258,7 +260,8 @@ class BatchEngine:
                 self._emit_verified(a, logits[row : row + n])
             else:
                 self._emit(a, logits[row])
-        st = IterationStats(len(plan), off, time.perf_counter() - t0)
+        made = sum(len(a.tokens) for a, _, _ in emitting) - before
+        st = IterationStats(len(plan), off, time.perf_counter() - t0, made)
         if self.on_iteration is not None:
             self.on_iteration(st)
         return st

@@ -26,6 +26,9 @@ EXPECTED = {  # exported family -> labels the dashboard uses
     "ray_ralmspec_gamma": {"retriever"},
     "ray_ralmspec_verifier_batch_size": {"retriever"},
     "ray_ralmspec_shard_latency_seconds": {"retriever", "shard"},
+    "ray_ralmspec_generator_batch_size": set(),
+    "ray_ralmspec_generator_tokens": set(),
+    "ray_ralmspec_generator_busy_seconds": set(),
 }
 
 
@@ -128,6 +131,14 @@ def test_verifier_batches_and_shard_latency(metrics):
     assert 0 <= le1 <= batches
     for shard in ("0", "1"):
         assert sum(_values(metrics, "ray_ralmspec_shard_latency_seconds", "_count", retriever="edr", shard=shard)) >= 1
+
+
+def test_generator_batch_size_and_tokens(metrics, served):
+    forwards = sum(_values(metrics, "ray_ralmspec_generator_batch_size", "_count"))
+    assert forwards >= 1
+    tokens = sum(_values(metrics, "ray_ralmspec_generator_tokens", "_total"))
+    assert tokens > 0  # (each process exports on its own schedule: the count may trail the requests)
+    assert sum(_values(metrics, "ray_ralmspec_generator_busy_seconds", "_total")) > 0
 
 
 def test_dashboard_queries_only_exported_metrics():

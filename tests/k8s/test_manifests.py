@@ -40,6 +40,9 @@ METRICS = [
     "ralmspec_gamma",
     "ralmspec_verifier_batch_size",
     "ralmspec_shard_latency_seconds",
+    "ralmspec_generator_batch_size",
+    "ralmspec_generator_tokens_total",
+    "ralmspec_generator_busy_seconds_total",
 ]
 GENERATED = [
     "k8s/rayservice.yaml",
@@ -399,7 +402,7 @@ def test_grafana_dashboard_queries_the_ray_prefixed_metrics():
         for name in re.findall(r"[a-z_]*ralmspec_[a-z_]+", e):
             assert name.startswith("ray_ralmspec_"), f"{name!r} lacks Ray's ray_ prefix in {e!r}"
     titles = " ".join(p["title"].lower() for p in panels)
-    for word in ["latency", "kb calls", "hit rate", "rollbacks", "gamma", "batch size", "shard"]:
+    for word in ["latency", "kb calls", "hit rate", "rollbacks", "gamma", "batch size", "shard", "generator"]:
         assert word in titles
     cm = yaml.safe_load((K8S / "grafana-dashboard-configmap.yaml").read_text())
     assert json.loads(cm["data"]["ralmspec.json"]) == dash and cm["metadata"]["labels"]["grafana_dashboard"] == "1"

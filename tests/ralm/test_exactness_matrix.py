@@ -81,6 +81,7 @@ def test_concurrent_requests_through_the_batcher_equal_seq_alone(
 
     batcher = fixture_generator.engine.batcher
     assert batcher is not None  # the default engine batches
+
     def shared() -> int:  # iterations that held more than one sequence
         return sum(n for size, n in batcher.batch_hist.items() if size > 1)
 
