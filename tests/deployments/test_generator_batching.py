@@ -59,8 +59,8 @@ def test_concurrent_steps_are_batched_and_each_equals_the_step_alone(server, loc
     m = server.info()["batching"]
     assert m["max_batch"] > 1 and m["iterations"] >= 1
     assert sum(n for b, n in m["batch_size_histogram"].items() if b != "<=1") >= 1
-    assert m["steps_done"] == len(calls) - 1  # the drafted step ran alone, outside the batch
-    assert m["sessions"]["takes"] >= len(calls) - 1
+    assert m["steps_done"] == len(calls)  # every step ran in the batch, the n-gram drafted one too
+    assert m["sessions"]["takes"] >= len(calls)
     assert server.steps == len(calls)
 
 
