@@ -10,7 +10,9 @@ hidden states, so they are handed to the generator deployment, which runs
 
 - a :class:`RemoteGenerator` (the :class:`~ralm.generator.Generator` protocol): tokenising
   and decoding happen locally with the generator's own tokenizer (fetched once), and
-  each step ``f(doc, X, k)`` is a call to the generator deployment;
+  each step ``f(doc, X, k)`` is a call to the generator deployment, sent with the
+  request's session key as Serve's multiplexed model id so that the request's steps stay
+  on the replica holding its KV sessions, which are released when the request ends;
 - a :class:`VerifierKB` (the :class:`~ralm.retrieval.base.Retriever` protocol) per
   retriever kind: KB searches and verifications go to that kind's verifier actor, which
   batches them with other requests' and fans them out to the shards;
@@ -64,6 +66,29 @@ class RemoteGenerator:
         self.cfg = cfg
         self.eos_token_id = eos_token_id
         self.calls = 0
+        self.session: str | None = None  # the session key of the request in flight
+        self._steps = handle  # the handle steps go through (with the session key while a request runs)
+
+    def begin(self, session: str) -> None:
+        """Start a request: its steps carry ``session`` as Serve's multiplexed model id, so they
+        are routed to the generator replica that holds the request's KV sessions, which are
+        tagged with it (:mod:`deployments.affinity`). A plain actor handle (one generator, no
+        Serve) takes the steps as they are."""
+        if callable(getattr(type(self.handle), "options", None)):  # a Serve DeploymentHandle
+            self.session = session
+            self._steps = self.handle.options(multiplexed_model_id=session)
+
+    def end(self) -> None:
+        """End the request (done, failed or cancelled): ask the replica that served it to free its
+        sessions. Fire and forget: a lost release costs memory until the session LRU evicts them,
+        never a result."""
+        session, self.session, self._steps = self.session, None, self.handle
+        if session is None:
+            return
+        try:
+            self.handle.options(multiplexed_model_id=session).release.remote(session)
+        except Exception as e:
+            log.warning("cannot release the generator sessions of %s: %s", session, e)
 
     # LMEngine's methods run unbound on this duck-typed stand-in: they only read
     # ``tokenizer`` and ``cfg``, which this class provides.
@@ -79,11 +104,12 @@ class RemoteGenerator:
         """``f`` on the generator deployment; ``doc_id`` may be a tuple of ranked ids and
         ``options`` a :class:`ralm.drafting.StepOptions` (drafting, FLARE, several documents)."""
         self.calls += 1
+        h = self._steps
         if options is not None:
-            return _get(self.handle.step.remote(doc_id, list(context), int(k), bool(ignore_eos), options))
+            return _get(h.step.remote(doc_id, list(context), int(k), bool(ignore_eos), options))
         if ignore_eos:
-            return _get(self.handle.step.remote(doc_id, list(context), int(k), True))
-        return _get(self.handle.step.remote(doc_id, list(context), int(k)))
+            return _get(h.step.remote(doc_id, list(context), int(k), True))
+        return _get(h.step.remote(doc_id, list(context), int(k)))
 
 
 class RemoteScorer:
@@ -342,7 +368,9 @@ class Coordinator:
             on_verified = self._checkpointer(rid, digest, q_tokens)
         self.busy = True
         vkb = self._vkbs[kind]
-        vkb.begin(f"{self._me}:{self.served}")
+        session = f"{self._me}:{self.served}"  # this request, at the verifiers and the generator
+        vkb.begin(session)
+        gen.begin(session)
         try:
             if not info.speculative:
                 res = run_seq(
@@ -370,6 +398,7 @@ class Coordinator:
             record_request(res.stats)
             return res
         finally:
+            gen.end()
             vkb.end()
             for c in self._caches.values():
                 c.clear()

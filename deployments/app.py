@@ -37,6 +37,7 @@ def build_app(args: dict | None = None):
         cfg.generator_deployment.serialize_steps,
         cfg.dense_drafting.model_dump(mode="json"),
         cfg.knnlm.model_dump(mode="json"),
+        cfg.generator_deployment.session_keys_per_replica,
     )
     # @serve.deployment made Ingress a Deployment; mypy does not apply class decorators
     ingress = cast("Deployment", Ingress).options(

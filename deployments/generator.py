@@ -16,6 +16,16 @@ run one at a time on the batcher's thread between two iterations. ``info()['batc
 metrics and the KV session store's statistics. With ``generator.invariant=false`` there
 is no batcher: steps run in a worker thread, one at a time under ``serialize_steps``.
 
+Session affinity. A coordinator sends every step of a request with the request's session
+key as Serve's multiplexed model id (``handle.options(multiplexed_model_id=key)``). The
+replica "loads" the key through a ``serve.multiplexed`` loader that only records it, so
+Serve routes the request's next steps to the replica that holds its KV sessions; the key
+is the step's session ``owner``. When the request ends the coordinator calls
+:meth:`GeneratorServer.release` with the same id, which frees the key's sessions; a key
+evicted from the multiplexed LRU (``session_keys_per_replica``) is released too (Serve
+calls the loaded object's ``__del__``). A request whose replica is gone, or whose steps
+land elsewhere, recomputes its session there: the same tokens, only slower.
+
 Placement. :class:`GeneratorDeploymentOptions` turns the config into Serve deployment
 options: replicas or autoscaling, ``num_cpus``/``num_gpus`` per replica and, for models
 that need several GPUs in one replica, a placement group. The ``llama2-70b-4gpu``
@@ -96,6 +106,14 @@ class GeneratorDeploymentOptions(BaseModel):
     env_vars: dict[str, str] = Field(
         default_factory=dict, description="Environment variables of the replica processes."
     )
+    session_keys_per_replica: int = Field(
+        4096,
+        ge=1,
+        description="Session keys (one per request a coordinator runs) a replica keeps in Serve's multiplexed "
+        "LRU, which routes every step of a request to the replica holding its KV sessions. A key is a few "
+        "bytes (the sessions themselves are bounded by generator.kv_session_bytes); an evicted key's sessions "
+        "are released. Keep it well above the requests in flight per replica.",
+    )
 
     def deployment_options(self, name: str = "Generator") -> dict:
         """Keyword arguments for ``Deployment.options``."""
@@ -120,6 +138,10 @@ class GeneratorDeploymentOptions(BaseModel):
             }
         else:
             opts["num_replicas"] = self.num_replicas
+        opts["request_router_config"] = {
+            "request_router_class": "deployments.affinity.SessionAffinityRouter",
+            "request_router_kwargs": {"max_keys": max(65536, 16 * self.session_keys_per_replica)},
+        }
         if self.placement_group_bundles:
             opts["placement_group_bundles"] = [dict(b) for b in self.placement_group_bundles]
             opts["placement_group_strategy"] = self.placement_group_strategy or "PACK"
@@ -229,9 +251,12 @@ class GeneratorServer:
         serialize_steps: bool = True,
         dense_drafting: dict | None = None,
         knnlm: dict | None = None,
+        session_keys: int = 4096,
     ):
         """``dense_drafting`` / ``knnlm``: :class:`deployments.modes.DenseDraftingOptions` /
-        :class:`~deployments.modes.KnnServeOptions` as dicts (None: the mode is off)."""
+        :class:`~deployments.modes.KnnServeOptions` as dicts (None: the mode is off);
+        ``session_keys``: the bound of Serve's multiplexed LRU of request session keys."""
+        from deployments.affinity import SessionKeys
         from deployments.modes import knn_server, load_dense_datastore
 
         self._probes, self.gpu_ids = claim_placement_group_gpus()
@@ -247,6 +272,7 @@ class GeneratorServer:
         self.steps = 0
         self.dense = load_dense_datastore(dense_drafting, self.engine, self.corpus)
         self.knn = knn_server(knnlm, self.engine, self.corpus, self._lock)
+        self.session_keys = SessionKeys(self.engine.release, self.engine.sessions.held, session_keys)
 
     async def step(
         self, doc_id: Any, context: Sequence[int], k: int, ignore_eos: bool = False, options: Any = None
@@ -259,18 +285,29 @@ class GeneratorServer:
         batcher, so the steps of concurrent requests share forward passes; other steps run alone
         on the batcher's thread between two iterations. With ``generator.invariant=false`` steps
         run in a worker thread, one at a time when ``serialize_steps`` is set.
+
+        A step sent with a multiplexed model id (the request's session key) tags its KV
+        session with that key as owner, so :meth:`release` frees it when the request ends.
         """
         self.steps += 1
         context, k, ignore_eos = list(context), int(k), bool(ignore_eos)
+        owner = await self.session_keys.step_owner()
         batcher = self.engine.batcher
         if batcher is None:
             return await asyncio.to_thread(self._step_locked, doc_id, context, k, ignore_eos, options)
-        call = self.local.step_call(doc_id, context, k, ignore_eos, options)
+        call = self.local.step_call(doc_id, context, k, ignore_eos, options, owner)
         if call is not None:
             return await asyncio.wrap_future(batcher.submit(call))
         return await asyncio.wrap_future(
             batcher.call(lambda: self.local.step_alone(doc_id, context, k, ignore_eos, options))
         )
+
+    def release(self, key: str | None = None) -> int:
+        """Free the KV sessions of a request that ended (its session key: ``key``, or the
+        call's multiplexed model id); returns how many this replica freed (0 when it holds
+        none, e.g. the request's steps ran elsewhere)."""
+        key = key or self.session_keys.current()
+        return self.session_keys.release(key) if key else 0
 
     def _step_locked(self, doc_id: Any, context: list[int], k: int, ignore_eos: bool, options: Any) -> StepOutput:
         """A step without the batcher (``invariant=false``), under the step lock."""
@@ -320,6 +357,7 @@ class GeneratorServer:
             "batching": self.batching(),
             "invariant_forward": self.engine.batcher is not None,
             "invariant_error": self.engine.invariant_error,
+            "session_keys": self.session_keys.info(),
             "features": self.features(),
             "dense_drafting": self.dense,
             "knnlm": self.knn.info() if self.knn is not None else None,

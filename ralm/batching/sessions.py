@@ -127,6 +127,11 @@ class SessionStore:
             self.stats.sessions = len(self._items)
             return len(keys)
 
+    def held(self, owner: str) -> int:
+        """How many stored sessions ``owner`` has."""
+        with self._lock:
+            return sum(1 for s in self._items.values() if s.owner == owner)
+
     def clear(self) -> None:
         with self._lock:
             self._items.clear()

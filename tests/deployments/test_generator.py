@@ -51,6 +51,10 @@ def test_llama2_70b_preset_options():
     assert dep._deployment_config.max_ongoing_requests == 64
     assert dep._replica_config.placement_group_strategy == "STRICT_PACK"
     assert dep._replica_config.placement_group_bundles == bundles
+    # session affinity: the sticky router routes a request's steps by its session key
+    router = dep._deployment_config.request_router_config
+    assert router.get_request_router_class().__name__ == "SessionAffinityRouter"
+    assert router.request_router_kwargs["max_keys"] >= opts.session_keys_per_replica
 
 
 def test_other_presets_and_autoscaling():
