@@ -31,6 +31,11 @@ from cluster.report import exactness_status, machine_note, write_report
 from ralm import constants as C
 
 ARMS = ("plain-serial", "sessions", "batching", "batching+sessions")
+#: --random-model shapes (GPT-2 family; vocabulary: the tokenizer's)
+RANDOM_MODELS = {
+    "gpt2-124m": {"n_layer": 12, "n_embd": 768, "n_head": 12},
+    "gpt2-355m": {"n_layer": 24, "n_embd": 1024, "n_head": 16},
+}
 
 
 def add_batch_bench_args(p: argparse.ArgumentParser) -> None:
@@ -43,6 +48,12 @@ def add_batch_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=300, help="(a): KV length before the measured decode token")
     p.add_argument("--reps", type=int, default=20, help="(a): timed repetitions (median)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"(b) arms to run, of {', '.join(ARMS)}")
+    p.add_argument(
+        "--random-model",
+        choices=sorted(RANDOM_MODELS),
+        help="instead of --model's weights, a randomly initialised model of this shape (built from a config, "
+        "with --model's tokenizer): the cost structure of a bigger model without a download; its tokens mean nothing",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-batching-out"))
 
 
@@ -153,12 +164,16 @@ def batch_bench_main(args) -> int:
     levels = [int(x) for x in str(args.concurrency).split(",") if x]
     arms = [a for a in str(args.arms).split(",") if a]
     base = GeneratorConfig(model=args.model)
-    plain = LMEngine.from_config(base.model_copy(update={"invariant": False}))
-    inv = LMEngine.from_config(base)
+    if getattr(args, "random_model", None):
+        plain, inv = _random_engines(base, args.random_model)
+    else:
+        plain = LMEngine.from_config(base.model_copy(update={"invariant": False}))
+        inv = LMEngine.from_config(base)
     nosess = LMEngine(inv.model, inv.tokenizer, inv.cfg.model_copy(update={"kv_session_bytes": 0}))
     engines = {"plain-serial": plain, "sessions": inv, "batching": nosess, "batching+sessions": inv}
+    what = f"randomly initialised {args.random_model}" if getattr(args, "random_model", None) else args.model
     notes = [
-        f"# ralmspec bench-batching: generator {args.model}, {args.new_tokens} new tokens per request, stride {args.stride}",
+        f"# ralmspec bench-batching: generator {what}, {args.new_tokens} new tokens per request, stride {args.stride}",
         machine_note(),
         f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s); linear-layer kernel: "
         f"{torch.backends.cpu.get_cpu_capability()} GEMM on {inv.cfg.invariant_tile_rows}-row tiles",
@@ -200,6 +215,24 @@ def batch_bench_main(args) -> int:
     write_report(args.out, "bench-batching", {"notes": notes, "forward_cost": cost, "rows": rows}, md)
     print(md)
     return exactness_status(different, "outputs of batched/session arms differ from the invariant engine alone")
+
+
+def _random_engines(base, name: str):
+    """(plain engine, invariant engine) over two copies of one random model of shape ``name``."""
+    import copy
+
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from ralm.engine import LMEngine
+
+    tok = AutoTokenizer.from_pretrained(base.model)
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=len(tok), n_positions=1024, eos_token_id=tok.eos_token_id, **RANDOM_MODELS[name])
+    model = GPT2LMHeadModel(cfg).eval()
+    plain = LMEngine(model, tok, base.model_copy(update={"invariant": False, "model": name}))
+    inv = LMEngine(copy.deepcopy(model), tok, base.model_copy(update={"model": name}))
+    return plain, inv
 
 
 def _markdown(notes, cost, rows, plain_agree, compared) -> str:
