@@ -32,9 +32,9 @@ from ralm import constants as C
 
 ARMS = ("plain-serial", "sessions", "batching", "batching+sessions")
 #: --random-model shapes (GPT-2 family; vocabulary: the tokenizer's)
-RANDOM_MODELS = {
-    "gpt2-124m": {"n_layer": 12, "n_embd": 768, "n_head": 12},
-    "gpt2-355m": {"n_layer": 24, "n_embd": 1024, "n_head": 16},
+RANDOM_MODELS: dict[str, tuple[int, int, int]] = {  # (layers, width, heads)
+    "gpt2-124m": (12, 768, 12),
+    "gpt2-355m": (24, 1024, 16),
 }
 
 
@@ -228,7 +228,15 @@ def _random_engines(base, name: str):
 
     tok = AutoTokenizer.from_pretrained(base.model)
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=len(tok), n_positions=1024, eos_token_id=tok.eos_token_id, **RANDOM_MODELS[name])
+    n_layer, n_embd, n_head = RANDOM_MODELS[name]
+    cfg = GPT2Config(
+        vocab_size=len(tok),
+        n_positions=1024,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        eos_token_id=tok.eos_token_id,
+    )
     model = GPT2LMHeadModel(cfg).eval()
     plain = LMEngine(model, tok, base.model_copy(update={"invariant": False, "model": name}))
     inv = LMEngine(copy.deepcopy(model), tok, base.model_copy(update={"model": name}))
