@@ -55,7 +55,7 @@ TORCH_THREADS = 1  # 1 avoids oversubscription (FAISS/Lucene/other requests shar
 INVARIANT_TILE_ROWS = 4  # linear layers run on row counts padded to a multiple of this (fixed GEMM path)
 INVARIANT_QUERY_TILE = 4  # attention: queries in tiles of this many rows ...
 INVARIANT_KEY_BLOCK = 64  # ... against keys in blocks of this many positions, summed block by block
-KV_SESSION_BYTES = 1024 * 1024 * 1024  # per-engine budget of the in-flight requests' KV sessions (LRU): 16 requests of ~500 positions of a 124M-parameter model
+KV_SESSION_BYTES = 1024 * 1024 * 1024  # budget of the in-flight requests' KV sessions (LRU; docs/batching.md)
 BATCH_TOKEN_BUDGET = 512  # tokens one batched forward processes at most (prefill chunks + decode tokens)
 BATCH_MAX_SEQUENCES = 64  # sequences one batched forward holds at most
 
