@@ -35,7 +35,7 @@ from ralm.batching.invariant import InvariantUnavailable, make_invariant
 from ralm.batching.scheduler import ContinuousBatcher
 from ralm.batching.sessions import SessionStore
 from ralm.config import GeneratorConfig
-from ralm.drafting import DEFAULT_OPTIONS, StepOptions
+from ralm.drafting import DEFAULT_OPTIONS, StepOptions, greedy_scores
 from ralm.drafting.kv import docs_past, last_logits_kwargs, segment_bytes
 from ralm.errors import RalmInputError
 from ralm.step_output import StepOutput
@@ -207,13 +207,17 @@ class LMEngine:
             raise RalmInputError("context must contain at least one token")
         texts = [doc_text] if isinstance(doc_text, str) else list(doc_text or [])
         docs = [self.doc_tokens(t) for t in texts if t]
+        self._check_fits(docs, context, k)
+        return docs
+
+    def _check_fits(self, docs: Sequence[Sequence[int]], context: Sequence[int], k: int) -> None:
+        """Raise unless ``[docs][context]`` plus ``k`` new tokens fit the model's positions."""
         n_doc = sum(len(d) for d in docs)
         if n_doc + len(context) + k > self.max_positions:
             raise RalmInputError(
                 f"document ({n_doc}) + context ({len(context)}) + {k} new tokens exceed "
                 f"the model's {self.max_positions} positions"
             )
-        return docs
 
     def step_call(
         self,
@@ -289,12 +293,7 @@ class LMEngine:
         if self.batcher is None:
             raise RalmInputError("step_batch needs the invariant forward (generator.invariant=true)")
         for c in calls:
-            n_doc = sum(len(d) for d in c.docs)
-            if n_doc + len(c.context) + c.k > self.max_positions:
-                raise RalmInputError(
-                    f"document ({n_doc}) + context ({len(c.context)}) + {c.k} new tokens exceed "
-                    f"the model's {self.max_positions} positions"
-                )
+            self._check_fits(c.docs, c.context, c.k)
         return self.batcher.step_batch(calls)
 
     def release(self, owner: str) -> int:
@@ -333,12 +332,8 @@ class LMEngine:
         eos = False
         logits = out.logits[0, -1]
         past = out.past_key_values
-        mask_eos = ignore_eos and self.eos_token_id is not None
         while True:
-            scores = logits.float()
-            if mask_eos:
-                scores = scores.clone()
-                scores[self.eos_token_id] = float("-inf")
+            scores = greedy_scores(logits, self.eos_token_id, ignore_eos)
             nxt = int(torch.argmax(scores))  # first index of the max: lowest id on ties
             if self.eos_token_id is not None and nxt == self.eos_token_id:
                 eos = True

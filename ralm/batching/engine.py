@@ -28,7 +28,7 @@ import torch
 from ralm import constants as C
 from ralm.batching.packed import SeqKV, packed_forward
 from ralm.batching.sessions import DocsKey, Session, SessionStore
-from ralm.drafting import StepOptions
+from ralm.drafting import StepOptions, greedy_scores
 from ralm.errors import RalmInputError
 from ralm.step_output import StepOutput
 
@@ -267,11 +267,7 @@ class BatchEngine:
         return st
 
     def _scores(self, a: ActiveStep, logits: torch.Tensor) -> torch.Tensor:
-        scores = logits.float()
-        if a.call.ignore_eos and self.eos_token_id is not None:
-            scores = scores.clone()
-            scores[..., self.eos_token_id] = float("-inf")
-        return scores
+        return greedy_scores(logits, self.eos_token_id, a.call.ignore_eos)
 
     def _emit(self, a: ActiveStep, logits: torch.Tensor) -> None:
         """The next token from ``logits [vocab]``: EOS ends the step; with FLARE, so does a

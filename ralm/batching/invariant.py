@@ -392,7 +392,3 @@ def _head_dim(model) -> int:
     hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
     heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
     return int(hidden) // int(heads)
-
-
-def is_invariant(model) -> bool:
-    return bool(getattr(model, "_ralm_invariant", None))

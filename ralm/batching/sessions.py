@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ralm.batching.packed import SeqKV
 
@@ -54,12 +54,9 @@ class SessionStats:
     released: int = 0
     bytes_used: int = 0
     sessions: int = 0
-    extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        d = dict(self.__dict__)
-        d.pop("extra")
-        return d
+        return dict(self.__dict__)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -57,3 +57,14 @@ class StepOptions:
 
 
 DEFAULT_OPTIONS = StepOptions()
+
+
+def greedy_scores(logits, eos_token_id: int | None, ignore_eos: bool):
+    """The scores every decoder takes the greedy token from: ``logits`` (``[..., vocab]``) as
+    float32, with EOS masked to -inf under ``ignore_eos``. ``torch.argmax`` of them gives the
+    lowest id on ties. One rule for the plain, drafted and batched decoders."""
+    s = logits.float()
+    if ignore_eos and eos_token_id is not None:
+        s = s.clone()
+        s[..., eos_token_id] = float("-inf")
+    return s

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ralm.drafting import greedy_scores
+
 
 @dataclass
 class DecodeResult:
@@ -45,11 +47,7 @@ def drafted_decode(engine, past, context, k: int, ignore_eos: bool, opts, drafte
     thr = opts.flare_threshold
 
     def scores(x: torch.Tensor) -> torch.Tensor:
-        s = x.float()
-        if mask:
-            s = s.clone()
-            s[..., eos_id] = float("-inf")
-        return s
+        return greedy_scores(x, eos_id, mask)
 
     ids = torch.tensor([list(context)], dtype=torch.long, device=dev)
     out = model(input_ids=ids, past_key_values=past, use_cache=True, output_hidden_states=need_hidden)
