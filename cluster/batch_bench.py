@@ -64,7 +64,10 @@ def _median(xs):
 
 
 def forward_cost(plain_model, inv_model, context: int, reps: int) -> dict:
-    """Decode-token latency at batch 1 and tokens/s at batch 16, plain vs invariant."""
+    """Decode-token latency at batch 1 and tokens/s at batch 16, plain vs invariant.
+
+    The two forwards alternate rep by rep (medians of ``reps`` each), so a noisy machine
+    slows both alike."""
     import torch
 
     from ralm.batching.packed import SeqKV, packed_forward
@@ -77,27 +80,24 @@ def forward_cost(plain_model, inv_model, context: int, reps: int) -> dict:
             ids = torch.randint(1, vocab, (batch, context + 1), generator=g)
             past = plain_model(input_ids=ids[:, :context], use_cache=True).past_key_values
             lens = [len(layer.keys[0, 0]) for layer in past.layers]
-            times = []
-            for _ in range(reps):
-                for layer, n in zip(past.layers, lens):  # the same KV length every rep
-                    layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
-                t0 = time.perf_counter()
-                plain_model(input_ids=ids[:, context:], past_key_values=past, use_cache=True)
-                times.append(time.perf_counter() - t0)
-            plain_s = _median(times)
             kvs = []
             for b in range(batch):
                 kv = SeqKV(int(inv_model.config.num_hidden_layers))
                 packed_forward(inv_model, [(kv, ids[b, :context].tolist())], [])
                 kvs.append(kv)
-            times = []
-            for _ in range(reps):
+            plain_t, inv_t = [], []
+            for _ in range(reps + 2):  # the first two of each are warm-up
+                for layer, n in zip(past.layers, lens):  # the same KV length every rep
+                    layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
+                t0 = time.perf_counter()
+                plain_model(input_ids=ids[:, context:], past_key_values=past, use_cache=True)
+                plain_t.append(time.perf_counter() - t0)
                 for kv in kvs:
                     kv.crop(context)
                 t0 = time.perf_counter()
                 packed_forward(inv_model, [(kv, [int(ids[b, context])]) for b, kv in enumerate(kvs)])
-                times.append(time.perf_counter() - t0)
-            inv_s = _median(times)
+                inv_t.append(time.perf_counter() - t0)
+            plain_s, inv_s = _median(plain_t[2:]), _median(inv_t[2:])
             res[f"batch{batch}"] = {
                 "plain_ms": plain_s * 1e3,
                 "invariant_ms": inv_s * 1e3,
@@ -158,6 +158,7 @@ def run_arm(engine, reqs, concurrency: int, new_tokens: int, stride: int, serial
 def batch_bench_main(args) -> int:
     import torch
 
+    from ralm.batching.invariant import invariant_kernels
     from ralm.config import GeneratorConfig
     from ralm.engine import LMEngine
 
@@ -176,7 +177,7 @@ def batch_bench_main(args) -> int:
         f"# ralmspec bench-batching: generator {what}, {args.new_tokens} new tokens per request, stride {args.stride}",
         machine_note(),
         f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s); linear-layer kernel: "
-        f"{torch.backends.cpu.get_cpu_capability()} GEMM on {inv.cfg.invariant_tile_rows}-row tiles",
+        f"{torch.backends.cpu.get_cpu_capability()}, invariant linear layers on {invariant_kernels(inv.model)}",
         f"Date: {time.strftime('%Y-%m-%d')}",
     ]
     print("\n".join(notes), flush=True)

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ralm.batching.invariant import invariant_kernels
 from ralm.config import GeneratorConfig
 from ralm.corpus import Corpus
 from ralm.engine import LMEngine, StepOutput
@@ -356,6 +357,7 @@ class GeneratorServer:
             "doc_kv": self.engine.doc_kv.stats.as_dict() if hasattr(self.engine.doc_kv, "stats") else None,
             "batching": self.batching(),
             "invariant_forward": self.engine.batcher is not None,
+            "invariant_kernels": invariant_kernels(self.engine.model),
             "invariant_error": self.engine.invariant_error,
             "session_keys": self.session_keys.info(),
             "features": self.features(),

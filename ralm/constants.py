@@ -53,6 +53,10 @@ TORCH_THREADS = 1  # 1 avoids oversubscription (FAISS/Lucene/other requests shar
 
 # ---- batch- and chunk-invariant forward, KV sessions, continuous batching (docs/batching.md) ----
 INVARIANT_TILE_ROWS = 4  # linear layers run on row counts padded to a multiple of this (fixed GEMM path)
+# linear layers with at least this many weights run on oneDNN (any row count >= 2 gives a row the same
+# bits, and 2 rows cost about a GEMV); smaller ones on BLAS tiles, where oneDNN's call overhead dominates
+INVARIANT_ONEDNN_MIN_WEIGHTS = 1 << 19
+INVARIANT_ONEDNN_MIN_ROWS = 2
 INVARIANT_QUERY_TILE = 4  # attention: queries in tiles of this many rows ...
 INVARIANT_KEY_BLOCK = 64  # ... against keys in blocks of this many positions, summed block by block
 KV_SESSION_BYTES = 1024 * 1024 * 1024  # budget of the in-flight requests' KV sessions (LRU; docs/batching.md)

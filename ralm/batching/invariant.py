@@ -12,10 +12,17 @@ place so that it has both, without forking its code:
 
 Linear layers (``nn.Linear`` and GPT-2's ``Conv1D``)
     A float32 GEMM gives a row different last bits when the row count changes (a 1-row
-    product is a GEMV with another summation order; 2 rows take another path again). Run
-    on a row count padded to a multiple of ``tile_rows``, every row takes the same kernel
-    and the same reduction order over the input features whatever the other rows hold.
-    :func:`check_row_invariance` verifies this on the running machine at start-up.
+    product is a GEMV with another summation order; 2 rows take another path again). Two
+    kernels avoid that. *BLAS tiles*: run on a row count padded to a multiple of
+    ``tile_rows``, every row takes the same kernel and the same reduction order over the
+    input features whatever the other rows hold. *oneDNN* (torch's ``mkldnn`` linear): every
+    row count from 2 up gives a row the same bits, and 2 rows cost little more than the GEMV
+    of one, where a 4-row BLAS tile costs 2-4× a GEMV (measured, one thread, width 768).
+    Layers with at least ``INVARIANT_ONEDNN_MIN_WEIGHTS`` weights use oneDNN, smaller ones
+    (where its per-call overhead dominates) BLAS tiles: the choice depends on the shape
+    only, never on a timing, so every replica computes the same bits.
+    :func:`check_row_invariance` verifies each layer shape on the running machine at
+    start-up and falls back to BLAS tiles.
 
 Attention (registered through transformers' ``AttentionInterface``)
     Per sequence, queries in tiles of ``query_tile`` rows against keys in blocks of
@@ -70,27 +77,61 @@ def _pad_rows(x2: torch.Tensor, tile: int) -> tuple[torch.Tensor, int]:
     return x2, n
 
 
-class InvariantLinear(nn.Module):
-    """``y = x W^T + b`` on rows padded to a multiple of ``tile_rows`` (one GEMM path).
+def onednn_available(device: torch.device | str = "cpu") -> bool:
+    """Whether torch's oneDNN linear kernel can run here (a CPU build with mkldnn)."""
+    return (
+        torch.device(device).type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
-    ``x [..., in]`` -> ``[..., out]``. Worked example with ``tile_rows=16``: a decode step of
-    3 sequences is a ``[3, in]`` input; it runs as ``[16, in]`` (13 zero rows) and the 3
-    real rows come back; the same row inside a 40-row prefill runs as part of ``[48, in]``
-    and gets the same bits.
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [n, in] @ weight[out, in]^T + bias`` on torch's oneDNN kernel (plain weight layout:
+    oneDNN reorders it itself, so no second copy of the weights is kept)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class InvariantLinear(nn.Module):
+    """``y = x W^T + b`` on a fixed kernel path whatever the row count.
+
+    ``x [..., in]`` -> ``[..., out]``. ``kernel`` is ``"blas"`` (rows padded to a multiple of
+    ``tile_rows``) or ``"onednn"`` (rows padded to at least ``INVARIANT_ONEDNN_MIN_ROWS``).
+    Worked example with BLAS and ``tile_rows=16``: a decode step of 3 sequences is a
+    ``[3, in]`` input; it runs as ``[16, in]`` (13 zero rows) and the 3 real rows come back;
+    the same row inside a 40-row prefill runs as part of ``[48, in]`` and gets the same bits.
+    With oneDNN the 3 rows run as they are and a single decode row runs as ``[2, in]``.
     """
 
-    def __init__(self, weight: torch.Tensor | nn.Parameter, bias: torch.Tensor | None, tile_rows: int):
+    def __init__(
+        self,
+        weight: torch.Tensor | nn.Parameter,
+        bias: torch.Tensor | None,
+        tile_rows: int,
+        kernel: str = "blas",
+    ):
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else (bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias))
         self.tile_rows = int(tile_rows)
         self.in_features = int(self.weight.shape[1])
         self.out_features = int(self.weight.shape[0])
+        self.kernel = kernel
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}, tile_rows={self.tile_rows}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2, n = _pad_rows(x.reshape(-1, shape[-1]), self.tile_rows)
-        y = F.linear(x2, self.weight, self.bias)
+        x2 = x.reshape(-1, shape[-1])
+        n = x2.shape[0]
+        if self.kernel == "onednn":
+            if n < C.INVARIANT_ONEDNN_MIN_ROWS:
+                x2 = torch.cat([x2, x2.new_zeros(C.INVARIANT_ONEDNN_MIN_ROWS - n, x2.shape[1])])
+            y = onednn_linear(x2.contiguous(), self.weight, self.bias)
+        else:
+            x2, n = _pad_rows(x2, self.tile_rows)
+            y = F.linear(x2, self.weight, self.bias)
         return y[:n].reshape(*shape[:-1], self.out_features)
 
 
@@ -339,20 +380,49 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS) -> Any:
     _register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     layers = [m for m in model.modules() if isinstance(m, InvariantLinear)]
+    _choose_kernels(layers)
     for tile in dict.fromkeys((tile_rows, 16, 64)):  # the configured tile, then safer ones
         for layer in layers:
             layer.tile_rows = tile
         try:
-            for layer in {(m.in_features, m.out_features): m for m in layers}.values():
+            for layer in {(m.in_features, m.out_features, m.kernel): m for m in layers}.values():
                 check_row_invariance(layer)
         except InvariantUnavailable:
             log.warning("matrix multiply not row-invariant at %d-row tiles here; trying larger tiles", tile)
             continue
         check_attention_invariance(_head_dim(model), layers[0].weight.device, layers[0].weight.dtype)
-        model._ralm_invariant = tile
+        kernels = sorted({m.kernel for m in layers})
+        model._ralm_invariant = f"{'+'.join(kernels)}, {tile}-row BLAS tiles"
         return model
     check_row_invariance(layers[0])  # raises with the reason
     return model
+
+
+def _choose_kernels(layers: list[InvariantLinear]) -> None:
+    """oneDNN for layers of at least ``INVARIANT_ONEDNN_MIN_WEIGHTS`` weights (by shape, so every
+    replica chooses alike), where the machine's oneDNN passes the row-invariance check for that
+    shape; BLAS tiles for the rest."""
+    verdict: dict[tuple[int, int, torch.dtype], str] = {}
+    for layer in layers:
+        big = layer.in_features * layer.out_features >= C.INVARIANT_ONEDNN_MIN_WEIGHTS
+        if not big or not onednn_available(layer.weight.device):
+            layer.kernel = "blas"
+            continue
+        key = (layer.in_features, layer.out_features, layer.weight.dtype)
+        if key not in verdict:
+            layer.kernel = "onednn"
+            try:
+                check_row_invariance(layer)
+                verdict[key] = "onednn"
+            except (InvariantUnavailable, RuntimeError) as e:  # RuntimeError: oneDNN refused the dtype
+                log.warning("oneDNN linear %s not usable for the invariant forward (%s); BLAS tiles", key, e)
+                verdict[key] = "blas"
+        layer.kernel = verdict[key]
+
+
+def invariant_kernels(model) -> str | None:
+    """The kernels the invariant forward of ``model`` runs on (None: not invariant)."""
+    return getattr(model, "_ralm_invariant", None)
 
 
 def check_attention_invariance(head_dim: int, device="cpu", dtype=torch.float32) -> None:

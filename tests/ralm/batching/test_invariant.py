@@ -18,6 +18,7 @@ from ralm.batching.invariant import (
     attend,
     check_row_invariance,
     make_invariant,
+    onednn_available,
     pad_kv,
 )
 from tests.ralm.batching.conftest import invariant_model
@@ -26,10 +27,13 @@ pytestmark = pytest.mark.unit
 
 
 # ----------------------------------------------------------------------------- pieces
+@pytest.mark.parametrize("kernel", ["blas", "onednn"])
 @pytest.mark.parametrize("d_in,d_out", [(64, 64), (256, 1024), (576, 1536)])
-def test_linear_rows_are_the_same_alone_and_at_any_batch_position(d_in, d_out):
+def test_linear_rows_are_the_same_alone_and_at_any_batch_position(d_in, d_out, kernel):
+    if kernel == "onednn" and not onednn_available():
+        pytest.skip("this torch build has no oneDNN linear (the BLAS-tile case covers the machine)")
     g = torch.Generator().manual_seed(d_in)
-    layer = InvariantLinear(torch.randn(d_out, d_in, generator=g), torch.randn(d_out, generator=g), 16)
+    layer = InvariantLinear(torch.randn(d_out, d_in, generator=g), torch.randn(d_out, generator=g), 16, kernel)
     x = torch.randn(70, d_in, generator=g)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(70)])
     for start, n in [(0, 2), (3, 3), (5, 16), (1, 17), (0, 70), (30, 40)]:
@@ -37,6 +41,33 @@ def test_linear_rows_are_the_same_alone_and_at_any_batch_position(d_in, d_out):
     # a 3-D input is rows too, and the layer is still the linear map
     assert torch.equal(layer(x[:12].view(3, 4, d_in)).view(12, d_out), alone[:12])
     assert torch.allclose(alone, F.linear(x, layer.weight, layer.bias), atol=1e-4)
+
+
+def test_kernels_are_chosen_by_layer_shape_and_a_failing_onednn_falls_back(monkeypatch):
+    """Big layers run on oneDNN, small ones on BLAS tiles (a shape rule: every replica picks
+    alike); where oneDNN fails the row-invariance probe, the layer runs on BLAS tiles."""
+    import ralm.batching.invariant as inv
+    from ralm import constants as C
+    from tests.factories import tiny_causal_lm
+
+    model = make_invariant(tiny_causal_lm("llama", vocab_size=300, eos_token_id=0, seed=3))
+    assert {m.kernel for m in model.modules() if isinstance(m, InvariantLinear)} == {"blas"}
+
+    monkeypatch.setattr(C, "INVARIANT_ONEDNN_MIN_WEIGHTS", 64 * 128)
+    model = make_invariant(tiny_causal_lm("llama", vocab_size=300, eos_token_id=0, seed=3))
+    by_size = {
+        (m.in_features * m.out_features >= 64 * 128, m.kernel)
+        for m in model.modules()
+        if isinstance(m, InvariantLinear)
+    }
+    want = "onednn" if onednn_available() else "blas"
+    assert by_size == {(False, "blas"), (True, want)}
+    assert "onednn" not in inv.invariant_kernels(model) or want == "onednn"
+
+    real = inv.onednn_linear
+    monkeypatch.setattr(inv, "onednn_linear", lambda x, w, b: real(x, w, b) + x.shape[0] * 1e-3)  # row count leaks in
+    model = make_invariant(tiny_causal_lm("llama", vocab_size=300, eos_token_id=0, seed=3))
+    assert {m.kernel for m in model.modules() if isinstance(m, InvariantLinear)} == {"blas"}
 
 
 def test_row_invariance_check_raises_when_rows_differ():
