@@ -376,6 +376,67 @@ def test_no_literal_passwords_outside_the_example_secret():
                     assert '"%s"' in line, f"{name}: literal requirepass: {line!r}"
 
 
+# ------------------------------------------------------------------ security
+def pod_templates() -> list[tuple[str, dict]]:
+    """Every pod template: each Ray group of every KubeRay object, and the core Deployments."""
+    out = []
+    for name, doc in ray_docs():
+        out += [(f"{name}/{g}", grp["template"]) for g, grp in groups(doc).items()]
+    for name, doc in core_docs():
+        if doc["kind"] in ("Deployment", "StatefulSet", "Job"):
+            out.append((f"{name}/{doc['metadata']['name']}", doc["spec"]["template"]))
+    return out
+
+
+def test_every_pod_is_non_root_read_only_and_bounded():
+    templates = pod_templates()
+    assert len(templates) == 3 * 3 + 1  # 3 Ray objects x 3 groups, and Redis
+    for where, tpl in templates:
+        spec = tpl["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True, where
+        assert spec["securityContext"]["runAsUser"] != 0, where
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True, where
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], where
+            res = c["resources"]
+            for key in ("cpu", "memory"):
+                assert key in res["requests"] and key in res["limits"], f"{where}: {key} request and limit"
+            mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
+            if where.split("/")[0].startswith("ray"):  # Ray writes its session dir under /tmp
+                assert "/tmp" in mounts, where
+
+
+def test_only_the_clusters_pods_reach_redis():
+    (pol,) = [d for _, d in core_docs() if d["kind"] == "NetworkPolicy"]
+    dep = next(d for _, d in core_docs() if d["kind"] == "Deployment" and d["metadata"]["name"] == "ralmspec-redis")
+    redis_labels = dep["spec"]["template"]["metadata"]["labels"]
+    sel = pol["spec"]["podSelector"]["matchLabels"]
+    assert all(redis_labels.get(k) == v for k, v in sel.items()) and pol["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = pol["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 6379}]
+    (peer,) = rule["from"]
+    assert set(peer) == {"podSelector"}  # same namespace only: no namespaceSelector, no ipBlock
+    admitted = peer["podSelector"]["matchLabels"]
+    assert admitted == {"app.kubernetes.io/name": "ralmspec"}
+    for where, tpl in pod_templates():  # every pod of the cluster is admitted
+        assert all(tpl["metadata"]["labels"].get(k) == v for k, v in admitted.items()), where
+
+
+def test_secrets_reach_pods_only_through_secret_references():
+    import re
+
+    checked = 0
+    for where, tpl in pod_templates():
+        for c in tpl["spec"]["containers"]:
+            for e in c.get("env", []):
+                secretish = re.search(r"(^|_)(PASSWORD|TOKEN|SECRET|AUTH|API_KEY)($|_)", e["name"].upper())
+                if secretish:
+                    assert "value" not in e and "secretKeyRef" in e["valueFrom"], f"{where}: {e['name']}"
+                    checked += 1
+    assert checked == 9 * 3 + 2  # the Redis password, HF token and API key of 9 Ray pods; Redis's own two
+
+
 def test_ralmspec_config_is_a_valid_ralm_config():
     from ralm.config import RalmConfig
 
