@@ -40,7 +40,7 @@ from typing import Any
 
 from ralm.config import GeneratorConfig, RequestConfig, SpecConfig
 from ralm.engine import LMEngine, StepOutput
-from ralm.errors import ConfigError
+from ralm.errors import ConfigError, RequestCancelled
 from ralm.methods import method_info
 from ralm.results import RalmResult
 from ralm.retrieval.base import ExactScorer, Hit, Retriever
@@ -68,6 +68,7 @@ class RemoteGenerator:
         self.calls = 0
         self.session: str | None = None  # the session key of the request in flight
         self._steps = handle  # the handle steps go through (with the session key while a request runs)
+        self.cancelled = threading.Event()  # set by Coordinator.cancel: the next step raises
 
     def begin(self, session: str) -> None:
         """Start a request: its steps carry ``session`` as Serve's multiplexed model id, so they
@@ -102,7 +103,10 @@ class RemoteGenerator:
         self, doc_id: Any, context: Sequence[int], k: int, ignore_eos: bool = False, options: Any = None
     ) -> StepOutput:
         """``f`` on the generator deployment; ``doc_id`` may be a tuple of ranked ids and
-        ``options`` a :class:`ralm.drafting.StepOptions` (drafting, FLARE, several documents)."""
+        ``options`` a :class:`ralm.drafting.StepOptions` (drafting, FLARE, several documents).
+        Raises :class:`~ralm.errors.RequestCancelled` once the request was cancelled."""
+        if self.cancelled.is_set():
+            raise RequestCancelled("the request was cancelled")
         self.calls += 1
         h = self._steps
         if options is not None:
@@ -160,11 +164,14 @@ class VerifierKB:
         self.verifier = verifier
         self.scorer: ExactScorer = scorer
         self.requester: str | None = None  # the request in flight, announced to the verifier
+        self.cancelled = threading.Event()  # shared with the request's generator (Coordinator.cancel)
 
     def search(self, query: str, k: int) -> list[Hit]:
         return self.batch_search([query], k)[0]
 
     def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        if self.cancelled.is_set():
+            raise RequestCancelled("the request was cancelled")
         return _get(self.verifier.verify.remote(list(queries), int(k), self.requester))
 
     def begin(self, requester: str) -> None:
@@ -225,6 +232,8 @@ class Coordinator:
         self._me = uuid.uuid4().hex[:12]  # tags this coordinator's requests at the verifiers
         self.served = 0
         self.busy = False
+        self.cancelled = threading.Event()  # the request in flight is to stop (cancel())
+        self.cancels = 0
         self.state = dict(state or {})
         self._store_obj = None
         self.resumed = 0
@@ -367,7 +376,9 @@ class Coordinator:
                 log.info("request %s resumes from a checkpoint of %d tokens", rid, len(resume.tokens))
             on_verified = self._checkpointer(rid, digest, q_tokens)
         self.busy = True
+        self.cancelled.clear()
         vkb = self._vkbs[kind]
+        gen.cancelled = vkb.cancelled = self.cancelled
         session = f"{self._me}:{self.served}"  # this request, at the verifiers and the generator
         vkb.begin(session)
         gen.begin(session)
@@ -425,6 +436,17 @@ class Coordinator:
             self.busy = False
             self.served += 1
 
+    def cancel(self) -> bool:
+        """Stop the request in flight at its next step or KB call (it raises
+        :class:`~ralm.errors.RequestCancelled`; its caches and KV sessions are freed as for any
+        finished request). Called while the request runs (the actor serves several calls at
+        once); returns whether a request was running."""
+        if not self.busy:
+            return False
+        self.cancelled.set()
+        self.cancels += 1
+        return True
+
     def run(self, request: dict) -> dict:
         """Answer one request: ``{question, retriever, method, request: {...}, spec: {...}}``.
 
@@ -479,6 +501,7 @@ class Coordinator:
             "pid": os.getpid(),
             "served": self.served,
             "busy": self.busy,
+            "cancelled": self.cancels,
             "generator_calls": self._gen.calls if self._gen else 0,
             "resumed": self.resumed,
             "checkpoints": self.checkpoints,

@@ -3,20 +3,27 @@
 The ingress takes a coordinator for each request (:meth:`CoordinatorPool.lease`), and
 gives it back afterwards; the coordinator has already cleared its local cache by then.
 The pool starts ``size`` coordinators up front and grows up to ``max_size`` under load;
-beyond that, requests wait for a free coordinator (first come, first served). A
-coordinator that died is replaced, and the request is retried once on a fresh one
-(requests are deterministic, so a retry returns the same tokens).
+beyond that, up to ``max_waiting`` requests wait for a free coordinator (first come, first
+served) and any further one is refused at once with :class:`~ralm.errors.Overloaded`
+(HTTP 503 with ``Retry-After``), so the queue is bounded. A coordinator that died is
+replaced, and the request is retried once on a fresh one (requests are deterministic, so a
+retry returns the same tokens). A request whose caller is cancelled (client gone, deadline
+passed) is told to stop (``cancel(coordinator)``) and its coordinator comes back to the
+pool only once it has stopped, so the next request never queues behind it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from ralm.errors import Overloaded
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +37,10 @@ class PoolStats:
     leases: int = 0
     waits: int = 0  # leases that had to wait for a coordinator
     wait_s: float = 0.0
+    waiting: int = 0  # requests waiting now
+    rejected: int = 0  # refused because max_waiting requests were already waiting (503)
+    cancelled: int = 0  # requests whose caller went away or timed out while they ran
+    mean_lease_s: float = 0.0  # moving average of how long a request holds a coordinator
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -43,6 +54,7 @@ class CoordinatorPool:
     ready: Callable[[Any], Awaitable[Any]]
     size: int = 4
     max_size: int = 16
+    max_waiting: int = 64
     _idle: asyncio.Queue[Any] = field(init=False, repr=False)  # made in __post_init__
     _all: list = field(default_factory=list, init=False, repr=False)
     _creating: int = field(default=0, init=False, repr=False)
@@ -51,6 +63,8 @@ class CoordinatorPool:
     def __post_init__(self) -> None:
         if self.size < 1 or self.max_size < self.size:
             raise ValueError(f"pool size {self.size} / max_size {self.max_size}: need 1 <= size <= max_size")
+        if self.max_waiting < 0:
+            raise ValueError(f"pool max_waiting {self.max_waiting}: need >= 0")
         self._idle = asyncio.Queue()
 
     async def start(self) -> CoordinatorPool:
@@ -89,12 +103,33 @@ class CoordinatorPool:
             finally:
                 self._creating -= 1
         if h is None:
+            if self.stats.waiting >= self.max_waiting:
+                self.stats.rejected += 1
+                raise Overloaded(
+                    f"the server is at capacity ({len(self._all)} requests running, {self.stats.waiting} waiting); "
+                    "retry later",
+                    self.retry_after_s(),
+                )
             self.stats.waits += 1
+            self.stats.waiting += 1
             t0 = time.perf_counter()
-            h = await self._idle.get()
+            try:
+                h = await self._idle.get()
+            finally:
+                self.stats.waiting -= 1
             self.stats.wait_s += time.perf_counter() - t0
         self._sync_stats()
         return h
+
+    def retry_after_s(self) -> float:
+        """When a refused request may expect room: the queue ahead of it drained at the pool's
+        pace (mean lease time × (waiting + 1) / coordinators), between 1 and 60 s."""
+        per = self.stats.mean_lease_s or 1.0
+        return min(60.0, max(1.0, per * (self.stats.waiting + 1) / max(1, len(self._all))))
+
+    def _note_lease(self, seconds: float) -> None:
+        m = self.stats.mean_lease_s
+        self.stats.mean_lease_s = seconds if m == 0 else 0.9 * m + 0.1 * seconds
 
     def release(self, handle: Any) -> None:
         self._idle.put_nowait(handle)
@@ -136,21 +171,60 @@ class CoordinatorPool:
         else:
             self.release(h)
 
-    async def run(self, fn: Callable[[Any], Awaitable[Any]], retries: int = 1) -> Any:
-        """``await fn(coordinator)`` on a leased coordinator, retried on a fresh one if it died."""
+    async def run(
+        self,
+        fn: Callable[[Any], Awaitable[Any]],
+        retries: int = 1,
+        cancel: Callable[[Any], Any] | None = None,
+    ) -> Any:
+        """``await fn(coordinator)`` on a leased coordinator, retried on a fresh one if it died.
+
+        If the caller is cancelled while the work runs, ``cancel(coordinator)`` asks it to
+        stop, and the coordinator returns to the pool (or is replaced) once the work is over."""
         for attempt in range(retries + 1):
+            h = await self.acquire()
+            t0 = time.perf_counter()
+            work = asyncio.ensure_future(_awaited(fn(h)))
             try:
-                async with self.lease() as h:
-                    return await fn(h)
-            except BaseException as e:
-                if attempt < retries and _is_actor_death(e):
-                    continue
+                res = await asyncio.shield(work)
+            except asyncio.CancelledError:
+                self.stats.cancelled += 1
+                if cancel is not None:
+                    with contextlib.suppress(Exception):
+                        cancel(h)
+                work.add_done_callback(functools.partial(self._settle, h))
                 raise
+            except BaseException as e:
+                self._note_lease(time.perf_counter() - t0)
+                if _is_actor_death(e):
+                    log.warning("coordinator died during a request; replacing it")
+                    asyncio.ensure_future(self.replace(h))
+                    if attempt < retries:
+                        continue
+                else:
+                    self.release(h)
+                raise
+            self._note_lease(time.perf_counter() - t0)
+            self.release(h)
+            return res
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _settle(self, handle: Any, work: asyncio.Future) -> None:
+        """The work of a cancelled request is over: give its coordinator back (or replace it)."""
+        e = None if work.cancelled() else work.exception()
+        if e is not None and _is_actor_death(e):
+            asyncio.ensure_future(self.replace(handle))
+        else:
+            self.release(handle)
 
     async def shutdown(self) -> None:
         for h in list(self._all):
             self._discard(h)
         self._sync_stats()
+
+
+async def _awaited(aw: Awaitable[Any]) -> Any:
+    return await aw
 
 
 def _is_actor_death(e: BaseException) -> bool:

@@ -28,9 +28,11 @@ class ApiError(Exception):
         param: str | None = None,
         type_: str = "invalid_request_error",
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.headers = headers
 
 
 def error_body(

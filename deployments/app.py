@@ -26,6 +26,8 @@ def build_app(args: dict | None = None):
     """Serve application builder: ``serve run deployments.app:build_app`` or ``serve_config.yaml``."""
     # Ray and the backend are imported only when an application is built (validating a
     # config, for one, needs neither)
+    from ray.serve.config import BackpressureConfig
+
     from deployments.generator import generator_deployment
     from deployments.ray_backend import start_ray_backend
     from deployments.serve_ingress import Ingress
@@ -43,6 +45,9 @@ def build_app(args: dict | None = None):
     ingress = cast("Deployment", Ingress).options(
         ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
+        # Serve's proxy refuses requests beyond these with 503 + Retry-After (a bounded queue)
+        max_queued_requests=cfg.ingress.max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=cfg.ingress.retry_after_s),
     )
     return ingress.bind(cfg.model_dump(mode="json"), start_ray_backend, gen)
 

@@ -62,6 +62,11 @@ class PoolOptions(_Opts):
         16, ge=1, description="Most coordinators (= most requests in flight); further requests queue."
     )
     num_cpus: float = Field(0.02, ge=0, description="CPUs reserved per coordinator actor.")
+    max_waiting: int = Field(
+        64,
+        ge=0,
+        description="Requests that may wait for a coordinator when all max_size are busy; beyond that a request is refused at once with 503 and Retry-After (a bounded queue).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> PoolOptions:
@@ -78,6 +83,14 @@ class IngressOptions(_Opts):
     max_ongoing_requests: int = Field(
         256, ge=1, description="Concurrent HTTP requests the ingress accepts (beyond the pool they wait)."
     )
+    max_queued_requests: int = Field(
+        256,
+        ge=1,
+        description="HTTP requests that may wait for the ingress beyond max_ongoing_requests; Serve's proxy answers any further one 503 with Retry-After.",
+    )
+    retry_after_s: float = Field(
+        5.0, ge=0, description="Retry-After of the proxy's 503 when the ingress queue is full (seconds)."
+    )
     max_prompt_chars: int = Field(
         20_000, ge=1, description="Prompts longer than this are rejected before tokenisation."
     )
@@ -86,6 +99,11 @@ class IngressOptions(_Opts):
     )
     max_body_bytes: int = Field(
         1_048_576, ge=1, description="Request bodies larger than this are rejected with 413 before they are parsed."
+    )
+    request_timeout_s: float = Field(
+        600.0,
+        ge=0,
+        description="Deadline of a request, queueing included: past it the request is cancelled (its coordinator stops at the next step) and the client gets 504 with code 'timeout'. 0: no deadline.",
     )
 
 

@@ -39,9 +39,11 @@ done by a :class:`~deployments.backend.RalmBackend` (served: the Ray topology of
 """
 
 # no "from __future__ import annotations": FastAPI must see the body models as classes
+import asyncio
 import hmac
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -66,7 +68,7 @@ from deployments.api import (
 )
 from deployments.backend import BackendUnavailable, RalmBackend
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
-from ralm.errors import ConfigError, RalmInputError
+from ralm.errors import ConfigError, Overloaded, RalmInputError, RequestCancelled
 
 if TYPE_CHECKING:  # the config module pulls in the generator's (torch); the HTTP layer needs none of it
     from deployments.config import AppConfig
@@ -90,6 +92,7 @@ class IngressSettings:
     max_body_bytes: int = 1_048_576
     admin: bool = False
     api_key: str | None = None
+    request_timeout_s: float = 600.0  # 0: no deadline
 
     @classmethod
     def from_config(cls, cfg: "AppConfig", api_key: str | None = None) -> "IngressSettings":
@@ -106,6 +109,7 @@ class IngressSettings:
             max_body_bytes=cfg.ingress.max_body_bytes,
             admin=cfg.ingress.admin,
             api_key=api_key,
+            request_timeout_s=cfg.ingress.request_timeout_s,
         )
 
 
@@ -230,7 +234,7 @@ def _replay(messages: list, receive):
 # only (build_http_app), so the cast names the class Starlette passes.
 async def _api_error(_: Request, exc: Exception) -> JSONResponse:
     e = cast(ApiError, exc)
-    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
 
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
@@ -288,6 +292,8 @@ class Endpoints:
         self.started = time.time()
         self.requests = 0
         self.errors = 0
+        self.overloaded = 0  # refused with 503 (bounded queues full)
+        self.timeouts = 0  # cancelled at their deadline (504)
 
     # ---------------------------------------------------------------- validation
     def _check_model(self, model: str | None) -> None:
@@ -335,13 +341,40 @@ class Endpoints:
         )
 
     # ---------------------------------------------------------------- running
+    @property
+    def _deadline(self) -> float | None:
+        return self.settings.request_timeout_s or None
+
+    def _timeout_error(self) -> ApiError:
+        return ApiError(
+            504,
+            f"the request did not finish within its deadline of {self.settings.request_timeout_s:g} s and was "
+            "cancelled (ingress.request_timeout_s)",
+            type_="timeout_error",
+            code="timeout",
+        )
+
+    @staticmethod
+    def _overloaded_error(e: Overloaded) -> ApiError:
+        retry = max(1, math.ceil(e.retry_after_s))
+        return ApiError(
+            503, message_of(e), type_="overloaded_error", code="overloaded", headers={"Retry-After": str(retry)}
+        )
+
     async def _run(self, job: dict) -> dict:
         self.requests += 1
         try:
-            return await self.backend.run(job)
+            # past the deadline wait_for cancels the backend call: the backend stops the request
+            return await asyncio.wait_for(self.backend.run(job), self._deadline)
         except (RalmInputError, ConfigError) as e:
             self.errors += 1
             raise ApiError(400, message_of(e)) from None
+        except Overloaded as e:
+            self.overloaded += 1
+            raise self._overloaded_error(e) from None
+        except (asyncio.TimeoutError, RequestCancelled):
+            self.timeouts += 1
+            raise self._timeout_error() from None
         except ApiError:
             raise
         except Exception as e:
@@ -365,10 +398,16 @@ class Endpoints:
     ) -> AsyncIterator[str]:
         self.requests += 1
         stream = self.backend.stream(job)
+        deadline = None if self._deadline is None else time.monotonic() + self._deadline
         try:
             if echo:
                 yield self._chunk(cid, created, echo, None)
-            async for chunk in stream:
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    chunk = await asyncio.wait_for(anext(stream), left)
+                except StopAsyncIteration:
+                    break
                 if chunk.get("done"):
                     res = chunk["result"]
                     if chunk["delta"]:
@@ -385,6 +424,16 @@ class Endpoints:
                 elif chunk["delta"]:
                     yield self._chunk(cid, created, chunk["delta"], None)
             yield "data: [DONE]\n\n"
+        except (asyncio.TimeoutError, RequestCancelled):
+            self.timeouts += 1
+            t = self._timeout_error()
+            yield f"data: {json.dumps(error_body(t.message, t.type, code=t.code))}\n\n"
+        except Overloaded as e:
+            self.overloaded += 1
+            o = self._overloaded_error(e)
+            body = error_body(o.message, o.type, code=o.code)
+            body["error"]["retry_after"] = (o.headers or {}).get("Retry-After")
+            yield f"data: {json.dumps(body)}\n\n"
         except Exception as e:
             self.errors += 1
             status = 400 if isinstance(e, (RalmInputError, ConfigError)) else 500
@@ -425,7 +474,14 @@ class Endpoints:
 
     async def stats(self):
         parts = await self.backend.stats()
-        return {"requests": self.requests, "errors": self.errors, **parts, "features": self.backend.features}
+        return {
+            "requests": self.requests,
+            "errors": self.errors,
+            "overloaded": self.overloaded,
+            "timeouts": self.timeouts,
+            **parts,
+            "features": self.backend.features,
+        }
 
     async def admin_verifier(self, request: Request):
         if not self.settings.admin:

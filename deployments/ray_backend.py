@@ -12,6 +12,7 @@ which runs the core loop; this class only routes jobs to the pool and collects s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -181,7 +182,7 @@ class RayBackend:
         async def ready(h):
             await h.ready.remote()
 
-        self.pool = CoordinatorPool(factory, ready, cfg.pool.size, cfg.pool.max_size)
+        self.pool = CoordinatorPool(factory, ready, cfg.pool.size, cfg.pool.max_size, cfg.pool.max_waiting)
         await self.pool.start()
 
     def _started_codec(self) -> RemoteGenerator:
@@ -210,7 +211,7 @@ class RayBackend:
 
     async def run(self, job: dict) -> dict:
         """On a leased coordinator; retried once on a fresh one if the coordinator died."""
-        return await self._started_pool().run(lambda c: c.run.remote(job))
+        return await self._started_pool().run(lambda c: c.run.remote(job), cancel=lambda c: c.cancel.remote())
 
     async def stream(self, job: dict) -> AsyncGenerator[dict, None]:
         pool = self._started_pool()
@@ -230,7 +231,10 @@ class RayBackend:
                 pool.release(coord)
             raise
         finally:
-            if not done:  # the client went away: keep the lease until the coordinator is free
+            if not done:  # the client went away: stop the request, keep the lease until it has stopped
+                with contextlib.suppress(Exception):
+                    coord.cancel.remote()
+                pool.stats.cancelled += 1
                 asyncio.ensure_future(self._drain(refs, coord))
 
     async def _drain(self, refs, coord) -> None:

@@ -8,8 +8,23 @@ from __future__ import annotations
 
 from cache.errors import ConfigError
 
-__all__ = ["ConfigError", "RalmInputError"]
+__all__ = ["ConfigError", "Overloaded", "RalmInputError", "RequestCancelled"]
 
 
 class RalmInputError(ValueError):
     """A request is invalid (empty or over-long question, bad parameter)."""
+
+
+class Overloaded(Exception):
+    """The server is at capacity (its bounded queues are full): retry after ``retry_after_s``.
+
+    Answered as HTTP 503 with a ``Retry-After`` header; nothing of the request was started."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = float(retry_after_s)
+
+
+class RequestCancelled(Exception):
+    """The request was cancelled (its client went away or its deadline passed) and stopped
+    between two steps; what it held (coordinator, caches, KV sessions) is freed."""

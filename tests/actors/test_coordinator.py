@@ -87,6 +87,80 @@ def test_pool_grows_then_queues():
     asyncio.run(main())
 
 
+def test_pool_bounds_its_queue_and_refuses_beyond_it_with_a_retry_hint():
+    from actors.pool import CoordinatorPool
+    from ralm.errors import Overloaded
+
+    async def ready(_):
+        return None
+
+    async def main():
+        pool = await CoordinatorPool(object, ready, size=1, max_size=1, max_waiting=2).start()
+        held = await pool.acquire()
+        waiters = [asyncio.ensure_future(pool.acquire()) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        assert pool.stats.waiting == 2
+        with pytest.raises(Overloaded, match="at capacity") as e:
+            await pool.acquire()  # refused at once, not queued
+        assert 1.0 <= e.value.retry_after_s <= 60.0
+        assert pool.stats.rejected == 1 and pool.stats.waiting == 2
+        pool.release(held)
+        h = await waiters[0]
+        pool.release(h)
+        pool.release(await waiters[1])
+        assert pool.stats.waiting == 0 and pool.stats.idle == 1
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_caller_stops_its_request_and_the_coordinator_returns_only_when_free():
+    """The deadline / client-gone path: ``cancel(coordinator)`` is called, the caller sees the
+    cancellation at once, and the coordinator is not leased again while its work still runs."""
+    from actors.pool import CoordinatorPool
+
+    async def ready(_):
+        return None
+
+    async def main():
+        pool = await CoordinatorPool(object, ready, size=1, max_size=1).start()
+        stop = asyncio.Event()
+        told = []
+
+        async def work(h):
+            await stop.wait()  # the coordinator notices the cancel flag between two steps
+            return "stopped"
+
+        def cancel(h):
+            told.append(h)
+            stop.set()
+
+        stop_later = asyncio.Event()
+
+        async def slow_work(h):
+            await stop_later.wait()
+            return "late"
+
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(pool.run(slow_work, cancel=lambda h: told.append(h)), 0.05)
+        assert len(told) == 1 and pool.stats.cancelled == 1
+        nxt = asyncio.ensure_future(pool.acquire())
+        await asyncio.sleep(0.02)
+        assert not nxt.done()  # still busy with the cancelled request's work
+        stop_later.set()
+        h = await asyncio.wait_for(nxt, 1)
+        pool.release(h)
+        task = asyncio.ensure_future(pool.run(work, cancel=cancel))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert len(told) == 2 and stop.is_set()
+        h = await asyncio.wait_for(pool.acquire(), 1)  # back once the work ended
+        pool.release(h)
+
+    asyncio.run(main())
+
+
 # --------------------------------------------------------------------------- over Ray
 @pytest.fixture(scope="module")
 def stack(ray_local, index_dirs, fixture_corpus, retriever_configs, gen_model_dir):
@@ -248,3 +322,32 @@ def test_pool_over_ray_queues_and_replaces_a_dead_coordinator(stack, baselines):
         await pool.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("method,spec", [("seq", None), ("spec", SpecConfig.named("PSA"))], ids=["seq", "PSA"])
+def test_a_cancelled_request_stops_at_its_next_step_and_frees_the_coordinator(stack, baselines, method, spec):
+    """``Coordinator.cancel`` while a long request runs: it raises RequestCancelled well before
+    its 32 steps, the coordinator is free and its next request is answered exactly."""
+    import ray
+
+    from ralm.errors import RequestCancelled
+
+    coord = stack["coord"]
+    qs, base = baselines
+    job = _job(qs[0], method, spec)
+    job["request"] = {**job["request"], "max_new_tokens": 128, "ignore_eos": True}
+    calls0 = ray.get(coord.info.remote())["generator_calls"]
+    ref = coord.run.remote(job)
+    deadline = time.time() + 30
+    while ray.get(coord.info.remote())["generator_calls"] == calls0:  # the request is under way
+        assert time.time() < deadline
+        time.sleep(0.02)
+    assert ray.get(coord.cancel.remote()) is True
+    with pytest.raises(RequestCancelled):
+        ray.get(ref, timeout=60)
+    info = ray.get(coord.info.remote())
+    assert info["busy"] is False and info["cancelled"] >= 1
+    assert info["generator_calls"] - calls0 < 32  # 128 tokens at stride 4 would be 32 steps
+    assert ray.get(coord.cancel.remote()) is False  # nothing to cancel now
+    res = ray.get(coord.run.remote(_job(qs[0], method, spec)))
+    assert res["tokens"] == base[0].tokens

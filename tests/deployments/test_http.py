@@ -277,6 +277,38 @@ def test_streaming_raw_sse(server, baselines, questions):
     assert objs[-1]["ralm"]["tokens"] == baselines["sr"][q].tokens
 
 
+def _stats(server) -> dict:
+    r = server["client"].get("/v1/ralm/stats")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_client_that_leaves_mid_stream_cancels_its_request(server, questions):
+    """The client reads one SSE chunk and disconnects: the coordinator stops at its next step
+    (far fewer generator steps than the request's 32), goes back to the pool, and the request's
+    KV sessions at the generator are freed."""
+    before = _stats(server)
+    steps0, cancelled0 = before["generator"]["steps"], before["pool"]["cancelled"]
+    body = {"prompt": questions[1], "max_tokens": 128, "ignore_eos": True, "stream": True, "method": "seq"}
+    with httpx.Client(base_url=server["url"], timeout=60) as own:
+        with own.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # one chunk, then the connection closes
+    deadline = time.time() + 60
+    while True:
+        st = _stats(server)
+        pool, sessions = st["pool"], st["generator"]["batching"]["sessions"]
+        if pool["cancelled"] > cancelled0 and pool["idle"] == pool["size"] and sessions["sessions"] == 0:
+            break
+        assert time.time() < deadline, (pool, sessions)
+        time.sleep(0.2)
+    assert st["generator"]["steps"] - steps0 < 32  # stopped early: 128 tokens at stride 4 is 32 steps
+    again = _generate(server["client"], questions[1], "edr", "seq")  # and the server keeps serving
+    assert again["tokens"]
+
+
 def test_shard_killed_mid_http_request(server, retrievers, local_generator, questions):
     """A shard actor dies (and restarts) while a request is running; the answer is still exact."""
     import ray

@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from fastapi.testclient import TestClient
 from deployments.backend import BackendUnavailable
 from deployments.ingress import IngressSettings, build_http_app
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
-from ralm.errors import ConfigError, RalmInputError
+from ralm.errors import ConfigError, Overloaded, RalmInputError
 from ralm.methods import method_info
 from ralm.results import RalmResult
 from ralm.seq import run_seq
@@ -164,6 +165,34 @@ def test_missing_or_wrong_key_is_401_and_health_stays_open(keyed):
     assert r.status_code == 200, r.text
 
 
+def test_the_api_key_never_reaches_the_logs(backend, caplog):
+    import logging
+
+    with caplog.at_level(logging.DEBUG), TestClient(build_http_app(backend, settings(api_key=KEY))) as c:
+        assert c.post("/v1/ralm/generate", json={"question": QUESTION}).status_code == 401
+        wrong = c.post(
+            "/v1/ralm/generate", json={"question": QUESTION}, headers={"Authorization": "Bearer " + KEY[:-1]}
+        )
+        assert wrong.status_code == 401 and KEY[:-1] not in wrong.text
+        ok = c.post("/v1/ralm/generate", json={"question": QUESTION}, headers={"Authorization": f"Bearer {KEY}"})
+        assert ok.status_code == 200 and KEY not in ok.text
+        backend.fail = RuntimeError("boom")
+        c.post("/v1/ralm/generate", json={"question": QUESTION}, headers={"Authorization": f"Bearer {KEY}"})
+    assert caplog.records  # the requests were logged (the failure at least) ...
+    assert not any(KEY[:8] in r.getMessage() or KEY[:8] in (r.exc_text or "") for r in caplog.records)  # ... without it
+
+
+def test_cors_is_off_by_default(client):
+    """No CORS headers: a browser page of another origin cannot call the API."""
+    pre = client.options(
+        "/v1/completions",
+        headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+    )
+    assert "access-control-allow-origin" not in pre.headers
+    r = client.get("/v1/models", headers={"Origin": "https://evil.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
 def test_oversized_bodies_are_413_before_parsing(client):
     err = _error(client.post("/v1/ralm/generate", json={"question": "x" * (LIMIT + 10)}), 413)
     assert err["code"] == "request_too_large" and str(LIMIT) in err["message"]
@@ -284,6 +313,61 @@ def test_backend_errors_are_mapped(client, backend):
     assert client.post("/v1/ralm/generate", json={"question": QUESTION}).status_code == 200
 
 
+class SlowBackend(InProcessBackend):
+    """A backend whose requests never finish on their own; it records being cancelled."""
+
+    def __init__(self):
+        super().__init__()
+        self.cancelled = 0
+
+    async def run(self, job: dict) -> dict:
+        self.jobs.append(job)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        raise AssertionError("unreachable")
+
+    async def stream(self, job: dict) -> AsyncIterator[dict]:
+        try:
+            yield {"delta": "first", "tokens": [1]}
+            await asyncio.sleep(3600)
+        finally:
+            self.cancelled += 1
+
+
+def test_a_full_server_answers_503_with_retry_after_and_keeps_serving(client, backend):
+    backend.fail = Overloaded("the server is at capacity (16 requests running, 64 waiting); retry later", 7.2)
+    r = client.post("/v1/ralm/generate", json={"question": QUESTION})
+    err = _error(r, 503)
+    assert r.headers["retry-after"] == "8" and err["code"] == "overloaded" and "at capacity" in err["message"]
+    backend.fail = Overloaded("full", 0.2)
+    events = _events(client, {"method": "seq"})
+    assert (
+        json.loads(events[-1])["error"]["code"] == "overloaded"
+        and json.loads(events[-1])["error"]["retry_after"] == "1"
+    )
+    assert client.get("/v1/ralm/stats").json()["overloaded"] == 2
+    assert client.post("/v1/ralm/generate", json={"question": QUESTION}).status_code == 200
+
+
+def test_a_request_past_its_deadline_is_cancelled_and_answered_504():
+    slow = SlowBackend()
+    with TestClient(build_http_app(slow, settings(request_timeout_s=0.3))) as c:
+        t0 = time.perf_counter()
+        r = c.post("/v1/completions", json={"prompt": QUESTION, "max_tokens": 8})
+        assert time.perf_counter() - t0 < 5
+        err = _error(r, 504)
+        assert err["code"] == "timeout" and "deadline of 0.3 s" in err["message"]
+        assert slow.cancelled == 1  # the backend's work was cancelled, not left running
+        events = _events(c, {"method": "seq"})  # a stream: its first chunk, then the timeout
+        assert json.loads(events[0])["choices"][0]["text"] == "first"
+        assert json.loads(events[-1])["error"]["code"] == "timeout"
+        assert slow.cancelled == 2
+        assert c.get("/v1/ralm/stats").json()["timeouts"] == 2
+
+
 # ---------------------------------------------------------------- streaming
 def _events(client, body: dict) -> list[str]:
     with client.stream("POST", "/v1/completions", json={"prompt": QUESTION, "stream": True, **body}) as r:
@@ -354,7 +438,7 @@ def test_models_health_stats_and_admin(client, backend):
     r = client.get("/healthz")
     assert r.status_code == 503 and r.json() == {"status": "unhealthy", "reason": "verifier: TimeoutError"}
     stats = client.get("/v1/ralm/stats").json()
-    assert set(stats) == {"requests", "errors", "pool", "verifiers", "features"}
+    assert set(stats) == {"requests", "errors", "overloaded", "timeouts", "pool", "verifiers", "features"}
     out = client.post("/v1/ralm/admin/verifier", json={"batching": False, "reset_stats": True}).json()
     assert out == {"edr": {"batching": False}}
     assert backend.policies[0] == (
