@@ -60,7 +60,14 @@ def _get(ref_or_response, timeout: float | None = None):
 class RemoteGenerator:
     """:class:`~ralm.generator.Generator` whose steps run on the generator deployment."""
 
-    def __init__(self, handle: Any, tokenizer: Any, cfg: GeneratorConfig, eos_token_id: int | None):
+    def __init__(
+        self,
+        handle: Any,
+        tokenizer: Any,
+        cfg: GeneratorConfig,
+        eos_token_id: int | None,
+        cancelled: threading.Event | None = None,
+    ):
         self.handle = handle
         self.tokenizer = tokenizer  # LMEngine.encode_question/decode only use these two
         self.cfg = cfg
@@ -68,7 +75,7 @@ class RemoteGenerator:
         self.calls = 0
         self.session: str | None = None  # the session key of the request in flight
         self._steps = handle  # the handle steps go through (with the session key while a request runs)
-        self.cancelled = threading.Event()  # set by Coordinator.cancel: the next step raises
+        self.cancelled = cancelled or threading.Event()  # set by Coordinator.cancel: the next step raises
 
     def begin(self, session: str) -> None:
         """Start a request: its steps carry ``session`` as Serve's multiplexed model id, so they
@@ -159,12 +166,12 @@ class RemoteScorer:
 class VerifierKB:
     """:class:`~ralm.retrieval.base.Retriever` backed by a verifier actor."""
 
-    def __init__(self, name: str, verifier: Any, scorer: RemoteScorer):
+    def __init__(self, name: str, verifier: Any, scorer: RemoteScorer, cancelled: threading.Event | None = None):
         self.name = name
         self.verifier = verifier
         self.scorer: ExactScorer = scorer
         self.requester: str | None = None  # the request in flight, announced to the verifier
-        self.cancelled = threading.Event()  # shared with the request's generator (Coordinator.cancel)
+        self.cancelled = cancelled or threading.Event()  # set by Coordinator.cancel: the next call raises
 
     def search(self, query: str, k: int) -> list[Hit]:
         return self.batch_search([query], k)[0]
@@ -266,7 +273,7 @@ class Coordinator:
             tok = _get(h.tokenizer.remote())
             info = _get(h.info.remote())
             cfg = GeneratorConfig(max_prompt_tokens=info["max_prompt_tokens"], max_new_tokens=info["max_new_tokens"])
-            self._gen = RemoteGenerator(h, tok, cfg, info["eos_token_id"])
+            self._gen = RemoteGenerator(h, tok, cfg, info["eos_token_id"], self.cancelled)
         return self._gen
 
     def _kb(self, kind: str) -> Retriever:
@@ -277,7 +284,7 @@ class Coordinator:
 
             v = self.verifiers[kind]
             scorer = RemoteScorer(v, _get(v.score_function.remote()))
-            vkb = VerifierKB(kind, v, scorer)
+            vkb = VerifierKB(kind, v, scorer, self.cancelled)
             self._vkbs[kind] = vkb
             kb: Retriever = vkb
             version = (self.state.get("kb_cache") or {}).get(kind)
@@ -376,9 +383,8 @@ class Coordinator:
                 log.info("request %s resumes from a checkpoint of %d tokens", rid, len(resume.tokens))
             on_verified = self._checkpointer(rid, digest, q_tokens)
         self.busy = True
-        self.cancelled.clear()
+        self.cancelled.clear()  # shared with the generator and the KBs (made with it)
         vkb = self._vkbs[kind]
-        gen.cancelled = vkb.cancelled = self.cancelled
         session = f"{self._me}:{self.served}"  # this request, at the verifiers and the generator
         vkb.begin(session)
         gen.begin(session)

@@ -1,7 +1,7 @@
 """A pool of pre-started coordinator actors (creating an actor costs ~0.45 s here).
 
-The ingress takes a coordinator for each request (:meth:`CoordinatorPool.lease`), and
-gives it back afterwards; the coordinator has already cleared its local cache by then.
+The ingress runs each request on a coordinator of the pool (:meth:`CoordinatorPool.run`, or
+:meth:`~CoordinatorPool.acquire` / :meth:`~CoordinatorPool.release` for a stream); the coordinator has already cleared its local cache by then.
 The pool starts ``size`` coordinators up front and grows up to ``max_size`` under load;
 beyond that, up to ``max_waiting`` requests wait for a free coordinator (first come, first
 served) and any further one is refused at once with :class:`~ralm.errors.Overloaded`
@@ -19,7 +19,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,22 +155,6 @@ class CoordinatorPool:
             self._idle.put_nowait(h)
         self._sync_stats()
 
-    @contextlib.asynccontextmanager
-    async def lease(self) -> AsyncIterator[Any]:
-        """``async with pool.lease() as coordinator: ...``; a dead coordinator is replaced."""
-        h = await self.acquire()
-        try:
-            yield h
-        except BaseException as e:
-            if _is_actor_death(e):
-                log.warning("coordinator died during a request; replacing it")
-                asyncio.ensure_future(self.replace(h))
-            else:
-                self.release(h)
-            raise
-        else:
-            self.release(h)
-
     async def run(
         self,
         fn: Callable[[Any], Awaitable[Any]],
@@ -184,7 +168,7 @@ class CoordinatorPool:
         for attempt in range(retries + 1):
             h = await self.acquire()
             t0 = time.perf_counter()
-            work = asyncio.ensure_future(_awaited(fn(h)))
+            work = asyncio.ensure_future(fn(h))
             try:
                 res = await asyncio.shield(work)
             except asyncio.CancelledError:
@@ -196,35 +180,31 @@ class CoordinatorPool:
                 raise
             except BaseException as e:
                 self._note_lease(time.perf_counter() - t0)
-                if _is_actor_death(e):
-                    log.warning("coordinator died during a request; replacing it")
-                    asyncio.ensure_future(self.replace(h))
-                    if attempt < retries:
-                        continue
-                else:
-                    self.release(h)
+                if self._give_back(h, e) and attempt < retries:
+                    continue
                 raise
             self._note_lease(time.perf_counter() - t0)
             self.release(h)
             return res
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _give_back(self, handle: Any, error: BaseException | None) -> bool:
+        """Return a coordinator after its work, or replace it if the work found it dead (True)."""
+        if error is not None and _is_actor_death(error):
+            log.warning("coordinator died during a request; replacing it")
+            asyncio.ensure_future(self.replace(handle))
+            return True
+        self.release(handle)
+        return False
+
     def _settle(self, handle: Any, work: asyncio.Future) -> None:
         """The work of a cancelled request is over: give its coordinator back (or replace it)."""
-        e = None if work.cancelled() else work.exception()
-        if e is not None and _is_actor_death(e):
-            asyncio.ensure_future(self.replace(handle))
-        else:
-            self.release(handle)
+        self._give_back(handle, None if work.cancelled() else work.exception())
 
     async def shutdown(self) -> None:
         for h in list(self._all):
             self._discard(h)
         self._sync_stats()
-
-
-async def _awaited(aw: Awaitable[Any]) -> Any:
-    return await aw
 
 
 def _is_actor_death(e: BaseException) -> bool:

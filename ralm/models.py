@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ralm import constants as C
+from ralm.checksums import sha256_file
 from ralm.errors import RalmInputError
 
 log = logging.getLogger(__name__)
@@ -109,8 +110,6 @@ def resolve(model: str, gguf_file: str | None = None, sha256: str | None = None)
         if not path.is_file():
             raise RalmInputError(f"GGUF file {path} does not exist")
         if src.sha256 is not None:
-            from ralm.retrieval.encoder import sha256_file
-
             digest = sha256_file(path)
             if digest != src.sha256:
                 raise RalmInputError(
@@ -120,10 +119,16 @@ def resolve(model: str, gguf_file: str | None = None, sha256: str | None = None)
     return src
 
 
+def model_cache_root() -> Path:
+    """Where converted or unpacked models are kept: ``RALMSPEC_MODEL_CACHE``, else
+    ``~/.cache/ralmspec/models``."""
+    return Path(os.environ.get("RALMSPEC_MODEL_CACHE", str(C.DEFAULT_WORK_DIR / "models"))).expanduser()
+
+
 def _cache_dir(src: ModelSource, dtype_name: str) -> Path | None:
     if src.gguf_file is None or src.sha256 is None:
         return None  # only verified GGUF files are converted once and kept
-    root = Path(os.environ.get("RALMSPEC_MODEL_CACHE", str(C.DEFAULT_WORK_DIR / "models"))).expanduser()
+    root = model_cache_root()
     stem = src.preset or Path(src.gguf_file).stem
     return root / f"{stem}-{src.sha256[:16]}-{dtype_name}"
 

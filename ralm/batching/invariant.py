@@ -69,12 +69,10 @@ class InvariantUnavailable(RalmInputError):
 
 
 # --------------------------------------------------------------------------- linear
-def _pad_rows(x2: torch.Tensor, tile: int) -> tuple[torch.Tensor, int]:
-    n = x2.shape[0]
-    pad = (-n) % tile
-    if pad:
-        x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
-    return x2, n
+def _pad_rows(x2: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x2 [n, in]`` with zero rows appended up to ``rows`` (``rows >= n``)."""
+    pad = rows - x2.shape[0]
+    return torch.cat([x2, x2.new_zeros(pad, x2.shape[1])]) if pad else x2
 
 
 def onednn_available(device: torch.device | str = "cpu") -> bool:
@@ -126,12 +124,9 @@ class InvariantLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         n = x2.shape[0]
         if self.kernel == "onednn":
-            if n < C.INVARIANT_ONEDNN_MIN_ROWS:
-                x2 = torch.cat([x2, x2.new_zeros(C.INVARIANT_ONEDNN_MIN_ROWS - n, x2.shape[1])])
-            y = onednn_linear(x2.contiguous(), self.weight, self.bias)
+            y = onednn_linear(_pad_rows(x2, max(n, C.INVARIANT_ONEDNN_MIN_ROWS)).contiguous(), self.weight, self.bias)
         else:
-            x2, n = _pad_rows(x2, self.tile_rows)
-            y = F.linear(x2, self.weight, self.bias)
+            y = F.linear(_pad_rows(x2, -(-n // self.tile_rows) * self.tile_rows), self.weight, self.bias)
         return y[:n].reshape(*shape[:-1], self.out_features)
 
 
@@ -380,12 +375,13 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS) -> Any:
     _register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     layers = [m for m in model.modules() if isinstance(m, InvariantLinear)]
-    _choose_kernels(layers)
+    _choose_kernels(layers)  # probes the oneDNN shapes; the tile loop probes the BLAS ones
+    blas = {(m.in_features, m.out_features): m for m in layers if m.kernel == "blas"}
     for tile in dict.fromkeys((tile_rows, 16, 64)):  # the configured tile, then safer ones
         for layer in layers:
             layer.tile_rows = tile
         try:
-            for layer in {(m.in_features, m.out_features, m.kernel): m for m in layers}.values():
+            for layer in blas.values():
                 check_row_invariance(layer)
         except InvariantUnavailable:
             log.warning("matrix multiply not row-invariant at %d-row tiles here; trying larger tiles", tile)

@@ -20,7 +20,6 @@ the query vector's bits then do not depend on the process's torch settings.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -33,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ralm import constants as C
+from ralm.checksums import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -55,17 +55,6 @@ _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 class EncoderError(ValueError):
     """The encoder cannot be found, or its files are not the expected ones."""
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while True:
-            b = fh.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
 
 
 def local_model_dir(name: str) -> Path:
@@ -105,7 +94,9 @@ def _split_model_dir(short: str) -> Path:
     from importlib import metadata
 
     dists, folder = SPLIT_MODELS[short]
-    root = Path(os.environ.get("RALMSPEC_MODEL_CACHE", str(C.DEFAULT_WORK_DIR / "models"))).expanduser()
+    from ralm.models import model_cache_root
+
+    root = model_cache_root()
     target = root / f"{short}-{getattr(C, LOCAL_SHA256[short])[:16]}"
     if (target / "model.safetensors").is_file():
         return target

@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from ralm.checksums import sha256_file  # noqa: F401  (re-exported for callers)
 from ralm.config import RetrieverConfig
 from ralm.corpus import Corpus
-from ralm.retrieval.encoder import sha256_file  # noqa: F401  (re-exported for callers)
 from ralm.retrieval.errors import CorruptIndexError, IndexMismatchError, IndexNotFoundError, UnknownRetrieverError
 
 log = logging.getLogger(__name__)

@@ -30,8 +30,6 @@ pytestmark = pytest.mark.unit
 @pytest.mark.parametrize("kernel", ["blas", "onednn"])
 @pytest.mark.parametrize("d_in,d_out", [(64, 64), (256, 1024), (576, 1536)])
 def test_linear_rows_are_the_same_alone_and_at_any_batch_position(d_in, d_out, kernel):
-    if kernel == "onednn" and not onednn_available():
-        pytest.skip("this torch build has no oneDNN linear (the BLAS-tile case covers the machine)")
     g = torch.Generator().manual_seed(d_in)
     layer = InvariantLinear(torch.randn(d_out, d_in, generator=g), torch.randn(d_out, generator=g), 16, kernel)
     x = torch.randn(70, d_in, generator=g)
