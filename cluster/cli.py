@@ -11,7 +11,7 @@
     ralmspec bench-knn ...                           KNN-LM speculation benchmark
     ralmspec eval     --questions FILE ...           resumable batch evaluation (local or `ray job submit`)
     ralmspec k8s                                     regenerate KubeRay manifests from serve_config.yaml
-    ralmspec assets   corpus|questions|train|fixtures  rebuild the shipped demo assets
+    ralmspec assets   corpus|questions|train|fixtures|embeddings  rebuild the shipped demo assets
 
 Every command reads the same :class:`ralm.config.RalmConfig` (``--config FILE.yaml``),
 with the most common fields overridable by flags.
@@ -95,6 +95,7 @@ def cmd_assets(args) -> int:
         "questions": "build_questions",
         "train": "train_generator",
         "fixtures": "make_fixtures",
+        "embeddings": "export_embeddings",
     }[args.what]
     return importlib.import_module(f"cluster.assets.{mod}").main(args.rest) or 0
 
@@ -214,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=getattr(mod, entry))
 
     pa = sub.add_parser("assets", help="rebuild shipped demo assets")
-    pa.add_argument("what", choices=["corpus", "questions", "train", "fixtures"])
+    pa.add_argument("what", choices=["corpus", "questions", "train", "fixtures", "embeddings"])
     pa.add_argument("rest", nargs=argparse.REMAINDER)
     pa.set_defaults(func=cmd_assets)
     return p

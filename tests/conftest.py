@@ -3,12 +3,19 @@ three KB indexes (EDR, ADR, SR) built once from it into a temporary directory.""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the hub is unreachable: never try it
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# passage embeddings built by tests go to a per-session directory, never the user's cache
+# (Ray workers started by the tests inherit it)
+os.environ.setdefault("RALMSPEC_EMBEDDING_CACHE", tempfile.mkdtemp(prefix="ralmspec-test-embeddings-"))
+atexit.register(shutil.rmtree, os.environ["RALMSPEC_EMBEDDING_CACHE"], True)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -257,14 +257,18 @@ class DenseEncoder:
         if n == 0:
             return out
         order = sorted(range(n), key=lambda i: len(texts[i]))
-        it = range(0, n, batch_size)
-        if progress:
+        bar = None
+        if progress:  # passages/s and the ETA
             from tqdm.auto import tqdm
 
-            it = tqdm(it, total=(n + batch_size - 1) // batch_size, desc="encoding passages", unit="batch")
-        for s in it:
+            bar = tqdm(total=n, desc="encoding passages", unit="passage", unit_scale=True, smoothing=0.1)
+        for s in range(0, n, batch_size):
             idx = order[s : s + batch_size]
             out[idx] = self._encode_batch([texts[i] for i in idx])
+            if bar is not None:
+                bar.update(len(idx))
+        if bar is not None:
+            bar.close()
         return out
 
     def _query_executor(self) -> ThreadPoolExecutor:

@@ -204,13 +204,17 @@ def build_index(
     threads: int = 1,
     batch_size: int = 64,
     vectors: np.ndarray | None = None,
+    vectors_cache: str | Path | None = None,
 ) -> dict:
     """Build a ``kind`` index of ``corpus`` into ``out_dir`` and return its manifest.
 
     ``encoder``: a :class:`~ralm.retrieval.encoder.DenseEncoder` to reuse (dense kinds);
     by default one is loaded from ``cfg.encoder``. ``threads``: Lucene indexing threads
     (1 keeps the document order of the corpus). ``vectors``: passage vectors already
-    computed *with this encoder* (e.g. the edr index's ``vectors.npy`` when building adr).
+    computed *with this encoder* (e.g. a shard's slice of the full index's vectors); by
+    default they come from :func:`~ralm.retrieval.passage_vectors.passage_vectors` (the
+    embedding cache at ``vectors_cache``, the shipped demo embeddings, or encoding), so the
+    edr and adr indexes of one corpus encode it once.
     """
     check_kind(kind)
     cfg = cfg or RetrieverConfig(kind=kind)
@@ -232,12 +236,17 @@ def build_index(
         import faiss
 
         from ralm.retrieval.dense import build_faiss_index
+        from ralm.retrieval.passage_vectors import passage_vectors
         from ralm.retrieval.shared_encoder import get_encoder
 
         enc = encoder if encoder is not None else get_encoder(cfg.encoder)
         if vectors is None:
-            texts = [corpus.text(i) for i in range(len(corpus))]
-            vectors = enc.encode_passages(texts, batch_size=batch_size, progress=progress)
+            vectors, source = passage_vectors(
+                corpus, enc, cache_dir=vectors_cache, progress=progress, batch_size=batch_size
+            )
+        else:
+            source = {"source": "given"}
+        manifest["vectors"] = source
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         if vectors.shape != (len(corpus), enc.dim):
             raise ValueError(f"vectors have shape {vectors.shape}, expected ({len(corpus)}, {enc.dim})")
