@@ -315,6 +315,15 @@ class Verifier:
         """The KB's query representations (what the shards score with)."""
         return await asyncio.to_thread(self.router.scorer.encode, list(queries))
 
+    async def embed(self, texts: Sequence[str]) -> tuple[Any, list[int]]:
+        """``/v1/embeddings``: the dense encoder's vectors ``(n, dim)`` and token counts."""
+        enc = getattr(self.router.scorer, "encoder", None)
+        if enc is None:
+            from ralm.errors import RalmInputError
+
+            raise RalmInputError(f"the {self.router.kind} retriever has no dense encoder")
+        return await asyncio.to_thread(enc.embed, list(texts))
+
     async def doc_keys(self, doc_ids: Sequence[int]) -> list[Any]:
         """The KB's keys of ``doc_ids`` (fetched from their shards, cached)."""
         return await asyncio.to_thread(self.router.scorer.doc_keys, list(doc_ids))
@@ -379,5 +388,5 @@ class Verifier:
 def verifier_actor_class(num_cpus: float = 0.25):
     import ray
 
-    # verify, encode and doc_keys are pure: a call interrupted by a restart is simply retried
+    # verify, encode, embed and doc_keys are pure: a call interrupted by a restart is simply retried
     return ray.remote(num_cpus=num_cpus, max_restarts=3, max_task_retries=2)(Verifier)

@@ -17,6 +17,7 @@ import argparse
 import copy
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -187,11 +188,16 @@ def serve_main(args: argparse.Namespace) -> int:
         f"  OpenAI client: base_url={url}/v1   (Ctrl-C stops the server)",
         file=sys.stderr,
     )
+
+    def _stop(signum, _frame):
+        raise KeyboardInterrupt  # SIGTERM (systemd, docker stop, kill) shuts down like Ctrl-C
+
+    signal.signal(signal.SIGTERM, _stop)
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        pass
+        print("stopping ralmspec...", file=sys.stderr)
     finally:
         from ray import serve
 

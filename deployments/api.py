@@ -11,7 +11,7 @@ constraint and the value, before any work starts.
 import json
 import re
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
@@ -229,9 +229,89 @@ class CompletionRequest(RalmOptions):
     seed: StrictInt | None = None
 
 
+class ChatCompletionRequest(RalmOptions):
+    """``POST /v1/chat/completions``: OpenAI's chat body plus the retrieval options."""
+
+    model: StrictStr | None = None
+    messages: list[Any] = Field(
+        description="The conversation: [{role: system|developer|user|assistant, content: text or text parts}]."
+    )
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = Field(None, description="Same as max_tokens (newer clients).")
+    temperature: float | None = None
+    top_p: float | None = None
+    n: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: dict | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    user: StrictStr | None = None
+    seed: StrictInt | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+    response_format: dict | None = None
+
+
+class EmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings``: OpenAI's embeddings body, served by the dense encoder."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: StrictStr | None = None
+
+
 class GenerateRequest(RalmOptions):
     question: StrictStr
     max_new_tokens: StrictInt | None = None
+
+
+# ------------------------------------------------------------------ OpenAI-body checks
+def check_greedy(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """400 for every sampling or output option a greedy, exact server cannot honour."""
+
+    def bad(param: str, why: str):
+        raise ApiError(400, f"{param}: {why}", param=param)
+
+    if body.temperature not in (None, 0, 0.0):
+        bad(
+            "temperature",
+            "only greedy decoding is supported (temperature 0): ralmspec returns exactly the tokens of greedy RaLMSeq",
+        )
+    if body.top_p not in (None, 1, 1.0):
+        bad("top_p", "only greedy decoding is supported (top_p 1)")
+    if body.n not in (None, 1):
+        bad("n", "only n=1 is supported (greedy decoding has one answer)")
+    if getattr(body, "best_of", None) not in (None, 1):
+        bad("best_of", "only best_of=1 is supported")
+    if body.logprobs not in (None, 0):
+        bad("logprobs", "logprobs are not supported")
+    if body.stop not in (None, [], ""):
+        bad("stop", "stop sequences are not supported")
+    if getattr(body, "suffix", None) not in (None, ""):
+        bad("suffix", "suffix is not supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) not in (None, 0, 0.0):
+            bad(name, "penalties are not supported (greedy decoding)")
+    if body.logit_bias:
+        bad("logit_bias", "logit_bias is not supported")
+
+
+def ralm_block(job: dict, res: dict) -> dict:
+    """The ``ralm`` part of an OpenAI-style response: method, tokens, exactness and statistics."""
+    return {
+        "retriever": job["retriever"],
+        "method": job["method"],
+        "tokens": res["tokens"],
+        "exact": res.get("exact", True),
+        "stats": res["stats"],
+    }
 
 
 class VerifierPolicyUpdate(BaseModel):

@@ -16,7 +16,7 @@ to the text), then ``{"delta": text, "tokens": [], "done": True, "result": resul
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 class BackendUnavailable(Exception):
@@ -40,6 +40,16 @@ class RalmBackend(Protocol):
     def encode_question(self, question: str) -> list[int]:
         """The question's token ids with the generator's tokenizer (RalmInputError when it is
         empty or too long); the ingress checks prompts with it before any work starts."""
+        ...
+
+    def chat_prompt(self, messages: list) -> str:
+        """The prompt text of chat ``messages`` under the generator's chat template
+        (:func:`ralm.chat.chat_prompt`); RalmInputError for messages it cannot render."""
+        ...
+
+    async def embed(self, texts: list[str]) -> tuple[Any, list[int]]:
+        """``/v1/embeddings``: the dense encoder's vectors ``(n, dim)`` float32 and each text's
+        token count; RalmInputError when no dense retriever is served or a text is too long."""
         ...
 
     async def run(self, job: dict) -> dict:

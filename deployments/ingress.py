@@ -12,7 +12,12 @@ Endpoints:
   ``iter_retgen_iterations``, ``idgr``, ``allow_inexact_shifted_reuse``, ...) and ``knn``
   (KNN-LM options); see :class:`deployments.api.RalmOptions`. The response carries the
   request's statistics and ``exact`` under ``ralm``.
-- ``GET /v1/models`` - the served model (and the optional modes it serves, ``features``).
+- ``POST /v1/chat/completions`` - OpenAI chat: ``messages`` rendered by the generator's chat
+  template, then the same job as a completion (same options, streaming, exactness); see
+  :mod:`deployments.openai_routes`.
+- ``POST /v1/embeddings`` - the dense retrievers' encoder (float or base64 vectors).
+- ``GET /v1/models`` - the served model (and the optional modes it serves, ``features``),
+  and the embedding model when a dense retriever is served.
 - ``POST /v1/ralm/generate`` - native: ``question`` + the same options, returns text,
   tokens, finish reason, ``exact`` (false when an inexact option - IDGR, shifted doc-KV
   reuse - was on) and :meth:`~ralm.results.RequestStats.as_dict`.
@@ -32,85 +37,37 @@ mounted Kubernetes Secret) is set in the ingress's environment, every endpoint e
 from the config file. Bodies above ``ingress.max_body_bytes`` get 413 before they are
 parsed.
 
-This module is HTTP only: routes, auth, validation, streaming, error mapping. The work is
+This module is HTTP only: the app, auth, body limits, error mapping; the handlers are in
+:mod:`deployments.endpoints` and :mod:`deployments.openai_routes`. The work is
 done by a :class:`~deployments.backend.RalmBackend` (served: the Ray topology of
 :mod:`deployments.ray_backend`, wrapped as a Serve deployment in
 :mod:`deployments.serve_ingress`), so the app can be built and tested without Ray.
 """
 
 # no "from __future__ import annotations": FastAPI must see the body models as classes
-import asyncio
 import hmac
 import json
 import logging
-import math
 import os
-import time
-import uuid
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from collections.abc import Mapping
+from typing import cast
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
+from deployments import openai_routes
 from deployments.api import (
     ApiError,
-    CompletionRequest,
-    GenerateRequest,
-    RalmOptions,
-    build_job,
+    ChatCompletionRequest,
+    EmbeddingRequest,
     describe,
     error_body,
-    message_of,
-    verifier_policy_update,
 )
-from deployments.backend import BackendUnavailable, RalmBackend
-from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
-from ralm.errors import ConfigError, Overloaded, RalmInputError, RequestCancelled
-
-if TYPE_CHECKING:  # the config module pulls in the generator's (torch); the HTTP layer needs none of it
-    from deployments.config import AppConfig
+from deployments.backend import RalmBackend
+from deployments.endpoints import Endpoints, IngressSettings
 
 log = logging.getLogger(__name__)
-
-
-# ------------------------------------------------------------------ settings
-@dataclass(frozen=True)
-class IngressSettings:
-    """What the HTTP layer needs of the app config (and the API key, from the environment)."""
-
-    model_name: str  # the model id in the OpenAI API
-    model_ids: tuple[str, ...]  # ids a request's ``model`` may name
-    retrievers: tuple[str, ...]  # served retriever kinds; the first is the default
-    default_method: str
-    spec_defaults: SpecConfig
-    request_defaults: RequestConfig
-    knn_defaults: KnnLMConfig
-    max_prompt_chars: int = 20_000
-    max_body_bytes: int = 1_048_576
-    admin: bool = False
-    api_key: str | None = None
-    request_timeout_s: float = 600.0  # 0: no deadline
-
-    @classmethod
-    def from_config(cls, cfg: "AppConfig", api_key: str | None = None) -> "IngressSettings":
-        """The settings of a validated app config (:class:`~deployments.config.AppConfig`)."""
-        return cls(
-            model_name=cfg.model_name,
-            model_ids=(cfg.model_name, str(cfg.ralm.generator.model)),
-            retrievers=tuple(cfg.retrievers),
-            default_method=cfg.default_method,
-            spec_defaults=cfg.ralm.spec,
-            request_defaults=cfg.ralm.request,
-            knn_defaults=cfg.knnlm.config,
-            max_prompt_chars=cfg.ingress.max_prompt_chars,
-            max_body_bytes=cfg.ingress.max_body_bytes,
-            admin=cfg.ingress.admin,
-            api_key=api_key,
-            request_timeout_s=cfg.ingress.request_timeout_s,
-        )
 
 
 # ------------------------------------------------------------------ API key and body size
@@ -243,304 +200,6 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body(msg, param=param), status_code=400)
 
 
-def _check_greedy(body: CompletionRequest) -> None:
-    def bad(param: str, why: str):
-        raise ApiError(400, f"{param}: {why}", param=param)
-
-    if body.temperature not in (None, 0, 0.0):
-        bad(
-            "temperature",
-            "only greedy decoding is supported (temperature 0): ralmspec returns exactly the tokens of greedy RaLMSeq",
-        )
-    if body.top_p not in (None, 1, 1.0):
-        bad("top_p", "only greedy decoding is supported (top_p 1)")
-    if body.n not in (None, 1):
-        bad("n", "only n=1 is supported (greedy decoding has one answer)")
-    if body.best_of not in (None, 1):
-        bad("best_of", "only best_of=1 is supported")
-    if body.logprobs not in (None, 0):
-        bad("logprobs", "logprobs are not supported")
-    if body.stop not in (None, [], ""):
-        bad("stop", "stop sequences are not supported")
-    if body.suffix not in (None, ""):
-        bad("suffix", "suffix is not supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0, 0.0):
-            bad(name, "penalties are not supported (greedy decoding)")
-    if body.logit_bias:
-        bad("logit_bias", "logit_bias is not supported")
-
-
-def _ralm_block(job: dict, res: dict) -> dict:
-    """The ``ralm`` part of an OpenAI-style response: method, tokens, exactness and statistics."""
-    return {
-        "retriever": job["retriever"],
-        "method": job["method"],
-        "tokens": res["tokens"],
-        "exact": res.get("exact", True),
-        "stats": res["stats"],
-    }
-
-
-# ------------------------------------------------------------------ endpoints
-class Endpoints:
-    """The route handlers over one backend (and the ingress's request counters)."""
-
-    def __init__(self, backend: RalmBackend, settings: IngressSettings):
-        self.backend = backend
-        self.settings = settings
-        self.started = time.time()
-        self.requests = 0
-        self.errors = 0
-        self.overloaded = 0  # refused with 503 (bounded queues full)
-        self.timeouts = 0  # cancelled at their deadline (504)
-
-    # ---------------------------------------------------------------- validation
-    def _check_model(self, model: str | None) -> None:
-        if model is None:
-            return
-        if model not in self.settings.model_ids:
-            raise ApiError(
-                404,
-                f"model {model!r} does not exist; this server serves {self.settings.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
-
-    def _validate_prompt(self, prompt: str, param: str) -> int:
-        limit = self.settings.max_prompt_chars
-        if len(prompt) > limit:
-            raise ApiError(
-                400,
-                f"{param} is {len(prompt)} characters long; the limit is {limit} characters "
-                f"(and {self.backend.max_prompt_tokens} tokens)",
-                param=param,
-            )
-        try:
-            return len(self.backend.encode_question(prompt))
-        except RalmInputError as e:
-            raise ApiError(400, f"{param}: {e}", param=param) from None
-
-    def _job(
-        self, question: str, opts: RalmOptions, max_new: int | None, max_param: str, rid: str | None = None
-    ) -> dict:
-        s = self.settings
-        return build_job(
-            opts,
-            question,
-            max_new,
-            max_param,
-            rid,
-            kinds=list(s.retrievers),
-            default_method=s.default_method,
-            spec_defaults=s.spec_defaults,
-            request_defaults=s.request_defaults,
-            max_new_limit=self.backend.max_new_tokens,
-            features=self.backend.features,
-            knn_defaults=s.knn_defaults,
-        )
-
-    # ---------------------------------------------------------------- running
-    @property
-    def _deadline(self) -> float | None:
-        return self.settings.request_timeout_s or None
-
-    def _timeout_error(self) -> ApiError:
-        return ApiError(
-            504,
-            f"the request did not finish within its deadline of {self.settings.request_timeout_s:g} s and was "
-            "cancelled (ingress.request_timeout_s)",
-            type_="timeout_error",
-            code="timeout",
-        )
-
-    @staticmethod
-    def _overloaded_error(e: Overloaded) -> ApiError:
-        retry = max(1, math.ceil(e.retry_after_s))
-        return ApiError(
-            503, message_of(e), type_="overloaded_error", code="overloaded", headers={"Retry-After": str(retry)}
-        )
-
-    async def _run(self, job: dict) -> dict:
-        self.requests += 1
-        try:
-            # past the deadline wait_for cancels the backend call: the backend stops the request
-            return await asyncio.wait_for(self.backend.run(job), self._deadline)
-        except (RalmInputError, ConfigError) as e:
-            self.errors += 1
-            raise ApiError(400, message_of(e)) from None
-        except Overloaded as e:
-            self.overloaded += 1
-            raise self._overloaded_error(e) from None
-        except (asyncio.TimeoutError, RequestCancelled):
-            self.timeouts += 1
-            raise self._timeout_error() from None
-        except ApiError:
-            raise
-        except Exception as e:
-            self.errors += 1
-            log.exception("request failed")
-            raise ApiError(500, f"internal error: {message_of(e)}", type_="server_error") from None
-
-    def _chunk(self, cid: str, created: int, text: str, finish: str | None, **extra) -> str:
-        obj = {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": self.settings.model_name,
-            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
-            **extra,
-        }
-        return f"data: {json.dumps(obj)}\n\n"
-
-    async def _sse(
-        self, job: dict, cid: str, created: int, echo: str, n_prompt: int, include_usage: bool
-    ) -> AsyncIterator[str]:
-        self.requests += 1
-        stream = self.backend.stream(job)
-        deadline = None if self._deadline is None else time.monotonic() + self._deadline
-        try:
-            if echo:
-                yield self._chunk(cid, created, echo, None)
-            while True:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    chunk = await asyncio.wait_for(anext(stream), left)
-                except StopAsyncIteration:
-                    break
-                if chunk.get("done"):
-                    res = chunk["result"]
-                    if chunk["delta"]:
-                        yield self._chunk(cid, created, chunk["delta"], None)
-                    n_out = len(res["tokens"])
-                    extra = {"ralm": _ralm_block(job, res)}
-                    if include_usage:
-                        extra["usage"] = {
-                            "prompt_tokens": n_prompt,
-                            "completion_tokens": n_out,
-                            "total_tokens": n_prompt + n_out,
-                        }
-                    yield self._chunk(cid, created, "", res["finish_reason"], **extra)
-                elif chunk["delta"]:
-                    yield self._chunk(cid, created, chunk["delta"], None)
-            yield "data: [DONE]\n\n"
-        except (asyncio.TimeoutError, RequestCancelled):
-            self.timeouts += 1
-            t = self._timeout_error()
-            yield f"data: {json.dumps(error_body(t.message, t.type, code=t.code))}\n\n"
-        except Overloaded as e:
-            self.overloaded += 1
-            o = self._overloaded_error(e)
-            body = error_body(o.message, o.type, code=o.code)
-            body["error"]["retry_after"] = (o.headers or {}).get("Retry-After")
-            yield f"data: {json.dumps(body)}\n\n"
-        except Exception as e:
-            self.errors += 1
-            status = 400 if isinstance(e, (RalmInputError, ConfigError)) else 500
-            msg = message_of(e)
-            yield f"data: {json.dumps(error_body(msg, 'invalid_request_error' if status == 400 else 'server_error'))}\n\n"
-        finally:
-            await stream.aclose()  # the client went away: the backend cancels the request
-
-    # ---------------------------------------------------------------- routes
-    async def healthz(self):
-        try:
-            extra = await self.backend.health()
-        except BackendUnavailable as e:
-            return JSONResponse({"status": "unhealthy", "reason": e.reason}, status_code=503)
-        return {
-            "status": "ok",
-            "model": self.settings.model_name,
-            "retrievers": list(self.settings.retrievers),
-            **extra,
-            "uptime_s": time.time() - self.started,
-        }
-
-    async def models(self):
-        s = self.settings
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": s.model_name,
-                    "object": "model",
-                    "created": int(self.started),
-                    "owned_by": "ralmspec",
-                    "retrievers": list(s.retrievers),
-                    "features": self.backend.features,
-                }
-            ],
-        }
-
-    async def stats(self):
-        parts = await self.backend.stats()
-        return {
-            "requests": self.requests,
-            "errors": self.errors,
-            "overloaded": self.overloaded,
-            "timeouts": self.timeouts,
-            **parts,
-            "features": self.backend.features,
-        }
-
-    async def admin_verifier(self, request: Request):
-        if not self.settings.admin:
-            raise ApiError(403, "the admin API is disabled (ingress.admin: true enables it)", code="forbidden")
-        try:
-            body = await request.json()
-        except Exception:
-            raise ApiError(400, "request body is not valid JSON") from None
-        upd = verifier_policy_update(body)
-        return await self.backend.configure_verifiers(upd.model_dump(exclude={"reset_stats"}), upd.reset_stats)
-
-    async def generate(self, body: GenerateRequest, x_request_id: str | None = Header(None)):
-        n_prompt = self._validate_prompt(body.question, "question")
-        job = self._job(body.question, body, body.max_new_tokens, "max_new_tokens", x_request_id)
-        res = await self._run(job)
-        res["prompt_tokens"] = n_prompt
-        return {
-            "model": self.settings.model_name,
-            "retriever": job["retriever"],
-            "method": job["method"],
-            "request_id": job["request_id"],
-            **res,
-        }
-
-    async def completions(self, body: CompletionRequest, x_request_id: str | None = Header(None)):
-        self._check_model(body.model)
-        _check_greedy(body)
-        prompt = body.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise ApiError(
-                    400, f"prompt: exactly one prompt per request is supported, got {len(prompt)}", param="prompt"
-                )
-            prompt = prompt[0]
-        n_prompt = self._validate_prompt(prompt, "prompt")
-        job = self._job(prompt, body, body.max_tokens, "max_tokens", x_request_id)
-        cid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(
-                self._sse(job, cid, created, prompt if body.echo else "", n_prompt, include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        res = await self._run(job)
-        text = (prompt if body.echo else "") + res["text"]
-        n_out = len(res["tokens"])
-        return {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": self.settings.model_name,
-            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": res["finish_reason"]}],
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
-            "ralm": _ralm_block(job, res),
-        }
-
-
 def build_http_app(backend: RalmBackend, settings: IngressSettings) -> FastAPI:
     """The FastAPI app of the ralmspec HTTP API over ``backend`` (no Ray needed)."""
     app = FastAPI(
@@ -559,6 +218,15 @@ def build_http_app(backend: RalmBackend, settings: IngressSettings) -> FastAPI:
     app.post("/v1/ralm/admin/verifier")(ep.admin_verifier)
     app.post("/v1/ralm/generate")(ep.generate)
     app.post("/v1/completions")(ep.completions)
+
+    async def chat(body: ChatCompletionRequest, x_request_id: str | None = Header(None)):
+        return await openai_routes.chat_completions(ep, body, x_request_id)
+
+    async def embed(body: EmbeddingRequest):
+        return await openai_routes.embeddings(ep, body)
+
+    app.post("/v1/chat/completions")(chat)
+    app.post("/v1/embeddings")(embed)
     return app
 
 

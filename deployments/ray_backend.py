@@ -209,6 +209,20 @@ class RayBackend:
     def encode_question(self, question: str) -> list[int]:
         return self._started_codec().encode_question(question)
 
+    def chat_prompt(self, messages: list) -> str:
+        from ralm.chat import chat_prompt
+
+        return chat_prompt(self._started_codec().tokenizer, messages)
+
+    async def embed(self, texts: list[str]) -> tuple[Any, list[int]]:
+        """On the first served dense retriever's verifier (it holds the encoder)."""
+        from ralm.errors import RalmInputError
+
+        kind = next((k for k in ("edr", "adr") if k in self.verifiers), None)
+        if kind is None:
+            raise RalmInputError("embeddings need a dense retriever (edr or adr); this server serves only sr")
+        return await self.verifiers[kind].embed.remote(texts)
+
     async def run(self, job: dict) -> dict:
         """On a leased coordinator; retried once on a fresh one if the coordinator died."""
         return await self._started_pool().run(lambda c: c.run.remote(job), cancel=lambda c: c.cancel.remote())

@@ -79,6 +79,8 @@ KNN_PROJECTED_MAX_K = 256  # above this k a request's cache scans the full keys 
 KNN_PROJECTION_SAMPLE = 65536  # keys sampled (evenly strided) to fit that PCA basis
 KNN_RERANK_MARGIN = 16  # extra candidates (at least; k/8 for large k) before exact re-scoring
 
+MAX_EMBEDDING_INPUTS = 256  # texts per /v1/embeddings request
+
 # ---- paths ----
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 ASSETS_DIR = PACKAGE_ROOT / "assets"

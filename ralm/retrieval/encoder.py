@@ -313,3 +313,21 @@ class DenseEncoder:
     def encode_queries(self, texts: Sequence[str]) -> list[np.ndarray]:
         """``[encode_query(t) for t in texts]``: each encoded alone, batch-independent."""
         return [self.encode_query(t) for t in texts]
+
+    def embed(self, texts: Sequence[str]) -> tuple[np.ndarray, list[int]]:
+        """Embeddings for ``/v1/embeddings``: ``((n, dim) float32, tokens per text)``.
+
+        Each text is encoded alone, as a retrieval query is, so a text's embedding is the
+        vector the dense retrievers search with. A text longer than the encoder's
+        ``max_length`` tokens is refused (it would be truncated silently otherwise).
+        """
+        from ralm.errors import RalmInputError
+
+        counts = [len(ids) for ids in self.tokenizer(list(texts), truncation=False)["input_ids"]]
+        for i, n in enumerate(counts):
+            if n > self.max_length:
+                raise RalmInputError(
+                    f"input[{i}] is {n} tokens long; the encoder {self.name} takes at most {self.max_length}"
+                )
+        vecs = np.stack(self.encode_queries(texts)) if texts else np.zeros((0, self.dim), np.float32)
+        return vecs, counts

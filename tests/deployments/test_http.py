@@ -259,6 +259,36 @@ def test_openai_client_completions_and_streaming(server, baselines, questions):
         client.completions.create(model=server["model"], prompt=q, max_tokens=4, extra_body={"retriever": "x"})
 
 
+def test_openai_client_chat_and_embeddings(server, baselines, questions, dense_encoder):
+    """The official client's chat (plain and streamed) and embeddings calls. The demo model has
+    no chat template, so one user message is the completion prompt: the answer is RaLMSeq's."""
+    openai = pytest.importorskip("openai")
+    np = pytest.importorskip("numpy")
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="dummy", max_retries=0, timeout=300)
+    q = questions[1]
+    base = baselines["sr"][q]
+    msgs = [{"role": "user", "content": q}]
+    extra = {"retriever": "sr", "spec": "PSA"}
+    out = client.chat.completions.create(
+        model=server["model"], messages=msgs, max_tokens=REQ.max_new_tokens, extra_body=extra
+    )
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == base.text
+    assert out.choices[0].finish_reason == base.finish_reason and out.usage.completion_tokens == len(base.tokens)
+    stream = client.chat.completions.create(model=server["model"], messages=msgs, stream=True, extra_body=extra)
+    chunks = list(stream)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == base.text
+    assert chunks[-1].choices[0].finish_reason == base.finish_reason
+    # embeddings: the encoder's query vectors (the official client asks for base64 by default)
+    texts = [q, "posixpath.join"]
+    emb = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts)
+    got = np.array([d.embedding for d in emb.data], dtype=np.float32)
+    want = np.stack([dense_encoder.encode_query(t) for t in texts])
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert emb.usage.prompt_tokens > 0 and emb.model == "all-MiniLM-L6-v2"
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="text-embedding-3-small", input="x")
+
+
 def test_streaming_raw_sse(server, baselines, questions):
     q = questions[0]
     events = []

