@@ -246,11 +246,28 @@ class Coordinator:
         self.resumed = 0
 
     def _store(self):
-        """The state store, opened on first use (None when none is configured)."""
+        """The state store (None when none is configured), behind a circuit breaker: while it
+        is unreachable, requests go on without checkpoints and the KB cache
+        (:class:`cache.state.degrading.DegradingStore`). Its calls give up after
+        ``serve_retry_timeout_s`` (a request never waits out the eval jobs' long retry budget)."""
         if self._store_obj is None and self.state.get("store"):
+            from actors.metrics import record_state_store_skip
             from cache.state import StateStoreConfig, open_state_store
+            from cache.state.degrading import DegradingStore
 
-            self._store_obj = open_state_store(StateStoreConfig.model_validate(self.state["store"]))
+            cfg = StateStoreConfig.model_validate(self.state["store"])
+            serving = cfg.model_copy(
+                update={
+                    "retry_timeout_s": min(cfg.retry_timeout_s, cfg.serve_retry_timeout_s),
+                    "startup_wait_s": min(cfg.startup_wait_s, cfg.serve_retry_timeout_s),
+                }
+            )
+            self._store_obj = DegradingStore(
+                lambda: open_state_store(serving),
+                durable=cfg.scheme != "memory",
+                cooldown_s=cfg.serve_cooldown_s,
+                on_skip=record_state_store_skip,
+            )
         return self._store_obj
 
     @property
@@ -262,7 +279,14 @@ class Coordinator:
     def ready(self) -> dict:
         """Fetch the tokenizer and the scorers now, so the first request does not wait."""
         self._generator()
-        self._store()  # a missing Redis or a wrong password fails at startup
+        store = self._store()
+        if store is not None:  # a wrong password fails at startup; a missing Redis is an outage
+            from cache.state import StateStoreUnavailable
+
+            try:
+                store.store  # noqa: B018 (opens it)
+            except StateStoreUnavailable as e:
+                store._failed("open", e)
         for kind in self.verifiers:
             self._kb(kind)
         return {"pid": os.getpid(), "kinds": sorted(self.verifiers), "checkpoints": self.checkpoints}
@@ -512,6 +536,7 @@ class Coordinator:
             "resumed": self.resumed,
             "checkpoints": self.checkpoints,
             "kb_cache": kb_cache,
+            "state_store": self._store_obj.stats() if self._store_obj is not None else None,
         }
 
 

@@ -107,6 +107,11 @@ def _get() -> SimpleNamespace | None:
                     PREFIX + "generator_busy_seconds",
                     description="Seconds a generator replica spent in batched forwards (tokens/s = rate(tokens) / rate(busy)).",
                 ),
+                state_skipped=Counter(
+                    PREFIX + "state_store_skipped_total",
+                    description="State-store calls skipped while the store was unreachable (requests served without checkpoints / KB cache).",
+                    tag_keys=("op",),
+                ),
                 shard_latency=Histogram(
                     PREFIX + "shard_latency_seconds",
                     description="Latency of one batched search on one index shard.",
@@ -146,6 +151,17 @@ def _add(counter: Any, value: float, tags: dict) -> None:
             counter._record(0.0, tags=tags)
         except Exception:
             pass
+
+
+def record_state_store_skip(op: str) -> None:
+    """A state-store call a coordinator skipped during an outage (``op``: save_checkpoint, ...)."""
+    m = _get()
+    if m is None:
+        return
+    try:
+        m.state_skipped.inc(1.0, tags={"op": str(op)})
+    except Exception as e:
+        log.debug("metrics: %s", e)
 
 
 def record_batch(retriever: str, n_queries: int) -> None:

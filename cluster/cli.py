@@ -5,6 +5,7 @@
     ralmspec bench    ...                            side-by-side RaLMSeq vs RaLMSpec benchmark
     ralmspec serve                                   start the HTTP server (OpenAI-compatible + native API)
     ralmspec served-bench ...                        served throughput/latency benchmark
+    ralmspec soak --minutes 30 --concurrency 8       mixed load over time: leaks, drift, exactness
     ralmspec bench-gen ...                           doc-KV reuse and drafting benchmark
     ralmspec bench-batching ...                      continuous batching and KV sessions benchmark
     ralmspec costs                                   unit costs of retrieval and generation
@@ -125,6 +126,14 @@ _PLUGGED_COMMANDS = [
         "served_bench_main",
         False,
         "served throughput/latency benchmark at several concurrencies",
+    ),
+    (
+        "soak",
+        "cluster.soak",
+        "add_soak_args",
+        "soak_main",
+        False,
+        "serve a mixed load for N minutes; report success, latency, RSS, fds and Redis keys over time",
     ),
     (
         "bench-gen",

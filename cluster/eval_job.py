@@ -62,6 +62,7 @@ from cluster.eval_items import EvalItem, make_items
 from cluster.eval_local import LocalBackend, _answer, _warm
 from cluster.eval_report import write_outputs
 from cluster.report import bench_header, exactness_status
+from ralm import constants as C
 from ralm.config import SpecConfig
 
 log = logging.getLogger(__name__)
@@ -284,10 +285,41 @@ class RunReport:
     throughput: list[dict] = dataclasses.field(default_factory=list)
 
 
+def record_waiting(store, job_id: str, key: str, row: dict, wait_s: float, poll_s: float = 1.0) -> bool:
+    """``store.record_item``, waiting out a state-store outage of up to ``wait_s`` seconds (the
+    row is kept in memory meanwhile), so a job pauses while Redis is down and goes on when it
+    is back, losing nothing. Past ``wait_s`` the :class:`StateStoreUnavailable` is raised (the
+    job stops; rerunning it resumes from what was recorded)."""
+    from cache.state import StateStoreUnavailable
+
+    deadline = time.monotonic() + wait_s
+    warned = False
+    while True:
+        try:
+            ok = store.record_item(job_id, key, row)
+            if warned:
+                log.warning("state store is back: recorded %s, the job goes on", key)
+            return ok
+        except StateStoreUnavailable as e:
+            if time.monotonic() >= deadline:
+                raise
+            if not warned:
+                log.warning("state store unavailable; waiting up to %.0f s to record %s: %s", wait_s, key, e)
+                warned = True
+            time.sleep(poll_s)
+
+
 def run_items(
-    store, job_id: str, run_id: str, items: Sequence[EvalItem], backend: EvalBackend, progress: bool = True
+    store,
+    job_id: str,
+    run_id: str,
+    items: Sequence[EvalItem],
+    backend: EvalBackend,
+    progress: bool = True,
+    state_wait_s: float = C.EVAL_STATE_WAIT_S,
 ) -> RunReport:
-    """Answer every item not yet recorded under ``job_id`` and record it as it finishes."""
+    """Answer every item not yet recorded under ``job_id`` and record it as it finishes
+    (waiting out a state-store outage of up to ``state_wait_s``, see :func:`record_waiting`)."""
     from tqdm import tqdm
 
     t0 = time.perf_counter()
@@ -308,7 +340,7 @@ def run_items(
                 "run_id": run_id,
                 "recorded_at": time.time(),
             }
-            store.record_item(job_id, item.key, row)
+            record_waiting(store, job_id, item.key, row, state_wait_s)
             computed.append(item.key)
             bar.update(1)
             if "error" in result:

@@ -68,6 +68,8 @@ def describe(errors: list) -> tuple:
             return f"request body is not valid JSON ({ctx})" if ctx else "request body is not valid JSON", None
         if typ == "extra_forbidden":
             parts.append(f"unknown field {name!r}")
+        elif typ == "missing" and not name:
+            parts.append("the request body is required: send a JSON object")
         elif typ == "missing":
             parts.append(f"field {name!r} is required")
         else:
@@ -396,7 +398,8 @@ def build_job(
     req_upd: dict = {}
     if max_new is not None:
         if max_new < 1 or max_new > max_new_limit:
-            raise ApiError(400, f"{max_param} must be between 1 and {max_new_limit}, got {max_new}", param=max_param)
+            got = str(max_new) if len(str(max_new)) <= 24 else f"a {len(str(max_new))}-digit number"
+            raise ApiError(400, f"{max_param} must be between 1 and {max_new_limit}, got {got}", param=max_param)
         req_upd["max_new_tokens"] = max_new
     for name in GENERATION_FIELDS:
         v = getattr(opts, name)

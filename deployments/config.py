@@ -100,6 +100,11 @@ class IngressOptions(_Opts):
     max_body_bytes: int = Field(
         1_048_576, ge=1, description="Request bodies larger than this are rejected with 413 before they are parsed."
     )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="The whole request body must arrive within this many seconds of the first byte; a body trickled slower gets 408 and the connection's request is dropped (slow-client protection).",
+    )
     request_timeout_s: float = Field(
         600.0,
         ge=0,

@@ -59,6 +59,7 @@ class IngressSettings:
     knn_defaults: KnnLMConfig
     max_prompt_chars: int = 20_000
     max_body_bytes: int = 1_048_576
+    body_timeout_s: float = 30.0  # the whole body within this long, else 408
     admin: bool = False
     api_key: str | None = None
     request_timeout_s: float = 600.0  # 0: no deadline
@@ -78,6 +79,7 @@ class IngressSettings:
             knn_defaults=cfg.knnlm.config,
             max_prompt_chars=cfg.ingress.max_prompt_chars,
             max_body_bytes=cfg.ingress.max_body_bytes,
+            body_timeout_s=cfg.ingress.body_timeout_s,
             admin=cfg.ingress.admin,
             api_key=api_key,
             request_timeout_s=cfg.ingress.request_timeout_s,

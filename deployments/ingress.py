@@ -35,7 +35,7 @@ Security: when ``RALMSPEC_API_KEY`` (or a file named by ``RALMSPEC_API_KEY_FILE`
 mounted Kubernetes Secret) is set in the ingress's environment, every endpoint except
 ``/healthz`` needs ``Authorization: Bearer <key>`` (401 otherwise); the key is never read
 from the config file. Bodies above ``ingress.max_body_bytes`` get 413 before they are
-parsed.
+parsed, and a body that takes longer than ``ingress.body_timeout_s`` to arrive gets 408.
 
 This module is HTTP only: the app, auth, body limits, error mapping; the handlers are in
 :mod:`deployments.endpoints` and :mod:`deployments.openai_routes`. The work is
@@ -45,16 +45,19 @@ done by a :class:`~deployments.backend.RalmBackend` (served: the Ray topology of
 """
 
 # no "from __future__ import annotations": FastAPI must see the body models as classes
+import asyncio
 import hmac
 import json
 import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import cast
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import openai_routes
 from deployments.api import (
@@ -100,10 +103,11 @@ class GuardMiddleware:
     """ASGI middleware: bearer-token check (when a key is set) and a request body size limit
     (checked on Content-Length and while reading, before the JSON is parsed)."""
 
-    def __init__(self, app, api_key: str | None = None, max_body_bytes: int = 1_048_576):
+    def __init__(self, app, api_key: str | None = None, max_body_bytes: int = 1_048_576, body_timeout_s: float = 30.0):
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     @staticmethod
     async def _reply(send, status: int, message: str, code: str, headers: list | None = None) -> None:
@@ -158,10 +162,20 @@ class GuardMiddleware:
                 return await self._reply(send, 413, *too_big)
         if scope.get("method") in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
-        # read the body (at most limit bytes), then hand it on in one message
+        # read the body (at most limit bytes, within body_timeout_s), then hand it on in one message
         chunks, total = [], 0
+        deadline = time.monotonic() + self.body_timeout_s
         while True:
-            msg = await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return await self._reply(
+                    send,
+                    408,
+                    f"the request body did not arrive within {self.body_timeout_s:g} s (ingress.body_timeout_s)",
+                    "body_timeout",
+                    [(b"connection", b"close")],
+                )
             if msg["type"] != "http.request":
                 return await self.app(scope, _replay([msg], receive), send)
             body = msg.get("body", b"")
@@ -171,8 +185,37 @@ class GuardMiddleware:
             chunks.append(body)
             if not msg.get("more_body", False):
                 break
-        first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        body = b"".join(chunks)
+        problem = (
+            json_problem(body) if body and headers.get(b"content-type", b"").startswith(b"application/json") else None
+        )
+        if problem is not None:
+            return await self._reply(send, 400, problem, "invalid_json")
+        first = {"type": "http.request", "body": body, "more_body": False}
         return await self.app(scope, _replay([first], receive), send)
+
+
+def json_problem(body: bytes) -> str | None:
+    """Why ``body`` is not a JSON document, precisely (None when it is one).
+
+    FastAPI's own parser answers every one of these with "There was an error parsing the
+    body"; a client fixing its request needs to know which: ``json_problem(b"\\xff")`` ->
+    ``"request body is not valid UTF-8 (byte 0)"``."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"request body is not valid UTF-8 (byte {e.start})"
+    try:
+        json.loads(text)
+    except RecursionError:
+        return "request body is not valid JSON: it is nested too deeply"
+    except json.JSONDecodeError as e:
+        return f"request body is not valid JSON ({e.msg}: line {e.lineno} column {e.colno})"
+    except ValueError as e:  # e.g. an integer of more than sys.get_int_max_str_digits() digits
+        if "digits" in str(e):
+            return "request body is not valid JSON: a number has too many digits"
+        return f"request body is not valid JSON ({e})"
+    return None
 
 
 def _replay(messages: list, receive):
@@ -194,6 +237,17 @@ async def _api_error(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
 
 
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own errors (unknown path, wrong method) in the API's error format."""
+    e = cast(StarletteHTTPException, exc)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    return JSONResponse(
+        error_body(str(e.detail), "invalid_request_error", None, code),
+        status_code=e.status_code,
+        headers=getattr(e, "headers", None),
+    )
+
+
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     e = cast(RequestValidationError, exc)
     msg, param = describe(list(e.errors()))
@@ -209,7 +263,13 @@ def build_http_app(backend: RalmBackend, settings: IngressSettings) -> FastAPI:
     )
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=settings.api_key,
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
+    )
     ep = Endpoints(backend, settings)
     app.state.endpoints = ep
     app.get("/healthz")(ep.healthz)

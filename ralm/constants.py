@@ -80,6 +80,7 @@ KNN_PROJECTION_SAMPLE = 65536  # keys sampled (evenly strided) to fit that PCA b
 KNN_RERANK_MARGIN = 16  # extra candidates (at least; k/8 for large k) before exact re-scoring
 
 MAX_EMBEDDING_INPUTS = 256  # texts per /v1/embeddings request
+EVAL_STATE_WAIT_S = 600.0  # an eval job waits this long for an unreachable state store before stopping
 
 # ---- paths ----
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent

@@ -55,7 +55,8 @@ class ScriptedGenerator:
             if self.eos_at is not None and pos - self.n_q == self.eos_at and not ignore_eos:
                 eos = True
                 break
-            out.append(1000 * pos + ((doc_id if doc_id is not None else -1) + 1))
+            first = doc_id[0] if isinstance(doc_id, tuple) else doc_id  # num_docs > 1: the top document
+            out.append(1000 * pos + ((first if first is not None else -1) + 1))
         self.intervals.append((t0, time.perf_counter()))
         return StepOutput(out, eos, 0.0, 0.0, False)
 

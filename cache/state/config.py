@@ -96,6 +96,14 @@ class StateStoreConfig(BaseModel):
         ge=0,
         description="After startup, a command that fails because the server is unreachable or restarting is retried with backoff for at most this long, then raises StateStoreUnavailable.",
     )
+    serve_retry_timeout_s: float = Field(
+        2.0,
+        ge=0,
+        description="Serving (coordinators) only: a checkpoint or KB-cache call retries an unreachable server this long, then the request goes on without them (degraded, a warning and the ralmspec_state_store_skipped_total metric) and the server is tried again after serve_cooldown_s. Eval jobs use retry_timeout_s and wait.",
+    )
+    serve_cooldown_s: float = Field(
+        5.0, gt=0, description="Serving only: after a failed call, skip the store for this long before trying again."
+    )
     retry_backoff_s: float = Field(0.05, gt=0, description="First retry delay; doubles on every retry.")
     retry_backoff_max_s: float = Field(2.0, gt=0, description="Cap on the retry delay.")
     job_ttl_s: int | None = Field(

@@ -49,3 +49,51 @@ def serve_app(args: dict, metrics_export_port: int | None = None) -> str:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="ralmspec", route_prefix="/")
     return f"http://127.0.0.1:{port}"
+
+
+def run_schemathesis(url: str, tmp_path, max_examples: int, phases: str = "coverage,fuzzing", extra=()) -> int:
+    """Run the schemathesis CLI against ``url``'s OpenAPI schema with the no-5xx check; fail the
+    test with its output on any failure; return the number of test cases it generated."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    st = shutil.which("st", path=str(Path(sys.executable).parent))
+    if st is None:
+        pytest.fail("schemathesis is a test dependency (pyproject [dev]); `make setup` installs it")
+    cmd = [
+        st,
+        "run",
+        url + "/openapi.json",
+        "--checks",
+        "not_a_server_error",
+        "--max-examples",
+        str(max_examples),
+        "--phases",
+        phases,
+        "--seed",
+        "7",
+        "--workers",
+        "1",
+        "--request-timeout",
+        "60",
+        "--max-response-time",
+        "60",
+        "--report",
+        "junit",
+        "--report-junit-path",
+        str(tmp_path / "junit.xml"),
+        "--no-color",
+        *extra,
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-6000:]
+    m = re.search(r"(\d+) generated, (\d+) passed", text)
+    assert m, text[-3000:]
+    print(f"schemathesis against {url}: {m.group(0)}")
+    return int(m.group(1))

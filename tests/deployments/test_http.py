@@ -289,6 +289,21 @@ def test_openai_client_chat_and_embeddings(server, baselines, questions, dense_e
         client.embeddings.create(model="text-embedding-3-small", input="x")
 
 
+def test_schemathesis_against_the_served_app(server, baselines, questions, tmp_path):
+    """The fuzzer against the Ray-served app (real generator, shards, verifier): no 5xx and no
+    hang; afterwards the server still answers, exactly. (The admin route is left out: it would
+    change the verifier policy under the other tests.)"""
+    from tests.deployments.serving import run_schemathesis
+
+    cases = run_schemathesis(
+        server["url"], tmp_path, max_examples=8, phases="fuzzing", extra=("--exclude-path", "/v1/ralm/admin/verifier")
+    )
+    assert cases >= 40, cases
+    q = questions[0]
+    res = _generate(server["client"], q, "edr", "spec", "PSA")
+    assert res["tokens"] == baselines["edr"][q].tokens
+
+
 def test_streaming_raw_sse(server, baselines, questions):
     q = questions[0]
     events = []
