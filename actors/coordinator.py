@@ -386,6 +386,14 @@ class Coordinator:
 
         return save
 
+    def _forget_checkpoint(self, rid: str | None) -> None:
+        if not rid:
+            return
+        try:
+            self._store().delete_checkpoint(rid)
+        except Exception as e:
+            log.warning("cannot delete the checkpoint of request %s: %s", rid, e)
+
     def _run(self, request: dict, on_commit=None) -> RalmResult:
         from actors.metrics import record_request
         from ralm.seq import run_seq
@@ -432,12 +440,13 @@ class Coordinator:
                     on_verified=on_verified,
                 )
             if on_verified is not None:
-                try:
-                    self._store().delete_checkpoint(rid)
-                except Exception as e:
-                    log.warning("cannot delete the checkpoint of request %s: %s", rid, e)
+                self._forget_checkpoint(rid)
             record_request(res.stats)
             return res
+        except RequestCancelled:
+            if on_verified is not None:  # nobody waits for it any more: do not keep its checkpoint
+                self._forget_checkpoint(rid)
+            raise
         finally:
             gen.end()
             vkb.end()

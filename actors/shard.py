@@ -533,18 +533,26 @@ def start_shards(
     max_task_retries: int = 3,
     wait: bool = True,
     name_prefix: str | None = None,
+    resources: dict[str, float] | None = None,
+    spread: bool = False,
 ) -> list[Any]:
     """Start one actor per shard spec (each loads its slice in ``__init__``).
 
     ``name_prefix``: name the actors ``{prefix}-{i}`` in namespace ``ralmspec`` (for operators
-    and tests: ``ray.get_actor(name, namespace="ralmspec")``).
+    and tests: ``ray.get_actor(name, namespace="ralmspec")``). ``resources``: custom Ray
+    resources per shard (pins shards to the nodes that offer them); ``spread``: Ray's SPREAD
+    scheduling over those nodes. A shard whose node dies is restarted on another such node.
     """
     import ray
 
     cls = shard_actor_class(num_cpus, max_restarts, max_task_retries)
     actors = []
     for s in specs:
-        opts = {"name": f"{name_prefix}-{s.index}", "namespace": SHARD_NAMESPACE} if name_prefix else {}
+        opts: dict[str, Any] = {"name": f"{name_prefix}-{s.index}", "namespace": SHARD_NAMESPACE} if name_prefix else {}
+        if resources:
+            opts["resources"] = dict(resources)
+        if spread:
+            opts["scheduling_strategy"] = "SPREAD"
         actors.append(cls.options(**opts).remote(s))
     if wait:
         ray.get([a.ping.remote() for a in actors])

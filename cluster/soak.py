@@ -65,7 +65,7 @@ KINDS_OF_REQUEST = (  # (name, weight)
 class Recorder:
     """Finished requests (thread-safe) and the first answer per (question, retriever)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.lock = threading.Lock()
         self.events: list[tuple[float, str, str, float]] = []  # (t_end, kind, outcome, latency_s)
         self.answers: dict[tuple[str, str], list[int]] = {}

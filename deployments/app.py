@@ -43,7 +43,8 @@ def build_app(args: dict | None = None):
     )
     # @serve.deployment made Ingress a Deployment; mypy does not apply class decorators
     ingress = cast("Deployment", Ingress).options(
-        ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
+        ray_actor_options={"num_cpus": cfg.ingress.num_cpus}
+        | ({"resources": dict(cfg.ingress.resources)} if cfg.ingress.resources else {}),
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         # Serve's proxy refuses requests beyond these with 503 + Retry-After (a bounded queue)
         max_queued_requests=cfg.ingress.max_queued_requests,

@@ -84,6 +84,10 @@ class GeneratorDeploymentOptions(BaseModel):
     num_gpus: float = Field(
         0.0, ge=0, description="GPUs reserved per replica actor (with a placement group: in bundle 0)."
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each replica reserves, e.g. {'ralmspec_generator': 1}: it then runs only on nodes started with that resource.",
+    )
     max_ongoing_requests: int = Field(
         64,
         ge=1,
@@ -121,6 +125,8 @@ class GeneratorDeploymentOptions(BaseModel):
         actor: dict[str, Any] = {"num_cpus": self.num_cpus}
         if self.num_gpus:
             actor["num_gpus"] = self.num_gpus
+        if self.resources:
+            actor["resources"] = dict(self.resources)
         if self.env_vars:
             actor["runtime_env"] = {"env_vars": dict(self.env_vars)}
         opts: dict[str, Any] = {

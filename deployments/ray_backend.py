@@ -132,21 +132,35 @@ class RayBackend:
         )
         prefix = f"shard-{kind}-{uuid.uuid4().hex[:8]}"
         actors = await asyncio.to_thread(
-            start_shards, specs, sh.num_cpus, sh.max_restarts, sh.max_task_retries, True, prefix
+            start_shards,
+            specs,
+            sh.num_cpus,
+            sh.max_restarts,
+            sh.max_task_retries,
+            True,
+            prefix,
+            sh.resources,
+            sh.spread,
         )
         self.shards[kind] = actors
         self.shard_names[kind] = [f"{prefix}-{s.index}" for s in specs]
-        vcls = verifier_actor_class(v.num_cpus)
-        self.verifiers[kind] = vcls.remote(
-            kind,
-            actors,
-            [(s.lo, s.hi) for s in specs],
-            rcfg.model_dump(mode="json"),
-            v.window_ms,
-            v.max_batch,
-            v.batching,
-            v.max_inflight,
-            v.flush_when_all_waiting,
+        vopts: dict[str, Any] = {"name": f"verifier-{kind}-{uuid.uuid4().hex[:8]}", "namespace": "ralmspec"}
+        if v.resources:
+            vopts["resources"] = dict(v.resources)
+        self.verifiers[kind] = (
+            verifier_actor_class(v.num_cpus)
+            .options(**vopts)
+            .remote(
+                kind,
+                actors,
+                [(s.lo, s.hi) for s in specs],
+                rcfg.model_dump(mode="json"),
+                v.window_ms,
+                v.max_batch,
+                v.batching,
+                v.max_inflight,
+                v.flush_when_all_waiting,
+            )
         )
 
     def _state(self) -> dict:
@@ -175,7 +189,8 @@ class RayBackend:
         generator, verifiers = self.generator, self.verifiers
 
         def factory():
-            return coord_cls.options(name=f"coordinator-{uuid.uuid4().hex[:12]}", namespace="ralmspec").remote(
+            extra = {"resources": dict(cfg.pool.resources)} if cfg.pool.resources else {}
+            return coord_cls.options(name=f"coordinator-{uuid.uuid4().hex[:12]}", namespace="ralmspec", **extra).remote(
                 generator, verifiers, req_defaults, spec_defaults, state=state
             )
 

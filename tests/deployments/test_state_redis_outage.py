@@ -96,3 +96,30 @@ def test_requests_are_answered_through_a_redis_outage(server, redis, local_gener
     states = _store_states()
     assert any(s["outages"] >= 1 and not s["degraded"] for s in states), states  # recovered
     assert redis_py.Redis.from_url(redis.url).dbsize() > keys_before  # the store is written again
+
+
+def test_an_abandoned_request_leaves_no_checkpoint(server, redis, fixture_questions):
+    """A client that leaves mid-stream cancels its request; its checkpoint is deleted with it
+    (nobody will resume it), so abandoned requests do not pile up keys until their TTL."""
+    import redis as redis_py
+
+    r = redis_py.Redis.from_url(redis.url)
+
+    def checkpoints() -> int:
+        return sum(1 for _ in r.scan_iter(match="*:ckpt:*"))
+
+    before = checkpoints()
+    body = {"prompt": fixture_questions[5], "retriever": "edr", "method": "seq", "stream": True, "max_tokens": 16}
+    seen = 0
+    for i in range(3):
+        with server.stream("POST", "/v1/completions", json=body, headers={"X-Request-ID": f"leave-{i}"}) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    seen += r.exists(f"ralmspec:ckpt:leave-{i}")  # its checkpoint, written as it streams
+                    break  # leave after the first event
+    assert seen >= 1, "no checkpoint was written before the client left: the test shows nothing"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and checkpoints() > before:
+        time.sleep(0.5)
+    assert checkpoints() == before
