@@ -296,9 +296,9 @@ def test_schemathesis_against_the_served_app(server, baselines, questions, tmp_p
     from tests.deployments.serving import run_schemathesis
 
     cases = run_schemathesis(
-        server["url"], tmp_path, max_examples=8, phases="fuzzing", extra=("--exclude-path", "/v1/ralm/admin/verifier")
+        server["url"], tmp_path, max_examples=10, phases="fuzzing", extra=("--exclude-path", "/v1/ralm/admin/verifier")
     )
-    assert cases >= 40, cases
+    assert cases >= 35, cases  # 7 operations, at least 5 cases each
     q = questions[0]
     res = _generate(server["client"], q, "edr", "spec", "PSA")
     assert res["tokens"] == baselines["edr"][q].tokens
