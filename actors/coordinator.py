@@ -281,12 +281,7 @@ class Coordinator:
         self._generator()
         store = self._store()
         if store is not None:  # a wrong password fails at startup; a missing Redis is an outage
-            from cache.state import StateStoreUnavailable
-
-            try:
-                store.store  # noqa: B018 (opens it)
-            except StateStoreUnavailable as e:
-                store._failed("open", e)
+            store.connect()
         for kind in self.verifiers:
             self._kb(kind)
         return {"pid": os.getpid(), "kinds": sorted(self.verifiers), "checkpoints": self.checkpoints}

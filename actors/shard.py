@@ -134,44 +134,19 @@ def prepare_shards(
     index_dir: str | Path,
     n_shards: int,
     progress: bool = False,
-    vectors_from: str | Path | None = None,
 ) -> list[ShardSpec]:
     """Build (once) the slice indexes of the full index at ``index_dir``; return their specs.
 
-    The full index is built first if missing (``vectors_from``: an EDR index directory whose
-    passage vectors an ADR build may reuse). A shard directory is rebuilt when it was made
-    from another full index (``shard.json`` records its manifest's sha256).
+    The full index is built first if missing (a dense one from the corpus' passage vectors,
+    encoded once per encoder and shared: :mod:`ralm.retrieval.passage_vectors`). A shard
+    directory is rebuilt when it was made from another full index (``shard.json`` records its
+    manifest's sha256).
     """
     from ralm.retrieval.factory import ensure_index
     from ralm.retrieval.index_build import MANIFEST, build_index, validate_index
 
     kind = rcfg.kind
     index_dir = Path(index_dir)
-    if (
-        vectors_from is not None
-        and kind == "adr"
-        and not (index_dir / MANIFEST).is_file()
-        and (Path(vectors_from) / MANIFEST).is_file()
-    ):
-        # reuse the EDR index's passage vectors (same encoder) instead of encoding the corpus again
-        from ralm.retrieval.factory import get_encoder
-        from ralm.retrieval.index_build import read_manifest
-
-        src = read_manifest(vectors_from)
-        if (
-            src.get("kind") == "edr"
-            and (src.get("encoder") or {}).get("name") == rcfg.encoder
-            and (src.get("corpus") or {}).get("sha256") == corpus.sha256
-        ):
-            build_index(
-                kind,
-                corpus,
-                index_dir,
-                rcfg,
-                progress=progress,
-                encoder=get_encoder(rcfg.encoder),
-                vectors=np.load(Path(vectors_from) / "vectors.npy"),
-            )
     ensure_index(rcfg, corpus, index_dir, progress=progress)
     manifest = validate_index(index_dir, rcfg, corpus, checksums=False)
     source = _sha256(index_dir / MANIFEST)

@@ -291,7 +291,8 @@ def summarize(res: dict) -> dict:
         by_outcome[outcome] += 1
         by_kind[kind] += 1
     samples = res["samples"]
-    base = samples[min(WARMUP_SAMPLES, len(samples) - 1)]
+    first = min(WARMUP_SAMPLES, len(samples) - 1)
+    base = samples[first]
     last = samples[-1]
     growth = {}
     for cls, now in last["processes"].items():
@@ -317,7 +318,7 @@ def summarize(res: dict) -> dict:
         "hung_clients": res["hung_clients"],
         "p50_s": _percentile(lat, 50),
         "p99_s": _percentile(lat, 99),
-        "growth_from_sample": min(WARMUP_SAMPLES, len(samples) - 1),
+        "growth_from_sample": first,
         "growth": growth,
         "redis_keys": [s.get("redis_keys") for s in samples],
     }

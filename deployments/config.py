@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.verifier import DEFAULT_MAX_INFLIGHT, DEFAULT_WINDOW_MS
 from cache.state.config import StateStoreConfig
-from deployments.generator import GeneratorDeploymentOptions, preset
+from deployments.generator import GeneratorDeploymentOptions, preset, resources_field
 from deployments.modes import DenseDraftingOptions, KnnServeOptions
 from ralm import constants as C
 from ralm.config import GeneratorConfig, RalmConfig, RetrieverKind
@@ -35,10 +35,7 @@ class ShardingOptions(_Opts):
     build_num_cpus: float = Field(
         0.1, ge=0, description="CPUs reserved by the one-off task that builds missing indexes and shards."
     )
-    resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="Custom Ray resources each shard actor reserves, e.g. {'ralmspec_shard': 1}: it then runs only on nodes started with that resource (ray start --resources), which pins it to chosen nodes.",
-    )
+    resources: dict[str, float] = resources_field("shard actor", "ralmspec_shard")
     spread: bool = Field(
         False,
         description="Spread the shard actors over the nodes (Ray's SPREAD strategy), so losing one node loses as few shards as possible.",
@@ -62,10 +59,7 @@ class VerifierOptions(_Opts):
         description="Send a batch before the window ends as soon as every request in flight is waiting on the verifier (one request alone never waits for the window).",
     )
     num_cpus: float = Field(0.1, ge=0, description="CPUs reserved per verifier actor (it encodes queries).")
-    resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="Custom Ray resources each verifier actor reserves, e.g. {'ralmspec_head': 1}: it then runs only on nodes started with that resource (ray start --resources), which pins it to chosen nodes.",
-    )
+    resources: dict[str, float] = resources_field("verifier actor", "ralmspec_head")
 
 
 class PoolOptions(_Opts):
@@ -74,10 +68,7 @@ class PoolOptions(_Opts):
         16, ge=1, description="Most coordinators (= most requests in flight); further requests queue."
     )
     num_cpus: float = Field(0.02, ge=0, description="CPUs reserved per coordinator actor.")
-    resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="Custom Ray resources each coordinator actor reserves, e.g. {'ralmspec_head': 1}: it then runs only on nodes started with that resource (ray start --resources), which pins it to chosen nodes.",
-    )
+    resources: dict[str, float] = resources_field("coordinator actor", "ralmspec_head")
     max_waiting: int = Field(
         64,
         ge=0,
@@ -96,10 +87,7 @@ class IngressOptions(_Opts):
         None, description="Model id in the OpenAI API (default: the generator's directory or hub name)."
     )
     num_cpus: float = Field(0.1, ge=0, description="CPUs reserved by the ingress replica.")
-    resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="Custom Ray resources each ingress replica reserves, e.g. {'ralmspec_head': 1}: it then runs only on nodes started with that resource (ray start --resources), which pins it to chosen nodes.",
-    )
+    resources: dict[str, float] = resources_field("ingress replica", "ralmspec_head")
     max_ongoing_requests: int = Field(
         256, ge=1, description="Concurrent HTTP requests the ingress accepts (beyond the pool they wait)."
     )

@@ -74,6 +74,16 @@ class AutoscalingOptions(BaseModel):
     )
 
 
+def resources_field(what: str, example: str) -> Any:
+    """The ``resources`` option of one Ray part of the app (shards, verifiers, coordinators,
+    ingress, generator replicas): custom Ray resources that pin it to chosen nodes."""
+    return Field(
+        default_factory=dict,
+        description=f"Custom Ray resources each {what} reserves, e.g. {{'{example}': 1}}: it then runs only on "
+        "nodes started with that resource (ray start --resources), which pins it to chosen nodes.",
+    )
+
+
 class GeneratorDeploymentOptions(BaseModel):
     """How the generator deployment is placed and scaled (Serve deployment options)."""
 
@@ -84,10 +94,7 @@ class GeneratorDeploymentOptions(BaseModel):
     num_gpus: float = Field(
         0.0, ge=0, description="GPUs reserved per replica actor (with a placement group: in bundle 0)."
     )
-    resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="Custom Ray resources each replica reserves, e.g. {'ralmspec_generator': 1}: it then runs only on nodes started with that resource.",
-    )
+    resources: dict[str, float] = resources_field("replica", "ralmspec_generator")
     max_ongoing_requests: int = Field(
         64,
         ge=1,

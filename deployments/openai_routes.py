@@ -68,25 +68,16 @@ async def chat_completions(ep: Endpoints, body: ChatCompletionRequest, x_request
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
 
-        def chunk(text: str, finish: str | None, **extra) -> str:
-            choice = {"index": 0, "delta": {"content": text} if text or finish is None else {}, "logprobs": None}
-            choice["finish_reason"] = finish
+        def event(delta: dict, finish: str | None, **extra) -> str:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
             return "data: " + json.dumps({**obj, "choices": [choice], **extra}) + "\n\n"
 
-        opening = json.dumps(
-            {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                ],
-            }
-        )
+        def chunk(text: str, finish: str | None, **extra) -> str:
+            return event({"content": text} if text or finish is None else {}, finish, **extra)
+
         return StreamingResponse(
-            ep._sse(job, chunk, f"data: {opening}\n\n", n_prompt, include_usage),
+            ep._sse(job, chunk, event({"role": "assistant", "content": ""}, None), n_prompt, include_usage),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )

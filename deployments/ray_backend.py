@@ -33,13 +33,11 @@ from ralm.config import GeneratorConfig
 
 log = logging.getLogger(__name__)
 
-# adr reuses edr's document vectors, so edr's index is built first
+# edr first: its build caches the passage vectors that adr's build then reuses
 _BUILD_ORDER = {"edr": 0, "sr": 1, "adr": 2}
 
 
-def _prepare_shards_task(
-    rcfg: dict, corpus_path: str, index_dir: str, n_shards: int, build: bool, vectors_from: str | None = None
-):
+def _prepare_shards_task(rcfg: dict, corpus_path: str, index_dir: str, n_shards: int, build: bool):
     """One-off task: build missing indexes and shard slices; returns the shard specs and the
     index version (the hash of its manifest)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before the encoder libraries are imported
@@ -56,15 +54,9 @@ def _prepare_shards_task(
             f"no {cfg.kind} index at {index_dir} and build_indexes is off; build it with "
             f"`ralmspec index --retriever {cfg.kind}`"
         )
-    if missing and cfg.kind in ("edr", "adr"):
-        import torch
-
-        torch.set_num_threads(os.cpu_count() or 1)  # Ray gives tasks OMP_NUM_THREADS=1; encode on every core
     if missing:
         print(f"ralmspec: no {cfg.kind} index at {index_dir}: building it (first start; progress below)", flush=True)
-    specs = prepare_shards(
-        cfg, Corpus.load(corpus_path), index_dir, n_shards, progress=missing, vectors_from=vectors_from
-    )
+    specs = prepare_shards(cfg, Corpus.load(corpus_path), index_dir, n_shards, progress=missing)
     with open(os.path.join(index_dir, MANIFEST), "rb") as fh:  # identifies the index build
         version = hashlib.sha256(fh.read()).hexdigest()
     return specs, version
@@ -128,7 +120,6 @@ class RayBackend:
             str(cfg.ralm.index_dir(kind)),
             sh.n_shards,
             cfg.build_indexes,
-            str(cfg.ralm.index_dir("edr")),
         )
         prefix = f"shard-{kind}-{uuid.uuid4().hex[:8]}"
         actors = await asyncio.to_thread(

@@ -114,6 +114,11 @@ class DegradingStore:
             self._store = self._open_store()
         return self._store
 
+    def connect(self) -> None:
+        """Open the store now (a serving process's start-up); unreachable is an outage like any
+        other, while a wrong password (:class:`~cache.state.base.StateStoreAuthError`) raises."""
+        self._call("open", lambda: self.store, None)
+
     def _call(self, op: str, fn: Callable[[], Any], fallback: Any) -> Any:
         if self._skip(op):
             return fallback

@@ -194,6 +194,19 @@ def _build_lucene(corpus: Corpus, index_dir: Path, threads: int, progress: bool)
         raise RuntimeError(f"Lucene indexed {n} documents out of {len(corpus)}: duplicate or invalid ids?")
 
 
+def _write_vectors(vectors: np.ndarray, dst: Path, cached: Path | None) -> None:
+    """``vectors.npy`` of an index: a hard link to the embedding cache's file when there is
+    one on the same file system (the same bytes: both are ``np.save`` of this float32 array),
+    else written. A large corpus' vectors then take their disk space once."""
+    if cached is not None:
+        try:
+            os.link(cached, dst)
+            return
+        except OSError:  # another file system, or links not allowed
+            pass
+    np.save(dst, vectors)
+
+
 def build_index(
     kind: str,
     corpus: Corpus,
@@ -236,7 +249,7 @@ def build_index(
         import faiss
 
         from ralm.retrieval.dense import build_faiss_index
-        from ralm.retrieval.passage_vectors import passage_vectors
+        from ralm.retrieval.passage_vectors import cache_file, passage_vectors
         from ralm.retrieval.shared_encoder import get_encoder
 
         enc = encoder if encoder is not None else get_encoder(cfg.encoder)
@@ -253,7 +266,11 @@ def build_index(
         for p in (out_dir / "vectors.npy", out_dir / "index.faiss"):
             if p.exists():
                 p.unlink()
-        np.save(out_dir / "vectors.npy", vectors)
+        _write_vectors(
+            vectors,
+            out_dir / "vectors.npy",
+            None if source["source"] == "given" else cache_file(corpus, enc, vectors_cache),
+        )
         index = build_faiss_index(kind, vectors, cfg.hnsw_m, cfg.hnsw_ef_construction, progress=progress)
         faiss.write_index(index, str(out_dir / "index.faiss"))
         manifest["encoder"] = {"name": enc.name, "fingerprint": enc.fingerprint, "dim": int(vectors.shape[1])}

@@ -114,6 +114,22 @@ def _from_cache(cache_dir: Path, corpus: Corpus, fingerprint: str, dim: int) -> 
     return _read_checked(d / VECTORS, entry, "cached embeddings")
 
 
+def cache_file(corpus: Corpus, encoder: Any, cache_dir: str | Path | None = None) -> Path | None:
+    """The cache's ``vectors.npy`` of ``corpus`` under ``encoder`` (matching manifest and size),
+    or None. :func:`passage_vectors` has just read or written it and checked its sha256, so an
+    index build can hard-link it instead of writing the same array a second time."""
+    d = (Path(cache_dir) if cache_dir is not None else embedding_cache_root()) / _key(
+        corpus.sha256, str(encoder.fingerprint)
+    )
+    try:
+        entry = json.loads((d / MANIFEST).read_text())
+        size = (d / VECTORS).stat().st_size
+    except (OSError, json.JSONDecodeError):
+        return None
+    ok = bool(corpus.sha256) and _matches(entry, corpus, str(encoder.fingerprint), int(encoder.dim))
+    return d / VECTORS if ok and size == entry.get("bytes") else None
+
+
 def _from_shipped(shipped_dir: Path, corpus: Corpus, fingerprint: str, dim: int) -> tuple[np.ndarray, dict] | None:
     for entry in shipped_entries(shipped_dir):
         if _matches(entry, corpus, fingerprint, dim):
