@@ -119,7 +119,8 @@ def plot(samples: list[dict], events: list, start: float, path: Path) -> None:
         ax.plot(t, [s["processes"].get(c, {}).get("rss_mib") for s in samples[1:]], label=c)
     ax.set_ylabel("RSS (MiB, summed per class)")
     ax.set_xlabel("minutes")
-    ax.legend(fontsize=7)
+    if classes:
+        ax.legend(fontsize=7)
     ax = axes[1][1]
     for c in classes:
         ax.plot(t, [s["processes"].get(c, {}).get("fds") for s in samples[1:]], label=c)
