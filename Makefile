@@ -54,7 +54,7 @@ lint: setup
 	$(VENV)/bin/mypy
 
 test: setup system-deps lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 test-fast: setup
 	$(PY) -m pytest -q -m "unit and not matrix and not slow"

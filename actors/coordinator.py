@@ -286,6 +286,10 @@ class Coordinator:
             self._kb(kind)
         return {"pid": os.getpid(), "kinds": sorted(self.verifiers), "checkpoints": self.checkpoints}
 
+    def ping(self) -> bool:
+        """Answers at once, even while a request runs: the pool's liveness probe."""
+        return True
+
     def _generator(self) -> RemoteGenerator:
         if self._gen is None:
             h = self.generator_handle

@@ -1,15 +1,24 @@
 """A pool of pre-started coordinator actors (creating an actor costs ~0.45 s here).
 
 The ingress runs each request on a coordinator of the pool (:meth:`CoordinatorPool.run`, or
-:meth:`~CoordinatorPool.acquire` / :meth:`~CoordinatorPool.release` for a stream); the coordinator has already cleared its local cache by then.
-The pool starts ``size`` coordinators up front and grows up to ``max_size`` under load;
-beyond that, up to ``max_waiting`` requests wait for a free coordinator (first come, first
-served) and any further one is refused at once with :class:`~ralm.errors.Overloaded`
-(HTTP 503 with ``Retry-After``), so the queue is bounded. A coordinator that died is
-replaced, and the request is retried once on a fresh one (requests are deterministic, so a
-retry returns the same tokens). A request whose caller is cancelled (client gone, deadline
-passed) is told to stop (``cancel(coordinator)``) and its coordinator comes back to the
-pool only once it has stopped, so the next request never queues behind it.
+:meth:`~CoordinatorPool.acquire` / :meth:`~CoordinatorPool.release` for a stream); the
+coordinator has already cleared its local cache by then.
+
+- The pool starts ``size`` coordinators up front and grows up to ``max_size`` under load;
+  beyond that, up to ``max_waiting`` requests wait for a free coordinator (first come, first
+  served) and any further one is refused at once with :class:`~ralm.errors.Overloaded`
+  (HTTP 503 with ``Retry-After``), so the queue is bounded.
+- A coordinator that died is replaced, and its request is retried on a fresh one (requests
+  are deterministic and resume from their checkpoint, so a retry returns the same tokens).
+- A coordinator whose node vanished may never answer at all: while a request runs, its
+  coordinator is pinged every ``probe_interval_s``; a ping unanswered for ``probe_timeout_s``
+  counts as a death. One death makes the pool ping its idle coordinators too (a node usually
+  holds several), and replacements are started, with back-off, until the pool is back to
+  ``size`` or to what the waiting requests need. A coordinator that cannot be started within
+  ``ready_timeout_s`` (no node can take it) is given up; its request gets a retryable 503.
+- A request whose caller is cancelled (client gone, deadline passed) is told to stop
+  (``cancel(coordinator)``) and its coordinator comes back to the pool only once it has
+  stopped, so the next request never queues behind it.
 """
 
 from __future__ import annotations
@@ -18,22 +27,30 @@ import asyncio
 import contextlib
 import functools
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ralm import constants as C
 from ralm.errors import Overloaded
 
 log = logging.getLogger(__name__)
 
 
+class CoordinatorLost(Exception):
+    """A leased coordinator stopped answering pings (its node is gone); treated as dead."""
+
+
 @dataclass
 class PoolStats:
-    size: int = 0  # coordinators alive
+    size: int = 0  # coordinators alive (or being started)
     idle: int = 0
     created: int = 0
-    replaced: int = 0
+    replaced: int = 0  # coordinators dropped because they died or stopped answering
+    lost: int = 0  # of which found by a ping (unanswered or dead), not by a failed request
+    start_failures: int = 0  # coordinators that could not be started (retried with back-off)
     leases: int = 0
     waits: int = 0  # leases that had to wait for a coordinator
     wait_s: float = 0.0
@@ -48,16 +65,23 @@ class PoolStats:
 
 @dataclass
 class CoordinatorPool:
-    """Async pool of actor handles made by ``factory()`` and readied by ``ready(handle)``."""
+    """Async pool of actor handles made by ``factory()`` and readied by ``ready(handle)``;
+    ``probe(handle)``, if given, is a cheap call that a live coordinator answers at once."""
 
     factory: Callable[[], Any]
     ready: Callable[[Any], Awaitable[Any]]
     size: int = 4
     max_size: int = 16
     max_waiting: int = 64
+    probe: Callable[[Any], Awaitable[Any]] | None = None
+    ready_timeout_s: float = C.COORDINATOR_READY_TIMEOUT_S
+    probe_interval_s: float = C.COORDINATOR_PROBE_INTERVAL_S
+    probe_timeout_s: float = C.COORDINATOR_PROBE_TIMEOUT_S
     _idle: asyncio.Queue[Any] = field(init=False, repr=False)  # made in __post_init__
     _all: list = field(default_factory=list, init=False, repr=False)
-    _creating: int = field(default=0, init=False, repr=False)
+    _starting: int = field(default=0, init=False, repr=False)  # in _all, not ready yet
+    _sweeping: bool = field(default=False, init=False, repr=False)
+    _closed: bool = field(default=False, init=False, repr=False)
     stats: PoolStats = field(default_factory=PoolStats, init=False)
 
     def __post_init__(self) -> None:
@@ -76,32 +100,113 @@ class CoordinatorPool:
         self._sync_stats()
         return self
 
+    # ------------------------------------------------------------------ life cycle
     def _new(self) -> Any:
         h = self.factory()
         self._all.append(h)
         self.stats.created += 1
         return h
 
+    async def _start_one(self, timeout_s: float | None = None) -> Any:
+        """A new coordinator, ready within ``timeout_s`` (default ``ready_timeout_s``); on any
+        failure it is dropped and the error raised."""
+        h = self._new()
+        self._starting += 1
+        try:
+            await asyncio.wait_for(self.ready(h), self.ready_timeout_s if timeout_s is None else timeout_s)
+        except BaseException:
+            self._discard(h)
+            raise
+        finally:
+            self._starting -= 1
+            self._sync_stats()
+        return h
+
+    def _short(self) -> bool:
+        """Below ``size``, or fewer coordinators starting than requests waiting (up to ``max_size``)."""
+        n = len(self._all)
+        return n < self.size or (self.stats.waiting > self._starting and n < self.max_size)
+
+    async def _top_up(self) -> None:
+        """Start coordinators while the pool is short of them, backing off when starts fail
+        (e.g. no node can take one until a replacement node joins)."""
+        delay = 0.5
+        while not self._closed and self._short():
+            try:
+                h = await self._start_one()
+            except Exception as e:
+                self.stats.start_failures += 1
+                log.warning("could not start a coordinator (%s: %s); retrying in %.1f s", type(e).__name__, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 10.0)
+                continue
+            self._idle.put_nowait(h)
+            self._sync_stats()
+
     def _sync_stats(self) -> None:
         self.stats.size = len(self._all)
         self.stats.idle = self._idle.qsize()
 
+    def _discard(self, handle: Any) -> None:
+        if handle in self._all:
+            self._all.remove(handle)
+        ray = sys.modules.get("ray")  # not imported: the handle cannot be an actor
+        if ray is not None:
+            with contextlib.suppress(Exception):  # already dead, or not an actor
+                ray.kill(handle)
+
+    async def replace(self, handle: Any) -> None:
+        """Drop a dead coordinator, check the idle ones (they may share its node) and start
+        new ones until the pool is no longer short."""
+        self._discard(handle)
+        self.stats.replaced += 1
+        self._sync_stats()
+        if not self._sweeping and self.probe is not None:
+            asyncio.ensure_future(self._sweep_idle())
+        await self._top_up()
+
+    async def _alive(self, handle: Any) -> bool:
+        assert self.probe is not None
+        try:
+            await asyncio.wait_for(self.probe(handle), self.probe_timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        except Exception as e:
+            return not _is_actor_death(e)
+        return True
+
+    async def _sweep_idle(self) -> None:
+        """Ping every idle coordinator; drop those that are dead or do not answer."""
+        self._sweeping = True
+        try:
+            handles = list(self._idle._queue)  # type: ignore[attr-defined]  # a snapshot; no await before it
+            alive = await asyncio.gather(*(self._alive(h) for h in handles))
+            dead = [h for h, ok in zip(handles, alive) if not ok]
+            if not dead:
+                return
+            kept = []
+            while not self._idle.empty():
+                h = self._idle.get_nowait()
+                if not any(h is d for d in dead):
+                    kept.append(h)
+            for h in kept:
+                self._idle.put_nowait(h)
+            for h in dead:
+                self._discard(h)
+            self.stats.replaced += len(dead)
+            self.stats.lost += len(dead)
+            log.warning("%d idle coordinator(s) found dead; replacing them", len(dead))
+            self._sync_stats()
+        finally:
+            self._sweeping = False
+        await self._top_up()
+
+    # ------------------------------------------------------------------ leases
     async def acquire(self) -> Any:
         self.stats.leases += 1
-        try:
-            h = self._idle.get_nowait()
-        except asyncio.QueueEmpty:
-            h = None
-        if h is None and len(self._all) + self._creating < self.max_size:
-            self._creating += 1
-            try:
-                h = self._new()
-                await self.ready(h)
-            except BaseException:
-                self._discard(h)
-                raise
-            finally:
-                self._creating -= 1
+        h = None if self._idle.empty() else self._idle.get_nowait()
+        if h is None and len(self._all) < self.max_size:
+            h = await self._start_for_request()
         if h is None:
             if self.stats.waiting >= self.max_waiting:
                 self.stats.rejected += 1
@@ -121,6 +226,30 @@ class CoordinatorPool:
         self._sync_stats()
         return h
 
+    async def _start_for_request(self) -> Any:
+        """A new coordinator for a request. One that dies while starting (placed on a node
+        that is going away, before Ray knows) is retried with back-off; after
+        ``ready_timeout_s`` in all, the request gets a retryable :class:`Overloaded`."""
+        deadline = time.monotonic() + self.ready_timeout_s
+        delay = 0.5
+        while True:
+            try:
+                return await self._start_one(max(0.1, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise self._unavailable(f"no coordinator could be started within {self.ready_timeout_s:g} s") from None
+            except Exception as e:
+                if not _is_actor_death(e):
+                    raise
+                self.stats.start_failures += 1
+                if time.monotonic() + delay >= deadline:
+                    raise self._unavailable(f"no coordinator could be started ({type(e).__name__})") from None
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 5.0)
+
+    def _unavailable(self, why: str) -> Overloaded:
+        log.warning("%s", why)
+        return Overloaded(f"{why}; a node may have been lost, retry later", self.retry_after_s())
+
     def retry_after_s(self) -> float:
         """When a refused request may expect room: the queue ahead of it drained at the pool's
         pace (mean lease time × (waiting + 1) / coordinators), between 1 and 60 s."""
@@ -135,33 +264,37 @@ class CoordinatorPool:
         self._idle.put_nowait(handle)
         self._sync_stats()
 
-    def _discard(self, handle: Any) -> None:
-        if handle in self._all:
-            self._all.remove(handle)
-        try:
-            import ray
-
-            ray.kill(handle)
-        except Exception:  # already dead, or not an actor
-            pass
-
-    async def replace(self, handle: Any) -> None:
-        """Drop a dead coordinator and start a new one in its place (if below ``size``)."""
-        self._discard(handle)
-        self.stats.replaced += 1
-        if len(self._all) < self.size:
-            h = self._new()
-            await self.ready(h)
-            self._idle.put_nowait(h)
-        self._sync_stats()
+    async def watch(self, handle: Any, work: asyncio.Future) -> Any:
+        """``await work`` (a call on ``handle``), pinging ``handle`` every ``probe_interval_s``
+        meanwhile; raises :class:`CoordinatorLost` (and cancels ``work``) if a ping fails.
+        Cancelling the caller does not cancel ``work``."""
+        if self.probe is None:
+            return await asyncio.shield(work)
+        while True:
+            done, _ = await asyncio.wait({work}, timeout=self.probe_interval_s)
+            if done:
+                return work.result()
+            ping = asyncio.ensure_future(self._alive(handle))
+            try:
+                await asyncio.wait({work, ping}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not ping.done():
+                    ping.cancel()
+            if work.done():
+                return work.result()
+            if not ping.result():
+                work.cancel()
+                self.stats.lost += 1
+                raise CoordinatorLost(f"the coordinator did not answer a ping within {self.probe_timeout_s:g} s")
 
     async def run(
         self,
         fn: Callable[[Any], Awaitable[Any]],
-        retries: int = 1,
+        retries: int = C.COORDINATOR_DEATH_RETRIES,
         cancel: Callable[[Any], Any] | None = None,
     ) -> Any:
-        """``await fn(coordinator)`` on a leased coordinator, retried on a fresh one if it died.
+        """``await fn(coordinator)`` on a leased coordinator, retried on a fresh one (up to
+        ``retries`` times) if it died; after that a retryable :class:`Overloaded`.
 
         If the caller is cancelled while the work runs, ``cancel(coordinator)`` asks it to
         stop, and the coordinator returns to the pool (or is replaced) once the work is over."""
@@ -170,7 +303,7 @@ class CoordinatorPool:
             t0 = time.perf_counter()
             work = asyncio.ensure_future(fn(h))
             try:
-                res = await asyncio.shield(work)
+                res = await self.watch(h, work)
             except asyncio.CancelledError:
                 self.stats.cancelled += 1
                 if cancel is not None:
@@ -180,8 +313,10 @@ class CoordinatorPool:
                 raise
             except BaseException as e:
                 self._note_lease(time.perf_counter() - t0)
-                if self._give_back(h, e) and attempt < retries:
-                    continue
+                if self._give_back(h, e):
+                    if attempt < retries:
+                        continue
+                    raise self._unavailable(f"the request's coordinator was lost {retries + 1} times") from e
                 raise
             self._note_lease(time.perf_counter() - t0)
             self.release(h)
@@ -191,7 +326,7 @@ class CoordinatorPool:
     def _give_back(self, handle: Any, error: BaseException | None) -> bool:
         """Return a coordinator after its work, or replace it if the work found it dead (True)."""
         if error is not None and _is_actor_death(error):
-            log.warning("coordinator died during a request; replacing it")
+            log.warning("coordinator died during a request (%s); replacing it", type(error).__name__)
             asyncio.ensure_future(self.replace(handle))
             return True
         self.release(handle)
@@ -202,12 +337,15 @@ class CoordinatorPool:
         self._give_back(handle, None if work.cancelled() else work.exception())
 
     async def shutdown(self) -> None:
+        self._closed = True
         for h in list(self._all):
             self._discard(h)
         self._sync_stats()
 
 
 def _is_actor_death(e: BaseException) -> bool:
+    if isinstance(e, CoordinatorLost):
+        return True
     try:
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
     except ImportError:  # pragma: no cover

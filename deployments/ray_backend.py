@@ -30,6 +30,7 @@ from cache.state import STATE_URL_ENV, StateStoreConfig, redact_url
 from deployments.backend import BackendUnavailable
 from deployments.config import AppConfig
 from ralm.config import GeneratorConfig
+from ralm.errors import Overloaded
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +189,10 @@ class RayBackend:
         async def ready(h):
             await h.ready.remote()
 
-        self.pool = CoordinatorPool(factory, ready, cfg.pool.size, cfg.pool.max_size, cfg.pool.max_waiting)
+        async def ping(h):
+            await h.ping.remote()
+
+        self.pool = CoordinatorPool(factory, ready, cfg.pool.size, cfg.pool.max_size, cfg.pool.max_waiting, probe=ping)
         await self.pool.start()
 
     def _started_codec(self) -> RemoteGenerator:
@@ -239,7 +243,11 @@ class RayBackend:
         refs = coord.run_stream.options(num_returns="streaming").remote(job)
         done = False
         try:
-            async for ref in refs:
+            while True:
+                try:  # each chunk awaited under the pool's liveness pings (a lost node never answers)
+                    ref = await pool.watch(coord, asyncio.ensure_future(refs.__anext__()))
+                except StopAsyncIteration:
+                    break
                 yield await ref
             done = True
             pool.release(coord)
@@ -247,8 +255,11 @@ class RayBackend:
             done = True
             if _is_actor_death(e):
                 asyncio.ensure_future(pool.replace(coord))
-            else:
-                pool.release(coord)
+                raise Overloaded(
+                    "the coordinator running this stream was lost (a node may have been lost); retry the request",
+                    pool.retry_after_s(),
+                ) from e
+            pool.release(coord)
             raise
         finally:
             if not done:  # the client went away: stop the request, keep the lease until it has stopped

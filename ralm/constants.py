@@ -82,6 +82,12 @@ KNN_RERANK_MARGIN = 16  # extra candidates (at least; k/8 for large k) before ex
 MAX_EMBEDDING_INPUTS = 256  # texts per /v1/embeddings request
 EVAL_STATE_WAIT_S = 600.0  # an eval job waits this long for an unreachable state store before stopping
 
+# ---- coordinator pool (actors/pool.py) ----
+COORDINATOR_READY_TIMEOUT_S = 60.0  # a new coordinator not ready by then is given up (its node is gone?)
+COORDINATOR_PROBE_INTERVAL_S = 10.0  # a leased coordinator is pinged this often while its request runs
+COORDINATOR_PROBE_TIMEOUT_S = 30.0  # a ping unanswered this long: the coordinator is lost (node gone)
+COORDINATOR_DEATH_RETRIES = 3  # fresh coordinators a request is retried on when its coordinator dies
+
 # ---- paths ----
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 ASSETS_DIR = PACKAGE_ROOT / "assets"

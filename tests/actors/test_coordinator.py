@@ -1,7 +1,8 @@
 """Coordinators run the core loops over Ray and return exactly the in-process tokens.
 
 Also: the streaming hook of the core loops (``on_commit``) emits only verified tokens,
-and the coordinator pool grows, queues, and replaces a dead coordinator.
+and the coordinator pool, over Ray, queues and replaces a dead coordinator (the pool's own
+logic is tested without Ray in ``test_pool.py``).
 """
 
 from __future__ import annotations
@@ -55,110 +56,6 @@ def test_stream_decoder_concatenates_to_the_full_text():
     parts.append(dec.push([], final=True))
     assert "".join(parts) == text
     assert all("\ufffd" not in p for p in parts)
-
-
-# --------------------------------------------------------------------------- pool (no Ray)
-def test_pool_grows_then_queues():
-    from actors.pool import CoordinatorPool
-
-    made = []
-
-    def factory():
-        made.append(object())
-        return made[-1]
-
-    async def ready(_):
-        await asyncio.sleep(0)
-
-    async def main():
-        pool = await CoordinatorPool(factory, ready, size=2, max_size=3).start()
-        a, b, c = await pool.acquire(), await pool.acquire(), await pool.acquire()
-        assert len({id(a), id(b), id(c)}) == 3 and pool.stats.created == 3
-        waiter = asyncio.ensure_future(pool.acquire())
-        await asyncio.sleep(0.01)
-        assert not waiter.done()  # at max_size: waits for a release
-        pool.release(b)
-        assert await waiter is b
-        assert pool.stats.waits == 1
-        for h in (a, b, c):
-            pool.release(h)
-        assert pool.stats.idle == 3
-
-    asyncio.run(main())
-
-
-def test_pool_bounds_its_queue_and_refuses_beyond_it_with_a_retry_hint():
-    from actors.pool import CoordinatorPool
-    from ralm.errors import Overloaded
-
-    async def ready(_):
-        return None
-
-    async def main():
-        pool = await CoordinatorPool(object, ready, size=1, max_size=1, max_waiting=2).start()
-        held = await pool.acquire()
-        waiters = [asyncio.ensure_future(pool.acquire()) for _ in range(2)]
-        await asyncio.sleep(0.01)
-        assert pool.stats.waiting == 2
-        with pytest.raises(Overloaded, match="at capacity") as e:
-            await pool.acquire()  # refused at once, not queued
-        assert 1.0 <= e.value.retry_after_s <= 60.0
-        assert pool.stats.rejected == 1 and pool.stats.waiting == 2
-        pool.release(held)
-        h = await waiters[0]
-        pool.release(h)
-        pool.release(await waiters[1])
-        assert pool.stats.waiting == 0 and pool.stats.idle == 1
-
-    asyncio.run(main())
-
-
-def test_a_cancelled_caller_stops_its_request_and_the_coordinator_returns_only_when_free():
-    """The deadline / client-gone path: ``cancel(coordinator)`` is called, the caller sees the
-    cancellation at once, and the coordinator is not leased again while its work still runs."""
-    from actors.pool import CoordinatorPool
-
-    async def ready(_):
-        return None
-
-    async def main():
-        pool = await CoordinatorPool(object, ready, size=1, max_size=1).start()
-        stop = asyncio.Event()
-        told = []
-
-        async def work(h):
-            await stop.wait()  # the coordinator notices the cancel flag between two steps
-            return "stopped"
-
-        def cancel(h):
-            told.append(h)
-            stop.set()
-
-        stop_later = asyncio.Event()
-
-        async def slow_work(h):
-            await stop_later.wait()
-            return "late"
-
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(pool.run(slow_work, cancel=lambda h: told.append(h)), 0.05)
-        assert len(told) == 1 and pool.stats.cancelled == 1
-        nxt = asyncio.ensure_future(pool.acquire())
-        await asyncio.sleep(0.02)
-        assert not nxt.done()  # still busy with the cancelled request's work
-        stop_later.set()
-        h = await asyncio.wait_for(nxt, 1)
-        pool.release(h)
-        task = asyncio.ensure_future(pool.run(work, cancel=cancel))
-        await asyncio.sleep(0.01)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert len(told) == 2 and stop.is_set()
-        h = await asyncio.wait_for(pool.acquire(), 1)  # back once the work ended
-        pool.release(h)
-
-    asyncio.run(main())
 
 
 # --------------------------------------------------------------------------- over Ray

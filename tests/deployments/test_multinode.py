@@ -6,7 +6,10 @@ its config, and chaos under 16 concurrent requests:
   the shard is re-created from the index files on the surviving shard node;
 - the generator replica is killed: Serve replaces it on its node;
 - the verifier is killed: Ray restarts it;
-- the Serve controller is killed: it restarts, and the replicas serve meanwhile.
+- the Serve controller is killed: it restarts, and the replicas serve meanwhile;
+- the node holding every coordinator is removed (a replacement node joins 2 s later): the
+  pool notices the coordinators that no longer answer, starts new ones on the new node, and
+  their requests resume from their checkpoints (a SQLite store shared by the nodes).
 
 Each fault counts requests sent, answered correctly (token-identical to in-process
 RaLMSeq), failed cleanly (a 503 that succeeds on retry) and lost (anything else: an
@@ -31,6 +34,7 @@ REQ = RequestConfig(max_new_tokens=24, generation_stride=2)
 KINDS = ("edr", "sr")
 N_REQUESTS = 16
 HEAD = {"ralmspec_head": 100}
+COORD = {"ralmspec_coordinator": 100}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +62,7 @@ def cluster(tmp_path_factory, index_dirs, fixture_corpus, gen_model_dir):
         shard_a = c.add_node(num_cpus=1, resources={"ralmspec_shard": 4})
         shard_b = c.add_node(num_cpus=1, resources={"ralmspec_shard": 4})
         gen_node = c.add_node(num_cpus=1, resources={"ralmspec_generator": 1})
+        coord_node = c.add_node(num_cpus=1, resources=COORD)
         c.wait_for_nodes()
         ray.init(address=c.address, log_to_driver=False, configure_logging=False)
     place = {"ralmspec_head": 0.01}
@@ -71,14 +76,16 @@ def cluster(tmp_path_factory, index_dirs, fixture_corpus, gen_model_dir):
         sharding={"n_shards": 2, "num_cpus": 0.05, "resources": {"ralmspec_shard": 1}, "spread": True},
         generator_deployment={"num_cpus": 0.2, "resources": {"ralmspec_generator": 1}},
         verifier={"window_ms": 10.0, "resources": place},
-        pool={"size": 4, "max_size": 16, "resources": place},
+        pool={"size": 4, "max_size": 16, "resources": {"ralmspec_coordinator": 0.01}},
         ingress={"resources": place},
+        state={"store": {"url": f"sqlite://{tmp_path_factory.mktemp('multinode-state') / 'state.db'}"}},
     )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     serve.run(build_app(args), name="ralmspec", route_prefix="/")
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
-        yield {"cluster": c, "client": client, "nodes": {"shard_a": shard_a, "shard_b": shard_b, "gen": gen_node}}
+        nodes = {"shard_a": shard_a, "shard_b": shard_b, "gen": gen_node, "coord": coord_node}
+        yield {"cluster": c, "client": client, "nodes": nodes}
     with preserve_fatal_signal_handlers():
         serve.shutdown()
         ray.shutdown()
@@ -109,6 +116,7 @@ def _load(client, want, fault) -> dict:
     first few have started. Returns the counts."""
     jobs = [(kind, q, m) for (kind, q) in want for m in ("seq", "spec")][:N_REQUESTS]
     counts = {"sent": len(jobs), "correct": 0, "failed_cleanly": 0, "lost": 0, "lost_detail": [], "after_fault": 0}
+    retried: dict[str, int] = {}  # 503 reasons (message) -> count, printed with the counts
     fault_at: list[float] = []
     lock = threading.Lock()
     started = threading.Event()
@@ -126,6 +134,9 @@ def _load(client, want, fault) -> dict:
                     counts["lost_detail"].append(f"{job}: {type(e).__name__}")
                 return
             if r.status_code == 503 and attempt == 0:
+                with lock:
+                    why = r.json()["error"]["message"][:120]
+                    retried[why] = retried.get(why, 0) + 1
                 time.sleep(float(r.headers.get("retry-after", "1")))
                 continue
             with lock:
@@ -145,7 +156,7 @@ def _load(client, want, fault) -> dict:
         fault()
         for f in futs:
             f.result(timeout=600)
-    print(f"fault counts: {counts}")
+    print(f"fault counts: {counts}; 503 reasons: {retried}")
     return counts
 
 
@@ -163,8 +174,9 @@ def test_the_config_places_the_app_on_its_nodes(cluster):
     gen = [a for cls, acts in by_cls.items() if "Generator" in cls for a in acts]
     assert gen and all(a["node"] == nodes["gen"].node_id for a in gen), gen
     head = cluster["cluster"].head_node.node_id
-    for cls in ("Coordinator", "Verifier"):
-        assert by_cls.get(cls) and all(a["node"] == head for a in by_cls[cls]), (cls, by_cls.get(cls))
+    assert by_cls.get("Verifier") and all(a["node"] == head for a in by_cls["Verifier"]), by_cls.get("Verifier")
+    coords = by_cls.get("Coordinator")
+    assert coords and all(a["node"] == nodes["coord"].node_id for a in coords), coords
 
 
 def test_a_worker_node_with_a_shard_is_removed_under_load(cluster, want):
@@ -205,3 +217,22 @@ def test_the_serve_controller_is_killed_under_load(cluster, want):
     _check(_load(cluster["client"], want, kill))
     r = cluster["client"].get("/healthz")
     assert r.status_code == 200
+
+
+def test_the_node_holding_every_coordinator_is_removed_under_load(cluster, want):
+    """Runs last (it replaces a node). The coordinators' calls in flight may never return (their
+    node is gone): the pool's pings find them lost, replacements start on the node that joins,
+    and each request resumes from its checkpoint or gets a 503 that succeeds on retry."""
+    c, nodes = cluster["cluster"], cluster["nodes"]
+
+    def fault():
+        c.remove_node(nodes["coord"], allow_graceful=False)
+        time.sleep(2.0)
+        nodes["coord"] = c.add_node(num_cpus=1, resources=COORD)
+
+    _check(_load(cluster["client"], want, fault))
+    coords = _actors_by_class().get("Coordinator", [])
+    assert coords and all(a["node"] == nodes["coord"].node_id for a in coords), coords
+    pool = cluster["client"].get("/v1/ralm/stats").json()["pool"]
+    print(f"pool after the coordinator node was lost: {pool}")
+    assert pool["replaced"] >= 1 and pool["waiting"] == 0
