@@ -21,7 +21,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pad-to", type=int, help="pad the EDR flat index to N rows (cost emulation; results unchanged)")
     p.add_argument(
         "--dense-scan",
-        choices=["auto", "faiss", "bf16"],
+        choices=["auto", "faiss", "bf16", "int8"],
         help="EDR candidate scan: bf16 (bounded, exact after re-scoring), faiss, or auto",
     )
     p.add_argument("-v", "--verbose", action="store_true")

@@ -3,6 +3,10 @@
 Retrieval per batch of 1 and of 16 queries for EDR, ADR and SR (query encoding/analysis
 reported separately from the search itself), and the generator's prefill and per-token
 decode. Medians over repeated runs with fresh queries, so no memo is hit.
+
+``--scans faiss,int8,bf16`` also measures every exact-dense candidate scan side by side on
+the EDR index (padded with ``--pad-to``): search time of already encoded queries at batch
+1 and 16, and their ratio, the cost of a verification batch against one query.
 """
 
 from __future__ import annotations
@@ -21,6 +25,12 @@ def add_costs_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=7, help="repetitions per measurement (median reported)")
     p.add_argument("--retrievers", default="edr,adr,sr")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="writes costs.json and costs.md here")
+    p.add_argument(
+        "--scans",
+        default="",
+        help="comma-separated EDR candidate scans to compare at batch 1 and 16 (faiss, int8, bf16); "
+        "only the scans and the machine line are reported then",
+    )
 
 
 def _queries(corpus, n: int, seed: int) -> list[str]:
@@ -54,6 +64,65 @@ def measure_retriever(kb, corpus, reps: int, salt: int = 0) -> dict:
             "per_query_ms": (median(enc_t) + median(search_t)) * 1000 / bs,
         }
     return res
+
+
+def measure_scans(kb, corpus, scans: list[str], pad_to: int, reps: int) -> dict:
+    """Search-only time (queries encoded beforehand) of each dense scan over the EDR
+    vectors padded to ``pad_to`` rows, at batch 1 and 16; every scan's hits are checked
+    equal to the first one's."""
+    from ralm.retrieval.dense import DenseRetriever
+
+    qs = {bs: [kb.scorer.encode(_queries(corpus, bs, seed=7000 + 100 * bs + r)) for r in range(reps)] for bs in (1, 16)}
+    out: dict = {}
+    first: dict | None = None
+    for scan in scans:
+        t0 = time.perf_counter()
+        r = DenseRetriever("edr", kb.encoder, kb.scorer.vectors, pad_to=pad_to, dense_scan=scan)
+        row: dict = {"path": r.dense_scan, "build_s": time.perf_counter() - t0, "rows": r.n_rows}
+        hits = {}
+        for bs in (1, 16):
+            r.search_vectors(list(qs[bs][0]), 20)  # warm-up
+            ts = []
+            for rep in range(reps):
+                t1 = time.perf_counter()
+                hits[(bs, rep)] = r.search_vectors(list(qs[bs][rep]), 20)
+                ts.append(time.perf_counter() - t1)
+            row[f"batch{bs}_ms"] = median(ts) * 1000
+        row["ratio_16_to_1"] = row["batch16_ms"] / row["batch1_ms"]
+        if first is None:
+            first = hits
+        row["same_hits_as_first"] = hits == first
+        out[scan] = row
+        del r
+    return out
+
+
+def scans_markdown(out: dict) -> str:
+    from cluster.report import machine_note
+
+    rows = [
+        (
+            scan,
+            f"{r['rows']:,}",
+            f"{r['batch1_ms']:.1f}",
+            f"{r['batch16_ms']:.1f}",
+            f"{r['ratio_16_to_1']:.2f}x",
+            "yes" if r["same_hits_as_first"] else "NO",
+        )
+        for scan, r in out["scans"].items()
+    ]
+    return (
+        "\n".join(
+            [
+                machine_note(),
+                "",
+                f"EDR candidate scans, search only (queries encoded beforehand), top-20, median of {out['reps']}:",
+                "",
+                *table(["scan", "rows", "batch 1 ms", "batch 16 ms", "16 vs 1", "same hits"], rows),
+            ]
+        )
+        + "\n"
+    )
 
 
 def measure_generator(engine, corpus, reps: int) -> dict:
@@ -108,6 +177,20 @@ def costs_main(args) -> int:
     from ralm.pipeline import Pipeline, check_kind
 
     cfg = load_config(args)
+    scans = [x.strip() for x in args.scans.split(",") if x.strip()]
+    if scans:
+        pad_to = cfg.retriever.pad_to
+        cfg = cfg.model_copy(update={"retriever": cfg.retriever.model_copy(update={"pad_to": 0})})
+        pipe = Pipeline.from_config(cfg, kinds=("edr",))
+        res = {
+            "reps": args.reps,
+            "pad_to": pad_to,
+            "scans": measure_scans(pipe.retriever("edr"), pipe.corpus, scans, pad_to, args.reps),
+        }
+        md = scans_markdown(res)
+        write_report(args.out, "scan-costs", res, md)
+        print(md)
+        return 0 if all(r["same_hits_as_first"] for r in res["scans"].values()) else 1
     kinds = tuple(check_kind(k.strip()) for k in args.retrievers.split(",") if k.strip())
     pipe = Pipeline.from_config(cfg, kinds=kinds)
     out = {

@@ -283,10 +283,28 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "FAISS_OPT_LEVEL")
+
+
+def isa_note() -> str:
+    """The instruction sets the kernels use: torch's CPU capability, whether the CPU has bf16
+    instructions, and any environment cap that restricts them (to emulate an older CPU)."""
+    try:
+        import torch
+
+        from ralm.retrieval.bf16_scan import hardware_bf16
+
+        note = f"torch kernels {torch.backends.cpu.get_cpu_capability()}, bf16 instructions {'yes' if hardware_bf16() else 'no'}"
+    except Exception:  # no torch
+        note = "torch not loaded"
+    caps = [f"{k}={os.environ[k]}" for k in ISA_CAPS if os.environ.get(k)]
+    return note + (f" (capped: {' '.join(caps)})" if caps else "")
+
+
 def machine_note(scans: Mapping[str, str] | None = None) -> str:
     """The header line naming the CPU and, per retriever, the candidate-scan kernel in use
     (``bf16``: the torch bf16 scan; ``faiss``: FAISS's float32 kernels)."""
-    line = f"Machine: {cpu_name()}, {os.cpu_count()} logical CPUs"
+    line = f"Machine: {cpu_name()}, {os.cpu_count()} logical CPUs, {isa_note()}"
     if scans:
         line += "; candidate scan: " + ", ".join(f"{k} {v}" for k, v in scans.items())
     return line

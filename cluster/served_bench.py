@@ -163,10 +163,12 @@ def _label(method: str, spec: str | None) -> str:
 
 def _spec_body(spec: str) -> str | dict:
     """The request's ``spec`` field: the name itself, or with ``@G`` an object of SpecConfig fields
-    (the name's P/S/A flags and ``gamma_max``)."""
+    (the name's P/S/A flags, ``gamma_estimate`` and ``gamma_max``)."""
     if "@" not in spec:
         return spec
-    return SpecConfig.parse(spec).model_dump(include={"prefetch", "adaptive_stride", "async_verify", "gamma_max"})
+    return SpecConfig.parse(spec).model_dump(
+        include={"prefetch", "adaptive_stride", "async_verify", "gamma_estimate", "gamma_max"}
+    )
 
 
 class Client:

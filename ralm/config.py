@@ -52,9 +52,9 @@ class RetrieverConfig(_Strict):
     rerank_margin: int = Field(
         C.RERANK_MARGIN, ge=1, description="Extra candidates fetched before exact float64 re-scoring."
     )
-    dense_scan: Literal["auto", "faiss", "bf16"] = Field(
+    dense_scan: Literal["auto", "faiss", "bf16", "int8"] = Field(
         "auto",
-        description="edr only: candidate scan of the flat index. 'bf16': a bfloat16 copy scanned with torch (one pass per verification batch, cost nearly flat in the batch size) and a proven error bound, so the exact re-scoring still returns exactly the float64 top-k; 'faiss': FAISS's float32 kernels; 'auto': bf16 when the CPU has bf16 instructions (AMX/AVX512-BF16) and the kernel passes its accumulation probe. Never changes results.",
+        description="edr only: candidate scan of the flat index. 'bf16': a bfloat16 copy scanned with torch (one pass per verification batch, cost nearly flat in the batch size) and a proven error bound, so the exact re-scoring still returns exactly the float64 top-k; 'int8': the same with an int8 copy and integer products (for CPUs without bf16 instructions); 'faiss': FAISS's float32 kernels; 'auto': bf16 when the CPU has bf16 instructions (AMX/AVX512-BF16) and the kernel passes its accumulation probe, else int8 when torch's int8 product is exact. Never changes results.",
     )
     faiss_threads: int = Field(
         C.FAISS_THREADS,
@@ -123,8 +123,19 @@ class SpecConfig(_Strict):
     stride: int = Field(
         C.DEFAULT_SPEC_STRIDE, ge=1, le=256, description="Fixed speculation stride s when adaptive_stride is off."
     )
-    os3_window: int = Field(C.OS3_WINDOW, ge=1, description="w: verifications used to estimate gamma.")
-    gamma_max: float = Field(C.OS3_GAMMA_MAX, gt=0, lt=1, description="Cap on the gamma estimate.")
+    gamma_estimate: Literal["bayes", "capped"] = Field(
+        C.GAMMA_ESTIMATE,
+        description="How S estimates the speculation accuracy gamma. 'bayes' (default): the gamma_quantile quantile of a Beta(1 + matched steps, 1 + mismatches) posterior over the last 32 verifications, no cap: cautious while evidence is thin, close to the measured accuracy once it is not. 'capped': the paper's OS3, the maximum-likelihood estimate over the last os3_window verifications capped at gamma_max.",
+    )
+    gamma_quantile: float = Field(
+        C.GAMMA_QUANTILE, gt=0, lt=1, description="With gamma_estimate 'bayes': the posterior quantile used as gamma."
+    )
+    os3_window: int = Field(
+        C.OS3_WINDOW, ge=1, description="w: verifications used to estimate gamma (gamma_estimate 'capped')."
+    )
+    gamma_max: float = Field(
+        C.OS3_GAMMA_MAX, gt=0, lt=1, description="Cap on the gamma estimate (gamma_estimate 'capped')."
+    )
     max_stride: int = Field(C.OS3_MAX_STRIDE, ge=1, description="Upper bound on the OS3 stride.")
     allow_direct: bool = Field(
         True,
@@ -152,8 +163,9 @@ class SpecConfig(_Strict):
 
         Letters are case-insensitive and in any order; ``s=N`` is lower case. ``P``: prefetch,
         ``S``: OS3 chooses the stride, ``A``: asynchronous verification, ``s=N``: fixed
-        stride N (so not with ``S``), ``@GAMMA``: OS3's cap on its gamma estimate
-        (``gamma_max``, the paper's 0.6 by default). ``defaults``: other SpecConfig fields
+        stride N (so not with ``S``), ``@GAMMA``: the paper's OS3 with this cap on its
+        gamma estimate (``gamma_estimate='capped'``, ``gamma_max``; ``PSA@0.6`` is the
+        paper's PSA; without it S uses the Beta-posterior estimate). ``defaults``: other SpecConfig fields
         (a server's config, a benchmark's ``prefetch_size``, ...); what the name says
         overrides them, and the name alone decides P, S and A.
 
@@ -164,10 +176,11 @@ class SpecConfig(_Strict):
         ================  ============================================================
         ``base``          no P/S/A: fixed stride ``stride`` (3 by default)
         ``P``             prefetching, fixed stride
-        ``PSA``, ``asp``  prefetching, OS3 stride, asynchronous verification
+        ``PSA``, ``asp``  prefetching, adaptive stride (Beta-posterior gamma), async verification
         ``s=4``           fixed stride 4, no P/S/A
         ``Ps=8``          prefetching, fixed stride 8 (the KNN-LM benchmark's form)
-        ``PSA@0.9``       PSA with OS3's gamma cap raised from 0.6 to 0.9
+        ``PSA@0.6``       the paper's PSA: OS3 with its gamma estimate capped at 0.6
+        ``PSA@0.9``       the same with the cap raised to 0.9
         ``spec:PSA@0.9``  the same (the served benchmark's method form)
         ================  ============================================================
 
@@ -191,6 +204,7 @@ class SpecConfig(_Strict):
             )
         fields = {k: v for k, v in defaults.items() if k not in ("prefetch", "adaptive_stride", "async_verify")}
         if at:
+            fields["gamma_estimate"] = "capped"  # NAME@CAP: the paper's capped estimate
             try:
                 fields["gamma_max"] = float(cap)
             except ValueError:

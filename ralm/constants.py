@@ -7,6 +7,7 @@ the CLI and ``serve_config.yaml`` agree.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 # ---- layout of a request (docs/design.md, "What it is"; RaLMSpec paper, section 5) ----
 MAX_DOC_TOKENS = 256  # retrieved document is truncated to this many tokens
@@ -22,6 +23,9 @@ OS3_WINDOW = 5  # w: verifications used to estimate gamma
 OS3_GAMMA_MAX = 0.6  # cap on the gamma estimate
 OS3_MAX_STRIDE = 16  # upper bound on s chosen by OS3
 OS3_INITIAL_STRIDE = 1
+GAMMA_ESTIMATE: Literal["bayes", "capped"] = "bayes"  # default gamma estimate: a Beta posterior's lower quantile ("capped": the paper's)
+GAMMA_QUANTILE = 0.3  # the quantile of the Beta(1 + matched, 1 + mismatches) posterior used as gamma
+BAYES_WINDOWS = 32  # verifications the posterior counts (the paper's capped estimate uses OS3_WINDOW)
 
 # ---- retrieval ----
 RERANK_MARGIN = 16  # extra candidates fetched before exact re-scoring

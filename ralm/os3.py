@@ -26,6 +26,20 @@ RaLMSeq step, so outputs do not change; the loop still asks the cache for its gu
 records whether it was right, so gamma stays current and speculation resumes when it
 pays.
 
+**Extension: gamma without a cap (the default, ``gamma_estimate='bayes'``).** The paper
+caps its estimate at 0.6 because a few lucky windows would otherwise send the stride to its
+maximum; but with prefetching the measured accuracy is about 0.95, and the cap then picks
+strides that are too short (3-4 where 8 or more is faster). Instead each window is read as
+Bernoulli evidence (``M`` matched steps, and one mismatch if ``M < s``), gamma gets a
+Beta(1 + sum M, 1 + mismatches) posterior over the last 32 windows, and the scheduler uses
+its ``gamma_quantile`` quantile (0.3): cautious while evidence is thin, close to the
+measured accuracy once it is not, with no hand-set cap. Worked example at quantile 0.3:
+no window yet, Beta(1, 1), gamma = 0.3; one matched window of s = 1, Beta(2, 1) (CDF x^2),
+gamma = 0.548; then a matched window of s = 3, Beta(5, 1), gamma = 0.786; then s = 8 with
+a mismatch after 6, Beta(11, 2), gamma = 0.809. The start rule below then uses the
+posterior's upper quantile (1 - 0.3) as its optimistic prior. In this mode the argmax also
+counts the correction step after a mismatch.
+
 **Start.** The paper starts at s = 1. Here the loop's step 0 runs on the warm-up KB call
 (:mod:`ralm.spec`), which measures b(1), the query encoding and a generation step before
 the first decision. With ``allow_direct``, that decision compares direct steps with the
@@ -38,10 +52,45 @@ parts a speculative step consists of.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from statistics import fmean
 
+from ralm import constants as C
 from ralm.config import SpecConfig
+
+
+def beta_cdf_int(x: float, a: int, b: int) -> float:
+    """I_x(a, b) for integer a, b >= 1: P(Binomial(a + b - 1, x) >= a)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    n = a + b - 1
+    lx, l1x = math.log(x), math.log1p(-x)
+    return min(
+        1.0,
+        sum(
+            math.exp(math.lgamma(n + 1) - math.lgamma(j + 1) - math.lgamma(n - j + 1) + j * lx + (n - j) * l1x)
+            for j in range(a, n + 1)
+        ),
+    )
+
+
+def beta_quantile_int(q: float, a: int, b: int) -> float:
+    """The ``q`` quantile of Beta(a, b), integer a, b >= 1 (bisection to 1e-9).
+
+    >>> round(beta_quantile_int(0.3, 2, 1), 4)  # CDF x^2: sqrt(0.3)
+    0.5477
+    """
+    lo, hi = 0.0, 1.0
+    while hi - lo > 1e-9:
+        mid = (lo + hi) / 2
+        if beta_cdf_int(mid, a, b) < q:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def expected_verified(gamma: float, s: int) -> float:
@@ -71,7 +120,10 @@ class StrideScheduler:
 
     def __init__(self, cfg: SpecConfig, history: int = 16):
         self.cfg = cfg
-        self._windows: deque[tuple[int, int]] = deque(maxlen=cfg.os3_window)  # (s, matched)
+        self.bayes = cfg.gamma_estimate == "bayes"
+        self._windows: deque[tuple[int, int]] = deque(
+            maxlen=C.BAYES_WINDOWS if self.bayes else cfg.os3_window
+        )  # (s, matched)
         self._step_lat: deque[float] = deque(maxlen=history)  # speculative step, s
         self._gen_lat: deque[float] = deque(maxlen=history)  # generation only, s
         self._verify_lat: deque[tuple[int, float]] = deque(maxlen=history)  # (batch size, s)
@@ -110,16 +162,29 @@ class StrideScheduler:
         self._lookup_lat.append(latency_s)
 
     # ---- estimates
+    def _evidence(self) -> tuple[int, int]:
+        """(matched steps, mismatches) over the windows kept."""
+        return sum(mt for _, mt in self._windows), sum(1 for s, mt in self._windows if mt < s)
+
     @property
     def gamma(self) -> float | None:
-        """Capped maximum-likelihood estimate of the speculation accuracy, or None."""
+        """The speculation accuracy estimate, or None before any window: the posterior's
+        ``gamma_quantile`` quantile ('bayes'), else the paper's capped maximum likelihood."""
         if not self._windows:
             return None
-        m = sum(mt for _, mt in self._windows)
-        fails = sum(1 for s, mt in self._windows if mt < s)
+        m, fails = self._evidence()
+        if self.bayes:
+            return beta_quantile_int(self.cfg.gamma_quantile, 1 + m, 1 + fails)
         if m + fails == 0:
             return 0.0
         return min(m / (m + fails), self.cfg.gamma_max)
+
+    def optimistic_gamma(self) -> float:
+        """The start rule's prior: gamma_max ('capped'), or the posterior's upper quantile."""
+        if not self.bayes:
+            return self.cfg.gamma_max
+        m, fails = self._evidence()
+        return beta_quantile_int(1 - self.cfg.gamma_quantile, 1 + m, 1 + fails)
 
     def step_latency(self) -> float | None:
         """a: measured speculative steps; before any, generation plus the cache lookups
@@ -156,12 +221,13 @@ class StrideScheduler:
     def best_stride(self, g: float, a: float) -> tuple[int, float]:
         """argmax over s of the paper's objective, and that s's rate counting corrections."""
         cfg = self.cfg
+        gen = fmean(self._gen_lat) if self._gen_lat else a
+        corr = gen if self.bayes else 0.0  # the paper's argmax leaves the correction out
         best_s, best = 1, -1.0
         for s in range(1, cfg.max_stride + 1):
-            val = objective(s, g, a, self._known_verify_latency(s), cfg.async_verify)
+            val = objective(s, g, a, self._known_verify_latency(s), cfg.async_verify, correction=corr)
             if val > best * (1 + 1e-9):
                 best_s, best = s, val
-        gen = fmean(self._gen_lat) if self._gen_lat else a
         return best_s, objective(best_s, g, a, self._known_verify_latency(best_s), cfg.async_verify, correction=gen)
 
     def next_stride(self) -> int:
@@ -178,7 +244,7 @@ class StrideScheduler:
             # first ask whether speculation could pay at all, at the optimistic prior
             # gamma = gamma_max; where even that loses to direct steps (cheap retrieval),
             # start with direct steps, whose shadow guesses then measure gamma.
-            s, rate = self.best_stride(cfg.gamma_max if g is None else g, a)
+            s, rate = self.best_stride(self.optimistic_gamma() if g is None else g, a)
             if start:
                 s = 1
             if cfg.allow_direct and self._gen_lat:

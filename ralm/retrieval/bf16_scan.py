@@ -40,10 +40,13 @@ says no and callers keep their float32 path.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+
+from ralm.retrieval.scan_bounds import CandidateTracker
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +107,15 @@ def probe_kernel() -> bool:
         return ok
 
 
+# oneDNN ISA caps below AVX512-BF16: with one set (to emulate an older CPU), bf16 is emulated
+_NO_BF16_ISAS = {"sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core", "avx512_core_vnni"}
+
+
 def hardware_bf16() -> bool:
-    """The CPU has bf16 matrix/dot-product instructions (AMX or AVX512-BF16)."""
+    """The CPU has bf16 matrix/dot-product instructions (AMX or AVX512-BF16) and they are
+    not capped away (``ONEDNN_MAX_CPU_ISA=AVX2`` makes this False, as on an AVX2 CPU)."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").lower() in _NO_BF16_ISAS:
+        return False
     try:
         import torch
 
@@ -119,9 +129,9 @@ def hardware_bf16() -> bool:
 
 
 def available(mode: str = "auto") -> bool:
-    """Whether to use the bf16 scan: 'bf16' forces it (if the kernel is sound), 'faiss'
-    never, 'auto' when the CPU has bf16 instructions (else bf16 is slower than FAISS)."""
-    if mode == "faiss":
+    """Whether to use the bf16 scan: 'bf16' forces it (if the kernel is sound), 'faiss' and
+    'int8' never, 'auto' when the CPU has bf16 instructions (else bf16 is emulated, slow)."""
+    if mode not in ("auto", "bf16"):
         return False
     if mode == "auto" and not hardware_bf16():
         return False
@@ -219,10 +229,7 @@ class Bf16Scan:
         if b == 1:
             Qb = Qb.expand(2, self.dim).contiguous()  # the b >= 2 kernel is faster than b = 1
         alpha, beta = (1.0, 0.0) if self.metric == "ip" else (2.0, 1.0)
-        L = np.full(b, -np.inf)  # running k-th lower bound per query
-        lowers: list[np.ndarray] = [np.zeros(0) for _ in range(b)]  # top-k lower bounds kept
-        found_ids: list[list[np.ndarray]] = [[] for _ in range(b)]
-        found_up: list[list[np.ndarray]] = [[] for _ in range(b)]
+        track = CandidateTracker(b, k)
         for bi, start in enumerate(range(0, self.n_rows, self.block_rows)):
             stop = min(start + self.block_rows, self.n_rows)
             raw = _raw_scores(self.data[start:stop], Qb)  # (B, b') bf16
@@ -232,6 +239,7 @@ class Bf16Scan:
                 continue
             raw = raw[:real, :b]
             eps_blk = self._eps(qn, self.block_norm[bi])  # (b,) float64
+            L = track.L
             if bi > 0 and np.isfinite(L).all():
                 # Fast path: select on the bf16 scores, convert only the survivors (on
                 # real rows, converting and testing whole blocks in float32 cost as much
@@ -263,8 +271,8 @@ class Bf16Scan:
                     kk = min(k, real)
                     if kk == k:
                         top = torch.topk(S, kk, dim=0).values.double().numpy()  # (k, b)
-                        L = np.maximum(L, top[-1] - eps_blk)
-                thr = torch.from_numpy((L - eps_blk).astype(np.float32))  # (b,)
+                        track.raise_floor(top[-1] - eps_blk)
+                thr = torch.from_numpy((track.L - eps_blk).astype(np.float32))  # (b,)
                 rows_i, cols_i = torch.nonzero(S >= thr, as_tuple=True)
                 if rows_i.numel() == 0:
                     continue
@@ -272,27 +280,5 @@ class Bf16Scan:
             rows_np = rows_i.numpy().astype(np.int64) + start
             cols_np = cols_i.numpy()
             vals = v.double().numpy()
-            eps_rows = self._eps(qn[cols_np], self.row_norm[rows_np])
-            for j in np.unique(cols_np):
-                sel = cols_np == j
-                up = vals[sel] + eps_rows[sel]
-                keep = up >= L[j]
-                if not keep.any():
-                    continue
-                found_ids[j].append(rows_np[sel][keep])
-                found_up[j].append(up[keep])
-                lo = np.concatenate([lowers[j], (vals[sel] - eps_rows[sel])[keep]])
-                if lo.size > k:
-                    lo = np.partition(lo, lo.size - k)[-k:]
-                lowers[j] = lo
-                if lo.size == k:
-                    L[j] = max(L[j], float(lo.min()))
-        out = []
-        for j in range(b):
-            if not found_ids[j]:
-                out.append(np.zeros(0, dtype=np.int64))
-                continue
-            ids = np.concatenate(found_ids[j])
-            up = np.concatenate(found_up[j])
-            out.append(np.sort(ids[up >= L[j]]))
-        return out
+            track.add(rows_np, cols_np, vals, self._eps(qn[cols_np], self.row_norm[rows_np]))
+        return track.result()

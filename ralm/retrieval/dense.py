@@ -25,11 +25,13 @@ import numpy as np
 
 from ralm import constants as C
 from ralm.retrieval.base import Hit, rank_hits
+from ralm.retrieval.int8_scan import Int8Scan
 from ralm.retrieval.rerank import Candidates, exact_top_k
 
 log = logging.getLogger(__name__)
 
 PAD_SEED = 20240917
+DENSE_SCANS = ("auto", "faiss", "bf16", "int8")  # the candidate scans of a flat (edr) index
 _PAD_CHUNK = 1 << 16
 
 
@@ -184,12 +186,12 @@ class DenseRetriever:
     ):
         import faiss
 
-        from ralm.retrieval import bf16_scan
+        from ralm.retrieval import bf16_scan, int8_scan
 
         if kind not in ("edr", "adr"):
             raise ValueError(f"not a dense retriever kind: {kind!r}")
-        if dense_scan not in ("auto", "faiss", "bf16"):
-            raise ValueError(f"dense_scan must be 'auto', 'faiss' or 'bf16', not {dense_scan!r}")
+        if dense_scan not in DENSE_SCANS:
+            raise ValueError(f"dense_scan must be one of {', '.join(DENSE_SCANS)}, not {dense_scan!r}")
         self.name = kind
         self.kind = kind
         self.scorer = DenseScorer(encoder, vectors)
@@ -204,10 +206,12 @@ class DenseRetriever:
                 f"FAISS index has {index.ntotal} rows of dim {index.d}, vectors are {self.n_docs} x {self.scorer.dim}"
             )
         self.padded_rows = 0
-        self.scan = None
+        self.scan: bf16_scan.Bf16Scan | int8_scan.Int8Scan | None = None
         extra = max(0, int(pad_to) - self.n_docs) if (pad_to and kind == "edr") else 0
         if kind == "edr" and bf16_scan.available(dense_scan):
             self.scan = bf16_scan.Bf16Scan(self.scorer.vectors, _pad_rows(extra, self.scorer.dim), pad_rows=extra)
+        elif kind == "edr" and int8_scan.available(dense_scan):
+            self.scan = int8_scan.Int8Scan(self.scorer.vectors, _pad_rows(extra, self.scorer.dim), pad_rows=extra)
         elif kind == "adr":
             # an adr index is an HNSW index (build_index, or the caller's own for this kind)
             cast("faiss.IndexHNSW", faiss.downcast_index(index)).hnsw.efSearch = int(ef_search)
@@ -222,7 +226,7 @@ class DenseRetriever:
             log.warning(
                 "EDR %s padded to %d rows to emulate a larger knowledge base "
                 "(%d real passages + %d random vectors of norm %g; results unchanged)",
-                "bf16 scan" if self.scan is not None else "index",
+                f"{self.dense_scan} scan" if self.scan is not None else "index",
                 pad_to,
                 self.n_docs,
                 extra,
@@ -234,8 +238,10 @@ class DenseRetriever:
 
     @property
     def dense_scan(self) -> str:
-        """The candidate scan in use: 'bf16' or 'faiss'."""
-        return "bf16" if self.scan is not None else "faiss"
+        """The candidate scan in use: 'bf16', 'int8' or 'faiss'."""
+        if self.scan is None:
+            return "faiss"
+        return "int8" if isinstance(self.scan, Int8Scan) else "bf16"
 
     def __repr__(self) -> str:
         pad = f", padded_rows={self.padded_rows}" if self.padded_rows else ""
@@ -305,8 +311,8 @@ class DenseRetriever:
             return [[] for _ in query_reps]
         Q = np.stack([np.asarray(q, dtype=np.float32) for q in query_reps])
         if self.scan is not None:
-            # one bf16 pass for the whole batch; its candidate sets provably contain the
-            # exact top-k, which the float64 re-scoring then ranks (see bf16_scan)
+            # one bf16 or int8 pass for the whole batch; its candidate sets provably contain
+            # the exact top-k, which the float64 re-scoring then ranks (see bf16_scan, int8_scan)
             cands = self.scan.candidates(Q, k)
             self.stats["searches"] += len(query_reps)
             self.stats["candidates"] = self.stats.get("candidates", 0) + int(sum(c.size for c in cands))

@@ -42,4 +42,10 @@ def test_methods_with_a_gamma_cap_become_spec_objects():
     assert methods == [("seq", None), ("spec", "PSA"), ("spec", "PS@0.9")]
     assert [_label(m, s) for m, s in methods] == ["seq", "spec[PSA]", "spec[PS@0.9]"]
     assert _spec_body("PSA") == "PSA"
-    assert _spec_body("PS@0.9") == {"prefetch": True, "adaptive_stride": True, "async_verify": False, "gamma_max": 0.9}
+    assert _spec_body("PS@0.9") == {
+        "prefetch": True,
+        "adaptive_stride": True,
+        "async_verify": False,
+        "gamma_estimate": "capped",
+        "gamma_max": 0.9,
+    }

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from ralm.config import SpecConfig
-from ralm.os3 import StrideScheduler, expected_verified, objective
+from ralm.os3 import StrideScheduler, beta_quantile_int, expected_verified, objective
+
+CAPPED = {"gamma_estimate": "capped"}  # the paper's OS3 estimate
 
 
 def test_expected_verified_matches_series():
@@ -27,14 +29,48 @@ def test_fixed_stride_when_not_adaptive():
 
 
 def test_starts_at_one_and_grows_with_expensive_verification():
+    picks = {}
+    for est in ("capped", "bayes"):
+        sch = StrideScheduler(SpecConfig(adaptive_stride=True, gamma_estimate=est))
+        assert sch.next_stride() == 1
+        for _ in range(5):
+            sch.record_step(0.010)
+            sch.record_verification(1, 1, 0.200)  # always right, verification 20x a step
+        picks[est] = sch.next_stride()
+        assert picks[est] > 3
+        if est == "capped":
+            assert sch.gamma == pytest.approx(0.6)  # 5/(5+0) = 1 capped at gamma_max
+        else:
+            assert sch.gamma == pytest.approx(0.3 ** (1 / 6))  # Beta(6, 1): CDF x^6
+    # five right windows are evidence the cap ignores: the posterior goes further
+    assert picks["bayes"] > picks["capped"]
+
+
+def test_beta_quantile_closed_forms_and_the_docstring_example():
+    for q in (0.1, 0.3, 0.5, 0.9):
+        for n in (1, 2, 7, 40):
+            assert beta_quantile_int(q, n, 1) == pytest.approx(q ** (1 / n), abs=1e-8)
+            assert beta_quantile_int(q, 1, n) == pytest.approx(1 - (1 - q) ** (1 / n), abs=1e-8)
     sch = StrideScheduler(SpecConfig(adaptive_stride=True))
-    assert sch.next_stride() == 1
-    for _ in range(5):
-        sch.record_step(0.010)
-        sch.record_verification(1, 1, 0.200)  # always right, verification 20x a step
-    assert sch.gamma == pytest.approx(0.6)  # 5/(5+0) = 1 capped at gamma_max
-    s = sch.next_stride()
-    assert s > 3
+    assert sch.gamma is None and sch.optimistic_gamma() == pytest.approx(0.7)
+    got = []
+    for s, matched in ((1, 1), (3, 3), (8, 6)):
+        sch.record_verification(s, matched, 0.1)
+        got.append(round(sch.gamma, 3))
+    assert got == [0.548, 0.786, 0.809]
+
+
+def test_a_mismatch_lowers_the_posterior_and_the_stride():
+    def after(windows):
+        sch = StrideScheduler(SpecConfig(adaptive_stride=True))
+        for s, m in windows:
+            sch.record_step(0.010)
+            sch.record_verification(s, m, 0.200)
+        return sch.gamma, sch.next_stride()
+
+    g_ok, s_ok = after([(4, 4)] * 4)
+    g_bad, s_bad = after([(4, 4), (4, 1), (4, 4), (4, 0)])
+    assert g_bad < g_ok and s_bad < s_ok
 
 
 def test_stays_small_when_speculation_is_always_wrong():
@@ -42,12 +78,18 @@ def test_stays_small_when_speculation_is_always_wrong():
     for _ in range(5):
         sch.record_step(0.010)
         sch.record_verification(2, 0, 0.200)
-    assert sch.gamma == 0.0
-    assert sch.next_stride() == 1
+    assert sch.gamma == pytest.approx(1 - 0.7 ** (1 / 6))  # Beta(1, 6): about 0.058
+    # a step costs 1/20 of a verification: a second guess nearly free, so at most 2
+    assert sch.next_stride() <= 2
+    capped = StrideScheduler(SpecConfig(adaptive_stride=True, **CAPPED))
+    for _ in range(5):
+        capped.record_step(0.010)
+        capped.record_verification(2, 0, 0.200)
+    assert capped.gamma == 0.0 and capped.next_stride() == 1
 
 
 def test_gamma_window_and_formula():
-    sch = StrideScheduler(SpecConfig(adaptive_stride=True, os3_window=3, gamma_max=0.99))
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True, os3_window=3, gamma_max=0.99, **CAPPED))
     sch.record_verification(4, 4, 0.1)  # old, falls out of the window
     sch.record_verification(4, 1, 0.1)
     sch.record_verification(3, 3, 0.1)

@@ -181,5 +181,7 @@ def test_direct_steps_count_their_shadow_guess_as_a_lookup():
     st = run_spec(Q, gen, kb, req, SpecConfig.named("PSA")).stats
     assert st.spec_steps == 0 and st.direct_steps == 11
     assert st.cache_lookups == st.direct_steps
-    # this scripted cache guesses every step right (gamma at its cap says so): all shadow hits
-    assert st.gamma == SpecConfig().gamma_max and st.shadow_hits == st.direct_steps
+    # this scripted cache guesses every step right (gamma, the posterior's quantile after n
+    # right guesses, Beta(n + 1, 1), says so): all shadow hits
+    assert st.gamma == pytest.approx(SpecConfig().gamma_quantile ** (1 / (1 + st.direct_steps)))
+    assert st.shadow_hits == st.direct_steps

@@ -168,7 +168,7 @@ def test_padding_rows_dropped_even_when_they_outrank_real_ones():
     V /= np.linalg.norm(V, axis=1, keepdims=True)
     q = -V.mean(axis=0)
     q = (q / np.linalg.norm(q)).astype(np.float32)
-    for scan in ("faiss", "bf16"):
+    for scan in ("faiss", "bf16", "int8"):
         plain = DenseRetriever("edr", StubEncoder([q]), V, rerank_margin=1, dense_scan=scan)
         padded = DenseRetriever("edr", StubEncoder([q]), V, pad_to=5000, rerank_margin=1, dense_scan=scan)
         assert padded.search("q0", 30) == plain.search("q0", 30) == rank_hits(np.arange(30), dense_scores(V, q), 30)

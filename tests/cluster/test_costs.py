@@ -1,0 +1,28 @@
+"""``ralmspec costs --scans``: every exact-dense candidate scan measured side by side, at
+batch 1 and 16, with their hits checked equal, and the machine line naming the kernels."""
+
+from __future__ import annotations
+
+
+def test_scan_costs_compare_paths_and_check_their_hits(retrievers, fixture_corpus):
+    from cluster.costs import measure_scans, scans_markdown
+
+    res = measure_scans(retrievers["edr"], fixture_corpus, ["faiss", "int8", "bf16"], pad_to=20_000, reps=2)
+    assert list(res) == ["faiss", "int8", "bf16"]
+    for scan, r in res.items():
+        assert r["path"] == scan and r["rows"] == 20_000
+        assert r["batch1_ms"] > 0 and r["batch16_ms"] > 0
+        assert r["ratio_16_to_1"] == r["batch16_ms"] / r["batch1_ms"]
+        assert r["same_hits_as_first"] is True
+    md = scans_markdown({"reps": 2, "pad_to": 20_000, "scans": res})
+    assert md.startswith("Machine: ") and "torch kernels" in md and "bf16 instructions" in md
+    assert md.count("| yes |") == 3
+
+
+def test_the_machine_line_names_an_isa_cap(monkeypatch):
+    from cluster.report import machine_note
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    line = machine_note({"edr": "int8"})
+    assert "bf16 instructions no" in line and "capped: ONEDNN_MAX_CPU_ISA=AVX2" in line
+    assert line.endswith("candidate scan: edr int8")

@@ -1,0 +1,160 @@
+"""The bounded int8 scan (CPUs without bf16): candidate sets always contain the exact
+top-k, the error bound holds for every (row, query), results do not depend on the batch,
+padding is scanned but never returned, and an inexact kernel is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ralm.retrieval import int8_scan
+from ralm.retrieval.base import rank_hits
+from ralm.retrieval.dense import _pad_rows, dense_scores
+from ralm.retrieval.factory import load_retriever
+from ralm.retrieval.int8_scan import Int8Scan, quantize
+
+
+def _unit(rng, n, d):
+    X = rng.standard_normal((n, d)).astype(np.float32)
+    return X / np.linalg.norm(X, axis=1, keepdims=True)
+
+
+def _with_ties(X):
+    """Exact duplicates and 1-ulp neighbours straddling any top-k boundary near row 5."""
+    X = X.copy()
+    X[100:140] = X[5]
+    X[140] = X[5] * np.float32(1 + 2**-23)
+    X[141] = X[5] * np.float32(1 - 2**-23)
+    return X
+
+
+def _exact_top(X, q, k):
+    return rank_hits(np.arange(X.shape[0]), dense_scores(X, q), k)
+
+
+@pytest.fixture(scope="module")
+def scan():
+    rng = np.random.default_rng(11)
+    X = _with_ties(_unit(rng, 6000, 64))
+    X[200:260] *= np.float32(3.0)  # rows of other norms (and so other scales)
+    X[300] = 0.0  # a zero row
+    return X, Int8Scan(X, _pad_rows(40000, 64), pad_rows=40000, block_rows=4096)
+
+
+def test_quantize_matches_the_worked_example():
+    codes, scale, xn, r = quantize(np.array([[0.5, -0.25]], dtype=np.float32))
+    assert codes.tolist() == [[127, -64]]
+    assert scale[0] == pytest.approx(0.5 / 127)
+    assert r[0] == pytest.approx(abs(-0.25 + 64 * 0.5 / 127), rel=1e-6)
+    codes, scale, xn, r = quantize(np.zeros((1, 3), dtype=np.float32))
+    assert codes.tolist() == [[0, 0, 0]] and scale[0] == 1.0 and xn[0] == 0 and r[0] == 0
+
+
+@pytest.mark.parametrize("k", [1, 4, 20, 64])
+def test_candidates_contain_the_exact_top_k(scan, k):
+    X, s = scan
+    rng = np.random.default_rng(k)
+    for _trial in range(6):
+        b = int(rng.integers(1, 17))
+        Q = _unit(rng, b, 64)
+        Q[0] = X[5] + 0.02 * Q[0]  # lands among the planted ties
+        if b > 1:
+            Q[1] *= np.float32(7.5)  # a query of another norm
+        cands = s.candidates(Q, k)
+        assert len(cands) == b
+        for i in range(b):
+            got = rank_hits(cands[i], dense_scores(X[cands[i]], Q[i]), k)
+            assert got == _exact_top(X, Q[i], k)
+            assert (cands[i] < X.shape[0]).all()  # padding is never a candidate
+
+
+def test_candidates_do_not_depend_on_the_batch(scan):
+    X, s = scan
+    Q = _unit(np.random.default_rng(3), 16, 64)
+    together = s.candidates(Q, 10)
+    for i in range(16):
+        alone = s.candidates(Q[i : i + 1], 10)[0]
+        assert rank_hits(alone, dense_scores(X[alone], Q[i]), 10) == rank_hits(
+            together[i], dense_scores(X[together[i]], Q[i]), 10
+        )
+
+
+def test_candidate_sets_stay_small(scan):
+    """The bound is tight enough to be useful: a few dozen rows, not the index."""
+    X, s = scan
+    sizes = [c.size for c in s.candidates(_unit(np.random.default_rng(5), 8, 64), 4)]
+    assert max(sizes) < 0.05 * X.shape[0], sizes
+
+
+def test_the_error_bound_holds_for_every_row_and_query():
+    """|s^ - s| <= |q^| r_x + r_q |x^| + r_q r_x, with rows and queries of very different
+    norms, in 384 dims; and s^ is not exact (the bound does work)."""
+    import torch
+
+    rng = np.random.default_rng(9)
+    d = 384
+    X = (rng.standard_normal((3000, d)) * np.exp(2 * rng.standard_normal((3000, 1)))).astype(np.float32)
+    Q = (rng.standard_normal((5, d)) * np.exp(rng.standard_normal((5, 1)))).astype(np.float32)
+    xc, xs, xn, xr = quantize(X)
+    qc, qs, qn, qr = quantize(Q)
+    n = int8_scan._int_scores(torch.from_numpy(xc), torch.from_numpy(np.ascontiguousarray(qc.T))).numpy()
+    est = n.astype(np.float64) * xs[:, None] * qs[None, :]
+    exact = X.astype(np.float64) @ Q.astype(np.float64).T
+    bound = np.outer(xr, qn) + np.outer(xn, qr) + np.outer(xr, qr)
+    err = np.abs(est - exact)
+    assert (err <= bound + int8_scan.ABS_SLACK).all()
+    assert err.max() > 0
+
+
+def test_an_inexact_kernel_is_refused(monkeypatch):
+    """A kernel that saturates (int16 accumulation) is caught by the probe. (Emulated: no
+    such CPU is available here.)"""
+    import torch
+
+    def saturating(rows, queries_t):
+        out = rows.long() @ queries_t.long()
+        return out.clamp(-(2**15), 2**15 - 1).int()
+
+    monkeypatch.setattr(int8_scan, "_probe_result", None)
+    monkeypatch.setattr(int8_scan, "_int_scores", saturating)
+    assert int8_scan.probe_kernel() is False
+    assert int8_scan.available("auto") is False
+    with pytest.raises(RuntimeError, match="not exact"):
+        int8_scan.available("int8")
+    monkeypatch.setattr(int8_scan, "_probe_result", None)
+    assert torch is not None
+
+
+def test_probe_accepts_this_machines_kernel_and_auto_picks_by_hardware(monkeypatch):
+    from ralm.retrieval import bf16_scan
+
+    assert int8_scan.probe_kernel() is True
+    assert int8_scan.available("int8") is True and int8_scan.available("faiss") is False
+    assert bf16_scan.available("int8") is False
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # kernels capped as on an AVX2-only CPU
+    assert bf16_scan.hardware_bf16() is False
+    assert int8_scan.available("auto") is True and bf16_scan.available("auto") is False
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setattr(bf16_scan, "hardware_bf16", lambda: True)
+    assert int8_scan.available("auto") is False
+
+
+@pytest.mark.parametrize("pad_to", [0, 30000])
+def test_edr_int8_equals_faiss(index_dirs, dense_encoder, retriever_configs, fixture_corpus, sample_queries, pad_to):
+    """The whole retriever on the fixture corpus: int8 scan and FAISS give the same hits,
+    single and batched."""
+    kbs = {
+        scan: load_retriever(
+            retriever_configs["edr"].model_copy(update={"dense_scan": scan, "pad_to": pad_to}),
+            fixture_corpus,
+            index_dirs["edr"],
+            encoder=dense_encoder,
+        )
+        for scan in ("faiss", "int8")
+    }
+    assert kbs["int8"].dense_scan == "int8" and kbs["faiss"].dense_scan == "faiss"
+    assert kbs["int8"].n_rows == kbs["faiss"].n_rows == max(pad_to, len(fixture_corpus))
+    queries = sample_queries[:48]
+    for k in (1, 4, 20):
+        assert kbs["int8"].batch_search(queries, k) == kbs["faiss"].batch_search(queries, k)
+    assert [kbs["int8"].search(q, 4) for q in queries[:8]] == [kbs["faiss"].search(q, 4) for q in queries[:8]]
