@@ -23,7 +23,9 @@ OS3_WINDOW = 5  # w: verifications used to estimate gamma
 OS3_GAMMA_MAX = 0.6  # cap on the gamma estimate
 OS3_MAX_STRIDE = 16  # upper bound on s chosen by OS3
 OS3_INITIAL_STRIDE = 1
-GAMMA_ESTIMATE: Literal["bayes", "capped"] = "bayes"  # default gamma estimate: a Beta posterior's lower quantile ("capped": the paper's)
+GAMMA_ESTIMATE: Literal["bayes", "capped"] = (
+    "bayes"  # default gamma estimate: a Beta posterior's lower quantile ("capped": the paper's)
+)
 GAMMA_QUANTILE = 0.3  # the quantile of the Beta(1 + matched, 1 + mismatches) posterior used as gamma
 BAYES_WINDOWS = 32  # verifications the posterior counts (the paper's capped estimate uses OS3_WINDOW)
 
