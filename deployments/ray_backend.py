@@ -242,12 +242,15 @@ class RayBackend:
         coord = await pool.acquire()
         refs = coord.run_stream.options(num_returns="streaming").remote(job)
         done = False
+        nxt: asyncio.Future | None = None  # the chunk being awaited (the drain takes it over)
         try:
             while True:
+                nxt = asyncio.ensure_future(refs.__anext__())
                 try:  # each chunk awaited under the pool's liveness pings (a lost node never answers)
-                    ref = await pool.watch(coord, asyncio.ensure_future(refs.__anext__()))
+                    ref = await pool.watch(coord, nxt)
                 except StopAsyncIteration:
                     break
+                nxt = None
                 yield await ref
             done = True
             pool.release(coord)
@@ -266,13 +269,17 @@ class RayBackend:
                 with contextlib.suppress(Exception):
                     coord.cancel.remote()
                 pool.stats.cancelled += 1
-                asyncio.ensure_future(self._drain(refs, coord))
+                asyncio.ensure_future(self._drain(refs, coord, nxt))
 
-    async def _drain(self, refs, coord) -> None:
+    async def _drain(self, refs, coord, pending: asyncio.Future | None = None) -> None:
+        """Read a cancelled stream to its end (the coordinator stops at its next step), then
+        give the coordinator back; ``pending``: a chunk request already in flight."""
         try:
+            if pending is not None:
+                await (await pending)
             async for ref in refs:
                 await ref
-        except Exception:
+        except Exception:  # its end (StopAsyncIteration), the cancellation error, a dead actor
             pass
         self._started_pool().release(coord)
 

@@ -41,6 +41,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CORPUS = REPO_ROOT / "assets" / "corpus" / "pydocs.jsonl.gz"
@@ -354,11 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     model.generation_config.bos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.eos_token_id
     model.generation_config.do_sample = False
-    # transformers wraps ``to`` and ``generate`` in decorators whose types lose the bound self
-    model.to(torch.float16).save_pretrained(out, safe_serialization=True)  # type: ignore[arg-type]
+    # transformers wraps ``to`` and ``generate`` in decorators whose types differ between its
+    # releases; the models are held as Any so one source type-checks against all of them
+    untyped: Any = model
+    untyped.to(torch.float16).save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
 
-    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     tok2 = AutoTokenizer.from_pretrained(out)
     eval_batch = 4
     held_loss = evaluate(loaded, held_data, eval_batch) if len(held_data) else float("nan")
@@ -367,9 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt = "json.dumps\nSerialize obj"
     ids = tok2(prompt, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
-        generated = loaded.generate(  # type: ignore[misc]  # see model.to above
-            **ids, max_new_tokens=40, do_sample=False, pad_token_id=tok2.eos_token_id
-        )
+        generated = loaded.generate(**ids, max_new_tokens=40, do_sample=False, pad_token_id=tok2.eos_token_id)
     sample = tok2.decode(generated[0], skip_special_tokens=True)
 
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
