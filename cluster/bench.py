@@ -181,7 +181,7 @@ def bench_main(args: argparse.Namespace) -> int:
     notes = bench_header(
         "bench", len(timed), cfg, kinds, f"{cfg.corpus} ({len(pipe.corpus)} passages)", concurrency=concurrency
     )
-    notes.append(machine_note({k: r.dense_scan for k in kinds if hasattr(r := pipe.retriever(k), "dense_scan")}))
+    notes.append(machine_note({k: r.scan_label for k in kinds if hasattr(r := pipe.retriever(k), "scan_label")}))
     all_rows: list[ConfigSummary] = []
     all_req: list[dict] = []
     t0 = time.perf_counter()

@@ -28,7 +28,7 @@ def add_costs_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scans",
         default="",
-        help="comma-separated EDR candidate scans to compare at batch 1 and 16 (faiss, int8, bf16); "
+        help="comma-separated EDR candidate scans to compare at batch 1 and 16 (faiss, int8, bf16, auto: the one picked here); "
         "only the scans and the machine line are reported then",
     )
 
@@ -78,7 +78,11 @@ def measure_scans(kb, corpus, scans: list[str], pad_to: int, reps: int) -> dict:
     for scan in scans:
         t0 = time.perf_counter()
         r = DenseRetriever("edr", kb.encoder, kb.scorer.vectors, pad_to=pad_to, dense_scan=scan)
-        row: dict = {"path": r.dense_scan, "build_s": time.perf_counter() - t0, "rows": r.n_rows}
+        row: dict = {"path": r.scan_label, "build_s": time.perf_counter() - t0, "rows": r.n_rows}
+        if scan == "auto":  # the kernel timings it chose by, when both low-precision scans run here
+            from ralm.retrieval.scan_choice import auto_timings
+
+            row["auto_kernel_ms"] = auto_timings(kb.scorer.dim)
         hits = {}
         for bs in (1, 16):
             r.search_vectors(list(qs[bs][0]), 20)  # warm-up
@@ -102,7 +106,7 @@ def scans_markdown(out: dict) -> str:
 
     rows = [
         (
-            scan,
+            r["path"] if r["path"].split()[0] == scan else f"{scan} ({r['path']})",
             f"{r['rows']:,}",
             f"{r['batch1_ms']:.1f}",
             f"{r['batch16_ms']:.1f}",

@@ -175,15 +175,22 @@ def _actor_processes() -> dict[str, list[int]]:
     return out
 
 
-def _redis_keys(url: str | None) -> int | None:
+def _redis_keys(url: str | None) -> tuple[int | None, int | None]:
+    """(all keys, request checkpoints) in the state store's Redis; (None, None) without one.
+
+    Checkpoints (``<prefix>:ckpt:<request id>``) must not pile up: a finished or cancelled
+    request deletes its own, so their count stays near the number of requests in flight.
+    """
     if not url:
-        return None
+        return None, None
     try:
         import redis
 
-        return int(redis.Redis.from_url(url).dbsize())
+        r = redis.Redis.from_url(url)
+        ckpts = sum(1 for _ in r.scan_iter(match="*:ckpt:*", count=1000))
+        return int(r.dbsize()), ckpts
     except Exception:
-        return None
+        return None, None
 
 
 def sample(url_stats, state_url: str | None) -> dict:
@@ -196,11 +203,13 @@ def sample(url_stats, state_url: str | None) -> dict:
             "fds": sum(v[1] for v in vals),
         }
     driver = _proc_rss_fds(os.getpid())
+    keys, ckpts = _redis_keys(state_url)
     return {
         "t": time.time(),
         "processes": procs,
         "driver_rss_mib": round(driver[0], 1) if driver else None,
-        "redis_keys": _redis_keys(state_url),
+        "redis_keys": keys,
+        "redis_checkpoints": ckpts,
         "server": url_stats(),
     }
 
@@ -321,6 +330,7 @@ def summarize(res: dict) -> dict:
         "growth_from_sample": first,
         "growth": growth,
         "redis_keys": [s.get("redis_keys") for s in samples],
+        "redis_checkpoints": [s.get("redis_checkpoints") for s in samples],
     }
 
 

@@ -55,6 +55,9 @@ def to_markdown(meta: dict, summary: dict, samples: list[dict]) -> str:
     keys = [k for k in s["redis_keys"] if k is not None]
     if keys:
         lines += ["", f"Redis keys: first {keys[0]}, max {max(keys)}, last {keys[-1]}."]
+    ckpts = [k for k in s.get("redis_checkpoints", []) if k is not None]
+    if ckpts:  # a finished or cancelled request deletes its checkpoint: stays near the in-flight count
+        lines[-1] += f" Request checkpoints among them: max {max(ckpts)}, last {ckpts[-1]}."
     lines += ["", "## Samples", ""]
     t0 = samples[0]["t"]
     srows = []
@@ -72,6 +75,7 @@ def to_markdown(meta: dict, summary: dict, samples: list[dict]) -> str:
                 f"{rss:.0f}",
                 fds,
                 "-" if smp.get("redis_keys") is None else smp["redis_keys"],
+                "-" if smp.get("redis_checkpoints") is None else smp["redis_checkpoints"],
                 srv.get("waiting", "-"),
                 srv.get("cancelled", "-"),
             )
@@ -86,11 +90,12 @@ def to_markdown(meta: dict, summary: dict, samples: list[dict]) -> str:
             "RSS MiB (all actors)",
             "fds",
             "Redis keys",
+            "checkpoints",
             "waiting",
             "cancelled",
         ],
         srows,
-        "rrrrrrrrrr",
+        "rrrrrrrrrrr",
     )
     return "\n".join(lines) + "\n"
 

@@ -27,11 +27,12 @@ from ralm import constants as C
 from ralm.retrieval.base import Hit, rank_hits
 from ralm.retrieval.int8_scan import Int8Scan
 from ralm.retrieval.rerank import Candidates, exact_top_k
+from ralm.retrieval.scan_choice import SCANS, choose_scan
 
 log = logging.getLogger(__name__)
 
 PAD_SEED = 20240917
-DENSE_SCANS = ("auto", "faiss", "bf16", "int8")  # the candidate scans of a flat (edr) index
+DENSE_SCANS = SCANS  # the candidate scans of a flat (edr) index (ralm.retrieval.scan_choice)
 _PAD_CHUNK = 1 << 16
 
 
@@ -208,9 +209,10 @@ class DenseRetriever:
         self.padded_rows = 0
         self.scan: bf16_scan.Bf16Scan | int8_scan.Int8Scan | None = None
         extra = max(0, int(pad_to) - self.n_docs) if (pad_to and kind == "edr") else 0
-        if kind == "edr" and bf16_scan.available(dense_scan):
+        chosen = choose_scan(dense_scan, self.scorer.dim) if kind == "edr" else "faiss"
+        if chosen == "bf16":
             self.scan = bf16_scan.Bf16Scan(self.scorer.vectors, _pad_rows(extra, self.scorer.dim), pad_rows=extra)
-        elif kind == "edr" and int8_scan.available(dense_scan):
+        elif chosen == "int8":
             self.scan = int8_scan.Int8Scan(self.scorer.vectors, _pad_rows(extra, self.scorer.dim), pad_rows=extra)
         elif kind == "adr":
             # an adr index is an HNSW index (build_index, or the caller's own for this kind)
@@ -242,6 +244,13 @@ class DenseRetriever:
         if self.scan is None:
             return "faiss"
         return "int8" if isinstance(self.scan, Int8Scan) else "bf16"
+
+    @property
+    def scan_label(self) -> str:
+        """:attr:`dense_scan` with the int8 code level, for report headers ('int8 +-63')."""
+        if isinstance(self.scan, Int8Scan):
+            return f"int8 +-{self.scan.qmax}"
+        return self.dense_scan
 
     def __repr__(self) -> str:
         pad = f", padded_rows={self.padded_rows}" if self.padded_rows else ""

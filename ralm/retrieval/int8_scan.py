@@ -11,7 +11,7 @@ set that provably contains the exact top-k, and the caller re-scores it exactly.
 
 Quantisation, per row ``x`` (float32, d dims) and per query ``q``:
 
-    s_x = max_i |x_i| / 127,   x~ = round(x / s_x) in [-127, 127] (int8),
+    s_x = max_i |x_i| / Q,     x~ = round(x / s_x) in [-Q, Q] (int8; Q = 127 or 63),
     x^ = s_x x~,               e_x = x - x^,  r_x = |e_x|  (float64, rounded up)
 
 and the same for ``q``. The kernel returns the integer ``q~ . x~`` exactly (int32
@@ -23,6 +23,13 @@ accumulation: d 127^2 < 2^31 for d < 133,000; checked by :func:`probe_kernel`), 
 
 For unit vectors in 384 dims, ``s_x`` ~ 0.2/127 and ``r_x`` ~ s_x sqrt(d/12) ~ 0.009, so
 eps ~ 0.02: a candidate window about as wide as the bf16 one.
+
+The level Q. Without VNNI (AVX2 only), oneDNN multiplies int8 with ``vpmaddubsw``: one
+operand shifted to uint8 (+128), and pairs of u8 x s8 products added in int16 *with
+saturation*. At Q = 127 a pair reaches 2 * 255 * 127 = 64,770 > 32,767 and the product is
+silently wrong (measured here with ``ONEDNN_MAX_CPU_ISA=AVX2``); at Q = 63 a pair stays
+within 2 * 191 * 63 = 24,066, exact. :func:`probe_kernel` tries the levels on worst-case
+signs and keeps the largest exact one; the bound above holds for either (r_x doubles at 63).
 
 Pruning a block without converting it. For query ``j`` with floor ``L`` and the block's
 largest bound ``E`` (from its largest ``r_x`` and ``|x^|``), a row can be a candidate
@@ -51,22 +58,24 @@ from ralm.retrieval.scan_bounds import CandidateTracker
 log = logging.getLogger(__name__)
 
 QMAX = 127
+LEVELS = (QMAX, 63)  # code ranges tried by the probe, the finest first
 BLOCK_ROWS = 1 << 15  # rows per integer product: 32768 x 384 int8 = 12 MiB
 ABS_SLACK = 1e-12  # float64 arithmetic of s^ and of the bound
 ROUND_UP = 1 + 1e-9  # norms computed in float64, rounded up
 
 _probe_lock = threading.Lock()
-_probe_result: bool | None = None
+_probe_result: int | None = None
 
 
-def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(m, d) float32 -> int8 codes (m, d), scales (m,) float64, |x^| (m,), r_x = |x - x^| (m,).
+def quantize(x: np.ndarray, qmax: int = QMAX) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(m, d) float32 -> int8 codes (m, d) in [-qmax, qmax], scales (m,) float64, |x^| (m,),
+    r_x = |x - x^| (m,).
 
     A zero row gets scale 1 and codes 0 (x^ = 0, r_x = 0)."""
     x64 = np.asarray(x, dtype=np.float64)
     amax = np.abs(x64).max(axis=1)
-    scale = np.where(amax > 0, amax / QMAX, 1.0)  # (m,)
-    codes = np.clip(np.rint(x64 / scale[:, None]), -QMAX, QMAX)
+    scale = np.where(amax > 0, amax / qmax, 1.0)  # (m,)
+    codes = np.clip(np.rint(x64 / scale[:, None]), -qmax, qmax)
     xhat = codes * scale[:, None]
     r = np.sqrt(np.einsum("ij,ij->i", x64 - xhat, x64 - xhat)) * ROUND_UP
     xn = np.sqrt(np.einsum("ij,ij->i", xhat, xhat)) * ROUND_UP
@@ -80,28 +89,42 @@ def _int_scores(rows, queries_t):
     return torch._int_mm(rows, queries_t)
 
 
-def probe_kernel() -> bool:
-    """True when torch's int8 matrix product is exact (int32 accumulation) on this machine:
-    checked against an int64 product on values at the extremes of the int8 range."""
+def _worst_case(q: int, d: int = 384) -> tuple:
+    """int8 (64, d) and (d, 16) at the level ``q``: random codes plus rows and columns of
+    constant and alternating signs at +-q (the largest pair sums a kernel can meet)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-q, q + 1, (64, d), dtype=torch.int8, generator=g)
+    b = torch.randint(-q, q + 1, (d, 16), dtype=torch.int8, generator=g)
+    a[0], a[1] = q, -q  # d q^2: the largest sum the scan can meet
+    a[2, ::2], a[2, 1::2] = q, -q
+    b[:, 0], b[:, 1] = q, -q
+    b[::2, 2], b[1::2, 2] = q, -q
+    b[::2, 3], b[1::2, 3] = -q, q
+    return a, b
+
+
+def probe_kernel() -> int:
+    """The largest code level of :data:`LEVELS` at which torch's int8 matrix product is
+    exact on this machine (checked against an int64 product on worst-case signs); 0 when
+    none is (or torch has no int8 product)."""
     global _probe_result
     with _probe_lock:
         if _probe_result is not None:
             return _probe_result
+        level = 0
         try:
-            import torch
-
-            g = torch.Generator().manual_seed(0)
-            a = torch.randint(-QMAX, QMAX + 1, (64, 384), dtype=torch.int8, generator=g)
-            a[0] = QMAX  # 384 * 127^2: the largest sum the scan can meet at d = 384
-            b = torch.randint(-QMAX, QMAX + 1, (384, 16), dtype=torch.int8, generator=g)
-            b[:, 0] = QMAX
-            got = _int_scores(a, b)
-            ok = bool(torch.equal(got.long(), a.long() @ b.long()))
+            for q in LEVELS:
+                a, b = _worst_case(q)
+                if bool((_int_scores(a, b).long() == a.long() @ b.long()).all()):
+                    level = q
+                    break
+                log.info("int8 products saturate at level %d on this machine", q)
         except Exception as exc:  # no torch._int_mm on this build
             log.info("int8 scan unavailable: %s", exc)
-            ok = False
-        _probe_result = ok
-        return ok
+        _probe_result = level
+        return level
 
 
 class Int8Scan:
@@ -121,14 +144,19 @@ class Int8Scan:
         *,
         pad_rows: int = 0,
         block_rows: int = BLOCK_ROWS,
+        qmax: int | None = None,
     ):
         import torch
+
+        self.qmax = probe_kernel() if qmax is None else int(qmax)
+        if not 0 < self.qmax <= QMAX:
+            raise RuntimeError("no int8 code level gives exact products on this machine; use dense_scan='faiss'")
 
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         if rows.ndim != 2 or rows.shape[0] == 0:
             raise ValueError("rows must be a non-empty (n, d) array")
         self.n_real, self.dim = rows.shape
-        if self.dim * QMAX * QMAX >= 2**31:
+        if self.dim * self.qmax * self.qmax >= 2**31:
             raise ValueError(f"{self.dim} dims could overflow the int32 accumulator")
         self.n_rows = self.n_real + int(pad_rows)
         self.block_rows = int(block_rows)
@@ -138,12 +166,12 @@ class Int8Scan:
         self.resid = np.empty(self.n_real)  # (n_real,) r_x
         for s in range(0, self.n_real, self.block_rows):  # chunked: no full float64 copy
             e = min(s + self.block_rows, self.n_real)
-            codes, self.scale[s:e], self.xhat_norm[s:e], self.resid[s:e] = quantize(rows[s:e])
+            codes, self.scale[s:e], self.xhat_norm[s:e], self.resid[s:e] = quantize(rows[s:e], self.qmax)
             data[s:e] = torch.from_numpy(codes)
         at = self.n_real
         for chunk in pad_chunks:
             m = chunk.shape[0]
-            data[at : at + m] = torch.from_numpy(quantize(chunk)[0])
+            data[at : at + m] = torch.from_numpy(quantize(chunk, self.qmax)[0])
             at += m
         if at != self.n_rows:
             raise ValueError(f"padding chunks gave {at - self.n_real} rows, expected {pad_rows}")
@@ -185,7 +213,7 @@ class Int8Scan:
             return [np.zeros(0, dtype=np.int64) for _ in range(b)]
         if k >= self.n_real:
             return [np.arange(self.n_real, dtype=np.int64) for _ in range(b)]
-        q_codes, q_scale, q_norm, q_resid = quantize(Q)  # (b, d) int8, (b,) x3
+        q_codes, q_scale, q_norm, q_resid = quantize(Q, self.qmax)  # (b, d) int8, (b,) x3
         Qt = torch.from_numpy(np.ascontiguousarray(q_codes.T))  # (d, b) int8
         track = CandidateTracker(b, k)
         for bi, start in enumerate(range(0, self.n_rows, self.block_rows)):
@@ -228,14 +256,10 @@ class Int8Scan:
         return track.result()
 
 
-def available(mode: str = "auto") -> bool:
-    """Whether to use the int8 scan: 'int8' forces it (if the kernel is exact), 'auto' when
-    the CPU has no bf16 instructions and the kernel is exact."""
-    from ralm.retrieval import bf16_scan
-
+def available(mode: str = "int8") -> bool:
+    """Whether the int8 scan can run: 'int8' requires it (an error when no code level is
+    exact here), 'auto' asks (see :mod:`ralm.retrieval.scan_choice`), others never."""
     if mode not in ("auto", "int8"):
-        return False
-    if mode == "auto" and bf16_scan.hardware_bf16():
         return False
     if not probe_kernel():
         if mode == "int8":

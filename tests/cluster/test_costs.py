@@ -6,17 +6,22 @@ from __future__ import annotations
 
 def test_scan_costs_compare_paths_and_check_their_hits(retrievers, fixture_corpus):
     from cluster.costs import measure_scans, scans_markdown
+    from ralm.retrieval import int8_scan
 
-    res = measure_scans(retrievers["edr"], fixture_corpus, ["faiss", "int8", "bf16"], pad_to=20_000, reps=2)
-    assert list(res) == ["faiss", "int8", "bf16"]
+    scans = ["faiss", "int8", "bf16", "auto"]
+    res = measure_scans(retrievers["edr"], fixture_corpus, scans, pad_to=20_000, reps=2)
+    assert list(res) == scans
+    assert res["int8"]["path"] == f"int8 +-{int8_scan.probe_kernel()}"
+    assert res["auto"]["path"] in (res["int8"]["path"], "bf16")  # whichever kernel is faster here
     for scan, r in res.items():
-        assert r["path"] == scan and r["rows"] == 20_000
+        assert scan == "auto" or r["path"].split()[0] == scan
+        assert r["rows"] == 20_000
         assert r["batch1_ms"] > 0 and r["batch16_ms"] > 0
         assert r["ratio_16_to_1"] == r["batch16_ms"] / r["batch1_ms"]
         assert r["same_hits_as_first"] is True
     md = scans_markdown({"reps": 2, "pad_to": 20_000, "scans": res})
     assert md.startswith("Machine: ") and "torch kernels" in md and "bf16 instructions" in md
-    assert md.count("| yes |") == 3
+    assert md.count("| yes |") == 4 and f"| auto ({res['auto']['path']}) |" in md
 
 
 def test_the_machine_line_names_an_isa_cap(monkeypatch):

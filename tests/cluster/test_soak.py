@@ -105,3 +105,27 @@ def test_window_statistics():
     assert not rec.check("q", "edr", [1, 3], "stream") and rec.mismatches == [
         {"question": "q", "retriever": "edr", "how": "stream"}
     ]
+
+
+def test_redis_samples_count_request_checkpoints_apart_from_other_keys(tmp_path, monkeypatch):
+    """A real redis-server: the soak's key sample separates checkpoints (which must not pile
+    up) from the KB cache's keys (which grow with the distinct queries)."""
+    from cache.state import KBKey, RequestCheckpoint, open_state_store
+    from cluster.soak import _redis_keys
+    from tests.cache.redis_server import RedisServer
+
+    monkeypatch.delenv("RALMSPEC_REDIS_PASSWORD", raising=False)
+    monkeypatch.delenv("RALMSPEC_REDIS_PASSWORD_FILE", raising=False)
+    assert _redis_keys(None) == (None, None)
+    srv = RedisServer(tmp_path / "redis").start()
+    try:
+        store = open_state_store(srv.url)
+        store.put_kb_hits([(KBKey("edr", "v1", f"q{i}", 1), [(i, 1.0)]) for i in range(5)])
+        for i in range(3):
+            store.save_checkpoint(RequestCheckpoint(f"r{i}", [1, 2, 3], [7], 1, prompt_len=2))
+        assert _redis_keys(srv.url) == (8, 3)
+        store.delete_checkpoint("r0")
+        assert _redis_keys(srv.url) == (7, 2)
+    finally:
+        srv.stop()
+    assert _redis_keys(srv.url) == (None, None)  # a server that is gone: no sample, no crash

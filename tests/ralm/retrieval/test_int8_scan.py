@@ -86,7 +86,8 @@ def test_candidate_sets_stay_small(scan):
     assert max(sizes) < 0.05 * X.shape[0], sizes
 
 
-def test_the_error_bound_holds_for_every_row_and_query():
+@pytest.mark.parametrize("qmax", int8_scan.LEVELS)
+def test_the_error_bound_holds_for_every_row_and_query(qmax):
     """|s^ - s| <= |q^| r_x + r_q |x^| + r_q r_x, with rows and queries of very different
     norms, in 384 dims; and s^ is not exact (the bound does work)."""
     import torch
@@ -95,8 +96,8 @@ def test_the_error_bound_holds_for_every_row_and_query():
     d = 384
     X = (rng.standard_normal((3000, d)) * np.exp(2 * rng.standard_normal((3000, 1)))).astype(np.float32)
     Q = (rng.standard_normal((5, d)) * np.exp(rng.standard_normal((5, 1)))).astype(np.float32)
-    xc, xs, xn, xr = quantize(X)
-    qc, qs, qn, qr = quantize(Q)
+    xc, xs, xn, xr = quantize(X, qmax)
+    qc, qs, qn, qr = quantize(Q, qmax)
     n = int8_scan._int_scores(torch.from_numpy(xc), torch.from_numpy(np.ascontiguousarray(qc.T))).numpy()
     est = n.astype(np.float64) * xs[:, None] * qs[None, :]
     exact = X.astype(np.float64) @ Q.astype(np.float64).T
@@ -107,9 +108,8 @@ def test_the_error_bound_holds_for_every_row_and_query():
 
 
 def test_an_inexact_kernel_is_refused(monkeypatch):
-    """A kernel that saturates (int16 accumulation) is caught by the probe. (Emulated: no
-    such CPU is available here.)"""
-    import torch
+    """A kernel that accumulates in int16 is wrong at every level: the probe finds no exact
+    level and the scan is refused. (Emulated: no such CPU is available here.)"""
 
     def saturating(rows, queries_t):
         out = rows.long() @ queries_t.long()
@@ -117,26 +117,57 @@ def test_an_inexact_kernel_is_refused(monkeypatch):
 
     monkeypatch.setattr(int8_scan, "_probe_result", None)
     monkeypatch.setattr(int8_scan, "_int_scores", saturating)
-    assert int8_scan.probe_kernel() is False
+    assert int8_scan.probe_kernel() == 0
     assert int8_scan.available("auto") is False
     with pytest.raises(RuntimeError, match="not exact"):
         int8_scan.available("int8")
+    with pytest.raises(RuntimeError, match="no int8 code level"):
+        Int8Scan(np.ones((4, 8), dtype=np.float32))
     monkeypatch.setattr(int8_scan, "_probe_result", None)
-    assert torch is not None
 
 
-def test_probe_accepts_this_machines_kernel_and_auto_picks_by_hardware(monkeypatch):
+def _vpmaddubsw(rows, queries_t):
+    """An AVX2 int8 product without VNNI, as oneDNN computes it: ``rows`` shifted to uint8
+    (+128), adjacent u8 x s8 products added in int16 with saturation, then the shift's
+    contribution (128 x column sums) taken back out."""
+    import torch
+
+    a = rows.long() + 128  # (B, d) uint8 range
+    b = queries_t.long()  # (d, b)
+    prod = a[:, :, None] * b[None, :, :]  # (B, d, b)
+    pairs = (prod[:, 0::2] + prod[:, 1::2]).clamp(-(2**15), 2**15 - 1)  # (B, d/2, b) int16 sums
+    return (pairs.sum(dim=1) - 128 * b.sum(dim=0)[None, :]).to(torch.int32)
+
+
+def test_a_pair_saturating_kernel_gets_the_coarser_level_and_stays_exact(monkeypatch):
+    """On an AVX2-only CPU, codes in [-127, 127] saturate oneDNN's pair sums; the probe must
+    fall back to [-63, 63], and the scan at that level still contains the exact top-k.
+    (The kernel is emulated; with ONEDNN_MAX_CPU_ISA=AVX2 the real one does the same.)"""
+    monkeypatch.setattr(int8_scan, "_probe_result", None)
+    monkeypatch.setattr(int8_scan, "_int_scores", _vpmaddubsw)
+    a, b = int8_scan._worst_case(127)
+    assert not bool((_vpmaddubsw(a, b).long() == a.long() @ b.long()).all())  # the emulation saturates
+    assert int8_scan.probe_kernel() == 63
+    assert int8_scan.available("int8") is True
+    rng = np.random.default_rng(4)
+    X = _with_ties(_unit(rng, 1200, 32))
+    s = Int8Scan(X, _pad_rows(800, 32), pad_rows=800, block_rows=512)
+    assert s.qmax == 63
+    for k in (1, 4, 20):
+        Q = _unit(rng, 9, 32)
+        Q[0] = X[5] + 0.02 * Q[0]
+        for j, cand in enumerate(s.candidates(Q, k)):
+            top = {d for d, _ in _exact_top(X, Q[j], k)}
+            assert top <= set(cand.tolist())
+    monkeypatch.setattr(int8_scan, "_probe_result", None)
+
+
+def test_probe_accepts_this_machines_kernel():
     from ralm.retrieval import bf16_scan
 
-    assert int8_scan.probe_kernel() is True
+    assert int8_scan.probe_kernel() in int8_scan.LEVELS
     assert int8_scan.available("int8") is True and int8_scan.available("faiss") is False
     assert bf16_scan.available("int8") is False
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # kernels capped as on an AVX2-only CPU
-    assert bf16_scan.hardware_bf16() is False
-    assert int8_scan.available("auto") is True and bf16_scan.available("auto") is False
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
-    monkeypatch.setattr(bf16_scan, "hardware_bf16", lambda: True)
-    assert int8_scan.available("auto") is False
 
 
 @pytest.mark.parametrize("pad_to", [0, 30000])
