@@ -79,6 +79,7 @@ def run_retriever(
     order. ``concurrency`` > 1: each configuration's questions run as one concurrent wave."""
     from tqdm import tqdm
 
+    from ralm.gamma_prior import PROCESS_PRIOR
     from ralm.seq import run_seq
     from ralm.spec import run_spec
 
@@ -86,6 +87,7 @@ def run_retriever(
     gen = pipe.generator
     req = pipe.cfg.request
     specs = {c: SpecConfig.parse(c) for c in configs}
+    PROCESS_PRIOR.clear()  # every configuration's gamma prior starts empty (keyed by configuration)
     for q in questions[:warmup]:  # warm FAISS/Lucene/torch, untimed
         run_seq(q, gen, kb, req)
         for c in configs:
@@ -181,6 +183,12 @@ def bench_main(args: argparse.Namespace) -> int:
     notes = bench_header(
         "bench", len(timed), cfg, kinds, f"{cfg.corpus} ({len(pipe.corpus)} passages)", concurrency=concurrency
     )
+    if any(SpecConfig.parse(c).adaptive_stride and SpecConfig.parse(c).gamma_estimate == "bayes" for c in configs):
+        notes.append(
+            "S with the default gamma estimate: each configuration's gamma prior starts empty and carries over "
+            "between its own requests (the warm-up's included), as in a serving process; caches are cleared "
+            "before every request."
+        )
     notes.append(machine_note({k: r.scan_label for k in kinds if hasattr(r := pipe.retriever(k), "scan_label")}))
     all_rows: list[ConfigSummary] = []
     all_req: list[dict] = []

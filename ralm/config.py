@@ -130,6 +130,10 @@ class SpecConfig(_Strict):
     gamma_quantile: float = Field(
         C.GAMMA_QUANTILE, gt=0, lt=1, description="With gamma_estimate 'bayes': the posterior quantile used as gamma."
     )
+    gamma_prior: bool = Field(
+        True,
+        description="With gamma_estimate 'bayes': start each request's posterior from the evidence of this process's recent requests with the same knowledge base and settings (at most 32 pseudo-observations, from the last 8 requests), instead of from nothing. Changes strides, never outputs.",
+    )
     os3_window: int = Field(
         C.OS3_WINDOW, ge=1, description="w: verifications used to estimate gamma (gamma_estimate 'capped')."
     )

@@ -28,6 +28,9 @@ GAMMA_ESTIMATE: Literal["bayes", "capped"] = (
 )
 GAMMA_QUANTILE = 0.3  # the quantile of the Beta(1 + matched, 1 + mismatches) posterior used as gamma
 BAYES_WINDOWS = 32  # verifications the posterior counts (the paper's capped estimate uses OS3_WINDOW)
+GAMMA_PRIOR_REQUESTS = 8  # OS3 (bayes mode): recent requests whose evidence forms a new request's prior
+GAMMA_PRIOR_WEIGHT = 32  # ... scaled to at most this many pseudo-observations (ralm/gamma_prior.py)
+VERIFY_HISTORY_PER_SIZE = 8  # OS3 (bayes mode): recent KB-call latencies kept per batch size for b(s)
 
 # ---- retrieval ----
 RERANK_MARGIN = 16  # extra candidates fetched before exact re-scoring

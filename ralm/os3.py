@@ -40,6 +40,20 @@ a mismatch after 6, Beta(11, 2), gamma = 0.809. The start rule below then uses t
 posterior's upper quantile (1 - 0.3) as its optimistic prior. In this mode the argmax also
 counts the correction step after a mismatch.
 
+**Extension: b(s) measured per batch size (with ``gamma_estimate='bayes'``).** The paper's
+model, and the ``capped`` mode here, fits a line through recent (s, b) pairs. A line fitted
+to sizes 1 and 2 alone extrapolates any step between them to every larger size, and a
+batch kernel's cost is not linear: measured at 4M rows with the int8 scan, b(1) = 169 ms,
+b(16) = 368 ms, while one noisy b(2) made the line predict b(8) > 800 ms. The scheduler
+then kept s = 1, which only measured b(1) again, until the b(2) point left the history 16
+windows later. In bayes mode b(s) is the recent mean at each measured size, linear in
+between, non-decreasing (a running maximum over sizes), and flat beyond the largest size
+measured. Flat is optimistic (b only grows with s), so an unmeasured larger batch gets
+tried once, and its measurement then corrects the estimate: on a KB whose batches cost
+s times one query, the next decisions fall back to short strides. Worked example: means
+b(1) = 0.17, b(2) = 0.26 -> b(8) = 0.26 (flat), so s = 8 is tried; it measures 0.30, and
+now b(4) = 0.26 + (0.30 - 0.26) * 2/6 = 0.273.
+
 **Start.** The paper starts at s = 1. Here the loop's step 0 runs on the warm-up KB call
 (:mod:`ralm.spec`), which measures b(1), the query encoding and a generation step before
 the first decision. With ``allow_direct``, that decision compares direct steps with the
@@ -54,10 +68,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Hashable
 from statistics import fmean
 
 from ralm import constants as C
 from ralm.config import SpecConfig
+from ralm.gamma_prior import GammaPrior
 
 
 def beta_cdf_int(x: float, a: int, b: int) -> float:
@@ -118,15 +134,27 @@ def objective(s: int, gamma: float, a: float, b: float, asynchronous: bool, corr
 class StrideScheduler:
     """Chooses the speculation stride; fixed unless ``cfg.adaptive_stride`` (OS3)."""
 
-    def __init__(self, cfg: SpecConfig, history: int = 16):
+    def __init__(
+        self,
+        cfg: SpecConfig,
+        history: int = 16,
+        prior: GammaPrior | None = None,
+        prior_key: Hashable = None,
+    ):
+        """``prior``: evidence of earlier requests under ``prior_key`` (bayes mode only; see
+        :mod:`ralm.gamma_prior`); :meth:`finish` adds this request's own evidence to it."""
         self.cfg = cfg
         self.bayes = cfg.gamma_estimate == "bayes"
+        self._prior = prior if (self.bayes and cfg.adaptive_stride and cfg.gamma_prior) else None
+        self._prior_key = prior_key
+        self._prior_ev = self._prior.evidence(prior_key) if self._prior is not None else (0, 0)
         self._windows: deque[tuple[int, int]] = deque(
             maxlen=C.BAYES_WINDOWS if self.bayes else cfg.os3_window
         )  # (s, matched)
         self._step_lat: deque[float] = deque(maxlen=history)  # speculative step, s
         self._gen_lat: deque[float] = deque(maxlen=history)  # generation only, s
         self._verify_lat: deque[tuple[int, float]] = deque(maxlen=history)  # (batch size, s)
+        self._verify_by_size: dict[int, deque[float]] = {}  # batch size -> recent latencies, s
         self._direct_lat: deque[float] = deque(maxlen=history)  # direct retrieval, s
         self._lookup_lat: deque[float] = deque(maxlen=history)  # query + cache lookup, s
         self.decisions: list[int] = []
@@ -147,6 +175,7 @@ class StrideScheduler:
     def record_kb_latency(self, s: int, latency_s: float) -> None:
         """A KB call of ``s`` queries that verified nothing (the first step's): b(s) only."""
         self._verify_lat.append((s, latency_s))
+        self._verify_by_size.setdefault(s, deque(maxlen=C.VERIFY_HISTORY_PER_SIZE)).append(latency_s)
 
     def record_direct(self, cache_was_right: bool, retrieval_s: float, lookup_s: float | None = None) -> None:
         """A direct (s = 0) step: its KB latency, whether the cache's guess was right and,
@@ -162,15 +191,26 @@ class StrideScheduler:
         self._lookup_lat.append(latency_s)
 
     # ---- estimates
-    def _evidence(self) -> tuple[int, int]:
-        """(matched steps, mismatches) over the windows kept."""
+    def _own_evidence(self) -> tuple[int, int]:
+        """(matched steps, mismatches) over this request's windows kept."""
         return sum(mt for _, mt in self._windows), sum(1 for s, mt in self._windows if mt < s)
+
+    def _evidence(self) -> tuple[int, int]:
+        """This request's evidence plus the prior's pseudo-observations (bayes mode)."""
+        m, f = self._own_evidence()
+        return m + self._prior_ev[0], f + self._prior_ev[1]
+
+    def finish(self) -> None:
+        """The request ended: its own evidence joins the prior of later requests."""
+        if self._prior is not None:
+            self._prior.record(self._prior_key, *self._own_evidence())
 
     @property
     def gamma(self) -> float | None:
-        """The speculation accuracy estimate, or None before any window: the posterior's
-        ``gamma_quantile`` quantile ('bayes'), else the paper's capped maximum likelihood."""
-        if not self._windows:
+        """The speculation accuracy estimate, or None before any evidence: the posterior's
+        ``gamma_quantile`` quantile ('bayes', counting the prior of earlier requests), else
+        the paper's capped maximum likelihood."""
+        if not self._windows and self._prior_ev == (0, 0):
             return None
         m, fails = self._evidence()
         if self.bayes:
@@ -196,10 +236,13 @@ class StrideScheduler:
         return fmean(self._gen_lat) + (fmean(self._lookup_lat) if self._lookup_lat else 0.0)
 
     def verify_latency(self, s: int) -> float | None:
-        """b(s): least-squares line over recent (s, latency) when several sizes were seen,
-        else their mean. Slope and intercept are clamped at zero."""
+        """b(s). Bayes mode: per-size means, interpolated (see the module docstring).
+        Capped mode (the paper's): a least-squares line over recent (s, latency) when several
+        sizes were seen, else their mean; slope and intercept clamped at zero."""
         if not self._verify_lat:
             return None
+        if self.bayes:
+            return self._interpolated_verify_latency(s)
         xs = [float(x) for x, _ in self._verify_lat]
         ys = [y for _, y in self._verify_lat]
         if len(set(xs)) < 2:
@@ -209,6 +252,20 @@ class StrideScheduler:
         slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var)
         intercept = max(0.0, my - slope * mx)
         return intercept + slope * s
+
+    def _interpolated_verify_latency(self, s: int) -> float:
+        sizes = sorted(self._verify_by_size)
+        means: list[float] = []
+        for size in sizes:  # non-decreasing in the batch size
+            m = fmean(self._verify_by_size[size])
+            means.append(max(m, means[-1]) if means else m)
+        if s <= sizes[0]:
+            return means[0]
+        if s >= sizes[-1]:
+            return means[-1]  # flat beyond the largest size measured: optimistic, then measured
+        i = next(j for j, size in enumerate(sizes) if size >= s)
+        lo, hi = sizes[i - 1], sizes[i]
+        return means[i - 1] + (means[i] - means[i - 1]) * (s - lo) / (hi - lo)
 
     def _known_verify_latency(self, s: int) -> float:
         """b(s) where a verification has been measured (the decision paths check that first)."""

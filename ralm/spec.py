@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from cache.speculative import SpeculativeCache
 from ralm.config import RequestConfig, SpecConfig
+from ralm.gamma_prior import PROCESS_PRIOR
 from ralm.generator import Generator
 from ralm.os3 import StrideScheduler
 from ralm.results import RalmResult, RequestStats, VerifiedPrefix
@@ -92,7 +93,9 @@ class _SpecRun:
         self.depth = retrieval_depth(req)  # ranked ids a step uses (1 unless num_docs > 1 / IDGR)
         self.p = max(spec.prefetch_size if spec.prefetch else 1, self.depth)
         self.query = make_query_fn(gen, req, self.n_q)
-        self.sched = StrideScheduler(spec)
+        self.sched = StrideScheduler(
+            spec, prior=PROCESS_PRIOR if spec.gamma_prior else None, prior_key=("doc", kb.name, spec.model_dump_json())
+        )
         self.async_verify = spec.async_verify
         name = (
             "".join(c for c, on in (("P", spec.prefetch), ("S", spec.adaptive_stride), ("A", spec.async_verify)) if on)

@@ -185,3 +185,4 @@ def speculate(
         sched.record_verification(len(window), matched, b)
         strategy.emit(pending)
     st.gamma = sched.gamma
+    sched.finish()

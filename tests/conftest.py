@@ -181,3 +181,13 @@ def local_generator(gen_model_dir, fixture_corpus):
     from ralm.generator import LocalGenerator
 
     return LocalGenerator(LMEngine.from_config(GeneratorConfig(model=gen_model_dir)), fixture_corpus)
+
+
+@pytest.fixture(autouse=True)
+def _no_gamma_prior_between_tests():
+    """Each test starts with an empty process-wide gamma prior (ralm/gamma_prior.py), so
+    strides never depend on which tests ran before; tests of the prior set it up themselves."""
+    from ralm.gamma_prior import PROCESS_PRIOR
+
+    PROCESS_PRIOR.clear()
+    yield

@@ -47,6 +47,7 @@ import numpy as np
 from ralm import constants as C
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 from ralm.errors import RalmInputError
+from ralm.gamma_prior import PROCESS_PRIOR
 from ralm.knnlm.cache import KnnEntryCache, default_capacity
 from ralm.knnlm.metric import Hit
 from ralm.knnlm.retriever import KnnRetriever
@@ -224,7 +225,11 @@ class _KnnSpecRun:
         # the step's token still uses the top-k, the first k of that list on an exact index
         self.fetch_k = fetch_size(knn, spec)
         self.cache = cache if cache is not None else new_cache(kb, knn, spec)
-        self.sched = StrideScheduler(spec)
+        self.sched = StrideScheduler(
+            spec,
+            prior=PROCESS_PRIOR if spec.gamma_prior else None,
+            prior_key=("knn", kb.name, knn.k, spec.model_dump_json()),
+        )
         name = ("P," if self.fetch_k > knn.k else "") + (f"s={spec.stride}" if not spec.adaptive_stride else "S")
         self.stats = RequestStats(method=f"knn-spec[{name}]", retriever=kb.name, knn_k=knn.k)
         self.step_lm = stepper_for(lm)

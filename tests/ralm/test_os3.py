@@ -99,10 +99,65 @@ def test_gamma_window_and_formula():
 
 
 def test_verification_latency_linear_fit():
-    sch = StrideScheduler(SpecConfig(adaptive_stride=True))
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True, **CAPPED))
     for s in (1, 2, 4, 8):
         sch.record_verification(s, s, 0.010 + 0.005 * s)
     assert sch.verify_latency(6) == pytest.approx(0.040)
+
+
+def test_bayes_b_is_interpolated_per_size_non_decreasing_and_flat_beyond():
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True))
+    sch.record_kb_latency(1, 0.10)
+    sch.record_verification(1, 1, 0.20)  # b(1) = mean 0.15
+    sch.record_verification(2, 2, 0.26)
+    sch.record_verification(4, 4, 0.22)  # noise below b(2): b(4) held at 0.26
+    sch.record_verification(8, 8, 0.30)
+    assert sch.verify_latency(1) == pytest.approx(0.15)
+    assert sch.verify_latency(3) == pytest.approx(0.26)
+    assert sch.verify_latency(6) == pytest.approx(0.28)
+    assert sch.verify_latency(16) == pytest.approx(0.30)  # flat beyond the largest size measured
+
+
+def test_one_costly_batch_of_two_does_not_lock_the_stride_at_one():
+    """The int8 scan at 4M rows: b(1) = 0.17 s, and one batch of 2 measured at 0.40 s (a
+    noisy call). The paper's line through them predicts b(8) = 1.78 s and keeps s <= 1,
+    which never measures a larger batch again; the per-size model tries a long stride,
+    measures it (b(16) = 0.37 s in truth) and keeps long strides."""
+
+    def scheduler(**kw):
+        sch = StrideScheduler(SpecConfig(adaptive_stride=True, max_stride=16, **kw))
+        sch.record_generation(0.037)
+        sch.record_step(0.045)
+        sch.record_kb_latency(1, 0.17)
+        for _ in range(6):
+            sch.record_verification(1, 1, 0.17)
+        sch.record_verification(2, 2, 0.40)
+        return sch
+
+    line = scheduler(**CAPPED, gamma_max=0.95)
+    assert line.next_stride() <= 1  # s = 1, or direct steps: either way no batch is ever measured
+    sch = scheduler()
+    s = sch.next_stride()
+    assert s >= 8
+    sch.record_verification(s, s, 0.37)  # the real b(16) of the int8 scan
+    assert sch.next_stride() >= 8
+
+
+def test_a_kb_whose_batches_cost_s_queries_falls_back_to_short_strides():
+    """Flat extrapolation is optimistic: a long stride is tried once; on a KB where a
+    batch of s costs s single queries its measurement brings the stride back down."""
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True, max_stride=16, allow_direct=False))
+    sch.record_generation(0.037)
+    sch.record_step(0.045)
+    for _ in range(4):
+        sch.record_verification(1, 1, 0.10)
+    tried = []
+    for _ in range(8):
+        s = sch.next_stride()
+        tried.append(s)
+        sch.record_verification(s, s, 0.10 * s)
+    assert max(tried) > 2  # explored
+    assert sum(s > 2 for s in tried) <= 3 and tried[-3:] == [1, 1, 1], tried
 
 
 def test_async_objective_prefers_longer_or_equal_stride_when_b_is_hidden():

@@ -185,3 +185,20 @@ def test_direct_steps_count_their_shadow_guess_as_a_lookup():
     # right guesses, Beta(n + 1, 1), says so): all shadow hits
     assert st.gamma == pytest.approx(SpecConfig().gamma_quantile ** (1 / (1 + st.direct_steps)))
     assert st.shadow_hits == st.direct_steps
+
+
+def test_the_gamma_prior_carries_to_the_next_request_and_outputs_stay_exact():
+    """A second request to the same KB with the same settings starts from the first one's
+    evidence: its first window is longer than s = 1; every output still equals RaLMSeq's."""
+    spec = SpecConfig.named("PS", max_stride=8, allow_direct=False)
+
+    def run(cfg):
+        gen, kb, req = pipeline({}, max_new=96, search_sleep=0.02)  # retrieval dearer than a step
+        return run_spec(Q, gen, kb, req, cfg)
+
+    gen, kb, req = pipeline({}, max_new=96)
+    base = run_seq(Q, gen, kb, req)
+    first, second = run(spec), run(spec)
+    assert first.tokens == base.tokens == second.tokens
+    assert first.stats.strides[0] == 1 and second.stats.strides[0] > 1
+    assert run(spec.model_copy(update={"gamma_prior": False})).stats.strides[0] == 1
