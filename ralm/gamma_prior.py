@@ -17,6 +17,13 @@ Worked example (weight 32): the last requests matched 150 steps and missed 6; sc
 32 / 156 that is 31 matched and 1 missed (rounded), so a new request's posterior starts at
 Beta(1 + 31, 1 + 1), whose 0.3 quantile is 0.93.
 
+The same requests also measured what a speculative step and a verification of each batch
+size cost on this KB. A new request starts with those too (the mean speculative step of
+the last requests and, per batch size, the mean KB call), instead of estimating the step
+from its first generation step (which includes the question's prefill: 67 ms where later
+steps took 40 ms) and knowing b(s) for s = 1 only. Its own measurements join them and,
+being more recent, soon dominate (the scheduler keeps at most 8 per size and 16 steps).
+
 Only strides depend on it; outputs never do (every speculated step is still verified).
 Each process (a coordinator actor, an in-process pipeline) has its own prior.
 """
@@ -40,6 +47,8 @@ class GammaPrior:
         self.weight = int(weight)
         self._lock = threading.Lock()
         self._by_key: dict[Hashable, deque[tuple[int, int]]] = {}
+        self._step_s: dict[Hashable, deque[float]] = {}  # key -> mean speculative step of recent requests
+        self._verify_s: dict[Hashable, dict[int, deque[float]]] = {}  # key -> batch size -> recent means
 
     def evidence(self, key: Hashable) -> tuple[int, int]:
         """(matched, missed) pseudo-observations for a new request under ``key``: the recent
@@ -53,18 +62,42 @@ class GammaPrior:
         scale = min(1.0, self.weight / (m + f))
         return round(m * scale), round(f * scale)
 
-    def record(self, key: Hashable, matched: int, missed: int) -> None:
-        """A finished request's own evidence (not including the prior it started from)."""
+    def latencies(self, key: Hashable) -> tuple[float | None, dict[int, float]]:
+        """(mean speculative step in s or None, {batch size: mean KB call in s}) of the recent
+        requests under ``key``."""
+        with self._lock:
+            steps = list(self._step_s.get(key, ()))
+            by_size = {s: list(v) for s, v in self._verify_s.get(key, {}).items()}
+        step = sum(steps) / len(steps) if steps else None
+        return step, {s: sum(v) / len(v) for s, v in sorted(by_size.items()) if v}
+
+    def record(
+        self,
+        key: Hashable,
+        matched: int,
+        missed: int,
+        step_s: float | None = None,
+        verify_s: dict[int, float] | None = None,
+    ) -> None:
+        """A finished request's own evidence (not including the prior it started from) and,
+        if given, its mean speculative step and mean KB call per batch size (seconds)."""
         if matched < 0 or missed < 0:
             raise ValueError("evidence counts must be >= 0")
-        if matched + missed == 0:
-            return
         with self._lock:
-            self._by_key.setdefault(key, deque(maxlen=self.requests)).append((int(matched), int(missed)))
+            if matched + missed:
+                self._by_key.setdefault(key, deque(maxlen=self.requests)).append((int(matched), int(missed)))
+            if step_s is not None and step_s > 0:
+                self._step_s.setdefault(key, deque(maxlen=self.requests)).append(float(step_s))
+            sizes = self._verify_s.setdefault(key, {})
+            for size, lat in (verify_s or {}).items():
+                if lat > 0:
+                    sizes.setdefault(int(size), deque(maxlen=self.requests)).append(float(lat))
 
     def clear(self) -> None:
         with self._lock:
             self._by_key.clear()
+            self._step_s.clear()
+            self._verify_s.clear()
 
 
 PROCESS_PRIOR = GammaPrior()  # the prior every request of this process shares

@@ -155,14 +155,24 @@ class StrideScheduler:
         self._gen_lat: deque[float] = deque(maxlen=history)  # generation only, s
         self._verify_lat: deque[tuple[int, float]] = deque(maxlen=history)  # (batch size, s)
         self._verify_by_size: dict[int, deque[float]] = {}  # batch size -> recent latencies, s
+        self._own_step_lat: deque[float] = deque(maxlen=history)  # this request's own, for the prior
+        self._own_verify: dict[int, list[float]] = {}  # this request's own KB calls by size, s
         self._direct_lat: deque[float] = deque(maxlen=history)  # direct retrieval, s
         self._lookup_lat: deque[float] = deque(maxlen=history)  # query + cache lookup, s
         self.decisions: list[int] = []
+        if self._prior is not None:  # what recent requests measured on this KB (ralm/gamma_prior.py)
+            step, by_size = self._prior.latencies(prior_key)
+            if step is not None:
+                self._step_lat.append(step)
+            for size, lat in by_size.items():
+                self._verify_by_size[size] = deque([lat], maxlen=C.VERIFY_HISTORY_PER_SIZE)
+                self._verify_lat.append((size, lat))
 
     # ---- measurements
     def record_step(self, latency_s: float) -> None:
         """A speculative step: query, cache lookup and generation."""
         self._step_lat.append(latency_s)
+        self._own_step_lat.append(latency_s)
 
     def record_generation(self, latency_s: float) -> None:
         """The generation part of any step."""
@@ -176,6 +186,7 @@ class StrideScheduler:
         """A KB call of ``s`` queries that verified nothing (the first step's): b(s) only."""
         self._verify_lat.append((s, latency_s))
         self._verify_by_size.setdefault(s, deque(maxlen=C.VERIFY_HISTORY_PER_SIZE)).append(latency_s)
+        self._own_verify.setdefault(s, []).append(latency_s)
 
     def record_direct(self, cache_was_right: bool, retrieval_s: float, lookup_s: float | None = None) -> None:
         """A direct (s = 0) step: its KB latency, whether the cache's guess was right and,
@@ -201,9 +212,15 @@ class StrideScheduler:
         return m + self._prior_ev[0], f + self._prior_ev[1]
 
     def finish(self) -> None:
-        """The request ended: its own evidence joins the prior of later requests."""
+        """The request ended: its own evidence and latencies join the prior of later requests."""
         if self._prior is not None:
-            self._prior.record(self._prior_key, *self._own_evidence())
+            own_steps = self._own_step_lat
+            self._prior.record(
+                self._prior_key,
+                *self._own_evidence(),
+                step_s=fmean(own_steps) if own_steps else None,
+                verify_s={s: fmean(v) for s, v in self._own_verify.items()},
+            )
 
     @property
     def gamma(self) -> float | None:

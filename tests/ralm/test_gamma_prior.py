@@ -95,3 +95,22 @@ def test_the_prior_is_off_for_the_papers_estimate_and_when_disabled():
     assert _scheduler(prior, gamma_estimate="capped").gamma is None
     assert _scheduler(prior, gamma_prior=True).gamma is not None
     assert _scheduler(prior, gamma_prior=False).gamma is None
+
+
+def test_latencies_carry_over_and_the_requests_own_measurements_join_them():
+    prior = GammaPrior()
+    first = _scheduler(prior)  # step 0.05 s, b(1) = 0.18 s
+    first.record_step(0.03)
+    first.record_verification(1, 1, 0.20)
+    first.record_verification(8, 8, 0.30)
+    first.finish()
+    step, by_size = prior.latencies("k")
+    assert step == pytest.approx(0.04) and by_size == pytest.approx({1: 0.19, 8: 0.30})
+    second = StrideScheduler(SpecConfig(adaptive_stride=True, max_stride=16), prior=prior, prior_key="k")
+    assert second.step_latency() == pytest.approx(0.04)
+    assert second.verify_latency(8) == pytest.approx(0.30) and second.verify_latency(4) == pytest.approx(
+        0.19 + 0.11 * 3 / 7
+    )
+    second.record_verification(8, 8, 0.50)  # its own measurement counts with the prior's
+    assert second.verify_latency(8) == pytest.approx(0.40)
+    assert prior.latencies("another kb") == (None, {})
