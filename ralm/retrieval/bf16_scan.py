@@ -46,7 +46,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from ralm.retrieval.scan_bounds import CandidateTracker
+from ralm.retrieval.scan_bounds import CandidateTracker, query_matrix, trivial_candidates
 
 log = logging.getLogger(__name__)
 
@@ -215,15 +215,11 @@ class Bf16Scan:
         """
         import torch
 
-        Q = np.ascontiguousarray(np.asarray(queries, dtype=np.float32).reshape(-1, self.dim))
-        b = Q.shape[0]
-        k = int(k)
-        if b == 0:
-            return []
-        if k <= 0:
-            return [np.zeros(0, dtype=np.int64) for _ in range(b)]
-        if k >= self.n_real:
-            return [np.arange(self.n_real, dtype=np.int64) for _ in range(b)]
+        Q = query_matrix(queries, self.dim)  # (b, d)
+        b, k = Q.shape[0], int(k)
+        done = trivial_candidates(b, k, self.n_real)
+        if done is not None:
+            return done
         qn = np.sqrt(np.einsum("ij,ij->i", Q.astype(np.float64), Q.astype(np.float64))) * (1 + 1e-6)
         Qb = torch.from_numpy(Q).to(torch.bfloat16)
         if b == 1:

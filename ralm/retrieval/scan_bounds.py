@@ -19,7 +19,26 @@ are candidates, row 2 is not.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+
+
+def query_matrix(queries: np.ndarray | Sequence[np.ndarray], dim: int) -> np.ndarray:
+    """Queries as a contiguous (b, dim) float32 array."""
+    return np.ascontiguousarray(np.asarray(queries, dtype=np.float32).reshape(-1, dim))
+
+
+def trivial_candidates(b: int, k: int, n_real: int) -> list[np.ndarray] | None:
+    """The candidates when no scan is needed (no queries, ``k <= 0``, or ``k`` covering
+    every real row), else None."""
+    if b == 0:
+        return []
+    if k <= 0:
+        return [np.zeros(0, dtype=np.int64) for _ in range(b)]
+    if k >= n_real:
+        return [np.arange(n_real, dtype=np.int64) for _ in range(b)]
+    return None
 
 
 class CandidateTracker:

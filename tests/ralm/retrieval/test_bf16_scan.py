@@ -13,30 +13,13 @@ from ralm.retrieval.base import rank_hits
 from ralm.retrieval.bf16_scan import Bf16Scan, bound_constant
 from ralm.retrieval.dense import DenseRetriever, _pad_rows, dense_scores
 from ralm.retrieval.factory import load_retriever
-
-
-def _unit(rng, n, d):
-    X = rng.standard_normal((n, d)).astype(np.float32)
-    return X / np.linalg.norm(X, axis=1, keepdims=True)
-
-
-def _with_ties(X):
-    """Exact duplicates and 1-ulp neighbours straddling any top-k boundary near row 5."""
-    X = X.copy()
-    X[100:140] = X[5]
-    X[140] = X[5] * np.float32(1 + 2**-23)
-    X[141] = X[5] * np.float32(1 - 2**-23)
-    return X
-
-
-def _exact_top(X, q, k):
-    return rank_hits(np.arange(X.shape[0]), dense_scores(X, q), k)
+from tests.ralm.retrieval.scan_rows import exact_top, unit_rows, with_ties
 
 
 @pytest.fixture(scope="module")
 def ip_scan():
     rng = np.random.default_rng(11)
-    X = _with_ties(_unit(rng, 6000, 64))
+    X = with_ties(unit_rows(rng, 6000, 64))
     return X, Bf16Scan(X, _pad_rows(40000, 64), pad_rows=40000, block_rows=4096)
 
 
@@ -46,20 +29,20 @@ def test_ip_candidates_contain_exact_top_k(ip_scan, k):
     rng = np.random.default_rng(k)
     for _trial in range(6):
         b = int(rng.integers(1, 10))
-        Q = _unit(rng, b, 64)
+        Q = unit_rows(rng, b, 64)
         Q[0] = X[5] + 0.02 * Q[0]  # lands among the planted ties
         cands = scan.candidates(Q, k)
         assert len(cands) == b
         for i in range(b):
             got = rank_hits(cands[i], dense_scores(X[cands[i]], Q[i]), k)
-            assert got == _exact_top(X, Q[i], k)
+            assert got == exact_top(X, Q[i], k)
             assert (cands[i] < X.shape[0]).all()  # padding is never a candidate
 
 
 def test_candidates_do_not_depend_on_the_batch(ip_scan):
     X, scan = ip_scan
     rng = np.random.default_rng(3)
-    Q = _unit(rng, 9, 64)
+    Q = unit_rows(rng, 9, 64)
     together = scan.candidates(Q, 10)
     for i in range(9):
         alone = scan.candidates(Q[i : i + 1], 10)[0]
@@ -72,7 +55,7 @@ def test_candidate_sets_stay_small(ip_scan):
     """The bound is tight enough to be useful: a few dozen rows, not the index."""
     X, scan = ip_scan
     rng = np.random.default_rng(5)
-    Q = _unit(rng, 8, 64)
+    Q = unit_rows(rng, 8, 64)
     sizes = [c.size for c in scan.candidates(Q, 4)]
     assert max(sizes) < 0.05 * X.shape[0], sizes
 

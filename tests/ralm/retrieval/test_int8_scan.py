@@ -12,30 +12,13 @@ from ralm.retrieval.base import rank_hits
 from ralm.retrieval.dense import _pad_rows, dense_scores
 from ralm.retrieval.factory import load_retriever
 from ralm.retrieval.int8_scan import Int8Scan, quantize
-
-
-def _unit(rng, n, d):
-    X = rng.standard_normal((n, d)).astype(np.float32)
-    return X / np.linalg.norm(X, axis=1, keepdims=True)
-
-
-def _with_ties(X):
-    """Exact duplicates and 1-ulp neighbours straddling any top-k boundary near row 5."""
-    X = X.copy()
-    X[100:140] = X[5]
-    X[140] = X[5] * np.float32(1 + 2**-23)
-    X[141] = X[5] * np.float32(1 - 2**-23)
-    return X
-
-
-def _exact_top(X, q, k):
-    return rank_hits(np.arange(X.shape[0]), dense_scores(X, q), k)
+from tests.ralm.retrieval.scan_rows import exact_top, unit_rows, with_ties
 
 
 @pytest.fixture(scope="module")
 def scan():
     rng = np.random.default_rng(11)
-    X = _with_ties(_unit(rng, 6000, 64))
+    X = with_ties(unit_rows(rng, 6000, 64))
     X[200:260] *= np.float32(3.0)  # rows of other norms (and so other scales)
     X[300] = 0.0  # a zero row
     return X, Int8Scan(X, _pad_rows(40000, 64), pad_rows=40000, block_rows=4096)
@@ -56,7 +39,7 @@ def test_candidates_contain_the_exact_top_k(scan, k):
     rng = np.random.default_rng(k)
     for _trial in range(6):
         b = int(rng.integers(1, 17))
-        Q = _unit(rng, b, 64)
+        Q = unit_rows(rng, b, 64)
         Q[0] = X[5] + 0.02 * Q[0]  # lands among the planted ties
         if b > 1:
             Q[1] *= np.float32(7.5)  # a query of another norm
@@ -64,13 +47,13 @@ def test_candidates_contain_the_exact_top_k(scan, k):
         assert len(cands) == b
         for i in range(b):
             got = rank_hits(cands[i], dense_scores(X[cands[i]], Q[i]), k)
-            assert got == _exact_top(X, Q[i], k)
+            assert got == exact_top(X, Q[i], k)
             assert (cands[i] < X.shape[0]).all()  # padding is never a candidate
 
 
 def test_candidates_do_not_depend_on_the_batch(scan):
     X, s = scan
-    Q = _unit(np.random.default_rng(3), 16, 64)
+    Q = unit_rows(np.random.default_rng(3), 16, 64)
     together = s.candidates(Q, 10)
     for i in range(16):
         alone = s.candidates(Q[i : i + 1], 10)[0]
@@ -82,7 +65,7 @@ def test_candidates_do_not_depend_on_the_batch(scan):
 def test_candidate_sets_stay_small(scan):
     """The bound is tight enough to be useful: a few dozen rows, not the index."""
     X, s = scan
-    sizes = [c.size for c in s.candidates(_unit(np.random.default_rng(5), 8, 64), 4)]
+    sizes = [c.size for c in s.candidates(unit_rows(np.random.default_rng(5), 8, 64), 4)]
     assert max(sizes) < 0.05 * X.shape[0], sizes
 
 
@@ -150,14 +133,14 @@ def test_a_pair_saturating_kernel_gets_the_coarser_level_and_stays_exact(monkeyp
     assert int8_scan.probe_kernel() == 63
     assert int8_scan.available("int8") is True
     rng = np.random.default_rng(4)
-    X = _with_ties(_unit(rng, 1200, 32))
+    X = with_ties(unit_rows(rng, 1200, 32))
     s = Int8Scan(X, _pad_rows(800, 32), pad_rows=800, block_rows=512)
     assert s.qmax == 63
     for k in (1, 4, 20):
-        Q = _unit(rng, 9, 32)
+        Q = unit_rows(rng, 9, 32)
         Q[0] = X[5] + 0.02 * Q[0]
         for j, cand in enumerate(s.candidates(Q, k)):
-            top = {d for d, _ in _exact_top(X, Q[j], k)}
+            top = {d for d, _ in exact_top(X, Q[j], k)}
             assert top <= set(cand.tolist())
     monkeypatch.setattr(int8_scan, "_probe_result", None)
 
