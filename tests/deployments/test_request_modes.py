@@ -245,6 +245,11 @@ def test_knnlm_over_http_returns_the_in_process_tokens(server, ref_gen, knn_setu
         assert st["generated_tokens"] >= len(res["tokens"])
         if method == "knnlm-seq":
             assert st["kb_calls"] == st["steps"]
+        elif st["direct_steps"]:
+            # OS3 (the server's default spec is adaptive) may take direct steps throughout on
+            # this tiny datastore, where a retrieval costs less than a rollback, and the
+            # coordinator's gamma prior remembers that from the previous question
+            assert "S" in st["method"] and st["direct_steps"] + st["verifications"] > 0
         else:
             assert st["verifications"] > 0 and st["matched_steps"] + st["rollbacks"] > 0
 

@@ -41,12 +41,16 @@ class FakeScheduler:
         self.strides = list(strides)
         self.recorded: list[tuple[int, int, float]] = []
         self.gamma = 0.25
+        self.finished = False
 
     def next_stride(self) -> int:
         return self.strides.pop(0) if len(self.strides) > 1 else self.strides[0]
 
     def record_verification(self, s: int, matched: int, latency_s: float) -> None:
         self.recorded.append((s, matched, latency_s))
+
+    def finish(self) -> None:
+        self.finished = True
 
 
 class InlineExecutor:
@@ -144,6 +148,7 @@ def test_mismatch_at_step_m_keeps_the_steps_before_it(m):
     assert fs.accepted == list(range(1, 1 + m)) + list(range(2 + m, n))
     assert fs.rolled_back == [1 + m]
     assert fs.corrections == [baseline(n)[1 + m]]  # the KB's value on the right state
+    assert sched.finished  # told the request ended (its evidence joins the prior)
     assert fs.cached[0] == (4, m + 1)  # committed trajectory: up to m
     assert sched.recorded[0] == (4, m, 0.5)
     rest = 3 - m  # steps after the correction
