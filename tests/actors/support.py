@@ -28,9 +28,15 @@ def start_ray(num_cpus: int = 2, metrics_export_port: int | None = None) -> None
 
 
 def stop_ray() -> None:
+    """Serve and Ray down. Garbage first: an ObjectRef left in a reference cycle and freed by
+    the collector after ``ray.shutdown()`` calls into a core worker that is gone."""
+    import gc
+
     import ray
 
     from actors.signals import preserve_fatal_signal_handlers
+
+    gc.collect()
 
     with preserve_fatal_signal_handlers():
         try:

@@ -17,6 +17,7 @@ error, a wrong answer, a timeout). Lost must be 0."""
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -86,6 +87,7 @@ def cluster(tmp_path_factory, index_dirs, fixture_corpus, gen_model_dir):
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
         nodes = {"shard_a": shard_a, "shard_b": shard_b, "gen": gen_node, "coord": coord_node}
         yield {"cluster": c, "client": client, "nodes": nodes}
+    gc.collect()  # no ObjectRef of this cluster may be freed after its shutdown (see stop_ray)
     with preserve_fatal_signal_handlers():
         serve.shutdown()
         ray.shutdown()
