@@ -171,8 +171,7 @@ def bench_main(args: argparse.Namespace) -> int:
     cfg = cfg.model_copy(update={"request": cfg.request.model_copy(update={"ignore_eos": not args.allow_eos})})
     kinds = tuple(check_kind(k.strip()) for k in args.retrievers.split(",") if k.strip())
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    for c in configs:
-        SpecConfig.parse(c)  # fail fast on a bad name
+    parsed = [SpecConfig.parse(c) for c in configs]  # fail fast on a bad name
     check_concurrency(args.concurrency)
     questions = load_questions(args.questions or C.DEMO_QUESTIONS, limit=args.num_questions + args.warmup)
     warm, timed = questions[: args.warmup], questions[args.warmup :]
@@ -183,7 +182,7 @@ def bench_main(args: argparse.Namespace) -> int:
     notes = bench_header(
         "bench", len(timed), cfg, kinds, f"{cfg.corpus} ({len(pipe.corpus)} passages)", concurrency=concurrency
     )
-    if any(SpecConfig.parse(c).adaptive_stride and SpecConfig.parse(c).gamma_estimate == "bayes" for c in configs):
+    if any(sc.adaptive_stride and sc.gamma_estimate == "bayes" for sc in parsed):
         notes.append(
             "S with the default gamma estimate: each configuration's gamma prior starts empty and carries over "
             "between its own requests (the warm-up's included), as in a serving process; caches are cleared "

@@ -297,12 +297,13 @@ class StrideScheduler:
         cfg = self.cfg
         gen = fmean(self._gen_lat) if self._gen_lat else a
         corr = gen if self.bayes else 0.0  # the paper's argmax leaves the correction out
+        b = {s: self._known_verify_latency(s) for s in range(1, cfg.max_stride + 1)}  # b(s), once per decision
         best_s, best = 1, -1.0
         for s in range(1, cfg.max_stride + 1):
-            val = objective(s, g, a, self._known_verify_latency(s), cfg.async_verify, correction=corr)
+            val = objective(s, g, a, b[s], cfg.async_verify, correction=corr)
             if val > best * (1 + 1e-9):
                 best_s, best = s, val
-        return best_s, objective(best_s, g, a, self._known_verify_latency(best_s), cfg.async_verify, correction=gen)
+        return best_s, objective(best_s, g, a, b[best_s], cfg.async_verify, correction=gen)
 
     def next_stride(self) -> int:
         """The stride of the next window; 0 means one direct (RaLMSeq) step."""
