@@ -8,6 +8,7 @@ imports Ray: the work is done by a :class:`~deployments.backend.RalmBackend`.
 
 # no "from __future__ import annotations": FastAPI must see the body models as classes
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import Header, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from deployments.api import (
     ApiError,
@@ -33,6 +34,7 @@ from deployments.api import (
     verifier_policy_update,
 )
 from deployments.backend import BackendUnavailable, RalmBackend
+from deployments.sse_response import ClosingStreamingResponse
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 from ralm.errors import ConfigError, Overloaded, RalmInputError, RequestCancelled
 
@@ -257,8 +259,9 @@ class Endpoints:
             status = 400 if isinstance(e, (RalmInputError, ConfigError)) else 500
             msg = message_of(e)
             yield f"data: {json.dumps(error_body(msg, 'invalid_request_error' if status == 400 else 'server_error'))}\n\n"
-        finally:
-            await stream.aclose()  # the client went away: the backend cancels the request
+        finally:  # closing the backend's stream cancels the request if it is still running
+            with contextlib.suppress(RuntimeError):  # "already running": the cancelled read runs it
+                await stream.aclose()
 
     # ---------------------------------------------------------------- routes
     async def healthz(self):
@@ -350,7 +353,7 @@ class Endpoints:
                 return self._chunk(cid, created, text, finish, **extra)
 
             first = chunk(prompt, None) if body.echo and prompt else None
-            return StreamingResponse(
+            return ClosingStreamingResponse(
                 self._sse(job, chunk, first, n_prompt, include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},

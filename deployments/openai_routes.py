@@ -21,9 +21,9 @@ import uuid
 from typing import TYPE_CHECKING
 
 import numpy as np
-from fastapi.responses import StreamingResponse
 
 from deployments.api import ApiError, ChatCompletionRequest, EmbeddingRequest, check_greedy, message_of, ralm_block
+from deployments.sse_response import ClosingStreamingResponse
 from ralm import constants as C
 from ralm.errors import RalmInputError
 
@@ -76,7 +76,7 @@ async def chat_completions(ep: Endpoints, body: ChatCompletionRequest, x_request
         def chunk(text: str, finish: str | None, **extra) -> str:
             return event({"content": text} if text or finish is None else {}, finish, **extra)
 
-        return StreamingResponse(
+        return ClosingStreamingResponse(
             ep._sse(job, chunk, event({"role": "assistant", "content": ""}, None), n_prompt, include_usage),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
