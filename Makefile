@@ -53,10 +53,11 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# two pytest processes: the pure core (ralm/, no Ray) first, then everything that starts Ray,
-# servers and Redis (one process for all segfaulted in tests/ralm after 813 tests; README, Development)
+# two pytest runs: the pure core (ralm/, no Ray) first, in two worker processes, then everything
+# that starts Ray, servers and Redis (one process for all segfaulted in tests/ralm after 813
+# tests; README, Development)
 test: setup system-deps lint
-	$(PY) -m pytest -q --durations=15 tests/ralm
+	$(PY) -m pytest -q -n 2 --durations=15 tests/ralm
 	$(PY) -m pytest -q --durations=30 --ignore=tests/ralm
 
 test-fast: setup

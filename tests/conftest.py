@@ -13,8 +13,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the hub is unreachable: never tr
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # passage embeddings built by tests go to a per-session directory, never the user's cache
-# (Ray workers started by the tests inherit it)
-os.environ.setdefault("RALMSPEC_EMBEDDING_CACHE", tempfile.mkdtemp(prefix="ralmspec-test-embeddings-"))
+# (Ray workers started by the tests inherit it). Under pytest-xdist each worker process gets
+# its own: a worker removes its directory when it exits, while the others may still use theirs.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["RALMSPEC_EMBEDDING_CACHE"] = tempfile.mkdtemp(
+        prefix=f"ralmspec-test-embeddings-{os.environ['PYTEST_XDIST_WORKER']}-"
+    )
+else:
+    os.environ.setdefault("RALMSPEC_EMBEDDING_CACHE", tempfile.mkdtemp(prefix="ralmspec-test-embeddings-"))
 atexit.register(shutil.rmtree, os.environ["RALMSPEC_EMBEDDING_CACHE"], True)
 
 import numpy as np  # noqa: E402
