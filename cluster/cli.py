@@ -10,6 +10,7 @@
     ralmspec bench-batching ...                      continuous batching and KV sessions benchmark
     ralmspec costs                                   unit costs of retrieval and generation
     ralmspec bench-knn ...                           KNN-LM speculation benchmark
+    ralmspec paper-table                             the RaLMSpec paper's grid on our profiles, beside its numbers
     ralmspec eval     --questions FILE ...           resumable batch evaluation (local or `ray job submit`)
     ralmspec k8s                                     regenerate KubeRay manifests from serve_config.yaml
     ralmspec assets   corpus|questions|train|fixtures|embeddings  rebuild the shipped demo assets
@@ -166,6 +167,14 @@ _PLUGGED_COMMANDS = [
         "knn_bench_main",
         False,
         "KNN-LM benchmark: per-token retrieval baseline vs speculation",
+    ),
+    (
+        "paper-table",
+        "cluster.paper_table",
+        "add_paper_table_args",
+        "paper_table_main",
+        False,
+        "the RaLMSpec paper's grid (EDR/ADR/SR x base/P/S/A/PSA, KNN-LM k=16/1024) beside its published speed-ups",
     ),
     (
         "eval",
