@@ -151,8 +151,10 @@ class CoordinatorPool:
         if handle in self._all:
             self._all.remove(handle)
         ray = sys.modules.get("ray")  # not imported: the handle cannot be an actor
-        if ray is not None:
-            with contextlib.suppress(Exception):  # already dead, or not an actor
+        # only a real actor handle, and only while Ray runs: ray.kill on anything else would
+        # start a local Ray instance (its auto-init), blocking this event loop for seconds
+        if ray is not None and ray.is_initialized() and isinstance(handle, ray.actor.ActorHandle):
+            with contextlib.suppress(Exception):  # already dead
                 ray.kill(handle)
 
     async def replace(self, handle: Any) -> None:

@@ -274,3 +274,18 @@ def test_a_request_whose_coordinators_keep_dying_gets_a_retryable_503_not_a_hang
             await asyncio.wait_for(pool.run(work, retries=1), 5)
 
     asyncio.run(main())
+
+
+def test_a_dropped_handle_that_is_no_ray_actor_is_not_killed_through_ray(monkeypatch):
+    """``ray.kill`` on anything but a live actor handle starts a local Ray instance (Ray's
+    auto-init) inside the pool's event loop and blocks it for seconds: a request then timed
+    out in CI. The pool drops such a handle without calling Ray."""
+    import ray
+
+    calls: list = []
+    monkeypatch.setattr(ray, "kill", lambda handle, **kw: calls.append(handle))
+    pool = _pool(size=1, max_size=1)
+    dead = Coord()
+    pool._all.append(dead)
+    pool._discard(dead)
+    assert calls == [] and dead not in pool._all
