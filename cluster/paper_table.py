@@ -64,14 +64,20 @@ def add_paper_table_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pad-to",
         type=int,
-        default=1_000_000,
+        default=4_000_000,
         help="pad the EDR flat index to this many rows (retrieval cost of a large KB; results unchanged)",
     )
     p.add_argument("--configs", default=DOC_CONFIGS, help="document-level configurations (ralmspec bench names)")
     p.add_argument("--knn-configs", default=KNN_CONFIGS, help="KNN-LM configurations (ralmspec bench-knn names)")
     p.add_argument("--knn-ks", default="16,1024", help="KNN-LM k values")
     p.add_argument("--knn-max-new-tokens", type=int, default=32, help="KNN-LM tokens per prompt")
-    p.add_argument("--knn-passages", type=int, default=400, help="KNN-LM datastore: the first N passages")
+    p.add_argument("--knn-passages", type=int, default=2000, help="KNN-LM datastore: the first N passages")
+    p.add_argument(
+        "--knn-pad-to",
+        type=int,
+        default=2_000_000,
+        help="pad the KNN-LM flat datastore to this many rows (0: unpadded; HNSW is never padded)",
+    )
     p.add_argument("--skip-knn", action="store_true", help="document-level rows only")
     p.add_argument("--config", type=Path, help="RalmConfig YAML for the document-level runs (corpus, indexes, model)")
     p.add_argument("--questions", type=Path, help="JSONL with a 'question' field (default: the demo set)")
@@ -212,7 +218,7 @@ def paper_table_main(args: argparse.Namespace) -> int:
     if not args.skip_knn:
         knn_argv = ["bench-knn", "--ks", args.knn_ks, "--configs", args.knn_configs, "-n", n]
         knn_argv += ["--max-new-tokens", str(args.knn_max_new_tokens), "--passages", str(args.knn_passages)]
-        knn_argv += ["--out", str(out / "knn")]
+        knn_argv += ["--pad-to", str(args.knn_pad_to), "--out", str(out / "knn")]
         knn_argv += ["--questions", str(args.questions)] if args.questions else []
         knn_argv += ["--corpus", str(args.knn_corpus)] if args.knn_corpus else []
         knn_args = parser.parse_args(knn_argv)

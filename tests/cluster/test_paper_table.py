@@ -99,6 +99,8 @@ def test_the_command_runs_the_grid_and_every_output_is_exact(tmp_path, index_dir
             "4",
             "--knn-passages",
             "20",
+            "--knn-pad-to",
+            "0",
             "--out",
             str(out),
         ]
