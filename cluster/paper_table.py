@@ -102,6 +102,21 @@ def _fmt(v: float | None, unit: str = "x") -> str:
     return "-" if v is None else f"{v:.2f}{unit}"
 
 
+def _row(r: ConfigSummary, workload: str, where: Any, share: float | None, paper: dict | None) -> dict[str, Any]:
+    """One table row: configuration ``r`` of block ``where`` beside the paper's number."""
+    return {
+        "workload": workload,
+        "retriever": where,
+        "config": r.config,
+        "scheduler": _scheduler(r.config),
+        "baseline_retrieval_share": share,
+        "speedup": r.speedup,
+        "retrieval_eliminated": r.retrieval_eliminated,
+        "identical": f"{r.identical}/{r.requests}",
+        "paper": paper,
+    }
+
+
 def paper_rows(doc: Sequence[Mapping[str, Any]], knn: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The table's rows from the two benchmarks' ``summary`` lists: one per (block, config),
     ours beside the paper's. The baseline's retrieval share is read from the block's
@@ -115,22 +130,11 @@ def paper_rows(doc: Sequence[Mapping[str, Any]], knn: Sequence[Mapping[str, Any]
     summaries = [ConfigSummary.coerce(r) for r in doc]
     share = {r.retriever: r.retrieval_share for r in summaries if r.config == "RaLMSeq"}
     for r in summaries:
-        if r.config == "RaLMSeq":
-            continue
-        paper = PAPER_DOC.get((str(r.retriever), _base_name(r.config)))
-        rows.append(
-            {
-                "workload": "doc",
-                "retriever": r.retriever,
-                "config": r.config,
-                "scheduler": _scheduler(r.config),
-                "baseline_retrieval_share": share.get(r.retriever),
-                "speedup": r.speedup,
-                "retrieval_eliminated": r.retrieval_eliminated,
-                "identical": f"{r.identical}/{r.requests}",
-                "paper": dict(zip(PAPER_MODELS, paper)) if paper else None,
-            }
-        )
+        if r.config != "RaLMSeq":
+            paper = PAPER_DOC.get((str(r.retriever), _base_name(r.config)))
+            rows.append(
+                _row(r, "doc", r.retriever, share.get(r.retriever), dict(zip(PAPER_MODELS, paper)) if paper else None)
+            )
     ksum = [ConfigSummary.coerce(r) for r in knn]
     kshare = {(r.index, r.k): r.retrieval_share for r in ksum if r.config == "baseline"}
     for r in ksum:
@@ -140,19 +144,7 @@ def paper_rows(doc: Sequence[Mapping[str, Any]], knn: Sequence[Mapping[str, Any]
         paper_knn = None
         if "S" in _base_name(r.config):  # the paper's KNN-LM numbers are OS3's
             paper_knn = {"k=1024": PAPER_KNN_K1024[index]} if r.k == 1024 else {"best k": PAPER_KNN_BEST[index]}
-        rows.append(
-            {
-                "workload": f"knn k={r.k}",
-                "retriever": r.index,
-                "config": r.config,
-                "scheduler": _scheduler(r.config),
-                "baseline_retrieval_share": kshare.get((r.index, r.k)),
-                "speedup": r.speedup,
-                "retrieval_eliminated": r.retrieval_eliminated,
-                "identical": f"{r.identical}/{r.requests}",
-                "paper": paper_knn,
-            }
-        )
+        rows.append(_row(r, f"knn k={r.k}", r.index, kshare.get((r.index, r.k)), paper_knn))
     return rows
 
 
