@@ -86,6 +86,7 @@ KNN_PROJECTED_MIN_CANDIDATES = 256  # first candidate count of a projected cache
 KNN_PROJECTED_CANDIDATE_FACTOR = 4  # and this many times k + margin (then doubled while the bound says so)
 KNN_PROJECTED_MAX_K = 256  # above this k a request's cache scans the full keys (projection slower there)
 KNN_PROJECTION_SAMPLE = 65536  # keys sampled (evenly strided) to fit that PCA basis
+KNN_SHADOW_BUDGET = 0.05  # cache fills and guesses in direct steps: at most this share of their KB time
 KNN_RERANK_MARGIN = 16  # extra candidates (at least; k/8 for large k) before exact re-scoring
 
 MAX_EMBEDDING_INPUTS = 256  # texts per /v1/embeddings request

@@ -23,7 +23,7 @@ path) and the ``n`` entries after each go into the cache (with prefetching, P: t
 top-p, p > k, of which the top-k is the prefix on the exact index; HNSW is asked for both). ``s`` is fixed or chosen by OS3
 (:class:`ralm.os3.StrideScheduler`: a = speculative step latency, b = verification
 latency, fed per batch size; s = 0 is a direct KB step, with the cache's guess recorded
-on every ``SHADOW_EVERY``-th step of a run of them).
+on some of them, within a budget: :meth:`_KnnSpecRun.direct_step`).
 
 The cycle itself is :func:`ralm.speculation.speculate`; :class:`_KnnSpecRun` is its
 token-level strategy (a step's value is its token).
@@ -160,7 +160,10 @@ def run_knn_seq(
 
 
 # ---------------------------------------------------------------------------- speculation
-SHADOW_EVERY = 8  # in a run of OS3 direct steps, the cache guesses on every 8th step
+LAST_PROBE_COST: dict[tuple, float] = {}
+"""(KB name, entries, k, entries fetched) -> seconds of the last probe (a fill and a cache
+guess in a direct step) in this process: a new request's shadow budget starts from it, so
+that on a KB cheaper than its cache no request pays a probe to find that out again."""
 
 
 def fetch_size(knn: KnnLMConfig, spec: SpecConfig) -> int:
@@ -233,7 +236,12 @@ class _KnnSpecRun:
         name = ("P," if self.fetch_k > knn.k else "") + (f"s={spec.stride}" if not spec.adaptive_stride else "S")
         self.stats = RequestStats(method=f"knn-spec[{name}]", retriever=kb.name, knn_k=knn.k)
         self.step_lm = stepper_for(lm)
-        self._direct_run = 0  # consecutive direct (s = 0) steps so far
+        # shadow work of direct steps (see direct_step): seconds spent on cache fills and
+        # guesses, KB seconds of direct steps, the last probe's cost
+        self._shadow_s = self._direct_kb_s = 0.0
+        self._probe_key = (kb.name, len(kb.ds), knn.k, self.fetch_k)
+        self._probe_cost_s = LAST_PROBE_COST.get(self._probe_key, 0.0)
+        self._pending_fill: list[list[Hit]] | None = None  # a direct step's KB answer, not yet cached
 
     @property
     def finished(self) -> bool:
@@ -286,42 +294,69 @@ class _KnnSpecRun:
         return truth, fetched, time.perf_counter() - t0
 
     # ---- steps
+    def _shadow_allowed(self) -> bool:
+        """Whether the next probe fits the shadow budget: the cache work done in direct
+        steps (fills and guesses) stays within ``KNN_SHADOW_BUDGET`` of the KB time those
+        steps spent. Worked example: an HNSW KB at 5 ms a call and a k = 1024 probe (a fill
+        of 11k entries and a lookup) costing 20 ms: after one probe the next waits until
+        the direct steps have spent 20 / 0.05 = 400 ms more on the KB (80 steps); a flat KB
+        at 225 ms a call affords a probe on every step."""
+        return self._shadow_s + self._probe_cost_s <= C.KNN_SHADOW_BUDGET * self._direct_kb_s
+
+    def _fill_pending(self) -> float:
+        """Insert the last KB answer not yet in the cache; returns the seconds it took."""
+        if self._pending_fill is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.cache.insert_hits(self._pending_fill)
+        self._pending_fill = None
+        return time.perf_counter() - t0
+
     def direct_step(self, shadow: bool = True) -> None:
         """One plain KB step (s = 0; ``shadow=False``: the first token).
 
-        In a run of direct steps the cache guesses (and OS3 records the guess and the KB
-        latency) on every ``SHADOW_EVERY``-th step only, and is filled on that step and the
-        one before it: OS3 chooses s = 0 when the KB is cheap, and a guess plus an insertion
-        on every step (a k = 1024 cache lookup: several ms) cost more than the KB itself."""
+        A direct step is a RaLMSeq step; anything the cache does in it is overhead the
+        baseline does not pay. So a KB answer is not inserted at once: it is kept as the
+        *pending fill* and inserted only when the cache is next used, by a speculative step
+        or by a *probe*: a direct step on which the cache guesses first (filled with the
+        previous step's answer), the guess and the KB latency going to OS3 so that gamma
+        stays current. Probes happen only while their cost fits the shadow budget
+        (:meth:`_shadow_allowed`; the first probe's cost is taken from the last request on
+        this KB, :data:`LAST_PROBE_COST`, or 0). So on a KB cheaper than the cache (a small HNSW index at
+        k = 1024: 5 ms a call, a fill of 11k entries about 15 ms) direct steps cost what
+        RaLMSeq's do, and on an expensive KB every direct step probes."""
         st = self.stats
         h, p = self.step_lm.query()
-        run = self._direct_run
-        self._direct_run += 1
-        probe = shadow and run % SHADOW_EVERY == 0
-        fill = not shadow or probe or (run + 1) % SHADOW_EVERY == 0
-        t0 = time.perf_counter()
+        probe = shadow and self._shadow_allowed()
+        t_guess = 0.0
         guess = None
         if probe:
+            t_fill = self._fill_pending()
+            t0 = time.perf_counter()
             guess = self._choose(p, self.cache.search(h, self.knn.k))
+            t_guess = time.perf_counter() - t0
             st.cache_lookups += 1
-        t_guess = time.perf_counter() - t0
+            self._probe_cost_s = LAST_PROBE_COST[self._probe_key] = t_fill + t_guess
+            self._shadow_s += self._probe_cost_s
         truth, fetched, b = self._kb_search([h])
-        b += t_guess  # the direct step's retrieval latency includes the guess
-        if fill:
-            self.cache.insert_hits(fetched)
-        hits = truth[0]
-        y = self._choose(p, hits)
+        self._pending_fill = fetched
+        self._direct_kb_s += b
+        y = self._choose(p, truth[0])
         if probe:
             st.shadow_hits += int(guess == y)
-            self.sched.record_direct(guess == y, b)
+        if shadow:
+            # every direct step's KB latency; gamma evidence only from a probe's guess
+            self.sched.record_direct(guess == y if probe else None, b + t_guess)
+        else:
+            self.sched.record_kb_latency(1, b)  # b(1) before the first decision
         self._commit_token(y)
 
     def first_step(self) -> None:
-        self.direct_step(shadow=False)  # the first token warms the cache
+        self.direct_step(shadow=False)  # its answer fills the cache when the cache is first used
 
     def speculative_step(self) -> _Step:
-        self._direct_run = 0  # a window ends a run of direct steps
         t0 = time.perf_counter()
+        self._fill_pending()  # the last direct step's answer (counted in this step's latency)
         h, p = self.step_lm.query()
         hits = self.cache.search(h, self.knn.k)
         self.stats.cache_lookups += 1

@@ -44,7 +44,9 @@ def _check_spec_equals_seq(knn_setups, knn_prompts, model, index, k):
             assert st.matched_steps + st.rollbacks + st.direct_steps + 1 == st.steps
             assert st.kb_calls == 1 + st.verifications + st.direct_steps
             assert sum(st.strides) == st.spec_steps
-            assert st.knn_k == k and st.cache_entries > 0
+            assert st.knn_k == k
+            # the cache is filled when first used: never, when every step was direct and unprobed
+            assert st.cache_entries > 0 or (st.spec_steps == 0 and st.cache_lookups == 0)
             ROLLBACKS[(model, index, k, name)] = ROLLBACKS.get((model, index, k, name), 0) + st.rollbacks
 
 
@@ -112,4 +114,5 @@ def test_prefetch_spec_equals_seq(knn_setups, knn_prompts, index, k):
             got = run_knn_spec(prompt, lm, kb, knn, req, spec)
             assert got.tokens == base.tokens, (index, k, name, prompt)
             assert got.stats.method == f"knn-spec[{name}]"
-            assert got.stats.cache_entries > 0
+            st = got.stats
+            assert st.cache_entries > 0 or (st.spec_steps == 0 and st.cache_lookups == 0)
