@@ -177,6 +177,14 @@ _PLUGGED_COMMANDS = [
         "the RaLMSpec paper's grid (EDR/ADR/SR x base/P/S/A/PSA, KNN-LM k=16/1024) beside its published speed-ups",
     ),
     (
+        "pad-corpus",
+        "cluster.pad_corpus",
+        "add_pad_corpus_args",
+        "pad_corpus_main",
+        False,
+        "a corpus padded with passages generated from its own term statistics (large-KB costs for sr/adr)",
+    ),
+    (
         "eval",
         "cluster.eval_job",
         "add_eval_args",

@@ -78,6 +78,11 @@ def add_paper_table_args(p: argparse.ArgumentParser) -> None:
         default=2_000_000,
         help="pad the KNN-LM flat datastore to this many rows (0: unpadded; HNSW is never padded)",
     )
+    p.add_argument(
+        "--padded-corpus",
+        type=Path,
+        help="also run ADR and SR on this corpus (`ralmspec pad-corpus ... --vectors`), indexed in <name>.work/ beside it: the large-KB profiles",
+    )
     p.add_argument("--skip-knn", action="store_true", help="document-level rows only")
     p.add_argument("--config", type=Path, help="RalmConfig YAML for the document-level runs (corpus, indexes, model)")
     p.add_argument("--questions", type=Path, help="JSONL with a 'question' field (default: the demo set)")
@@ -96,6 +101,21 @@ def _scheduler(config: str) -> str:
     if "S" not in _base_name(config):
         return "-"
     return "OS3, gamma cap " + config.split("@", 1)[1] if "@" in config else "default (no cap)"
+
+
+def padded_work_dir(corpus: Path) -> Path:
+    """Where the padded corpus' indexes are built and kept: ``padded.jsonl.gz`` -> ``padded.work``."""
+    return corpus.with_name(corpus.name.split(".", 1)[0] + ".work")
+
+
+def _kind(retriever: Any) -> str:
+    """``"sr (padded 1,000,000)"`` -> ``"sr"``."""
+    return str(retriever).split(" ", 1)[0]
+
+
+def _padded_rows(summary: Sequence[Mapping[str, Any]], n_passages: int) -> list[dict[str, Any]]:
+    """The padded corpus' summary rows, their retriever labelled with the corpus size."""
+    return [dict(r, retriever=f"{r['retriever']} (padded {n_passages:,})") for r in summary]
 
 
 def _fmt(v: float | None, unit: str = "x") -> str:
@@ -131,7 +151,7 @@ def paper_rows(doc: Sequence[Mapping[str, Any]], knn: Sequence[Mapping[str, Any]
     share = {r.retriever: r.retrieval_share for r in summaries if r.config == "RaLMSeq"}
     for r in summaries:
         if r.config != "RaLMSeq":
-            paper = PAPER_DOC.get((str(r.retriever), _base_name(r.config)))
+            paper = PAPER_DOC.get((_kind(r.retriever), _base_name(r.config)))
             rows.append(
                 _row(r, "doc", r.retriever, share.get(r.retriever), dict(zip(PAPER_MODELS, paper)) if paper else None)
             )
@@ -206,6 +226,22 @@ def paper_table_main(args: argparse.Namespace) -> int:
     status = doc_args.func(doc_args)
     doc = json.loads((out / "doc" / "bench.json").read_text())
     notes = [f"document level: `ralmspec {' '.join(doc_argv)}`"] + [f"bench: {x}" for x in doc["notes"]]
+    if args.padded_corpus:
+        pad_argv = ["bench", "--corpus", str(args.padded_corpus), "--retrievers", "adr,sr", "--configs", args.configs]
+        pad_argv += ["-n", n, "--max-new-tokens", str(args.max_new_tokens), "--out", str(out / "doc-padded")]
+        pad_argv += ["--questions", str(args.questions)] if args.questions else []
+        pad_argv += ["--config", str(args.config)] if args.config else []  # model, encoder (the flags win)
+        # its indexes live beside it (a work dir's indexes/<kind> belong to one corpus)
+        pad_argv += ["--work-dir", str(padded_work_dir(args.padded_corpus))]
+        pad_args = parser.parse_args(pad_argv)
+        status |= pad_args.func(pad_args)
+        padded = json.loads((out / "doc-padded" / "bench.json").read_text())
+        from ralm.corpus import Corpus
+
+        n_passages = len(Corpus.load(args.padded_corpus))
+        doc["summary"] = list(doc["summary"]) + _padded_rows(padded["summary"], n_passages)
+        notes += [f"padded corpus ({n_passages:,} passages; its generated passages take part in rankings): "]
+        notes[-1] += f"`ralmspec {' '.join(pad_argv)}`"
     knn: dict[str, Any] = {"summary": [], "notes": []}
     if not args.skip_knn:
         knn_argv = ["bench-knn", "--ks", args.knn_ks, "--configs", args.knn_configs, "-n", n]

@@ -103,7 +103,7 @@ def shipped_entries(shipped_dir: Path = SHIPPED_DIR) -> list[dict]:
     return list(json.loads(path.read_text()).get("files", []))
 
 
-def _from_cache(cache_dir: Path, corpus: Corpus, fingerprint: str, dim: int) -> np.ndarray | None:
+def _from_cache(cache_dir: Path, corpus: Corpus, fingerprint: str, dim: int) -> tuple[np.ndarray, dict] | None:
     d = cache_dir / _key(corpus.sha256, fingerprint)
     try:
         entry = json.loads((d / MANIFEST).read_text())
@@ -111,7 +111,8 @@ def _from_cache(cache_dir: Path, corpus: Corpus, fingerprint: str, dim: int) -> 
         return None
     if not _matches(entry, corpus, fingerprint, dim):
         return None
-    return _read_checked(d / VECTORS, entry, "cached embeddings")
+    arr = _read_checked(d / VECTORS, entry, "cached embeddings")
+    return None if arr is None else (arr, entry)
 
 
 def cache_file(corpus: Corpus, encoder: Any, cache_dir: str | Path | None = None) -> Path | None:
@@ -200,10 +201,13 @@ def passage_vectors(
     fp, dim = str(encoder.fingerprint), int(encoder.dim)
     keyed = bool(corpus.sha256)  # no hash, no key: never cached, never matched
     t0 = time.perf_counter()
-    vecs = _from_cache(cache, corpus, fp, dim) if keyed else None
-    if vecs is not None:
+    cached = _from_cache(cache, corpus, fp, dim) if keyed else None
+    if cached is not None:
+        vecs, entry = cached
         log.info("passage embeddings of %d passages from the cache %s", len(corpus), cache)
-        return vecs, {"source": "cache", "dtype": "float32", "seconds": round(time.perf_counter() - t0, 3)}
+        info = {"source": "cache", "dtype": "float32", "seconds": round(time.perf_counter() - t0, 3)}
+        # how the cached vectors were made ('encoded', 'shipped:...', 'synthesized ...')
+        return vecs, info | ({"from": entry["from"]} if "from" in entry else {})
     shipped = _from_shipped(Path(shipped_dir or SHIPPED_DIR), corpus, fp, dim) if keyed else None
     if shipped is not None:
         vecs, entry = shipped
@@ -229,6 +233,25 @@ def passage_vectors(
         _save(cache, corpus, fp, vecs, source="encoded")
     log.info("encoded %d passages in %.1f s (%.1f passages/s)", len(corpus), secs, len(corpus) / max(secs, 1e-9))
     return vecs, {"source": "encoded", "dtype": "float32", "seconds": round(secs, 3)}
+
+
+def save_vectors(
+    corpus: Corpus, encoder: Any, vectors: np.ndarray, source: str, cache_dir: str | Path | None = None
+) -> Path:
+    """Put ``vectors`` (``(len(corpus), encoder.dim)``) in the embedding cache as ``corpus``'
+    vectors under ``encoder``, recording ``source`` (how they were made): the next index
+    build of ``corpus`` uses them instead of encoding, and its manifest says where they came
+    from. Used for a padded corpus' synthesized vectors (:mod:`ralm.retrieval.padded_vectors`)."""
+    if not corpus.sha256:
+        raise ValueError("the corpus has no content hash (load it with Corpus.load or Corpus.from_records)")
+    vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+    if vectors.shape != (len(corpus), int(encoder.dim)):
+        raise ValueError(f"vectors have shape {vectors.shape}, expected ({len(corpus)}, {int(encoder.dim)})")
+    root = Path(cache_dir) if cache_dir is not None else embedding_cache_root()
+    path = _save(root, corpus, str(encoder.fingerprint), vectors, source)
+    if path is None:
+        raise OSError(f"cannot write the embedding cache under {root}")
+    return path
 
 
 def export_shipped(

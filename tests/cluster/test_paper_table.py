@@ -4,6 +4,7 @@ table's rows put each of our measurements beside the paper's number for the same
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import yaml
 
@@ -63,7 +64,21 @@ def test_rows_pair_each_cell_with_the_papers_number_and_its_own_baseline_share()
     assert "| 62.00% |" in md and "2.39x / 2.32x / 1.75x" in md and "up to 2.45x (best k)" in md
 
 
-def test_the_command_runs_the_grid_and_every_output_is_exact(tmp_path, index_dirs, capsys):
+def test_padded_corpus_rows_are_their_own_blocks_with_the_papers_numbers():
+    from cluster.paper_table import _padded_rows, padded_work_dir
+
+    doc = [_row("RaLMSeq", 1.0, 0.10, retriever="sr"), _row("PSA", 1.02, 0.1, retriever="sr")]
+    doc += _padded_rows([_row("RaLMSeq", 1.0, 0.7, retriever="sr"), _row("PSA", 1.6, 0.4, retriever="sr")], 1_000_000)
+    rows = {(r["retriever"], r["config"]): r for r in paper_rows(doc, [])}
+    padded = rows[("sr (padded 1,000,000)", "PSA")]
+    assert padded["baseline_retrieval_share"] == 0.7 and padded["speedup"] == 1.6
+    assert tuple(padded["paper"].values()) == PAPER_DOC[("sr", "PSA")]
+    assert rows[("sr", "PSA")]["baseline_retrieval_share"] == 0.10
+    assert padded_work_dir(Path("/x/padded.jsonl.gz")) == Path("/x/padded.work")
+
+
+def _fixture_config(tmp_path, index_dirs) -> Path:
+    """A config whose work dir holds the fixture indexes, with their small HNSW parameters."""
     work = tmp_path / "work"
     (work / "indexes").mkdir(parents=True)
     for kind in KINDS:
@@ -75,6 +90,11 @@ def test_the_command_runs_the_grid_and_every_output_is_exact(tmp_path, index_dir
             {"corpus": str(FIXTURE_CORPUS), "work_dir": str(work), "retriever": {"kind": "edr", **TEST_HNSW}}
         )
     )
+    return cfg
+
+
+def test_the_command_runs_the_grid_and_every_output_is_exact(tmp_path, index_dirs, capsys):
+    cfg = _fixture_config(tmp_path, index_dirs)
     out = tmp_path / "out"
     rc = main(
         [
@@ -116,3 +136,36 @@ def test_the_command_runs_the_grid_and_every_output_is_exact(tmp_path, index_dir
     assert all(0 < r["baseline_retrieval_share"] < 1 for r in data["rows"])
     assert (out / "doc" / "bench.json").exists() and (out / "knn" / "knn_bench.json").exists()
     assert "| doc | sr | PSA@0.6 |" in (out / "paper_table.md").read_text()
+
+
+def test_the_command_adds_adr_and_sr_blocks_on_a_padded_corpus(tmp_path, index_dirs, dense_encoder):
+    """`--padded-corpus`: ADR and SR run again on a padded corpus (real Lucene and HNSW
+    indexes built beside it, from its cached synthesized vectors), as blocks of their own."""
+    import numpy as np
+
+    from ralm.corpus import Corpus
+    from ralm.corpus_padding import write_padded_corpus
+    from ralm.retrieval.padded_vectors import padded_corpus_vectors
+    from ralm.retrieval.passage_vectors import save_vectors
+
+    fixture = Corpus.load(FIXTURE_CORPUS)
+    path = tmp_path / "padded.jsonl"
+    topics = write_padded_corpus(fixture, 2 * len(fixture), path, progress=False)
+    padded = Corpus.load(path)
+    real = np.load(index_dirs["edr"] / "vectors.npy")
+    vectors, _ = padded_corpus_vectors(padded, len(fixture), topics, real, dense_encoder, sample=8)
+    save_vectors(padded, dense_encoder, vectors, "synthesized (test)")
+    cfg = _fixture_config(tmp_path, index_dirs)
+    out = tmp_path / "out"
+    argv = ["paper-table", "--config", str(cfg), "--questions", str(FIXTURE_QUESTIONS), "-n", "1"]
+    argv += ["--max-new-tokens", "6", "--pad-to", "2000", "--configs", "PSA", "--skip-knn"]
+    argv += ["--padded-corpus", str(path), "--out", str(out)]
+    assert main(argv) == 0
+    rows = json.loads((out / "paper_table.json").read_text())["rows"]
+    label = f"(padded {2 * len(fixture):,})"
+    assert {(r["retriever"], r["config"]) for r in rows} == {(k, "PSA") for k in KINDS} | {
+        (f"{k} {label}", "PSA") for k in ("adr", "sr")
+    }
+    assert all(r["identical"] == "1/1" and r["paper"] for r in rows)
+    built = json.loads((tmp_path / "padded.work" / "indexes" / "adr" / "manifest.json").read_text())
+    assert built["vectors"]["from"] == "synthesized (test)" and built["n_docs"] == 2 * len(fixture)
