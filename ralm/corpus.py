@@ -46,12 +46,16 @@ class Corpus:
 
     @classmethod
     def from_records(cls, records: list[dict]) -> Corpus:
-        blob = "\n".join(json.dumps(r, sort_keys=True) for r in records).encode()
+        # sha256 of the records' sorted-key JSON lines joined by "\n", hashed line by line
+        # (the same digest as hashing the joined text, without a second copy of the corpus)
+        digest = hashlib.sha256()
+        for i, r in enumerate(records):
+            digest.update((b"\n" if i else b"") + json.dumps(r, sort_keys=True).encode())
         return cls(
             ids=[str(r["id"]) for r in records],
             titles=[str(r.get("title", "")) for r in records],
             contents=[str(r["contents"]) for r in records],
-            sha256=hashlib.sha256(blob).hexdigest(),
+            sha256=digest.hexdigest(),
         )
 
     @classmethod
