@@ -196,3 +196,24 @@ def tiny_engine(family: str = "gpt2", seed: int = 0, **gen_overrides):
     tok = tiny_tokenizer()
     model = tiny_causal_lm(family, len(tok), tok.eos_token_id, seed=seed)
     return LMEngine(model, tok, GeneratorConfig(model=f"tiny-{family}", **gen_overrides))
+
+
+def padding_hits_with_exact_speculation(kb, padded_corpus, n_real: int, engine, questions) -> int:
+    """For each question: RaLMSpec (PSA and a fixed stride 3) returns RaLMSeq's tokens and
+    documents on ``kb`` over ``padded_corpus``; returns how many of the questions' top-10
+    documents are padding passages (rows >= ``n_real``)."""
+    from ralm.config import RequestConfig, SpecConfig
+    from ralm.generator import LocalGenerator
+    from ralm.seq import run_seq
+    from ralm.spec import run_spec
+
+    gen = LocalGenerator(engine, padded_corpus)
+    req = RequestConfig(max_new_tokens=24, generation_stride=4, ignore_eos=True)
+    hits = 0
+    for q in questions:
+        hits += sum(doc >= n_real for doc, _ in kb.search(q, 10))
+        base = run_seq(q, gen, kb, req)
+        for spec in (SpecConfig.named("PSA"), SpecConfig(stride=3)):
+            out = run_spec(q, gen, kb, req, spec)
+            assert out.tokens == base.tokens and out.stats.doc_ids == base.stats.doc_ids, (q, spec)
+    return hits

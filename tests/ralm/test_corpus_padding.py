@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from ralm.config import RequestConfig, RetrieverConfig, SpecConfig
+from ralm.config import RetrieverConfig
 from ralm.corpus import Corpus
 from ralm.corpus_padding import PADDING_ID_PREFIX, TITLE_WORDS, padding_passages, write_padded_corpus
 
@@ -102,10 +102,8 @@ def test_bm25_on_a_padded_corpus_ranks_padding_and_speculation_stays_exact(
     """Real Lucene over the fixture corpus padded 4x: padding passages appear in the top
     documents (the padding changes rankings, as documented), and PSA / a fixed stride
     still return RaLMSeq's tokens and documents on that KB."""
-    from ralm.generator import LocalGenerator
     from ralm.retrieval.factory import build_index, load_retriever
-    from ralm.seq import run_seq
-    from ralm.spec import run_spec
+    from tests.factories import padding_hits_with_exact_speculation
 
     path = tmp_path / "padded.jsonl"
     write_padded_corpus(fixture_corpus, 4 * len(fixture_corpus), path, progress=False)
@@ -113,14 +111,5 @@ def test_bm25_on_a_padded_corpus_ranks_padding_and_speculation_stays_exact(
     cfg = RetrieverConfig(kind="sr")
     build_index("sr", padded, tmp_path / "sr", cfg, progress=False)
     kb = load_retriever(cfg, padded, tmp_path / "sr")
-    gen = LocalGenerator(project_engine, padded)
-    req = RequestConfig(max_new_tokens=24, generation_stride=4, ignore_eos=True)
     n_real = len(fixture_corpus)
-    padding_hits = 0
-    for q in fixture_questions[:6]:
-        padding_hits += sum(doc >= n_real for doc, _ in kb.search(q, 10))
-        base = run_seq(q, gen, kb, req)
-        for spec in (SpecConfig.named("PSA"), SpecConfig(stride=3)):
-            out = run_spec(q, gen, kb, req, spec)
-            assert out.tokens == base.tokens and out.stats.doc_ids == base.stats.doc_ids, (q, spec)
-    assert padding_hits > 0
+    assert padding_hits_with_exact_speculation(kb, padded, n_real, project_engine, fixture_questions[:6]) > 0

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from ralm.config import RequestConfig, RetrieverConfig, SpecConfig
+from ralm.config import RetrieverConfig
 from ralm.corpus import Corpus
 from ralm.corpus_padding import write_padded_corpus
 from ralm.retrieval.padded_vectors import (
@@ -55,11 +55,9 @@ def test_calibration_hits_the_target_cosine(real_vectors):
 def test_an_adr_index_over_a_padded_corpus_is_exact_and_labelled(
     fixture_corpus, fixture_questions, real_vectors, dense_encoder, project_engine, tmp_path
 ):
-    from ralm.generator import LocalGenerator
     from ralm.retrieval.factory import build_index, load_retriever
     from ralm.retrieval.passage_vectors import save_vectors
-    from ralm.seq import run_seq
-    from ralm.spec import run_spec
+    from tests.factories import padding_hits_with_exact_speculation
 
     n_real = len(fixture_corpus)
     path = tmp_path / "padded.jsonl"
@@ -80,13 +78,4 @@ def test_an_adr_index_over_a_padded_corpus_is_exact_and_labelled(
     manifest = json.loads((tmp_path / "adr" / "manifest.json").read_text())
     assert manifest["vectors"]["source"] == "cache" and manifest["vectors"]["from"] == "synthesized (test)"
     kb = load_retriever(cfg, padded, tmp_path / "adr", encoder=dense_encoder)
-    gen = LocalGenerator(project_engine, padded)
-    req = RequestConfig(max_new_tokens=24, generation_stride=4, ignore_eos=True)
-    padding_hits = 0
-    for q in fixture_questions[:5]:
-        padding_hits += sum(doc >= n_real for doc, _ in kb.search(q, 10))
-        base = run_seq(q, gen, kb, req)
-        for spec in (SpecConfig.named("PSA"), SpecConfig(stride=3)):
-            out = run_spec(q, gen, kb, req, spec)
-            assert out.tokens == base.tokens and out.stats.doc_ids == base.stats.doc_ids, (q, spec)
-    assert padding_hits > 0
+    assert padding_hits_with_exact_speculation(kb, padded, n_real, project_engine, fixture_questions[:5]) > 0
