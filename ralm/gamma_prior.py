@@ -49,6 +49,8 @@ class GammaPrior:
         self._by_key: dict[Hashable, deque[tuple[int, int]]] = {}
         self._step_s: dict[Hashable, deque[float]] = {}  # key -> mean speculative step of recent requests
         self._verify_s: dict[Hashable, dict[int, deque[float]]] = {}  # key -> batch size -> recent means
+        # key -> recent requests' realized (seconds, committed steps) in windows and in direct steps
+        self._realized: dict[Hashable, deque[tuple[float, int, float, int]]] = {}
 
     def evidence(self, key: Hashable) -> tuple[int, int]:
         """(matched, missed) pseudo-observations for a new request under ``key``: the recent
@@ -71,6 +73,18 @@ class GammaPrior:
         step = sum(steps) / len(steps) if steps else None
         return step, {s: sum(v) / len(v) for s, v in sorted(by_size.items()) if v}
 
+    def realized(self, key: Hashable) -> tuple[float, int, float, int]:
+        """(seconds, committed steps) spent in speculation windows, then in direct steps,
+        summed over the recent requests under ``key`` (zeros when none)."""
+        with self._lock:
+            recent = list(self._realized.get(key, ()))
+        return (
+            sum(r[0] for r in recent),
+            sum(r[1] for r in recent),
+            sum(r[2] for r in recent),
+            sum(r[3] for r in recent),
+        )
+
     def record(
         self,
         key: Hashable,
@@ -78,12 +92,16 @@ class GammaPrior:
         missed: int,
         step_s: float | None = None,
         verify_s: dict[int, float] | None = None,
+        realized: tuple[float, int, float, int] | None = None,
     ) -> None:
         """A finished request's own evidence (not including the prior it started from) and,
-        if given, its mean speculative step and mean KB call per batch size (seconds)."""
+        if given, its mean speculative step and mean KB call per batch size (seconds), and
+        its realized (seconds, committed steps) in windows and in direct steps."""
         if matched < 0 or missed < 0:
             raise ValueError("evidence counts must be >= 0")
         with self._lock:
+            if realized is not None and (realized[1] or realized[3]):
+                self._realized.setdefault(key, deque(maxlen=self.requests)).append(realized)
             if matched + missed:
                 self._by_key.setdefault(key, deque(maxlen=self.requests)).append((int(matched), int(missed)))
             if step_s is not None and step_s > 0:
@@ -98,6 +116,7 @@ class GammaPrior:
             self._by_key.clear()
             self._step_s.clear()
             self._verify_s.clear()
+            self._realized.clear()
 
 
 PROCESS_PRIOR = GammaPrior()  # the prior every request of this process shares

@@ -54,6 +54,7 @@ until then.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import Any, Protocol, TypeVar
@@ -141,12 +142,14 @@ def speculate(
         strategy.emit(None)
     pending: StepT | None = None  # an async step waiting to open the next window
     while not strategy.finished or pending is not None:
+        t_start = time.perf_counter()
         s = sched.next_stride()
         if s == 0 and pending is None:
             strategy.direct_step()
             _count_kb_step(st)
             st.direct_steps += 1
             strategy.emit(None)
+            sched.record_realized(True, time.perf_counter() - t_start, 1)
             continue
         window: list[StepT] = [pending] if pending is not None else []
         pending = None
@@ -184,5 +187,6 @@ def speculate(
             st.steps += 1
         sched.record_verification(len(window), matched, b)
         strategy.emit(pending)
+        sched.record_realized(False, time.perf_counter() - t_start, matched + (found is not None))
     st.gamma = sched.gamma
     sched.finish()

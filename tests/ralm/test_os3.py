@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from ralm import constants as C
 from ralm.config import SpecConfig
 from ralm.os3 import StrideScheduler, beta_quantile_int, expected_verified, objective
 
@@ -255,3 +256,70 @@ def test_lookup_measured_at_warm_up_counts_in_step_latency_and_decides_start():
     assert sched(True).step_latency() == pytest.approx(0.030)
     assert sched(True).next_stride() == 0
     assert sched(False).next_stride() == 1
+
+
+# ---- the rate check (bayes mode): realized costs veto a model that says speculate
+def _expensive(sch):
+    _feed(sch, gen_s=0.040, verify_s=0.400)  # the model says: speculate, long strides
+    assert sch.next_stride() >= 3
+
+
+def test_speculation_measured_dearer_than_direct_steps_is_vetoed_then_re_explored():
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True, gamma_prior=False))
+    _expensive(sch)
+    for _ in range(3):
+        sch.record_realized(True, 0.440, 1)  # a direct step: 440 ms
+    sch.record_realized(False, 3.0, 6)  # windows: 500 ms per committed step ...
+    assert sch.next_stride() >= 3  # ... but only 6 steps measured: no verdict yet
+    sch.record_realized(False, 1.0, 2)
+    assert sch.speculation_loses()
+    picks = [sch.next_stride() for _ in range(C.RATE_CHECK_EXPLORE + 1)]
+    assert picks[:-1] == [0] * C.RATE_CHECK_EXPLORE and picks[-1] >= 3  # then one window re-measures
+    assert sch.vetoes == C.RATE_CHECK_EXPLORE
+
+
+def test_speculation_measured_cheaper_is_kept_and_the_margin_counts():
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True, gamma_prior=False))
+    _expensive(sch)
+    for _ in range(3):
+        sch.record_realized(True, 0.440, 1)
+    sch.record_realized(False, 0.440 * (1 + C.RATE_CHECK_MARGIN / 2) * 8, 8)  # within the margin
+    assert not sch.speculation_loses() and sch.next_stride() >= 3
+    sch.record_realized(False, 0.440 * 1.5 * 8, 8)  # now 1.25x a direct step on average
+    assert sch.speculation_loses()
+
+
+def test_without_direct_steps_the_check_uses_generation_plus_b1():
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True, gamma_prior=False))
+    _expensive(sch)  # generation 40 ms, b(1) 400 ms: a direct step ~ 440 ms
+    sch.record_realized(False, 0.470 * 8, 8)
+    assert sch.speculation_loses()
+    sch2 = StrideScheduler(SpecConfig(adaptive_stride=True, gamma_prior=False))
+    _expensive(sch2)
+    sch2.record_realized(False, 0.300 * 8, 8)
+    assert not sch2.speculation_loses()
+
+
+def test_the_papers_capped_estimate_has_no_rate_check():
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True, **CAPPED))
+    _feed(sch, gen_s=0.040, verify_s=0.400)
+    for _ in range(3):
+        sch.record_realized(True, 0.100, 1)
+    sch.record_realized(False, 10.0, 10)
+    assert sch.next_stride() >= 1 and sch.vetoes == 0
+
+
+def test_realized_costs_carry_to_the_next_request_through_the_prior():
+    from ralm.gamma_prior import GammaPrior
+
+    prior = GammaPrior()
+    first = StrideScheduler(SpecConfig(adaptive_stride=True), prior=prior, prior_key="kb")
+    _expensive(first)
+    for _ in range(4):
+        first.record_realized(True, 0.440, 1)
+    first.record_realized(False, 0.600 * 10, 10)
+    first.finish()
+    assert prior.realized("kb") == (pytest.approx(6.0), 10, pytest.approx(1.76), 4)
+    second = StrideScheduler(SpecConfig(adaptive_stride=True), prior=prior, prior_key="kb")
+    _feed(second, gen_s=0.040, verify_s=0.400)  # the model alone would speculate (first request)
+    assert second.speculation_loses() and second.next_stride() == 0  # known from the first request

@@ -40,6 +40,7 @@ class FakeScheduler:
     def __init__(self, strides: list[int]):
         self.strides = list(strides)
         self.recorded: list[tuple[int, int, float]] = []
+        self.realized: list[tuple[bool, int]] = []  # (direct step?, steps committed)
         self.gamma = 0.25
         self.finished = False
 
@@ -48,6 +49,10 @@ class FakeScheduler:
 
     def record_verification(self, s: int, matched: int, latency_s: float) -> None:
         self.recorded.append((s, matched, latency_s))
+
+    def record_realized(self, direct: bool, seconds: float, committed: int) -> None:
+        self.realized.append((direct, committed))
+        assert seconds >= 0
 
     def finish(self) -> None:
         self.finished = True
@@ -238,3 +243,15 @@ def test_a_pending_step_is_verified_before_any_direct_step():
     assert fs.X == fs.emitted == baseline(6)
     assert fs.windows == [[1, 2], [3], [4], [5]]
     assert st.direct_steps == 0 and st.async_steps_kept == 3 and st.strides == [2, 1, 1, 1]
+
+
+def test_the_scheduler_hears_what_each_window_and_direct_step_committed():
+    """For the rate check: a window reports the steps it committed (its matched steps, plus
+    the correction after a mismatch); a direct step reports one."""
+    fs = FakeStrategy(9, wrong={3})
+    st, sched = run(fs, [2, 2, 0, 0, 3])
+    assert fs.X == baseline(9)
+    # windows [1, 2] (both right), [3, 4] (3 wrong: the correction), then direct 4 and 5,
+    # then [6, 7, 8]
+    assert sched.realized == [(False, 2), (False, 1), (True, 1), (True, 1), (False, 3)]
+    assert sum(c for _, c in sched.realized) + 1 == st.steps  # + the first step
