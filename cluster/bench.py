@@ -205,6 +205,7 @@ def bench_main(args: argparse.Namespace) -> int:
             "summary": [r.as_dict() for r in all_rows],
             "requests": all_req,
             "config": json.loads(cfg.model_dump_json()),
+            "corpus_passages": len(pipe.corpus),
             "concurrency": concurrency,
             "wall_s": time.perf_counter() - t0,
             **({"batcher": pipe.engine.batcher.metrics()} if concurrency > 1 and pipe.engine.batcher else {}),

@@ -236,9 +236,7 @@ def paper_table_main(args: argparse.Namespace) -> int:
         pad_args = parser.parse_args(pad_argv)
         status |= pad_args.func(pad_args)
         padded = json.loads((out / "doc-padded" / "bench.json").read_text())
-        from ralm.corpus import Corpus
-
-        n_passages = len(Corpus.load(args.padded_corpus))
+        n_passages = int(padded["corpus_passages"])  # counted by the bench, which loaded it
         doc["summary"] = list(doc["summary"]) + _padded_rows(padded["summary"], n_passages)
         notes += [f"padded corpus ({n_passages:,} passages; its generated passages take part in rankings): "]
         notes[-1] += f"`ralmspec {' '.join(pad_argv)}`"

@@ -78,12 +78,10 @@ class GammaPrior:
         summed over the recent requests under ``key`` (zeros when none)."""
         with self._lock:
             recent = list(self._realized.get(key, ()))
-        return (
-            sum(r[0] for r in recent),
-            sum(r[1] for r in recent),
-            sum(r[2] for r in recent),
-            sum(r[3] for r in recent),
-        )
+        if not recent:
+            return 0.0, 0, 0.0, 0
+        ws, wn, ds, dn = map(sum, zip(*recent))
+        return ws, wn, ds, dn
 
     def record(
         self,

@@ -170,12 +170,11 @@ class StrideScheduler:
         self._prior_realized = (0.0, 0.0, 0.0, 0.0)
         self._vetoed_direct = 0  # direct steps taken since the rate check last vetoed speculation
         self.vetoes = 0
-        if self._prior is not None:
-            ws, wn, ds, dn = self._prior.realized(prior_key)
-            fw = min(1.0, C.RATE_CHECK_MIN_STEPS * 4 / wn) if wn else 0.0
-            fd = min(1.0, C.RATE_CHECK_MIN_STEPS * 4 / dn) if dn else 0.0
-            self._prior_realized = (ws * fw, wn * fw, ds * fd, dn * fd)
         if self._prior is not None:  # what recent requests measured on this KB (ralm/gamma_prior.py)
+            ws, wn, ds, dn = self._prior.realized(prior_key)
+            fw = min(1.0, C.GAMMA_PRIOR_WEIGHT / wn) if wn else 0.0  # at most that many steps each
+            fd = min(1.0, C.GAMMA_PRIOR_WEIGHT / dn) if dn else 0.0
+            self._prior_realized = (ws * fw, wn * fw, ds * fd, dn * fd)
             step, by_size = self._prior.latencies(prior_key)
             if step is not None:
                 self._step_lat.append(step)
