@@ -53,6 +53,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from ralm.retrieval.int8_widths import padded_width
 from ralm.retrieval.scan_bounds import CandidateTracker, query_matrix, trivial_candidates
 
 log = logging.getLogger(__name__)
@@ -176,6 +177,7 @@ class Int8Scan:
         if at != self.n_rows:
             raise ValueError(f"padding chunks gave {at - self.n_real} rows, expected {pad_rows}")
         self.data = data
+        padded_width(2, self.dim)  # probe the kernel's batch widths now, not in the first verification
         # per block, over its real rows: scale range and largest |x^| and r_x (the block bound)
         self._blocks: list[tuple[float, float, float, float] | None] = []
         for s in range(0, self.n_rows, self.block_rows):
@@ -210,7 +212,9 @@ class Int8Scan:
         if done is not None:
             return done
         q_codes, q_scale, q_norm, q_resid = quantize(Q, self.qmax)  # (b, d) int8, (b,) x3
-        Qt = torch.from_numpy(np.ascontiguousarray(q_codes.T))  # (d, b) int8
+        w = padded_width(b, self.dim)  # zero columns up to a cheaper kernel width (int8_widths)
+        Qt = torch.zeros((self.dim, w), dtype=torch.int8)  # (d, w) int8
+        Qt[:, :b] = torch.from_numpy(np.ascontiguousarray(q_codes.T))
         track = CandidateTracker(b, k)
         for bi, start in enumerate(range(0, self.n_rows, self.block_rows)):
             blk = self._blocks[bi]
@@ -220,9 +224,9 @@ class Int8Scan:
                 continue
             s_min, s_max, xn_max, r_max = blk
             stop = min(start + self.block_rows, self.n_rows)
-            n = _int_scores(self.data[start:stop], Qt)  # (B, b) int32
+            n = _int_scores(self.data[start:stop], Qt)  # (B, w) int32
             real = min(stop, self.n_real) - start
-            n = n[:real]
+            n = n[:real, :b]
             eps_blk = q_norm * r_max + q_resid * xn_max + q_resid * r_max + ABS_SLACK  # (b,)
             L = track.L
             if np.isfinite(L).all():

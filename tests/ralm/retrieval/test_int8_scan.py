@@ -172,3 +172,30 @@ def test_edr_int8_equals_faiss(index_dirs, dense_encoder, retriever_configs, fix
     for k in (1, 4, 20):
         assert kbs["int8"].batch_search(queries, k) == kbs["faiss"].batch_search(queries, k)
     assert [kbs["int8"].search(q, 4) for q in queries[:8]] == [kbs["faiss"].search(q, 4) for q in queries[:8]]
+
+
+def test_padded_query_columns_change_no_candidate(scan, monkeypatch):
+    """A batch multiplied at a wider kernel width (zero query columns, int8_widths) gets
+    exactly the candidate sets it gets at its own width, for every batch size."""
+    X, s = scan
+    Q = unit_rows(np.random.default_rng(5), 13, 64)
+    own = {b: s.candidates(Q[:b], 10) for b in (2, 3, 7, 13)}
+    monkeypatch.setattr(int8_scan, "padded_width", lambda b, dim: 64 if b > 1 else b)
+    for b, cands in own.items():
+        wide = s.candidates(Q[:b], 10)
+        assert len(wide) == b and all(np.array_equal(x, y) for x, y in zip(wide, cands))
+
+
+def test_batch_widths_take_the_cheapest_width_at_or_above_and_prefer_the_smallest():
+    from ralm.retrieval.int8_widths import choose_widths, padded_width, width_table
+
+    # the 32,768-row costs of the module docstring (ms): powers of two cost about the same
+    cost = {1: 0.21, 2: 1.34, 3: 2.15, 4: 1.28, 7: 3.08, 8: 1.31, 9: 2.25, 12: 2.20, 15: 4.15, 16: 1.36}
+    table = choose_widths(cost)
+    assert table[3] == 4 and table[5] == 8 and table[9] == 16 and table[15] == 16
+    assert table[1] == 1 and table[2] == 2 and table[16] == 16
+    # a kernel whose cost grows with the width: no padding
+    assert choose_widths({w: float(w) for w in range(1, 9)}) == (0, 1, 2, 3, 4, 5, 6, 7, 8)
+    measured = width_table(64)  # this machine's, probed once per process
+    assert len(measured) == 65 and all(b <= measured[b] <= 64 for b in range(1, 65))
+    assert padded_width(1, 64) == 1 and padded_width(65, 64) == 96 and padded_width(100, 64) == 128
