@@ -182,7 +182,7 @@ def bench_main(args: argparse.Namespace) -> int:
     notes = bench_header(
         "bench", len(timed), cfg, kinds, f"{cfg.corpus} ({len(pipe.corpus)} passages)", concurrency=concurrency
     )
-    if any(sc.adaptive_stride and sc.gamma_estimate == "bayes" for sc in parsed):
+    if any(sc.adaptive_stride and sc.gamma_estimate != "capped" for sc in parsed):
         notes.append(
             "S with the default gamma estimate: each configuration's gamma prior starts empty and carries over "
             "between its own requests (the warm-up's included), as in a serving process; caches are cleared "

@@ -114,7 +114,7 @@ class SpecOptions(BaseModel):
     async_verify: StrictBool | None = None
     stride: StrictInt | None = None
     os3_window: StrictInt | None = None
-    gamma_estimate: Literal["bayes", "capped"] | None = None
+    gamma_estimate: Literal["positional", "bayes", "capped"] | None = None
     gamma_quantile: float | None = None
     gamma_max: float | None = None
     max_stride: StrictInt | None = None

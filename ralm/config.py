@@ -123,16 +123,19 @@ class SpecConfig(_Strict):
     stride: int = Field(
         C.DEFAULT_SPEC_STRIDE, ge=1, le=256, description="Fixed speculation stride s when adaptive_stride is off."
     )
-    gamma_estimate: Literal["bayes", "capped"] = Field(
+    gamma_estimate: Literal["positional", "bayes", "capped"] = Field(
         C.GAMMA_ESTIMATE,
-        description="How S estimates the speculation accuracy gamma. 'bayes' (default): the gamma_quantile quantile of a Beta(1 + matched steps, 1 + mismatches) posterior over the last 32 verifications, no cap: cautious while evidence is thin, close to the measured accuracy once it is not. 'capped': the paper's OS3, the maximum-likelihood estimate over the last os3_window verifications capped at gamma_max.",
+        description="How S estimates the speculation accuracy gamma. 'positional' (default): a gamma per step of the window, from the step's position in the request (committed steps 0, 1, 2-3, 4-7, ... doubling): the gamma_quantile quantile of a Beta posterior over that position bucket's matches and mismatches, started from the pooled accuracy (docs/design.md). 'bayes': one gamma for every step, the gamma_quantile quantile of a Beta(1 + matched steps, 1 + mismatches) posterior over the last 32 verifications, no cap. 'capped': the paper's OS3, the maximum-likelihood estimate over the last os3_window verifications capped at gamma_max.",
     )
     gamma_quantile: float = Field(
-        C.GAMMA_QUANTILE, gt=0, lt=1, description="With gamma_estimate 'bayes': the posterior quantile used as gamma."
+        C.GAMMA_QUANTILE,
+        gt=0,
+        lt=1,
+        description="With gamma_estimate 'positional' or 'bayes': the posterior quantile used as gamma.",
     )
     gamma_prior: bool = Field(
         True,
-        description="With gamma_estimate 'bayes': start each request's posterior from the evidence of this process's recent requests with the same knowledge base and settings (at most 32 pseudo-observations, from the last 8 requests), instead of from nothing. Changes strides, never outputs.",
+        description="With gamma_estimate 'positional' or 'bayes': start each request's posterior from the evidence of this process's recent requests with the same knowledge base and settings (at most 32 pseudo-observations, from the last 8 requests), instead of from nothing. Changes strides, never outputs.",
     )
     os3_window: int = Field(
         C.OS3_WINDOW, ge=1, description="w: verifications used to estimate gamma (gamma_estimate 'capped')."
@@ -162,14 +165,15 @@ class SpecConfig(_Strict):
         evaluation job (:meth:`named` extended with fixed strides, the gamma cap and the
         served benchmark's ``spec:`` prefix)::
 
-            NAME  = [spec:] BODY [@GAMMA]
+            NAME  = [spec:] BODY [@GAMMA | @bayes | @positional]
             BODY  = base | a combination of P, S, A | [P][A]s=N
 
         Letters are case-insensitive and in any order; ``s=N`` is lower case. ``P``: prefetch,
         ``S``: OS3 chooses the stride, ``A``: asynchronous verification, ``s=N``: fixed
         stride N (so not with ``S``), ``@GAMMA``: the paper's OS3 with this cap on its
         gamma estimate (``gamma_estimate='capped'``, ``gamma_max``; ``PSA@0.6`` is the
-        paper's PSA; without it S uses the Beta-posterior estimate). ``defaults``: other SpecConfig fields
+        paper's PSA; ``@bayes``: one Beta-posterior gamma for every step; ``@positional``, or
+        nothing: a gamma per position bucket, the default). ``defaults``: other SpecConfig fields
         (a server's config, a benchmark's ``prefetch_size``, ...); what the name says
         overrides them, and the name alone decides P, S and A.
 
@@ -185,6 +189,7 @@ class SpecConfig(_Strict):
         ``Ps=8``          prefetching, fixed stride 8 (the KNN-LM benchmark's form)
         ``PSA@0.6``       the paper's PSA: OS3 with its gamma estimate capped at 0.6
         ``PSA@0.9``       the same with the cap raised to 0.9
+        ``PSA@bayes``     PSA with one Beta-posterior gamma for every step
         ``spec:PSA@0.9``  the same (the served benchmark's method form)
         ================  ============================================================
 
@@ -207,18 +212,22 @@ class SpecConfig(_Strict):
                 f"empty RaLMSpec configuration name {name!r}: use base, a combination of P, S, A, or [P][A]s=N"
             )
         fields = {k: v for k, v in defaults.items() if k not in ("prefetch", "adaptive_stride", "async_verify")}
-        if at:
+        if at and cap.strip().lower() in ("bayes", "positional"):
+            fields["gamma_estimate"] = cap.strip().lower()  # NAME@ESTIMATE
+        elif at:
             fields["gamma_estimate"] = "capped"  # NAME@CAP: the paper's capped estimate
             try:
                 fields["gamma_max"] = float(cap)
             except ValueError:
-                raise ValueError(f"the gamma cap of RaLMSpec configuration {name!r} is not a number: {cap!r}") from None
+                raise ValueError(
+                    f"the gamma cap of RaLMSpec configuration {name!r} is not a number, bayes or positional: {cap!r}"
+                ) from None
         letters, fixed, stride = body.partition("s=")
         flags = "" if letters.upper() == "BASE" and not fixed else letters.upper()
         if set(flags) - set("PSA"):
             raise ValueError(
                 f"unknown RaLMSpec configuration {name!r}: use base, a combination of P, S, A, "
-                "or [P][A]s=N, optionally followed by @GAMMA (e.g. PSA@0.9)"
+                "or [P][A]s=N, optionally followed by @GAMMA (e.g. PSA@0.9), @bayes or @positional"
             )
         if fixed:
             if "S" in flags:

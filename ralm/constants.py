@@ -23,10 +23,14 @@ OS3_WINDOW = 5  # w: verifications used to estimate gamma
 OS3_GAMMA_MAX = 0.6  # cap on the gamma estimate
 OS3_MAX_STRIDE = 16  # upper bound on s chosen by OS3
 OS3_INITIAL_STRIDE = 1
-GAMMA_ESTIMATE: Literal["bayes", "capped"] = (
-    "bayes"  # default gamma estimate: a Beta posterior's lower quantile ("capped": the paper's)
+OS3_HORIZON = 256  # OS3 ('positional'): plans the strides to the request's end when at most this many steps are left
+GAMMA_ESTIMATE: Literal["positional", "bayes", "capped"] = (
+    "positional"  # default gamma estimate: Beta posteriors' lower quantile per position bucket  # ("bayes": one posterior for every step; "capped": the paper's)
 )
 GAMMA_QUANTILE = 0.3  # the quantile of the Beta(1 + matched, 1 + mismatches) posterior used as gamma
+POSITION_SHRINK = (
+    32  # ... each position bucket's posterior starts from the pooled rate as at most this many observations
+)
 BAYES_WINDOWS = 32  # verifications the posterior counts (the paper's capped estimate uses OS3_WINDOW)
 GAMMA_PRIOR_REQUESTS = 8  # OS3 (bayes mode): recent requests whose evidence forms a new request's prior
 GAMMA_PRIOR_WEIGHT = 32  # ... scaled to at most this many pseudo-observations (ralm/gamma_prior.py)

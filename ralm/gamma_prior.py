@@ -24,6 +24,9 @@ from its first generation step (which includes the question's prefill: 67 ms whe
 steps took 40 ms) and knowing b(s) for s = 1 only. Its own measurements join them and,
 being more recent, soon dominate (the scheduler keeps at most 8 per size and 16 steps).
 
+With the ``positional`` estimate (:mod:`ralm.position_gamma`), the same evidence is also kept
+per position bucket, each bucket scaled to at most the same weight.
+
 Only strides depend on it; outputs never do (every speculated step is still verified).
 Each process (a coordinator actor, an in-process pipeline) has its own prior.
 """
@@ -35,6 +38,7 @@ from collections import deque
 from collections.abc import Hashable
 
 from ralm import constants as C
+from ralm.position_gamma import scaled
 
 
 class GammaPrior:
@@ -51,6 +55,8 @@ class GammaPrior:
         self._verify_s: dict[Hashable, dict[int, deque[float]]] = {}  # key -> batch size -> recent means
         # key -> recent requests' realized (seconds, committed steps) in windows and in direct steps
         self._realized: dict[Hashable, deque[tuple[float, int, float, int]]] = {}
+        # key -> recent requests' {position bucket: (matched, missed)}
+        self._by_position: dict[Hashable, deque[dict[int, tuple[int, int]]]] = {}
 
     def evidence(self, key: Hashable) -> tuple[int, int]:
         """(matched, missed) pseudo-observations for a new request under ``key``: the recent
@@ -63,6 +69,13 @@ class GammaPrior:
             return 0, 0
         scale = min(1.0, self.weight / (m + f))
         return round(m * scale), round(f * scale)
+
+    def position_evidence(self, key: Hashable) -> dict[int, tuple[int, int]]:
+        """{position bucket: (matched, missed)} of the recent requests under ``key``, each
+        bucket scaled to at most ``weight`` (see :func:`ralm.position_gamma.scaled`)."""
+        with self._lock:
+            recent = list(self._by_position.get(key, ()))
+        return scaled(((b, m, f) for counts in recent for b, (m, f) in counts.items()), self.weight)
 
     def latencies(self, key: Hashable) -> tuple[float | None, dict[int, float]]:
         """(mean speculative step in s or None, {batch size: mean KB call in s}) of the recent
@@ -91,10 +104,12 @@ class GammaPrior:
         step_s: float | None = None,
         verify_s: dict[int, float] | None = None,
         realized: tuple[float, int, float, int] | None = None,
+        by_position: dict[int, tuple[int, int]] | None = None,
     ) -> None:
         """A finished request's own evidence (not including the prior it started from) and,
         if given, its mean speculative step and mean KB call per batch size (seconds), and
-        its realized (seconds, committed steps) in windows and in direct steps."""
+        its realized (seconds, committed steps) in windows and in direct steps, and its
+        evidence per position bucket."""
         if matched < 0 or missed < 0:
             raise ValueError("evidence counts must be >= 0")
         with self._lock:
@@ -102,6 +117,8 @@ class GammaPrior:
                 self._realized.setdefault(key, deque(maxlen=self.requests)).append(realized)
             if matched + missed:
                 self._by_key.setdefault(key, deque(maxlen=self.requests)).append((int(matched), int(missed)))
+            if by_position:
+                self._by_position.setdefault(key, deque(maxlen=self.requests)).append(dict(by_position))
             if step_s is not None and step_s > 0:
                 self._step_s.setdefault(key, deque(maxlen=self.requests)).append(float(step_s))
             sizes = self._verify_s.setdefault(key, {})
@@ -115,6 +132,7 @@ class GammaPrior:
             self._step_s.clear()
             self._verify_s.clear()
             self._realized.clear()
+            self._by_position.clear()
 
 
 PROCESS_PRIOR = GammaPrior()  # the prior every request of this process shares

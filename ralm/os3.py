@@ -75,6 +75,7 @@ from statistics import fmean
 from ralm import constants as C
 from ralm.config import SpecConfig
 from ralm.gamma_prior import GammaPrior
+from ralm.position_gamma import PositionEvidence
 
 
 def beta_cdf_int(x: float, a: int, b: int) -> float:
@@ -122,17 +123,86 @@ def expected_verified(gamma: float, s: int) -> float:
 
 def window_latency(s: int, gamma: float, a: float, b: float, asynchronous: bool, correction: float = 0.0) -> float:
     """Expected wall time of a window of ``s`` (plus ``correction`` on a mismatch)."""
-    gs = gamma**s
+    return _latency(s, gamma**s, a, b, asynchronous, correction)
+
+
+def _latency(s: int, all_match: float, a: float, b: float, asynchronous: bool, correction: float) -> float:
+    """Expected wall time of a window of ``s`` whose steps all match with probability ``all_match``."""
     if asynchronous:
-        lat = gs * ((s - 1) * a + max(a, b)) + (1 - gs) * (s * a + b)
+        lat = all_match * ((s - 1) * a + max(a, b)) + (1 - all_match) * (s * a + b)
     else:
         lat = s * a + b
-    return lat + (1 - gs) * correction
+    return lat + (1 - all_match) * correction
 
 
 def objective(s: int, gamma: float, a: float, b: float, asynchronous: bool, correction: float = 0.0) -> float:
     """Expected verified documents per second for stride ``s`` (a, b in seconds)."""
     return expected_verified(gamma, s) / max(window_latency(s, gamma, a, b, asynchronous, correction), 1e-12)
+
+
+def window_rates(
+    gammas: list[float], a: float, b: dict[int, float], asynchronous: bool, correction: float
+) -> list[float]:
+    """Verified documents per second of each stride s = 1..len(gammas) when step j of the
+    window matches with probability ``gammas[j]`` (given the steps before it matched):
+    E(s) = sum_{j<s} prod_{t<j} gammas[t], the steps all match with prod_{t<s} gammas[t].
+    With every gamma equal this is :func:`objective`.
+
+    >>> [round(r, 4) for r in window_rates([0.6] * 4, 0.010, {s: 0.040 for s in range(1, 5)}, False, 0.0)]
+    [20.0, 26.6667, 28.0, 27.2]
+    """
+    rates, expected, all_match = [], 0.0, 1.0
+    for s, g in enumerate(gammas, start=1):
+        expected += all_match  # P(the first s-1 steps matched): step s is verified
+        all_match *= g
+        rates.append(expected / max(_latency(s, all_match, a, b[s], asynchronous, correction), 1e-12))
+    return rates
+
+
+def finish_time_stride(
+    gammas: list[float], a: float, b: dict[int, float], asynchronous: bool, correction: float
+) -> tuple[int, float]:
+    """The first stride that minimises the expected time to commit the ``len(gammas)``
+    steps left in the request, and that time (seconds); ``gammas[t]``: gamma of the step
+    ``t`` steps from now; strides up to ``max(b)``.
+
+    The rate objective is the long-run answer; a request is short (32 steps at 128 tokens in
+    steps of 4), and a window cut short by the request's end still costs a whole KB call:
+    at 4M rows (a KB call about 8 speculative steps) strides of 10 from step 1 end with
+    windows of 10, 10, 10 and 1, five KB calls, where 16 and 15 take three. Dynamic
+    programming over the steps left r (T(0) = 0):
+
+        T(r) = min_s  P_s (L_match(s) + T(r - s))
+                      + sum_{j<s} P_j (1 - g_j) (L_miss(s) + T(r - j - 1))
+
+    with P_j = prod_{t<j} g_t (the first j steps match), a mismatch at step j committing j
+    steps and the correction, and the latencies of :func:`window_latency`. O(r x max(b)).
+
+    Worked example (synchronous, a = 1, b = 8, every gamma 1, 20 steps, strides to 16):
+    T(20) = two windows; 16 + 4 costs 16 + 8 + 4 + 8 = 36, as does 10 + 10; any first
+    stride from 4 to 16 ties, and the smallest wins ties.
+
+    >>> finish_time_stride([1.0] * 20, 1.0, {s: 8.0 for s in range(1, 17)}, False, 0.0)
+    (4, 36.0)
+    """
+    n, top = len(gammas), max(b)
+    T = [0.0] * (n + 1)
+    first = [1] * (n + 1)
+    for r in range(1, n + 1):
+        p0, best = n - r, math.inf
+        all_match, miss_prob, miss_t = 1.0, 0.0, 0.0
+        for s in range(1, min(top, r) + 1):
+            g = gammas[p0 + s - 1]
+            miss = all_match * (1.0 - g)  # the steps before matched, this one did not: s committed
+            miss_prob += miss
+            miss_t += miss * T[r - s]
+            all_match *= g
+            lat_match = (s - 1) * a + max(a, b[s]) if asynchronous else s * a + b[s]
+            cost = all_match * (lat_match + T[r - s]) + miss_prob * (s * a + b[s] + correction) + miss_t
+            if cost < best * (1 - 1e-12):
+                best, first[r] = cost, s
+        T[r] = best
+    return first[n], T[n]
 
 
 class StrideScheduler:
@@ -148,10 +218,15 @@ class StrideScheduler:
         """``prior``: evidence of earlier requests under ``prior_key`` (bayes mode only; see
         :mod:`ralm.gamma_prior`); :meth:`finish` adds this request's own evidence to it."""
         self.cfg = cfg
-        self.bayes = cfg.gamma_estimate == "bayes"
+        self.bayes = cfg.gamma_estimate != "capped"  # 'bayes' and 'positional' share the Beta machinery
+        self.positional = cfg.gamma_estimate == "positional"
         self._prior = prior if (self.bayes and cfg.adaptive_stride and cfg.gamma_prior) else None
         self._prior_key = prior_key
         self._prior_ev = self._prior.evidence(prior_key) if self._prior is not None else (0, 0)
+        # 'positional': evidence per position bucket, this request's (all its windows) and the prior's
+        self._position = 0  # committed steps before the window (or direct step) being decided
+        self._own_pos = PositionEvidence()
+        self._pos = PositionEvidence(self._prior.position_evidence(prior_key) if self._prior is not None else None)
         self._windows: deque[tuple[int, int]] = deque(
             maxlen=C.BAYES_WINDOWS if self.bayes else cfg.os3_window
         )  # (s, matched)
@@ -193,8 +268,15 @@ class StrideScheduler:
         self._gen_lat.append(latency_s)
 
     def record_verification(self, s: int, matched: int, latency_s: float) -> None:
+        """The window just decided (from the position given to :meth:`next_stride`): its
+        size, its steps that matched, and the KB call's latency."""
         self._windows.append((s, matched))
+        self._add_position_evidence(s, matched)
         self.record_kb_latency(s, latency_s)
+
+    def _add_position_evidence(self, s: int, matched: int) -> None:
+        self._own_pos.add_window(self._position, s, matched)
+        self._pos.add_window(self._position, s, matched)
 
     def record_kb_latency(self, s: int, latency_s: float) -> None:
         """A KB call of ``s`` queries that verified nothing (the first step's): b(s) only."""
@@ -208,6 +290,7 @@ class StrideScheduler:
         encoding and cache lookup)."""
         if cache_was_right is not None:
             self._windows.append((1, int(cache_was_right)))
+            self._add_position_evidence(1, int(cache_was_right))
         self._direct_lat.append(retrieval_s)
         if lookup_s is not None:
             self.record_lookup(lookup_s)
@@ -249,6 +332,7 @@ class StrideScheduler:
                 step_s=fmean(own_steps) if own_steps else None,
                 verify_s={s: fmean(v) for s, v in self._own_verify.items()},
                 realized=(float(ws), int(wn), float(ds), int(dn)),
+                by_position=self._own_pos.counts(),
             )
 
     @property
@@ -321,18 +405,35 @@ class StrideScheduler:
         return b
 
     # ---- decision
-    def best_stride(self, g: float, a: float) -> tuple[int, float]:
-        """argmax over s of the paper's objective, and that s's rate counting corrections."""
+    def step_gammas(self, g: float, n: int) -> list[float]:
+        """gamma of each of the next ``n`` steps from the current position: per position
+        bucket ('positional', once there is evidence; :mod:`ralm.position_gamma`), else
+        ``g`` for every step."""
+        if self.positional and any(self._pos.totals()):
+            return self._pos.step_gammas(
+                self._position, n, self.cfg.gamma_quantile, C.POSITION_SHRINK, beta_quantile_int
+            )
+        return [g] * n
+
+    def best_stride(self, g: float, a: float, remaining: int | None = None) -> tuple[int, float]:
+        """argmax over s of the paper's objective (with per-step gammas: :meth:`step_gammas`),
+        and that s's rate counting corrections. 'positional', with ``remaining`` steps known
+        and at most ``OS3_HORIZON``: the stride that finishes the request soonest
+        (:func:`finish_time_stride`), and the rate ``remaining / expected time``."""
         cfg = self.cfg
         gen = fmean(self._gen_lat) if self._gen_lat else a
         corr = gen if self.bayes else 0.0  # the paper's argmax leaves the correction out
         b = {s: self._known_verify_latency(s) for s in range(1, cfg.max_stride + 1)}  # b(s), once per decision
+        if self.positional and remaining is not None and 0 < remaining <= C.OS3_HORIZON:
+            s, t = finish_time_stride(self.step_gammas(g, remaining), a, b, cfg.async_verify, gen)
+            return s, remaining / max(t, 1e-12)
+        gammas = self.step_gammas(g, cfg.max_stride)
+        rates = window_rates(gammas, a, b, cfg.async_verify, corr)
         best_s, best = 1, -1.0
-        for s in range(1, cfg.max_stride + 1):
-            val = objective(s, g, a, b[s], cfg.async_verify, correction=corr)
+        for s, val in enumerate(rates, start=1):
             if val > best * (1 + 1e-9):
                 best_s, best = s, val
-        return best_s, objective(best_s, g, a, b[best_s], cfg.async_verify, correction=gen)
+        return best_s, window_rates(gammas[:best_s], a, b, cfg.async_verify, gen)[-1]
 
     def speculation_loses(self) -> bool:
         """The rate check (bayes mode): once speculation windows have committed
@@ -357,9 +458,14 @@ class StrideScheduler:
             return False
         return ws / wn > direct * (1 + C.RATE_CHECK_MARGIN)
 
-    def next_stride(self) -> int:
-        """The stride of the next window; 0 means one direct (RaLMSeq) step."""
+    def next_stride(self, position: int | None = None, remaining: int | None = None) -> int:
+        """The stride of the next window; 0 means one direct (RaLMSeq) step. ``position``:
+        the steps committed so far (the window's or direct step's first position; the
+        'positional' estimate reads its gammas from there); ``remaining``: the most steps
+        the request can still take (the 'positional' estimate plans to its end)."""
         cfg = self.cfg
+        if position is not None:
+            self._position = position
         if not cfg.adaptive_stride:
             return cfg.stride
         g, a = self.gamma, self.step_latency()
@@ -371,7 +477,7 @@ class StrideScheduler:
             # first ask whether speculation could pay at all, at the optimistic prior
             # gamma = gamma_max; where even that loses to direct steps (cheap retrieval),
             # start with direct steps, whose shadow guesses then measure gamma.
-            s, rate = self.best_stride(self.optimistic_gamma() if g is None else g, a)
+            s, rate = self.best_stride(self.optimistic_gamma() if g is None else g, a, remaining)
             if start:
                 s = 1
             if cfg.allow_direct and self._gen_lat:

@@ -36,7 +36,7 @@ from ralm.results import RalmResult, RequestStats, VerifiedPrefix
 from ralm.retrieval.base import Hit, Retriever
 from ralm.seq import apply_resume, finish
 from ralm.speculation import speculate
-from ralm.workloads import call_step, doc_from_hits, make_query_fn, retrieval_depth, step_budget
+from ralm.workloads import call_step, doc_from_hits, make_query_fn, retrieval_depth, step_budget, steps_left
 
 _POOL: ThreadPoolExecutor | None = None
 
@@ -110,6 +110,9 @@ class _SpecRun:
     @property
     def finished(self) -> bool:
         return self.eos or len(self.X) - self.n_q >= self.req.max_new_tokens
+
+    def remaining_steps(self) -> int:
+        return 0 if self.eos else steps_left(self.req, len(self.X) - self.n_q)
 
     def _generate(self, doc_id: int | None) -> tuple[int, bool]:
         """Run f(doc, X, k) and append its tokens; returns (mark, eos)."""

@@ -81,6 +81,10 @@ class Strategy(Protocol[StepT, TruthT]):
     def finished(self) -> bool:
         """EOS or the length limit reached (by the committed *or* speculated steps)."""
 
+    def remaining_steps(self) -> int:
+        """The most steps the request can still take after those run so far (committed or
+        speculated); EOS may end it sooner."""
+
     def first_step(self) -> None:
         """Step 0 on the KB's answer (one KB query); warms the cache."""
 
@@ -143,7 +147,8 @@ def speculate(
     pending: StepT | None = None  # an async step waiting to open the next window
     while not strategy.finished or pending is not None:
         t_start = time.perf_counter()
-        s = sched.next_stride()
+        # a pending async step is the next window's first: it counts among the steps left
+        s = sched.next_stride(position=st.steps, remaining=strategy.remaining_steps() + (pending is not None))
         if s == 0 and pending is None:
             strategy.direct_step()
             _count_kb_step(st)

@@ -66,6 +66,15 @@ def step_budget(req: RequestConfig, generated: int) -> int:
     return min(req.generation_stride, remaining)
 
 
+def steps_left(req: RequestConfig, generated: int) -> int:
+    """Steps of :func:`step_budget` tokens still to take after ``generated`` tokens."""
+    n = 0
+    while generated < req.max_new_tokens:
+        generated += step_budget(req, generated)
+        n += 1
+    return n
+
+
 def make_query_fn(gen, req: RequestConfig, n_q: int) -> Callable[[list[int]], str]:
     """``query(X) -> str`` for the workload (``n_q``: question length)."""
     if req.workload == "iter_retgen":

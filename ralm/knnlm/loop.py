@@ -247,6 +247,9 @@ class _KnnSpecRun:
     def finished(self) -> bool:
         return self.eos or len(self.X) - self.n_q >= self.req.max_new_tokens
 
+    def remaining_steps(self) -> int:
+        return 0 if self.eos else max(0, self.req.max_new_tokens - (len(self.X) - self.n_q))
+
     # ---- LM
     def _feed(self, token: int) -> float:
         t0 = time.perf_counter()

@@ -53,9 +53,9 @@ INVALID = [
     ("s=4.5", "the stride of RaLMSpec configuration 's=4.5' is not an integer: '4.5'"),
     ("s=0", "invalid RaLMSpec configuration 's=0': stride: Input should be greater than or equal to 1"),
     ("s=300", "invalid RaLMSpec configuration 's=300': stride: Input should be less than or equal to 256"),
-    ("PSA@", "the gamma cap of RaLMSpec configuration 'PSA@' is not a number: ''"),
-    ("PSA@x", "the gamma cap of RaLMSpec configuration 'PSA@x' is not a number: 'x'"),
-    ("PSA@0.9@1", "the gamma cap of RaLMSpec configuration 'PSA@0.9@1' is not a number: '0.9@1'"),
+    ("PSA@", "the gamma cap of RaLMSpec configuration 'PSA@' is not a number, bayes or positional: ''"),
+    ("PSA@x", "the gamma cap of RaLMSpec configuration 'PSA@x' is not a number, bayes or positional: 'x'"),
+    ("PSA@0.9@1", "the gamma cap of RaLMSpec configuration 'PSA@0.9@1' is not a number, bayes or positional: '0.9@1'"),
     ("PSA@1.5", "invalid RaLMSpec configuration 'PSA@1.5': gamma_max: Input should be less than 1"),
     ("PSA@0", "invalid RaLMSpec configuration 'PSA@0': gamma_max: Input should be greater than 0"),
 ]

@@ -65,15 +65,17 @@ def _scheduler(prior, key="k", **kw):
 def test_a_warm_prior_starts_the_next_request_with_a_long_stride():
     prior = GammaPrior()
     first = _scheduler(prior)
-    assert first.gamma is None and first.next_stride() == 1  # nothing known: the paper's start
-    for _ in range(20):
+    assert first.gamma is None and first.next_stride(position=1) == 1  # nothing known: the paper's start
+    for p in range(1, 21):
+        first.next_stride(position=p)
         first.record_verification(1, 1, 0.18)
+    first.next_stride(position=21)
     first.record_verification(8, 8, 0.30)
     first.finish()
     assert prior.evidence("k") == (28, 0)
     second = _scheduler(prior)
     assert second.gamma == pytest.approx(beta_quantile_int(0.3, 29, 1))
-    assert second.next_stride() >= 8
+    assert second.next_stride(position=1) >= 8
     assert _scheduler(prior, key="another kb").next_stride() == 1  # keys do not mix
 
 

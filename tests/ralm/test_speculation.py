@@ -43,8 +43,12 @@ class FakeScheduler:
         self.realized: list[tuple[bool, int]] = []  # (direct step?, steps committed)
         self.gamma = 0.25
         self.finished = False
+        self.positions: list[int | None] = []  # the position each decision was told
+        self.remaining: list[int | None] = []  # ... and the steps left
 
-    def next_stride(self) -> int:
+    def next_stride(self, position: int | None = None, remaining: int | None = None) -> int:
+        self.positions.append(position)
+        self.remaining.append(remaining)
         return self.strides.pop(0) if len(self.strides) > 1 else self.strides[0]
 
     def record_verification(self, s: int, matched: int, latency_s: float) -> None:
@@ -84,6 +88,9 @@ class FakeStrategy:
     @property
     def finished(self) -> bool:
         return len(self.X) >= self.n
+
+    def remaining_steps(self) -> int:
+        return self.n - len(self.X)
 
     def first_step(self) -> None:
         assert not self.finished, "a step after the end"
@@ -247,7 +254,8 @@ def test_a_pending_step_is_verified_before_any_direct_step():
 
 def test_the_scheduler_hears_what_each_window_and_direct_step_committed():
     """For the rate check: a window reports the steps it committed (its matched steps, plus
-    the correction after a mismatch); a direct step reports one."""
+    the correction after a mismatch); a direct step reports one. For the positional gamma:
+    each decision is told the steps committed before it."""
     fs = FakeStrategy(9, wrong={3})
     st, sched = run(fs, [2, 2, 0, 0, 3])
     assert fs.X == baseline(9)
@@ -255,3 +263,5 @@ def test_the_scheduler_hears_what_each_window_and_direct_step_committed():
     # then [6, 7, 8]
     assert sched.realized == [(False, 2), (False, 1), (True, 1), (True, 1), (False, 3)]
     assert sum(c for _, c in sched.realized) + 1 == st.steps  # + the first step
+    assert sched.positions == [1, 3, 4, 5, 6]  # after step 0, then what each window or direct step committed
+    assert sched.remaining == [9 - p for p in sched.positions]

@@ -25,7 +25,7 @@ SPEC = SpecConfig(adaptive_stride=True, gamma_prior=False)
 
 @pytest.fixture
 def always_direct(monkeypatch):
-    monkeypatch.setattr(StrideScheduler, "next_stride", lambda self: 0)
+    monkeypatch.setattr(StrideScheduler, "next_stride", lambda self, position=None, remaining=None: 0)
     monkeypatch.setattr(loop, "LAST_PROBE_COST", {})  # no probe cost known from earlier tests
 
 
@@ -123,7 +123,7 @@ def test_a_window_after_direct_steps_sees_the_last_kb_answer(knn_setups, knn_pro
     last direct step's KB answer before it looks up (the cache is not empty)."""
     monkeypatch.setattr(loop, "LAST_PROBE_COST", {})
     decisions = iter([0, 0, 0, 0] + [1] * 100)
-    monkeypatch.setattr(StrideScheduler, "next_stride", lambda self: next(decisions))
+    monkeypatch.setattr(StrideScheduler, "next_stride", lambda self, position=None, remaining=None: next(decisions))
     lm, _, kbs = knn_setups["pydocs-gpt"]
     kb = kbs["hnsw"]
     prompt = knn_prompts[3]
