@@ -54,6 +54,11 @@ s times one query, the next decisions fall back to short strides. Worked example
 b(1) = 0.17, b(2) = 0.26 -> b(8) = 0.26 (flat), so s = 8 is tried; it measures 0.30, and
 now b(4) = 0.26 + (0.30 - 0.26) * 2/6 = 0.273.
 
+**Extension: gamma by position, and the request's end (the default, ``'positional'``).**
+Mismatches cluster in the middle of a request; each step of a window gets the gamma of
+its position bucket (:mod:`ralm.position_gamma`), and with the steps left known the first
+stride is the one that finishes the request soonest (:func:`finish_time_stride`).
+
 **Start.** The paper starts at s = 1. Here the loop's step 0 runs on the warm-up KB call
 (:mod:`ralm.spec`), which measures b(1), the query encoding and a generation step before
 the first decision. With ``allow_direct``, that decision compares direct steps with the
@@ -66,52 +71,16 @@ parts a speculative step consists of.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import deque
 from collections.abc import Hashable
 from statistics import fmean
 
 from ralm import constants as C
+from ralm.beta_posterior import beta_quantile_int
 from ralm.config import SpecConfig
 from ralm.gamma_prior import GammaPrior
 from ralm.position_gamma import PositionEvidence
-
-
-def beta_cdf_int(x: float, a: int, b: int) -> float:
-    """I_x(a, b) for integer a, b >= 1: P(Binomial(a + b - 1, x) >= a)."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    n = a + b - 1
-    lx, l1x = math.log(x), math.log1p(-x)
-    return min(
-        1.0,
-        sum(
-            math.exp(math.lgamma(n + 1) - math.lgamma(j + 1) - math.lgamma(n - j + 1) + j * lx + (n - j) * l1x)
-            for j in range(a, n + 1)
-        ),
-    )
-
-
-@functools.lru_cache(maxsize=4096)
-def beta_quantile_int(q: float, a: int, b: int) -> float:
-    """The ``q`` quantile of Beta(a, b), integer a, b >= 1 (bisection to 1e-9). Memoised:
-    a decision is taken every step, and in a run of direct steps the evidence, hence
-    (q, a, b), rarely changes (a bisection costs about 0.1 ms).
-
-    >>> round(beta_quantile_int(0.3, 2, 1), 4)  # CDF x^2: sqrt(0.3)
-    0.5477
-    """
-    lo, hi = 0.0, 1.0
-    while hi - lo > 1e-9:
-        mid = (lo + hi) / 2
-        if beta_cdf_int(mid, a, b) < q:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
 
 
 def expected_verified(gamma: float, s: int) -> float:

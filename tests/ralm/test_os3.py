@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from ralm import constants as C
+from ralm.beta_posterior import beta_quantile_int
 from ralm.config import SpecConfig
-from ralm.os3 import StrideScheduler, beta_quantile_int, expected_verified, objective
+from ralm.os3 import StrideScheduler, expected_verified, objective
 
 CAPPED = {"gamma_estimate": "capped"}  # the paper's OS3 estimate
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from ralm import constants as C
+from ralm.beta_posterior import beta_quantile_int
 from ralm.config import SpecConfig
 from ralm.gamma_prior import GammaPrior
-from ralm.os3 import StrideScheduler, beta_quantile_int, objective, window_rates
+from ralm.os3 import StrideScheduler, objective, window_rates
 from ralm.position_gamma import BUCKETS, PositionEvidence, bucket, scaled
 
 
