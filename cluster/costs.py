@@ -6,7 +6,10 @@ decode. Medians over repeated runs with fresh queries, so no memo is hit.
 
 ``--scans faiss,int8,bf16`` also measures every exact-dense candidate scan side by side on
 the EDR index (padded with ``--pad-to``): search time of already encoded queries at batch
-1 and 16, and their ratio, the cost of a verification batch against one query.
+1 and 16 (or ``--scan-batches``), and the last size's ratio to the first, the cost of a
+verification batch against one query. ``int8-own-widths`` is the int8 scan with each batch
+multiplied at its own width (:mod:`ralm.retrieval.int8_widths`), to show what the padding
+changes.
 """
 
 from __future__ import annotations
@@ -29,7 +32,12 @@ def add_costs_args(p: argparse.ArgumentParser) -> None:
         "--scans",
         default="",
         help="comma-separated EDR candidate scans to compare at batch 1 and 16 (faiss, int8, bf16, auto: the one picked here); "
-        "only the scans and the machine line are reported then",
+        "only the scans and the machine line are reported then; int8-own-widths: the int8 scan without its batch-width padding",
+    )
+    p.add_argument(
+        "--scan-batches",
+        default="1,16",
+        help="comma-separated batch sizes --scans measures (the last one's ratio to the first is reported)",
     )
 
 
@@ -66,25 +74,31 @@ def measure_retriever(kb, corpus, reps: int, salt: int = 0) -> dict:
     return res
 
 
-def measure_scans(kb, corpus, scans: list[str], pad_to: int, reps: int) -> dict:
+def measure_scans(kb, corpus, scans: list[str], pad_to: int, reps: int, sizes: tuple[int, ...] = (1, 16)) -> dict:
     """Search-only time (queries encoded beforehand) of each dense scan over the EDR
-    vectors padded to ``pad_to`` rows, at batch 1 and 16; every scan's hits are checked
-    equal to the first one's."""
+    vectors padded to ``pad_to`` rows, at each batch size of ``sizes``; every scan's hits
+    are checked equal to the first one's."""
     from ralm.retrieval.dense import DenseRetriever
 
-    qs = {bs: [kb.scorer.encode(_queries(corpus, bs, seed=7000 + 100 * bs + r)) for r in range(reps)] for bs in (1, 16)}
+    qs = {bs: [kb.scorer.encode(_queries(corpus, bs, seed=7000 + 100 * bs + r)) for r in range(reps)] for bs in sizes}
     out: dict = {}
     first: dict | None = None
     for scan in scans:
         t0 = time.perf_counter()
-        r = DenseRetriever("edr", kb.encoder, kb.scorer.vectors, pad_to=pad_to, dense_scan=scan)
-        row: dict = {"path": r.scan_label, "build_s": time.perf_counter() - t0, "rows": r.n_rows}
+        own_widths = scan == "int8-own-widths"
+        r = DenseRetriever(
+            "edr", kb.encoder, kb.scorer.vectors, pad_to=pad_to, dense_scan="int8" if own_widths else scan
+        )
+        if own_widths:
+            r.scan.pad_widths = False
+        row: dict = {"path": r.scan_label + (" own widths" if own_widths else ""), "build_s": time.perf_counter() - t0}
+        row["rows"] = r.n_rows
         if scan == "auto":  # the kernel timings it chose by, when both low-precision scans run here
             from ralm.retrieval.scan_choice import auto_timings
 
             row["auto_kernel_ms"] = auto_timings(kb.scorer.dim)
         hits = {}
-        for bs in (1, 16):
+        for bs in sizes:
             r.search_vectors(list(qs[bs][0]), 20)  # warm-up
             ts = []
             for rep in range(reps):
@@ -92,7 +106,7 @@ def measure_scans(kb, corpus, scans: list[str], pad_to: int, reps: int) -> dict:
                 hits[(bs, rep)] = r.search_vectors(list(qs[bs][rep]), 20)
                 ts.append(time.perf_counter() - t1)
             row[f"batch{bs}_ms"] = median(ts) * 1000
-        row["ratio_16_to_1"] = row["batch16_ms"] / row["batch1_ms"]
+        row["ratio_last_to_first"] = row[f"batch{sizes[-1]}_ms"] / row[f"batch{sizes[0]}_ms"]
         if first is None:
             first = hits
         row["same_hits_as_first"] = hits == first
@@ -104,13 +118,13 @@ def measure_scans(kb, corpus, scans: list[str], pad_to: int, reps: int) -> dict:
 def scans_markdown(out: dict) -> str:
     from cluster.report import machine_note
 
+    sizes = out["sizes"]
     rows = [
         (
-            r["path"] if r["path"].split()[0] == scan else f"{scan} ({r['path']})",
+            r["path"] if r["path"].split()[0] == scan.split("-")[0] else f"{scan} ({r['path']})",
             f"{r['rows']:,}",
-            f"{r['batch1_ms']:.1f}",
-            f"{r['batch16_ms']:.1f}",
-            f"{r['ratio_16_to_1']:.2f}x",
+            *(f"{r[f'batch{bs}_ms']:.1f}" for bs in sizes),
+            f"{r['ratio_last_to_first']:.2f}x",
             "yes" if r["same_hits_as_first"] else "NO",
         )
         for scan, r in out["scans"].items()
@@ -122,7 +136,10 @@ def scans_markdown(out: dict) -> str:
                 "",
                 f"EDR candidate scans, search only (queries encoded beforehand), top-20, median of {out['reps']}:",
                 "",
-                *table(["scan", "rows", "batch 1 ms", "batch 16 ms", "16 vs 1", "same hits"], rows),
+                *table(
+                    ["scan", "rows", *(f"batch {bs} ms" for bs in sizes), f"{sizes[-1]} vs {sizes[0]}", "same hits"],
+                    rows,
+                ),
             ]
         )
         + "\n"
@@ -186,10 +203,14 @@ def costs_main(args) -> int:
         pad_to = cfg.retriever.pad_to
         cfg = cfg.model_copy(update={"retriever": cfg.retriever.model_copy(update={"pad_to": 0})})
         pipe = Pipeline.from_config(cfg, kinds=("edr",))
+        sizes = tuple(int(x) for x in args.scan_batches.split(",") if x.strip())
+        if not sizes or min(sizes) < 1:
+            raise SystemExit(f"--scan-batches needs batch sizes >= 1, got {args.scan_batches!r}")
         res = {
             "reps": args.reps,
             "pad_to": pad_to,
-            "scans": measure_scans(pipe.retriever("edr"), pipe.corpus, scans, pad_to, args.reps),
+            "sizes": list(sizes),
+            "scans": measure_scans(pipe.retriever("edr"), pipe.corpus, scans, pad_to, args.reps, sizes),
         }
         md = scans_markdown(res)
         write_report(args.out, "scan-costs", res, md)

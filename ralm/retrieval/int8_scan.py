@@ -177,6 +177,7 @@ class Int8Scan:
         if at != self.n_rows:
             raise ValueError(f"padding chunks gave {at - self.n_real} rows, expected {pad_rows}")
         self.data = data
+        self.pad_widths = True  # False: each batch at its own width (``ralmspec costs --scans int8-own-widths``)
         padded_width(2, self.dim)  # probe the kernel's batch widths now, not in the first verification
         # per block, over its real rows: scale range and largest |x^| and r_x (the block bound)
         self._blocks: list[tuple[float, float, float, float] | None] = []
@@ -212,7 +213,7 @@ class Int8Scan:
         if done is not None:
             return done
         q_codes, q_scale, q_norm, q_resid = quantize(Q, self.qmax)  # (b, d) int8, (b,) x3
-        w = padded_width(b, self.dim)  # zero columns up to a cheaper kernel width (int8_widths)
+        w = padded_width(b, self.dim) if self.pad_widths else b  # zero columns up to a cheaper width
         Qt = torch.zeros((self.dim, w), dtype=torch.int8)  # (d, w) int8
         Qt[:, :b] = torch.from_numpy(np.ascontiguousarray(q_codes.T))
         track = CandidateTracker(b, k)

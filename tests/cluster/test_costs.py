@@ -8,20 +8,22 @@ def test_scan_costs_compare_paths_and_check_their_hits(retrievers, fixture_corpu
     from cluster.costs import measure_scans, scans_markdown
     from ralm.retrieval import int8_scan
 
-    scans = ["faiss", "int8", "bf16", "auto"]
-    res = measure_scans(retrievers["edr"], fixture_corpus, scans, pad_to=20_000, reps=2)
+    scans = ["faiss", "int8", "int8-own-widths", "bf16", "auto"]
+    res = measure_scans(retrievers["edr"], fixture_corpus, scans, pad_to=20_000, reps=2, sizes=(1, 3, 16))
     assert list(res) == scans
     assert res["int8"]["path"] == f"int8 +-{int8_scan.probe_kernel()}"
+    assert res["int8-own-widths"]["path"] == res["int8"]["path"] + " own widths"
     assert res["auto"]["path"] in (res["int8"]["path"], "bf16")  # whichever kernel is faster here
     for scan, r in res.items():
-        assert scan == "auto" or r["path"].split()[0] == scan
+        assert scan == "auto" or r["path"].split()[0] == scan.split("-")[0]
         assert r["rows"] == 20_000
-        assert r["batch1_ms"] > 0 and r["batch16_ms"] > 0
-        assert r["ratio_16_to_1"] == r["batch16_ms"] / r["batch1_ms"]
-        assert r["same_hits_as_first"] is True
-    md = scans_markdown({"reps": 2, "pad_to": 20_000, "scans": res})
+        assert r["batch1_ms"] > 0 and r["batch3_ms"] > 0 and r["batch16_ms"] > 0
+        assert r["ratio_last_to_first"] == r["batch16_ms"] / r["batch1_ms"]
+        assert r["same_hits_as_first"] is True  # padded or not, every scan finds the same hits
+    md = scans_markdown({"reps": 2, "pad_to": 20_000, "sizes": [1, 3, 16], "scans": res})
     assert md.startswith("Machine: ") and "torch kernels" in md and "bf16 instructions" in md
-    assert md.count("| yes |") == 4 and f"| auto ({res['auto']['path']}) |" in md
+    assert "| batch 1 ms | batch 3 ms | batch 16 ms | 16 vs 1 |" in md
+    assert md.count("| yes |") == 5 and f"| auto ({res['auto']['path']}) |" in md
 
 
 def test_the_machine_line_names_an_isa_cap(monkeypatch):
