@@ -8,7 +8,8 @@ document, a step of :mod:`ralm.knnlm.loop` is one token chosen with cached neigh
     first step (the KB's own answer; it warms the cache)
     repeat until finished:
         s = scheduler.next_stride()
-        s == 0 -> one direct step (KB answer, no speculation)
+        s == 0 -> one direct step (KB answer, no speculation); an async step still
+                  pending is first verified on its own, with no new async step
         else   -> up to s speculative steps (the window), one batched KB verification
                   (with the strategy's async extra step running meanwhile, if it allows one),
                   first mismatch m, cache the KB's answers, keep steps < m,
@@ -161,7 +162,10 @@ def speculate(
         while len(window) < s and not strategy.finished:
             window.append(strategy.speculative_step())
         extra: StepT | None = None
-        if strategy.async_verify and not strategy.finished:
+        # s == 0 with a step pending: verify it alone and start no new async step, or a run
+        # of matching async steps would never let a direct step (the scheduler's or the
+        # rate check's choice) happen
+        if strategy.async_verify and s > 0 and not strategy.finished:
             if executor is None:
                 raise ValueError("asynchronous verification needs an executor")
             fut = executor.submit(strategy.verify, window)

@@ -244,12 +244,15 @@ def test_async_needs_an_executor():
 
 def test_a_pending_step_is_verified_before_any_direct_step():
     # s = 0 while an async step is pending: the pending step is verified as a window of
-    # its own (running the next async step meanwhile), never turned into a direct step
+    # its own, with no new async step meanwhile, and the direct steps follow. (Running one
+    # would chain: each matching async step would open another window, and a direct step
+    # chosen by the scheduler or the rate check would never happen; measured on BM25 over
+    # 1M passages, PSA ran 0.90x RaLMSeq that way.)
     fs = FakeStrategy(6, async_verify=True)
     st, sched = run(fs, [2, 0])
     assert fs.X == fs.emitted == baseline(6)
-    assert fs.windows == [[1, 2], [3], [4], [5]]
-    assert st.direct_steps == 0 and st.async_steps_kept == 3 and st.strides == [2, 1, 1, 1]
+    assert fs.windows == [[1, 2], [3]]
+    assert st.direct_steps == 2 and st.async_steps_kept == 1 and st.strides == [2, 1]
 
 
 def test_the_scheduler_hears_what_each_window_and_direct_step_committed():
