@@ -129,3 +129,23 @@ def test_names_choose_the_estimate():
     assert SpecConfig.parse("PSA@bayes").gamma_estimate == "bayes"
     assert SpecConfig.parse("S@Positional").gamma_estimate == "positional"
     assert SpecConfig.parse("PSA@0.6").gamma_estimate == "capped"
+
+
+def test_whether_to_speculate_is_decided_on_the_pooled_gamma():
+    """BM25-like costs (a KB call 8 ms, a generation step 31 ms): speculation is nearly free
+    when it is right and costs a correction when it is not. The stable tail of the request
+    alone would say speculate; the request as a whole (pooled gamma) says direct steps, and
+    that decides, as it does for the 'bayes' estimate."""
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True, async_verify=True), prior=None)
+    sch.record_generation(0.031)
+    sch.record_step(0.033)
+    sch.record_kb_latency(1, 0.008)
+    for _request in range(8):  # guesses mostly wrong in steps 1-15, right in 16-31
+        for start in range(1, 32):
+            sch.next_stride(position=start)
+            sch.record_verification(1, int(start >= 16 or start % 4 == 0), 0.008)
+    direct_rate = 1 / (0.031 + 0.008 + 0.002)  # generation + b(1) + the lookup part of a step
+    sch._position = 20
+    assert sch.best_stride(sch.gamma, 0.033, remaining=12)[1] > direct_rate  # the tail's own plan
+    assert sch.best_stride(sch.gamma, 0.033, pooled=True)[1] < direct_rate
+    assert sch.next_stride(position=20, remaining=12) == 0
