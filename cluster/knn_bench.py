@@ -206,7 +206,7 @@ def knn_bench_main(args) -> int:
         f"# ralmspec bench-knn: {len(timed)} prompts x {args.max_new_tokens} tokens (EOS ignored), "
         f"generator {args.model}, datastore {len(ds):,} entries x {ds.dim} dims from "
         f"{ds.manifest['n_passages']} passages of {args.corpus}, lambda={args.lmbda}, temperature={args.temperature}, "
-        f"n={args.spatial_next}, S: Beta-posterior gamma (S@G: the paper's OS3 capped at G), max stride {args.max_stride}, "
+        f"n={args.spatial_next}, S: Beta-posterior gamma per position bucket (S@bayes: one gamma; S@G: the paper's OS3 capped at G), max stride {args.max_stride}, "
         f"P prefetch size {args.prefetch_size}, cache capacity "
         f"{args.cache_entries or f'max(4096, {args.cache_retrievals} p (n + 1)), p = entries fetched per query'}, "
         f"cache scan {args.cache_project_dims or 'full'} dims, threads={args.threads}",

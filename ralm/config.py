@@ -184,7 +184,7 @@ class SpecConfig(_Strict):
         ================  ============================================================
         ``base``          no P/S/A: fixed stride ``stride`` (3 by default)
         ``P``             prefetching, fixed stride
-        ``PSA``, ``asp``  prefetching, adaptive stride (Beta-posterior gamma), async verification
+        ``PSA``, ``asp``  prefetching, adaptive stride (Beta-posterior gamma per position), async verification
         ``s=4``           fixed stride 4, no P/S/A
         ``Ps=8``          prefetching, fixed stride 8 (the KNN-LM benchmark's form)
         ``PSA@0.6``       the paper's PSA: OS3 with its gamma estimate capped at 0.6

@@ -384,9 +384,7 @@ class StrideScheduler:
             )
         return [g] * n
 
-    def best_stride(
-        self, g: float, a: float, remaining: int | None = None, pooled: bool = False
-    ) -> tuple[int, float]:
+    def best_stride(self, g: float, a: float, remaining: int | None = None, pooled: bool = False) -> tuple[int, float]:
         """argmax over s of the paper's objective (with per-step gammas: :meth:`step_gammas`),
         and that s's rate counting corrections. 'positional', with ``remaining`` steps known
         and at most ``OS3_HORIZON``: the stride that finishes the request soonest
