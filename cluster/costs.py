@@ -79,6 +79,7 @@ def measure_scans(kb, corpus, scans: list[str], pad_to: int, reps: int, sizes: t
     vectors padded to ``pad_to`` rows, at each batch size of ``sizes``; every scan's hits
     are checked equal to the first one's."""
     from ralm.retrieval.dense import DenseRetriever
+    from ralm.retrieval.int8_scan import Int8Scan
 
     qs = {bs: [kb.scorer.encode(_queries(corpus, bs, seed=7000 + 100 * bs + r)) for r in range(reps)] for bs in sizes}
     out: dict = {}
@@ -90,6 +91,8 @@ def measure_scans(kb, corpus, scans: list[str], pad_to: int, reps: int, sizes: t
             "edr", kb.encoder, kb.scorer.vectors, pad_to=pad_to, dense_scan="int8" if own_widths else scan
         )
         if own_widths:
+            if not isinstance(r.scan, Int8Scan):
+                raise SystemExit("int8-own-widths needs the int8 scan, which this machine cannot run exactly")
             r.scan.pad_widths = False
         row: dict = {"path": r.scan_label + (" own widths" if own_widths else ""), "build_s": time.perf_counter() - t0}
         row["rows"] = r.n_rows
