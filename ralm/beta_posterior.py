@@ -1,4 +1,5 @@
-"""The Beta posterior of the speculation accuracy: CDF and quantiles for integer parameters.
+"""The Beta posterior of the speculation accuracy: CDF and quantiles for integer parameters,
+and the scaling of borrowed evidence into pseudo-observations.
 
 OS3's default estimates (:mod:`ralm.os3`, :mod:`ralm.position_gamma`) read verified windows
 as Bernoulli evidence and use a lower quantile of Beta(1 + matches, 1 + mismatches).
@@ -44,3 +45,18 @@ def beta_quantile_int(q: float, a: int, b: int) -> float:
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def pseudo_observations(matched: int, missed: int, weight: int) -> tuple[int, int]:
+    """(matched, missed) scaled down to at most ``weight`` observations in all (rounded);
+    (0, 0) when there are none. How evidence from elsewhere (earlier requests, other
+    position buckets) enters a posterior without outweighing the request's own.
+
+    >>> pseudo_observations(150, 6, 32)
+    (31, 1)
+    """
+    n = matched + missed
+    if n == 0:
+        return 0, 0
+    k = min(1.0, weight / n)
+    return round(matched * k), round(missed * k)

@@ -38,6 +38,7 @@ from collections import deque
 from collections.abc import Hashable
 
 from ralm import constants as C
+from ralm.beta_posterior import pseudo_observations
 from ralm.position_gamma import scaled
 
 
@@ -63,12 +64,7 @@ class GammaPrior:
         requests' totals scaled to at most ``weight`` (rounded); (0, 0) when none."""
         with self._lock:
             recent = list(self._by_key.get(key, ()))
-        m = sum(x for x, _ in recent)
-        f = sum(y for _, y in recent)
-        if m + f == 0:
-            return 0, 0
-        scale = min(1.0, self.weight / (m + f))
-        return round(m * scale), round(f * scale)
+        return pseudo_observations(sum(x for x, _ in recent), sum(y for _, y in recent), self.weight)
 
     def position_evidence(self, key: Hashable) -> dict[int, tuple[int, int]]:
         """{position bucket: (matched, missed)} of the recent requests under ``key``, each

@@ -374,26 +374,36 @@ class StrideScheduler:
         return b
 
     # ---- decision
+    def verify_table(self) -> dict[int, float]:
+        """b(s) for s = 1..max_stride (computed once per decision)."""
+        return {s: self._known_verify_latency(s) for s in range(1, self.cfg.max_stride + 1)}
+
     def step_gammas(self, g: float, n: int, pooled: bool = False) -> list[float]:
         """gamma of each of the next ``n`` steps from the current position: per position
         bucket ('positional', once there is evidence, unless ``pooled``;
         :mod:`ralm.position_gamma`), else ``g`` for every step."""
         if self.positional and not pooled and any(self._pos.totals()):
-            return self._pos.step_gammas(
-                self._position, n, self.cfg.gamma_quantile, C.POSITION_SHRINK, beta_quantile_int
-            )
+            return self._pos.step_gammas(self._position, n, self.cfg.gamma_quantile, C.POSITION_SHRINK)
         return [g] * n
 
-    def best_stride(self, g: float, a: float, remaining: int | None = None, pooled: bool = False) -> tuple[int, float]:
+    def best_stride(
+        self,
+        g: float,
+        a: float,
+        remaining: int | None = None,
+        pooled: bool = False,
+        b: dict[int, float] | None = None,
+    ) -> tuple[int, float]:
         """argmax over s of the paper's objective (with per-step gammas: :meth:`step_gammas`),
         and that s's rate counting corrections. 'positional', with ``remaining`` steps known
         and at most ``OS3_HORIZON``: the stride that finishes the request soonest
         (:func:`finish_time_stride`), and the rate ``remaining / expected time``.
-        ``pooled``: one gamma ``g`` for every step and the rate objective (the 'bayes' answer)."""
+        ``pooled``: one gamma ``g`` for every step and the rate objective (the 'bayes' answer).
+        ``b``: :meth:`verify_table`, when the caller already has it."""
         cfg = self.cfg
         gen = fmean(self._gen_lat) if self._gen_lat else a
         corr = gen if self.bayes else 0.0  # the paper's argmax leaves the correction out
-        b = {s: self._known_verify_latency(s) for s in range(1, cfg.max_stride + 1)}  # b(s), once per decision
+        b = b if b is not None else self.verify_table()
         if self.positional and not pooled and remaining is not None and 0 < remaining <= C.OS3_HORIZON:
             s, t = finish_time_stride(self.step_gammas(g, remaining), a, b, cfg.async_verify, gen)
             return s, remaining / max(t, 1e-12)
@@ -448,7 +458,8 @@ class StrideScheduler:
             # gamma = gamma_max; where even that loses to direct steps (cheap retrieval),
             # start with direct steps, whose shadow guesses then measure gamma.
             g0 = self.optimistic_gamma() if g is None else g
-            s, rate = self.best_stride(g0, a, remaining)
+            b = self.verify_table()
+            s, rate = self.best_stride(g0, a, remaining, b=b)
             if start:
                 s = 1
             if self.positional:
@@ -456,7 +467,7 @@ class StrideScheduler:
                 # rate decides it (positions only shape the stride). Measured on BM25 over
                 # 1M passages, the per-position rate chose windows of 1 where direct steps
                 # were as fast (PSA 0.96x against 1.02x for the pooled estimate).
-                rate = self.best_stride(g0, a, pooled=True)[1]
+                rate = self.best_stride(g0, a, pooled=True, b=b)[1]
             if cfg.allow_direct and self._gen_lat:
                 gen = fmean(self._gen_lat)
                 # a direct step costs generation + one KB retrieval (measured, or b(1) plus

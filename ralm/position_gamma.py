@@ -42,6 +42,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ralm.beta_posterior import beta_quantile_int, pseudo_observations
+
 BUCKETS = 9  # positions 0, 1, 2-3, 4-7, 8-15, 16-31, 32-63, 64-127, 128 and over
 
 
@@ -71,11 +73,6 @@ class PositionEvidence:
         if matched < s:
             self.missed[bucket(start + matched)] += 1
 
-    def add(self, other: PositionEvidence) -> None:
-        for b in range(BUCKETS):
-            self.matched[b] += other.matched[b]
-            self.missed[b] += other.missed[b]
-
     def counts(self) -> dict[int, tuple[int, int]]:
         """{bucket: (matched, missed)} of the buckets with evidence."""
         return {b: (m, f) for b, (m, f) in enumerate(zip(self.matched, self.missed)) if m or f}
@@ -83,18 +80,15 @@ class PositionEvidence:
     def totals(self) -> tuple[int, int]:
         return sum(self.matched), sum(self.missed)
 
-    def step_gammas(self, start: int, n: int, quantile: float, shrink: int, quantile_fn) -> list[float]:
-        """gamma of each of the ``n`` steps from position ``start`` (see the module docstring).
-        ``quantile_fn(q, a, b)``: the q quantile of Beta(a, b), integer a, b >= 1."""
-        m_all, f_all = self.totals()
-        k = min(1.0, shrink / max(m_all + f_all, 1))
-        pm, pf = round(m_all * k), round(f_all * k)
+    def step_gammas(self, start: int, n: int, quantile: float, shrink: int) -> list[float]:
+        """gamma of each of the ``n`` steps from position ``start`` (see the module docstring)."""
+        pm, pf = pseudo_observations(*self.totals(), shrink)
         by_bucket: dict[int, float] = {}
         out = []
         for p in range(start, start + n):
             b = bucket(p)
             if b not in by_bucket:
-                by_bucket[b] = quantile_fn(quantile, 1 + self.matched[b] + pm, 1 + self.missed[b] + pf)
+                by_bucket[b] = beta_quantile_int(quantile, 1 + self.matched[b] + pm, 1 + self.missed[b] + pf)
             out.append(by_bucket[b])
         return out
 
@@ -107,9 +101,4 @@ def scaled(counts: Iterable[tuple[int, int, int]], weight: int) -> dict[int, tup
         t = tot.setdefault(b, [0, 0])
         t[0] += m
         t[1] += f
-    out = {}
-    for b, (m, f) in tot.items():
-        if m + f:
-            k = min(1.0, weight / (m + f))
-            out[b] = (round(m * k), round(f * k))
-    return out
+    return {b: pseudo_observations(m, f, weight) for b, (m, f) in tot.items() if m + f}

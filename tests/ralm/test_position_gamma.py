@@ -29,17 +29,17 @@ def test_a_window_is_evidence_for_the_buckets_its_steps_fall_in():
 
 def test_the_docstring_worked_example():
     ev = PositionEvidence({0: (80, 1), 5: (40, 0), 4: (30, 5)})  # pooled 150 matched, 6 missed
-    g = ev.step_gammas(8, 24, 0.3, C.POSITION_SHRINK, beta_quantile_int)  # positions 8..31
+    g = ev.step_gammas(8, 24, 0.3, C.POSITION_SHRINK)  # positions 8..31
     assert g[0] == pytest.approx(beta_quantile_int(0.3, 62, 7)) == pytest.approx(0.883, abs=1e-3)
     assert g[8] == pytest.approx(beta_quantile_int(0.3, 72, 2)) == pytest.approx(0.967, abs=1e-3)
     assert len(set(g[:8])) == 1 and len(set(g[8:])) == 1
-    empty = ev.step_gammas(40, 1, 0.3, C.POSITION_SHRINK, beta_quantile_int)[0]  # bucket 6: nothing seen
+    empty = ev.step_gammas(40, 1, 0.3, C.POSITION_SHRINK)[0]  # bucket 6: nothing seen
     assert empty == pytest.approx(beta_quantile_int(0.3, 32, 2)) == pytest.approx(0.928, abs=1e-3)
 
 
 def test_an_empty_bucket_is_the_pooled_posterior_while_the_evidence_is_small():
     ev = PositionEvidence({2: (6, 1)})
-    assert ev.step_gammas(100, 1, 0.3, 8, beta_quantile_int) == [beta_quantile_int(0.3, 7, 2)]
+    assert ev.step_gammas(100, 1, 0.3, 8) == [beta_quantile_int(0.3, 7, 2)]
 
 
 def test_per_step_rates_reduce_to_the_papers_objective_when_every_gamma_is_equal():
