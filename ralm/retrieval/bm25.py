@@ -214,6 +214,9 @@ class BM25Scorer:
         self._df: dict[str, int] = {}
         self._keys: OrderedDict[int, BM25DocKey] = OrderedDict()
         self._key_cache_size = key_cache_size
+        # analysed queries by text (LRU): a query the cache has just encoded (a speculative
+        # step, a direct step's probe) is not analysed again by the KB search that follows
+        self._queries: OrderedDict[str, BM25Query] = OrderedDict()
         self._lock = threading.Lock()
         with JVM_LOCK:
             self._open(language)
@@ -258,8 +261,18 @@ class BM25Scorer:
             return list(self.analyzer.analyze(text))
 
     def encode_one(self, text: str) -> BM25Query:
+        with self._lock:
+            q = self._queries.get(text)
+            if q is not None:
+                self._queries.move_to_end(text)
+                return q
         with JVM_LOCK:
-            return self._encode_locked(text)
+            q = self._encode_locked(text)
+        with self._lock:
+            self._queries[text] = q
+            while len(self._queries) > C.BM25_QUERY_MEMO:
+                self._queries.popitem(last=False)
+        return q
 
     def _encode_locked(self, text: str) -> BM25Query:
         return build_bm25_query(self.analyze(text), self.df, self.doc_count)
@@ -297,9 +310,11 @@ class BM25Scorer:
         return BM25DocKey(tf=tf, dl=lucene_length(sum(tf.values())))
 
     def clear_caches(self) -> None:
-        """Forget cached document term vectors (benchmarks start every request cold)."""
+        """Forget cached document term vectors and analysed queries (benchmarks start every
+        request cold)."""
         with self._lock:
             self._keys.clear()
+            self._queries.clear()
 
     def doc_keys(self, doc_ids: Sequence[int] | np.ndarray) -> list[BM25DocKey]:
         out = []

@@ -79,6 +79,26 @@ def test_query_representation(sr):
     assert w["file"] == pytest.approx(3 * np.log(1 + (sr.scorer.doc_count - df + 0.5) / (df + 0.5)), rel=1e-15)
 
 
+def test_an_encoded_query_is_not_analysed_again_by_the_search(sr, sample_queries, monkeypatch):
+    """Queries are memoised by text: a direct step's probe encodes its query for the cache,
+    and the KB search that follows reuses it (no second analysis); the hits are the same as
+    from a cold scorer, and clear_caches forgets the memo."""
+    sr.scorer.clear_caches()
+    cold = sr.batch_search(sample_queries[:3], 5)
+    analysed: list[str] = []
+    real = sr.scorer.analyze
+    monkeypatch.setattr(sr.scorer, "analyze", lambda text: analysed.append(text) or real(text))
+    sr.scorer.clear_caches()
+    reps = sr.scorer.encode(sample_queries[:3])
+    assert analysed == sample_queries[:3]
+    assert sr.batch_search(sample_queries[:3], 5) == cold
+    assert analysed == sample_queries[:3]  # the search reused the three encodings
+    assert sr.scorer.encode(sample_queries[:1])[0] is reps[0]
+    sr.scorer.clear_caches()
+    sr.scorer.encode(sample_queries[:1])
+    assert analysed == sample_queries[:3] + sample_queries[:1]
+
+
 def test_hits_ordered_and_exact(sr, sample_queries):
     for q in sample_queries[:80]:
         hits = sr.search(q, 10)
