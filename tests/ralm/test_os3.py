@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from ralm import constants as C
-from ralm.beta_posterior import beta_quantile_int
+from ralm.beta_posterior import beta_cdf_int, beta_quantile_int
 from ralm.config import SpecConfig
 from ralm.os3 import StrideScheduler, expected_verified, objective
 
@@ -48,9 +50,20 @@ def test_starts_at_one_and_grows_with_expensive_verification():
     assert picks["bayes"] > picks["capped"]
 
 
+def test_beta_cdf_equals_the_binomial_tail_on_both_sides_of_the_mode():
+    """The CDF sums whichever tail falls away from the mode; both agree with the plain
+    binomial sum, also where a tail is far below a float's resolution."""
+    for x in (1e-4, 0.05, 0.3, 0.5, 0.77, 0.999):
+        for a, b in ((1, 1), (3, 40), (40, 3), (120, 7), (7, 120), (300, 300)):
+            n = a + b - 1
+            plain = sum(math.comb(n, j) * x**j * (1 - x) ** (n - j) for j in range(a, n + 1))
+            assert beta_cdf_int(x, a, b) == pytest.approx(plain, rel=1e-9, abs=1e-12)
+    assert 0 < beta_cdf_int(0.5, 400, 1) == pytest.approx(0.5**400, rel=1e-9)
+
+
 def test_beta_quantile_closed_forms_and_the_docstring_example():
     for q in (0.1, 0.3, 0.5, 0.9):
-        for n in (1, 2, 7, 40):
+        for n in (1, 2, 7, 40, 300):
             assert beta_quantile_int(q, n, 1) == pytest.approx(q ** (1 / n), abs=1e-8)
             assert beta_quantile_int(q, 1, n) == pytest.approx(1 - (1 - q) ** (1 / n), abs=1e-8)
     sch = StrideScheduler(SpecConfig(adaptive_stride=True))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ralm import constants as C
+from ralm import constants as C, os3
 from ralm.beta_posterior import beta_quantile_int
 from ralm.config import SpecConfig
 from ralm.gamma_prior import GammaPrior
@@ -131,7 +131,7 @@ def test_names_choose_the_estimate():
     assert SpecConfig.parse("PSA@0.6").gamma_estimate == "capped"
 
 
-def test_whether_to_speculate_is_decided_on_the_pooled_gamma():
+def test_whether_to_speculate_is_decided_on_the_pooled_gamma(monkeypatch):
     """BM25-like costs (a KB call 8 ms, a generation step 31 ms): speculation is nearly free
     when it is right and costs a correction when it is not. The stable tail of the request
     alone would say speculate; the request as a whole (pooled gamma) says direct steps, and
@@ -148,4 +148,10 @@ def test_whether_to_speculate_is_decided_on_the_pooled_gamma():
     sch._position = 20
     assert sch.best_stride(sch.gamma, 0.033, remaining=12)[1] > direct_rate  # the tail's own plan
     assert sch.best_stride(sch.gamma, 0.033, pooled=True)[1] < direct_rate
+    planned = []
+    real_plan = os3.finish_time_stride
+    monkeypatch.setattr(os3, "finish_time_stride", lambda *a, **kw: planned.append(1) or real_plan(*a, **kw))
     assert sch.next_stride(position=20, remaining=12) == 0
+    assert not planned  # a direct step is not planned to the request's end (it costs ~0.5 ms)
+    assert sch.next_stride(position=2, remaining=12) == 0
+    assert not planned
