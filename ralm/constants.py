@@ -37,6 +37,7 @@ GAMMA_PRIOR_WEIGHT = 32  # ... scaled to at most this many pseudo-observations (
 RATE_CHECK_MIN_STEPS = 8  # OS3: committed steps of speculation measured before its realized rate can veto it
 RATE_CHECK_MARGIN = 0.03  # ... veto when a committed step of speculation costs this much more than a direct step
 RATE_CHECK_EXPLORE = 16  # ... and, once vetoed, let the model choose again after this many direct steps
+SHADOW_BUDGET = 0.05  # cache work (probes) in direct steps: at most this share of their KB time (ralm/shadow_budget.py)
 VERIFY_HISTORY_PER_SIZE = 8  # OS3 (bayes mode): recent KB-call latencies kept per batch size for b(s)
 
 # ---- retrieval ----
@@ -47,6 +48,7 @@ HNSW_EF_CONSTRUCTION = 200
 HNSW_EF_SEARCH = 128
 BM25_K1 = 0.9  # pyserini/Anserini defaults
 BM25_B = 0.4
+BM25_QUERY_MEMO = 4096  # analysed BM25 queries memoised by text (a probe's encoding reused by its KB search)
 FAISS_THREADS = 1  # OpenMP threads for FAISS; more oversubscribes a 2-core box (measured 10x slower under load)
 PAD_VECTOR_NORM = 1e-3  # norm of padding vectors: they cost a scan but (almost) never rank
 
@@ -93,7 +95,6 @@ KNN_PROJECTED_MIN_CANDIDATES = 256  # first candidate count of a projected cache
 KNN_PROJECTED_CANDIDATE_FACTOR = 4  # and this many times k + margin (then doubled while the bound says so)
 KNN_PROJECTED_MAX_K = 256  # above this k a request's cache scans the full keys (projection slower there)
 KNN_PROJECTION_SAMPLE = 65536  # keys sampled (evenly strided) to fit that PCA basis
-KNN_SHADOW_BUDGET = 0.05  # cache fills and guesses in direct steps: at most this share of their KB time
 KNN_RERANK_MARGIN = 16  # extra candidates (at least; k/8 for large k) before exact re-scoring
 
 MAX_EMBEDDING_INPUTS = 256  # texts per /v1/embeddings request

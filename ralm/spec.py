@@ -35,6 +35,7 @@ from ralm.os3 import StrideScheduler
 from ralm.results import RalmResult, RequestStats, VerifiedPrefix
 from ralm.retrieval.base import Hit, Retriever
 from ralm.seq import apply_resume, finish
+from ralm.shadow_budget import ShadowBudget
 from ralm.speculation import speculate
 from ralm.workloads import call_step, doc_from_hits, make_query_fn, retrieval_depth, step_budget, steps_left
 
@@ -97,6 +98,7 @@ class _SpecRun:
             spec, prior=PROCESS_PRIOR if spec.gamma_prior else None, prior_key=("doc", kb.name, spec.model_dump_json())
         )
         self.async_verify = spec.async_verify
+        self.probe_budget = ShadowBudget(("doc", getattr(kb, "name", ""), self.depth))  # direct steps' guesses
         name = (
             "".join(c for c, on in (("P", spec.prefetch), ("S", spec.adaptive_stride), ("A", spec.async_verify)) if on)
             or "base"
@@ -187,22 +189,39 @@ class _SpecRun:
         self._commit_kb_step(first)
 
     def direct_step(self) -> None:
-        """s = 0: a plain RaLMSeq step (KB top-1, then f), with the cache's guess recorded."""
+        """s = 0: a plain RaLMSeq step (KB top-1, then f).
+
+        On a *probe* the cache first guesses the step's document, and OS3 hears whether
+        the guess was the KB's answer, so gamma stays current while no window runs. The
+        guess encodes the query (memoised by both scorers, so the KB search that follows
+        reuses it) and looks it up in the cache; the lookup is overhead RaLMSeq does not
+        pay, so probes are rationed by the shadow budget
+        (:class:`~ralm.shadow_budget.ShadowBudget`, lookups within 5% of the direct steps'
+        KB time). The KB's answer always joins the cache (an insertion costs ~15 us)."""
         st = self.stats
         q = self.query(self.X)
+        probe = self.probe_budget.allowed()
+        guess, lookup, t_cache = None, None, 0.0
         t0 = time.perf_counter()
-        guess = doc_from_hits(self.cache.search(self.kb.scorer.encode([q])[0], self.depth), self.req)
-        lookup = time.perf_counter() - t0
+        if probe:
+            rep = self.kb.scorer.encode([q])[0]
+            t1 = time.perf_counter()
+            guess = doc_from_hits(self.cache.search(rep, self.depth), self.req)
+            t2 = time.perf_counter()
+            lookup, t_cache = t2 - t0, t2 - t1  # a speculative step's lookup part; the overhead
+            self.probe_budget.spend(t_cache)
+            st.cache_lookups += 1
         # only the documents the step uses: prefetching top-p here would cost cache
         # insertions (e.g. BM25 term vectors) on every step of a regime chosen precisely
         # because retrieval is cheap; the next verification prefetches again
         hits = self.kb.search(q, self.depth)
         b = time.perf_counter() - t0
-        st.cache_lookups += 1
+        self.probe_budget.add_kb_time(b - t_cache)
         self._add_to_cache([hits])
         doc_id = self._commit_kb_step(hits)
-        st.shadow_hits += int(guess == doc_id)
-        self.sched.record_direct(guess == doc_id, b, lookup)
+        if probe:
+            st.shadow_hits += int(guess == doc_id)
+        self.sched.record_direct(guess == doc_id if probe else None, b, lookup)
 
     # ---- verification (the KB's top-p of each window query; its top-1 is the truth)
     def verify(self, window: Sequence[_Step]) -> tuple[list[list[Hit]], float]:

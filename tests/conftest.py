@@ -194,6 +194,8 @@ def _no_gamma_prior_between_tests():
     """Each test starts with an empty process-wide gamma prior (ralm/gamma_prior.py), so
     strides never depend on which tests ran before; tests of the prior set it up themselves."""
     from ralm.gamma_prior import PROCESS_PRIOR
+    from ralm.shadow_budget import LAST_PROBE_COST
 
     PROCESS_PRIOR.clear()
+    LAST_PROBE_COST.clear()  # nor which probe costs earlier tests measured (ralm/shadow_budget.py)
     yield

@@ -55,6 +55,7 @@ from ralm.knnlm.stepper import stepper_for
 from ralm.os3 import StrideScheduler
 from ralm.results import RalmResult, RequestStats
 from ralm.seq import finish
+from ralm.shadow_budget import ShadowBudget
 from ralm.speculation import speculate
 
 if TYPE_CHECKING:
@@ -160,12 +161,6 @@ def run_knn_seq(
 
 
 # ---------------------------------------------------------------------------- speculation
-LAST_PROBE_COST: dict[tuple, float] = {}
-"""(KB name, entries, k, entries fetched) -> seconds of the last probe (a fill and a cache
-guess in a direct step) in this process: a new request's shadow budget starts from it, so
-that on a KB cheaper than its cache no request pays a probe to find that out again."""
-
-
 def fetch_size(knn: KnnLMConfig, spec: SpecConfig) -> int:
     """Entries fetched from the KB per query: k, or max(k, p) with prefetching (at most 1024)."""
     return min(max(knn.k, spec.prefetch_size), C.KNN_MAX_K) if spec.prefetch else knn.k
@@ -236,11 +231,8 @@ class _KnnSpecRun:
         name = ("P," if self.fetch_k > knn.k else "") + (f"s={spec.stride}" if not spec.adaptive_stride else "S")
         self.stats = RequestStats(method=f"knn-spec[{name}]", retriever=kb.name, knn_k=knn.k)
         self.step_lm = stepper_for(lm)
-        # shadow work of direct steps (see direct_step): seconds spent on cache fills and
-        # guesses, KB seconds of direct steps, the last probe's cost
-        self._shadow_s = self._direct_kb_s = 0.0
-        self._probe_key = (kb.name, len(kb.ds), knn.k, self.fetch_k)
-        self._probe_cost_s = LAST_PROBE_COST.get(self._probe_key, 0.0)
+        # cache work of direct steps (fills and guesses: see direct_step)
+        self.probe_budget = ShadowBudget(("knn", kb.name, len(kb.ds), knn.k, self.fetch_k))
         self._pending_fill: list[list[Hit]] | None = None  # a direct step's KB answer, not yet cached
 
     @property
@@ -297,15 +289,6 @@ class _KnnSpecRun:
         return truth, fetched, time.perf_counter() - t0
 
     # ---- steps
-    def _shadow_allowed(self) -> bool:
-        """Whether the next probe fits the shadow budget: the cache work done in direct
-        steps (fills and guesses) stays within ``KNN_SHADOW_BUDGET`` of the KB time those
-        steps spent. Worked example: an HNSW KB at 5 ms a call and a k = 1024 probe (a fill
-        of 11k entries and a lookup) costing 20 ms: after one probe the next waits until
-        the direct steps have spent 20 / 0.05 = 400 ms more on the KB (80 steps); a flat KB
-        at 225 ms a call affords a probe on every step."""
-        return self._shadow_s + self._probe_cost_s <= C.KNN_SHADOW_BUDGET * self._direct_kb_s
-
     def _fill_pending(self) -> float:
         """Insert the last KB answer not yet in the cache; returns the seconds it took."""
         if self._pending_fill is None:
@@ -324,13 +307,14 @@ class _KnnSpecRun:
         or by a *probe*: a direct step on which the cache guesses first (filled with the
         previous step's answer), the guess and the KB latency going to OS3 so that gamma
         stays current. Probes happen only while their cost fits the shadow budget
-        (:meth:`_shadow_allowed`; the first probe's cost is taken from the last request on
-        this KB, :data:`LAST_PROBE_COST`, or 0). So on a KB cheaper than the cache (a small HNSW index at
-        k = 1024: 5 ms a call, a fill of 11k entries about 15 ms) direct steps cost what
-        RaLMSeq's do, and on an expensive KB every direct step probes."""
+        (:class:`~ralm.shadow_budget.ShadowBudget`). So on a KB cheaper than the cache (a
+        small HNSW index at k = 1024: 5 ms a call, a probe (a fill of 11k entries and a guess)
+        about 20 ms: probes average one per 20 / 0.05 = 400 ms of KB time, 80 steps) direct steps cost what
+        RaLMSeq's do, and on an expensive KB (a flat one at 225 ms a call) every direct
+        step probes."""
         st = self.stats
         h, p = self.step_lm.query()
-        probe = shadow and self._shadow_allowed()
+        probe = shadow and self.probe_budget.allowed()
         t_guess = 0.0
         guess = None
         if probe:
@@ -339,11 +323,10 @@ class _KnnSpecRun:
             guess = self._choose(p, self.cache.search(h, self.knn.k))
             t_guess = time.perf_counter() - t0
             st.cache_lookups += 1
-            self._probe_cost_s = LAST_PROBE_COST[self._probe_key] = t_fill + t_guess
-            self._shadow_s += self._probe_cost_s
+            self.probe_budget.spend(t_fill + t_guess)
         truth, fetched, b = self._kb_search([h])
         self._pending_fill = fetched
-        self._direct_kb_s += b
+        self.probe_budget.add_kb_time(b)
         y = self._choose(p, truth[0])
         if probe:
             st.shadow_hits += int(guess == y)

@@ -1,5 +1,5 @@
 """Direct (s = 0) steps of KNN-LM speculation: the cache's shadow work (fills and probes)
-stays within its budget of the KB time (ralm/knnlm/loop.py, ``_KnnSpecRun.direct_step``).
+stays within its budget of the KB time (ralm/knnlm/loop.py, ``_KnnSpecRun.direct_step``; ralm/shadow_budget.py).
 
 The stride is forced to 0 by patching the scheduler's decision, and the KB or the cache is
 slowed by a fixed sleep, so the budget's outcome does not depend on this machine's speed.
@@ -11,11 +11,12 @@ import time
 
 import pytest
 
-from ralm import constants as C
+from ralm import constants as C, shadow_budget
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
-from ralm.knnlm import loop, run_knn_seq, run_knn_spec
+from ralm.knnlm import run_knn_seq, run_knn_spec
 from ralm.knnlm.loop import new_cache
 from ralm.os3 import StrideScheduler
+from ralm.shadow_budget import ShadowBudget
 
 MAX_NEW = 24
 KNN = KnnLMConfig(k=16, lmbda=0.5, index="hnsw")
@@ -26,7 +27,7 @@ SPEC = SpecConfig(adaptive_stride=True, gamma_prior=False)
 @pytest.fixture
 def always_direct(monkeypatch):
     monkeypatch.setattr(StrideScheduler, "next_stride", lambda self, position=None, remaining=None: 0)
-    monkeypatch.setattr(loop, "LAST_PROBE_COST", {})  # no probe cost known from earlier tests
+    monkeypatch.setattr(shadow_budget, "LAST_PROBE_COST", {})  # no probe cost known from earlier tests
 
 
 def _slowed(fn, seconds: float, calls: list | None = None):
@@ -116,13 +117,13 @@ def test_the_budget_is_a_share_of_the_kb_time(knn_setups, knn_prompts, monkeypat
     assert got.tokens == base.tokens
     assert got.stats.cache_lookups >= 1  # ~100 ms of KB time afford some probes
     probe = 0.004 + 0.005  # a fill and a lookup, with some slack for the real work
-    assert spent["cache"] <= C.KNN_SHADOW_BUDGET * spent["kb"] + probe
+    assert spent["cache"] <= C.SHADOW_BUDGET * spent["kb"] + probe
 
 
 def test_a_window_after_direct_steps_sees_the_last_kb_answer(knn_setups, knn_prompts, monkeypatch):
     """The pending fill: after unprobed direct steps, the first speculative step inserts the
     last direct step's KB answer before it looks up (the cache is not empty)."""
-    monkeypatch.setattr(loop, "LAST_PROBE_COST", {})
+    monkeypatch.setattr(shadow_budget, "LAST_PROBE_COST", {})
     decisions = iter([0, 0, 0, 0] + [1] * 100)
     monkeypatch.setattr(StrideScheduler, "next_stride", lambda self, position=None, remaining=None: next(decisions))
     lm, _, kbs = knn_setups["pydocs-gpt"]
@@ -138,7 +139,7 @@ def test_a_window_after_direct_steps_sees_the_last_kb_answer(knn_setups, knn_pro
         return real_search(q, k)
 
     monkeypatch.setattr(cache, "search", search)
-    monkeypatch.setattr(loop._KnnSpecRun, "_shadow_allowed", lambda self: False)  # no probes at all
+    monkeypatch.setattr(ShadowBudget, "allowed", lambda self: False)  # no probes at all
     got = run_knn_spec(prompt, lm, kb, KNN, REQ, SPEC, cache=cache)
     assert got.tokens == base.tokens
     assert got.stats.direct_steps == 4 and got.stats.spec_steps > 0
