@@ -99,6 +99,11 @@ class InvariantLinear(nn.Module):
     ``[3, in]`` input; it runs as ``[16, in]`` (13 zero rows) and the 3 real rows come back;
     the same row inside a 40-row prefill runs as part of ``[48, in]`` and gets the same bits.
     With oneDNN the 3 rows run as they are and a single decode row runs as ``[2, in]``.
+
+    The weight is stored the way its kernel reads it fastest (:meth:`use_kernel`):
+    ``weight`` always has the shape ``[out, in]``, but on BLAS tiles it is the transposed
+    view of an ``[in, out]`` contiguous tensor, so the GEMM reads ``B = W^T`` without a
+    transposition.
     """
 
     def __init__(
@@ -107,13 +112,35 @@ class InvariantLinear(nn.Module):
         bias: torch.Tensor | None,
         tile_rows: int,
         kernel: str = "blas",
+        shared: bool = False,
     ):
         super().__init__()
+        self.shared = shared  # the weight is also another module's (a tied LM head): never re-laid out
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else (bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias))
         self.tile_rows = int(tile_rows)
         self.in_features = int(self.weight.shape[1])
         self.out_features = int(self.weight.shape[0])
+        self.kernel = kernel
+        self.use_kernel(kernel)
+
+    def use_kernel(self, kernel: str) -> None:
+        """Run on ``kernel`` ("blas" or "onednn") and lay the weight out for it: oneDNN takes
+        ``[out, in]`` contiguous; BLAS tiles an ``[in, out]`` contiguous buffer (``weight`` is
+        its transposed view). Measured, one thread, 4-row tiles: ``[1024 -> 256]`` 45 us
+        against 75 us with the ``[out, in]`` layout, ``[256 -> 768]`` 35 against 42 us; the
+        demo model's batch-1 invariant forward 1.44x the plain one against 1.55x. A weight
+        shared with another module (a tied LM head, ``shared``) keeps its layout, and stays
+        shared."""
+        w = self.weight.detach()
+        if self.shared:
+            pass
+        elif kernel == "blas" and not w.t().is_contiguous():
+            w = w.t().contiguous().t()
+        elif kernel != "blas" and not w.is_contiguous():
+            w = w.contiguous()
+        if w.data_ptr() != self.weight.data_ptr() or w.stride() != self.weight.stride():
+            self.weight = nn.Parameter(w, requires_grad=False)
         self.kernel = kernel
 
     def extra_repr(self) -> str:
@@ -218,9 +245,9 @@ def attend(
     if nb * KB != L or v_aug.shape[2] != L:
         raise ValueError("keys/values must be padded to whole key blocks")
     rows = -(-nq // QT) * QT
-    qp = q.new_zeros(S, H, rows, D)
-    qp[:, :, :nq] = q * scaling  # element-wise: the same bits for a row wherever it sits
-    qp = qp.view(S, hkv, G * rows, D)  # head-major: query head g*G+i is rows i*rows.. of kv head g
+    # scaling is element-wise (the same bits for a row wherever it sits); zero rows pad to the tile
+    qp = F.pad(q * scaling, (0, 0, 0, rows - nq)).reshape(S, hkv, G * rows, D)
+    # head-major: query head g*G+i is rows i*rows.. of kv head g
     s = torch.matmul(qp, k_pad.transpose(-1, -2))  # [S, Hkv, G*rows, L]
     if mask is None:
         mask = hidden_keys(q_pos, nq, nb, G, QT, KB)
@@ -360,14 +387,18 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS) -> Any:
         raise InvariantUnavailable(
             f"no invariant form for module types {sorted(unknown)}; set generator.invariant=false to serve this model"
         )
+    # weights that modules other than linear layers hold too (tied input embeddings)
+    held_elsewhere = {
+        id(p) for m in model.modules() if not isinstance(m, (nn.Linear, Conv1D)) for p in m.parameters(recurse=False)
+    }
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             kind = type(child).__name__
             if isinstance(child, nn.Linear):
-                setattr(parent, name, InvariantLinear(child.weight, child.bias, tile_rows))
-            elif isinstance(child, Conv1D):  # weight [in, out]: y = x W + b
-                w = nn.Parameter(child.weight.detach().t().contiguous(), requires_grad=False)
-                setattr(parent, name, InvariantLinear(w, child.bias, tile_rows))
+                shared = id(child.weight) in held_elsewhere
+                setattr(parent, name, InvariantLinear(child.weight, child.bias, tile_rows, shared=shared))
+            elif isinstance(child, Conv1D):  # weight [in, out]: y = x W + b; its transposed view
+                setattr(parent, name, InvariantLinear(child.weight.detach().t(), child.bias, tile_rows))
             elif kind in _ACTIVATIONS:
                 repl = _ACTIVATIONS[kind]
                 if repl is not None:
@@ -402,18 +433,18 @@ def _choose_kernels(layers: list[InvariantLinear]) -> None:
     for layer in layers:
         big = layer.in_features * layer.out_features >= C.INVARIANT_ONEDNN_MIN_WEIGHTS
         if not big or not onednn_available(layer.weight.device):
-            layer.kernel = "blas"
+            layer.use_kernel("blas")
             continue
         key = (layer.in_features, layer.out_features, layer.weight.dtype)
         if key not in verdict:
-            layer.kernel = "onednn"
+            layer.use_kernel("onednn")
             try:
                 check_row_invariance(layer)
                 verdict[key] = "onednn"
             except (InvariantUnavailable, RuntimeError) as e:  # RuntimeError: oneDNN refused the dtype
                 log.warning("oneDNN linear %s not usable for the invariant forward (%s); BLAS tiles", key, e)
                 verdict[key] = "blas"
-        layer.kernel = verdict[key]
+        layer.use_kernel(verdict[key])
 
 
 def invariant_kernels(model) -> str | None:

@@ -39,6 +39,9 @@ def test_linear_rows_are_the_same_alone_and_at_any_batch_position(d_in, d_out, k
     # a 3-D input is rows too, and the layer is still the linear map
     assert torch.equal(layer(x[:12].view(3, 4, d_in)).view(12, d_out), alone[:12])
     assert torch.allclose(alone, F.linear(x, layer.weight, layer.bias), atol=1e-4)
+    # the weight is laid out for its kernel: [in, out] contiguous for BLAS tiles, [out, in] for oneDNN
+    assert layer.weight.shape == (d_out, d_in)
+    assert (layer.weight.t() if kernel == "blas" else layer.weight).is_contiguous()
 
 
 def test_kernels_are_chosen_by_layer_shape_and_a_failing_onednn_falls_back(monkeypatch):
