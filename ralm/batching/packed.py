@@ -135,6 +135,9 @@ class _Group:
         self.pos = torch.tensor(pos, dtype=torch.long, device=device).view(len(segs), n_max)
         self.valid = torch.tensor(valid, dtype=torch.long, device=device)
         self.rows = torch.tensor(rows, dtype=torch.long, device=device)
+        # every segment has n_max tokens and they follow one another from row 0: the packed
+        # rows are the group's [S, n_max] queries as they are (no gather, no scatter)
+        self.in_order = all(sg.n == n_max and sg.start == j * n_max for j, sg in enumerate(segs))
         self._masks: dict[tuple[int, int], torch.Tensor] = {}
 
     def mask(self, nb: int, groups: int) -> torch.Tensor:
@@ -170,7 +173,8 @@ class PackedBatch:
         for seg in self.segments:
             seg.kv.append(layer, key[0, :, seg.start : seg.start + seg.n], value[0, :, seg.start : seg.start + seg.n])
         H, D = query.shape[1], query.shape[3]
-        out = query.new_empty(self.n_tokens, H, D)
+        whole = len(self.groups) == 1 and self.groups[0].in_order  # e.g. every row a decode token
+        out = None if whole else query.new_empty(self.n_tokens, H, D)
         q_rows = query[0].transpose(0, 1)  # [N, H, D]
         for g in self.groups:
             segs = [self.segments[i] for i in g.idx]
@@ -178,9 +182,15 @@ class PackedBatch:
             ks, vs = zip(*(s.kv.span(layer, span) for s in segs))
             k_pad = ks[0].unsqueeze(0) if len(ks) == 1 else torch.stack(ks)
             v_aug = vs[0].unsqueeze(0) if len(vs) == 1 else torch.stack(vs)
-            q = q_rows.index_select(0, g.gather).view(len(segs), g.n_max, H, D).transpose(1, 2)
+            if whole:  # [1, H, S*n, D] -> [S, H, n, D], a view
+                q = query[0].view(H, len(segs), g.n_max, D).transpose(0, 1)
+            else:
+                q = q_rows.index_select(0, g.gather).view(len(segs), g.n_max, H, D).transpose(1, 2)
             mask = g.mask(span // KB, H // k_pad.shape[1])
             o = attend(q, k_pad, v_aug, g.pos, scaling, mask=mask)  # [S, n_max, H, D]
+            if whole:
+                return o.reshape(1, self.n_tokens, H, D)
+            assert out is not None
             out.index_copy_(0, g.rows, o.reshape(-1, H, D).index_select(0, g.valid))
         return out.unsqueeze(0)
 
