@@ -29,7 +29,7 @@ Attention (registered through transformers' ``AttentionInterface``)
     ``key_block`` positions: every matrix product has one fixed shape. Softmax uses the
     exact row max, ``exp`` (position-independent, see below) and a *deferred* sum: values
     carry an extra column of ones, so ``p @ [V | 1]`` yields the numerator and the
-    denominator in one product, and block partials are added in block order. A key a query
+    denominator in one product, and block partials are added in block order (a float64 running sum). A key a query
     may not see gets ``exp(-inf) = 0`` and adds an exact zero, so a longer padded key range
     (the same row inside a bigger prefill) changes no bit.
 
@@ -255,9 +255,10 @@ def attend(
     m = s.amax(dim=-1, keepdim=True)  # exact row max
     e = s.sub_(m).exp_().view(S, hkv, G * rows, nb, KB).transpose(2, 3)  # [S, Hkv, nb, G*rows, KB]
     o = torch.matmul(e, v_aug.view(S, hkv, nb, KB, D + 1))  # [S, Hkv, nb, G*rows, D+1]
-    acc = o[:, :, 0]
-    for j in range(1, nb):  # block order, always
-        acc = acc + o[:, :, j]
+    # the block partials added in block order, one running sum per output element (cumsum
+    # on the CPU accumulates each line sequentially in float64): a masked block adds an exact
+    # zero, so extra blocks change nothing. One call whatever the number of blocks.
+    acc = o.cumsum(dim=2)[:, :, -1]  # [S, Hkv, G*rows, D+1]
     out = acc[..., :D] / acc[..., D:]  # [S, Hkv, G*rows, D]
     return out.reshape(S, H, rows, D)[:, :, :nq].transpose(1, 2)
 
