@@ -255,10 +255,16 @@ def attend(
     m = s.amax(dim=-1, keepdim=True)  # exact row max
     e = s.sub_(m).exp_().view(S, hkv, G * rows, nb, KB).transpose(2, 3)  # [S, Hkv, nb, G*rows, KB]
     o = torch.matmul(e, v_aug.view(S, hkv, nb, KB, D + 1))  # [S, Hkv, nb, G*rows, D+1]
-    # the block partials added in block order, one running sum per output element (cumsum
-    # on the CPU accumulates each line sequentially in float64): a masked block adds an exact
-    # zero, so extra blocks change nothing. One call whatever the number of blocks.
-    acc = o.cumsum(dim=2)[:, :, -1]  # [S, Hkv, G*rows, D+1]
+    # the block partials added in block order: a masked block adds an exact zero, so extra
+    # blocks change nothing. On the CPU one cumsum call (each line a sequential float64
+    # running sum) whatever the number of blocks; elsewhere (a GPU's cumsum is a parallel
+    # scan, whose grouping depends on the length) one add per block.
+    if o.device.type == "cpu":
+        acc = o.cumsum(dim=2)[:, :, -1]  # [S, Hkv, G*rows, D+1]
+    else:
+        acc = o[:, :, 0]
+        for j in range(1, nb):
+            acc = acc + o[:, :, j]
     out = acc[..., :D] / acc[..., D:]  # [S, Hkv, G*rows, D]
     return out.reshape(S, H, rows, D)[:, :, :nq].transpose(1, 2)
 
