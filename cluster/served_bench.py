@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import fmean
 
-from cluster.report import write_report
+from cluster.report import machine_note, write_report
 from cluster.served_report import one_request_rows, to_markdown
 from ralm.config import SpecConfig
 
@@ -447,7 +447,8 @@ def served_bench_main(args: argparse.Namespace) -> int:
     if args.url and gen_settings != [True]:
         raise SystemExit("--gen-batching off needs the in-process server (no --url): it restarts the app per setting")
     rows: list[dict] = []
-    notes: list[str] = []
+    # the CPU and its kernels (an in-process server's; a --url server may run elsewhere)
+    notes: list[str] = [machine_note() + ("" if not args.url else " (this client's machine)")]
     ref: dict = {}
     url, model = args.url, ""
     for gen_on in gen_settings:
