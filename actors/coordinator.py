@@ -181,6 +181,12 @@ class VerifierKB:
             raise RequestCancelled("the request was cancelled")
         return _get(self.verifier.verify.remote(list(queries), int(k), self.requester))
 
+    def speculating(self) -> None:
+        """The request opened a speculation window: the verifier need not hold a batch for it
+        until its next call (:class:`~ralm.retrieval.base.SharedKB`); fire and forget."""
+        if self.requester is not None:
+            self.verifier.away.remote(self.requester)
+
     def begin(self, requester: str) -> None:
         """Announce a request (the verifier may then send a batch as soon as every announced
         request is waiting); fire and forget: batching never changes a result."""

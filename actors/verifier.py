@@ -15,7 +15,10 @@ One request alone is therefore searched at once whatever the window; sixteen sha
 search. Requests whose call is being searched do *not* count as waiting: counting them
 splits the requests into groups that alternate on the KB forever (measured: exactly 4
 queries per search at 16 in flight), while waiting for them (bounded by the window) merges
-the groups into one. Requests that stopped calling
+the groups into one. A request that opened a speculation window says so
+(:meth:`Verifier.away`): it makes no KB call until that window's verification, several
+generation steps later, so it is not waited for (``wait_for_speculating`` off, the default)
+until its next call. Requests that stopped calling
 (a coordinator that died before ``end``) are forgotten after ``ACTIVE_TTL_S``; the window
 always bounds the wait.
 
@@ -94,7 +97,8 @@ class VerificationBatcher:
     ``search(queries, k)`` is an async function doing one batched KB search. With
     ``enabled=False`` every submission is searched on its own, immediately. With
     ``flush_when_all_waiting``, a batch also goes as soon as every request announced with
-    :meth:`begin` has a submission pending or being searched.
+    :meth:`begin` has a submission pending, not counting requests marked :meth:`away` (unless
+    ``wait_for_speculating``).
     """
 
     def __init__(
@@ -105,6 +109,7 @@ class VerificationBatcher:
         enabled: bool = True,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         flush_when_all_waiting: bool = True,
+        wait_for_speculating: bool = False,
     ):
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -123,6 +128,8 @@ class VerificationBatcher:
         self._tasks: set[asyncio.Task] = set()
         self.flush_when_all_waiting = bool(flush_when_all_waiting)
         self._active: dict[str, float] = {}  # announced request -> time of its last call (monotonic s)
+        self.wait_for_speculating = bool(wait_for_speculating)
+        self._away: set[str] = set()  # announced requests speculating until their next call
 
     # ---- requests in flight
     def begin(self, requester: str) -> None:
@@ -133,7 +140,16 @@ class VerificationBatcher:
     def end(self, requester: str) -> None:
         """That request finished: the others need not wait for it."""
         self._active.pop(str(requester), None)
+        self._away.discard(str(requester))
         self._poke()
+
+    def away(self, requester: str) -> None:
+        """That request runs speculative steps until its next call: unless
+        ``wait_for_speculating``, a batch need not wait for it. Its next submission ends this."""
+        requester = str(requester)
+        if requester in self._active:
+            self._away.add(requester)
+            self._poke()
 
     @property
     def active_requests(self) -> int:
@@ -150,8 +166,10 @@ class VerificationBatcher:
         now = time.monotonic()
         for r in [r for r, t in self._active.items() if now - t > ACTIVE_TTL_S]:
             del self._active[r]
+            self._away.discard(r)
         waiting = {it.requester for it in self._pending}
-        return bool(self._active) and all(r in waiting for r in self._active)
+        expected = [r for r in self._active if self.wait_for_speculating or r not in self._away]
+        return bool(self._active) and all(r in waiting for r in expected)
 
     async def submit(self, queries: Sequence[str], k: int, requester: str | None = None) -> list[list[Hit]]:
         queries = list(queries)
@@ -159,6 +177,7 @@ class VerificationBatcher:
             return []
         if requester is not None and requester in self._active:
             self._active[requester] = time.monotonic()
+            self._away.discard(requester)
         self.stats.submissions += 1
         self.stats.queries += len(queries)
         if not self.enabled:
@@ -271,6 +290,7 @@ class Verifier:
         batching: bool = True,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         flush_when_all_waiting: bool = True,
+        wait_for_speculating: bool = False,
     ):
         from actors.shard import ShardedRetriever
         from ralm.config import RetrieverConfig
@@ -278,7 +298,7 @@ class Verifier:
         self.kind = kind
         self.router = ShardedRetriever(kind, shards, bounds, RetrieverConfig.model_validate(retriever))
         self.batcher = VerificationBatcher(
-            self._search, window_ms, max_batch, batching, max_inflight, flush_when_all_waiting
+            self._search, window_ms, max_batch, batching, max_inflight, flush_when_all_waiting, wait_for_speculating
         )
         self.batcher.on_batch = self._observe_batch
         self.kb_time_s = 0.0
@@ -307,6 +327,11 @@ class Verifier:
     async def end(self, requester: str) -> None:
         """That request finished."""
         self.batcher.end(requester)
+
+    async def away(self, requester: str) -> None:
+        """That request opened a speculation window: no call from it until the window's
+        verification (see the module docstring)."""
+        self.batcher.away(requester)
 
     async def search(self, query: str, k: int) -> list[Hit]:
         return (await self.batcher.submit([query], int(k)))[0]
@@ -339,6 +364,7 @@ class Verifier:
         batching: bool | None = None,
         max_inflight: int | None = None,
         flush_when_all_waiting: bool | None = None,
+        wait_for_speculating: bool | None = None,
     ) -> dict:
         """Change the batching policy at run time (e.g. for a benchmark)."""
         b = self.batcher
@@ -352,6 +378,8 @@ class Verifier:
             b.set_max_inflight(max_inflight)
         if flush_when_all_waiting is not None:
             b.flush_when_all_waiting = bool(flush_when_all_waiting)
+        if wait_for_speculating is not None:
+            b.wait_for_speculating = bool(wait_for_speculating)
         return self.policy()
 
     def policy(self) -> dict:
@@ -362,6 +390,7 @@ class Verifier:
             "batching": b.enabled,
             "max_inflight": b.max_inflight,
             "flush_when_all_waiting": b.flush_when_all_waiting,
+            "wait_for_speculating": b.wait_for_speculating,
         }
 
     def stats(self, reset: bool = False) -> dict:

@@ -24,6 +24,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import fmean
@@ -60,6 +61,12 @@ def add_served_bench_args(p: argparse.ArgumentParser) -> None:
         default="on",
         help="generator settings to measure, each on a freshly started in-process server: on (invariant forward, "
         "continuous batching, KV sessions) and/or off (generator.invariant=false: one step at a time, re-prefill)",
+    )
+    p.add_argument(
+        "--wait-for-speculating",
+        default="",
+        help="verifier settings to measure side by side (on,off): whether a batch is held for requests "
+        "that are speculating (default: the server's setting only)",
     )
     p.add_argument("--window-ms", type=float, help="verifier batching window (default: the server's)")
     p.add_argument("--max-inflight", type=int, help="verifier batches in flight per retriever (default: the server's)")
@@ -113,6 +120,14 @@ def _options(text: str) -> dict:
     if bad:
         raise argparse.ArgumentTypeError(f"--options may not set {', '.join(bad)} (the benchmark sets them)")
     return obj
+
+
+def _on_off(text: str) -> list[bool]:
+    """``"on,off"`` -> ``[True, False]``."""
+    try:
+        return [{"on": True, "off": False}[x.strip()] for x in str(text).split(",") if x.strip()]
+    except KeyError as e:
+        raise SystemExit(f"expected a comma-separated list of on/off, got {text!r}") from e
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -227,6 +242,7 @@ def run_served_bench(
     progress: bool = True,
     options: dict | None = None,
     max_inflight: int | None = None,
+    speculating_waits: Sequence[bool] = (),
 ) -> tuple[list[dict], list[str]]:
     notes: list[str] = []
     extra = dict(options or {})
@@ -251,7 +267,7 @@ def run_served_bench(
             "verifier policy when batching is on: "
             + ", ".join(
                 f"{k} {current[k]}"
-                for k in ("window_ms", "max_batch", "max_inflight", "flush_when_all_waiting")
+                for k in ("window_ms", "max_batch", "max_inflight", "flush_when_all_waiting", "wait_for_speculating")
                 if k in current
             )
         )
@@ -270,9 +286,10 @@ def run_served_bench(
                 {"question": q, "retriever": kind, "method": "seq", "max_new_tokens": max_new, **extra}
             )
             ref[q] = out["tokens"]
-        for b in batching:
+        waits: list[bool | None] = list(speculating_waits) if can_switch and speculating_waits else [None]
+        for b, wait in [(on, w) for on in batching for w in (waits if on else [None])]:
             if can_switch:
-                client.admin({"batching": b})
+                client.admin({"batching": b, **({} if wait is None else {"wait_for_speculating": wait})})
             for method, spec in methods:
                 for c in levels:
                     bodies = [
@@ -296,6 +313,7 @@ def run_served_bench(
                         "retriever": kind,
                         "method": _label(method, spec),
                         "batching": b,
+                        "wait_for_speculating": wait,
                         "concurrency": c,
                         "requests": len(outs),
                         "identical": identical,
@@ -415,6 +433,7 @@ def _run_one_server(args, questions, kinds, methods, levels, batching, gen_on: b
             args.window_ms,
             options=getattr(args, "options", None),
             max_inflight=getattr(args, "max_inflight", None),
+            speculating_waits=_on_off(getattr(args, "wait_for_speculating", "")),
         )
         if started_here and args.pad_to:
             notes.append(
@@ -442,8 +461,8 @@ def served_bench_main(args: argparse.Namespace) -> int:
     levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
     kinds = [k.strip() for k in args.retrievers.split(",") if k.strip()]
     methods = _parse_methods(args.methods)
-    batching = [{"on": True, "off": False}[x.strip()] for x in args.batching.split(",") if x.strip()]
-    gen_settings = [{"on": True, "off": False}[x.strip()] for x in args.gen_batching.split(",") if x.strip()]
+    batching = _on_off(args.batching)
+    gen_settings = _on_off(args.gen_batching)
     if args.url and gen_settings != [True]:
         raise SystemExit("--gen-batching off needs the in-process server (no --url): it restarts the app per setting")
     rows: list[dict] = []

@@ -52,6 +52,7 @@ def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] 
             "method",
             "gen batching",
             "batching",
+            "wait spec",
             "concurrency",
             "req/s",
             "tokens/s",
@@ -71,6 +72,7 @@ def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] 
                 name(r["method"]),
                 "on" if r.get("gen_batching", True) else "off",
                 "on" if r["batching"] else "off",
+                {None: "-", True: "on", False: "off"}[r.get("wait_for_speculating")],
                 r["concurrency"],
                 f"{r['throughput_rps']:.2f}",
                 f"{r['tokens_per_s']:.1f}",
@@ -86,7 +88,7 @@ def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] 
             ]
             for r in rows
         ),
-        align="llllrrrrrrrrrrrr",
+        align="lllllrrrrrrrrrrrr",
     )
     if one:
         lines += ["", "## One request in flight: served against the in-process engine", ""]

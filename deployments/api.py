@@ -328,6 +328,7 @@ class VerifierPolicyUpdate(BaseModel):
     max_batch: StrictInt | None = Field(None, ge=1)
     max_inflight: StrictInt | None = Field(None, ge=1)
     flush_when_all_waiting: StrictBool | None = None
+    wait_for_speculating: StrictBool | None = None
     reset_stats: StrictBool = False
 
 

@@ -58,6 +58,10 @@ class VerifierOptions(_Opts):
         True,
         description="Send a batch before the window ends as soon as every request in flight is waiting on the verifier (one request alone never waits for the window).",
     )
+    wait_for_speculating: bool = Field(
+        False,
+        description="Hold a batch for requests that are speculating (generating a window on cached documents, so no KB call until its verification). Off: a batch leaves once every request that is not speculating waits, and a window's verification joins whichever batch forms when it arrives.",
+    )
     num_cpus: float = Field(0.1, ge=0, description="CPUs reserved per verifier actor (it encodes queries).")
     resources: dict[str, float] = resources_field("verifier actor", "ralmspec_head")
 

@@ -152,6 +152,7 @@ class RayBackend:
                 v.batching,
                 v.max_inflight,
                 v.flush_when_all_waiting,
+                v.wait_for_speculating,
             )
         )
 

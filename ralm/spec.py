@@ -33,7 +33,7 @@ from ralm.gamma_prior import PROCESS_PRIOR
 from ralm.generator import Generator
 from ralm.os3 import StrideScheduler
 from ralm.results import RalmResult, RequestStats, VerifiedPrefix
-from ralm.retrieval.base import Hit, Retriever
+from ralm.retrieval.base import Hit, Retriever, SharedKB
 from ralm.seq import apply_resume, finish
 from ralm.shadow_budget import ShadowBudget
 from ralm.speculation import speculate
@@ -144,6 +144,12 @@ class _SpecRun:
         self.stats.spec_steps += 1
         self.sched.record_step(time.perf_counter() - t0)
         return _Step(q, doc_id, mark, eos)
+
+    def window_opens(self) -> None:
+        """A window of speculative steps starts: a shared KB need not wait for this request's
+        next call to form a batch (:class:`~ralm.retrieval.base.SharedKB`)."""
+        if isinstance(self.kb, SharedKB):
+            self.kb.speculating()
 
     def emit(self, pending: _Step | None) -> None:
         """Pass newly verified tokens to ``on_commit`` (all of X except a pending async step),

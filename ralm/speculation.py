@@ -118,6 +118,10 @@ class Strategy(Protocol[StepT, TruthT]):
     def emit(self, pending: StepT | None) -> None:
         """Pass on the newly verified output (everything before ``pending``, if any)."""
 
+    # Optional, looked up with getattr: ``window_opens()`` is called when a window is about to
+    # run speculative steps (no KB call until its verification); a strategy whose KB batches
+    # several requests' calls passes it on (:class:`~ralm.retrieval.base.SharedKB`).
+
 
 def _count_kb_step(stats: RequestStats) -> None:
     """A step on the KB's own answer: one KB call of one query, one committed step."""
@@ -141,6 +145,8 @@ def speculate(
     ``strategy.async_verify``).
     """
     st = stats
+    # optional: a strategy whose KB is shared with other requests is told when a window opens
+    window_opens = getattr(strategy, "window_opens", None)
     if not strategy.finished:  # (a resumed request may already be complete)
         strategy.first_step()
         _count_kb_step(st)
@@ -159,6 +165,8 @@ def speculate(
             continue
         window: list[StepT] = [pending] if pending is not None else []
         pending = None
+        if window_opens is not None and len(window) < s and not strategy.finished:
+            window_opens()  # no KB call until this window's verification (a batching hint)
         while len(window) < s and not strategy.finished:
             window.append(strategy.speculative_step())
         extra: StepT | None = None

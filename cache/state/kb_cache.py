@@ -32,6 +32,13 @@ class StoreCachedRetriever:
     def search(self, query: str, k: int) -> list[Hit]:
         return self.batch_search([query], k)[0]
 
+    def speculating(self) -> None:
+        """Passed on to the KB underneath when it batches several requests' calls (a
+        scheduling hint: a speculation window opened, no KB call until its verification)."""
+        hint = getattr(self.kb, "speculating", None)
+        if hint is not None:
+            hint()
+
     def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
         keys = [self._key(q, k) for q in queries]
         cached = self.store.get_kb_hits(keys)

@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 
 from cache.ranking import ExactScorer, Hit, rank_hits
 
-__all__ = ["ExactScorer", "Hit", "Retriever", "rank_hits"]
+__all__ = ["ExactScorer", "Hit", "Retriever", "SharedKB", "rank_hits"]
 
 
 @runtime_checkable
@@ -37,3 +37,16 @@ class Retriever(Protocol):
 
     def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
         """Top-``k`` hits for each query; equal to calling :meth:`search` on each."""
+
+
+@runtime_checkable
+class SharedKB(Protocol):
+    """A KB that batches the calls of several requests (the served verifier).
+
+    :meth:`speculating` is a scheduling hint, never a change of result: the caller's request
+    has opened a speculation window and makes no KB call until that window's verification,
+    so a batch forming now need not wait for it.
+    """
+
+    def speculating(self) -> None:
+        """The request in flight runs speculative steps until its next KB call."""

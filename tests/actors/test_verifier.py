@@ -203,6 +203,52 @@ def test_a_batch_goes_as_soon_as_every_announced_request_is_waiting():
     assert a[1] >= 0.14 and o[1] >= 0.14
 
 
+def test_a_speculating_request_is_not_waited_for_until_its_next_call():
+    """Window 5 s, two announced requests. r2 opened a speculation window (``away``): r1's
+    call is searched at once instead of waiting for r2. r2's own call (its verification) ends
+    its away state: r1's next call waits for r2 again. With ``wait_for_speculating`` r1's
+    first call is held for r2 too (here until r2 ends). Results never change."""
+    search, calls = fake_kb()
+    ref = fake_kb()[0]
+
+    async def timed(coro):
+        t0 = time.perf_counter()
+        res = await coro
+        return res, time.perf_counter() - t0
+
+    async def scenario(b: VerificationBatcher):
+        b.begin("r1")
+        b.begin("r2")
+        b.away("r2")
+        first = asyncio.ensure_future(timed(b.submit(["one"], 2, "r1")))
+        await asyncio.sleep(0.2)
+        held = not first.done()
+        b.end("r2")  # (frees r1's call if it was held)
+        one = await first
+        b.begin("r2")
+        b.away("r2")
+        # r2's verification, then r1's call: one batch (both waiting)
+        pair = await asyncio.gather(b.submit(["verify"], 2, "r2"), b.submit(["two"], 2, "r1"))
+        later = asyncio.ensure_future(b.submit(["three"], 2, "r1"))
+        await asyncio.sleep(0.2)
+        waits_again = not later.done()  # r2 is no longer away: r1 waits for it
+        b.end("r2")
+        three = await later
+        b.end("r1")
+        return held, one, pair, waits_again, three
+
+    held, one, pair, waits_again, three = run(scenario(VerificationBatcher(search, window_ms=5000, max_batch=64)))
+    assert not held and one[1] < 0.2 and one[0] == run(ref(["one"], 2))
+    assert pair == [run(ref(["verify"], 2)), run(ref(["two"], 2))]
+    assert waits_again and three == run(ref(["three"], 2))
+    assert [c[0] for c in calls] == [("one",), ("verify", "two"), ("three",)]
+
+    b = VerificationBatcher(fake_kb()[0], window_ms=5000, max_batch=64, wait_for_speculating=True)
+    held, one, _, _, _ = run(scenario(b))
+    assert held and one[1] >= 0.2 and one[0] == run(ref(["one"], 2))
+    assert b.active_requests == 0 and not b._away
+
+
 def test_requests_split_across_batches_merge_into_one_batch():
     """r1 starts alone and is searched at once; r2 arrives during that search. A request being
     searched is not waiting, so r2 waits for r1's next call (not for the window) and from then

@@ -430,17 +430,25 @@ def test_served_bench_tiny_run(server, tmp_path, questions):
             "seq,spec:PSA,spec:PS@0.9",
             "--max-inflight",
             "1",
+            "--wait-for-speculating",
+            "on,off",
         ]
     )
     try:
         assert served_bench_main(args) == 0
     finally:
-        httpx.post(server["url"] + "/v1/ralm/admin/verifier", json={"max_inflight": 2}, timeout=60)
+        httpx.post(
+            server["url"] + "/v1/ralm/admin/verifier",
+            json={"max_inflight": 2, "wait_for_speculating": False},
+            timeout=60,
+        )
     data = json.loads((tmp_path / "out" / "served_bench.json").read_text())
     rows = data["rows"]
     assert {r["method"] for r in rows} == {"seq", "spec[PSA]", "spec[PS@0.9]"}
     assert any("max_inflight 1" in n for n in data["notes"])
     assert {r["batching"] for r in rows} == {True, False}
+    # both verifier settings side by side when batching is on; none switched when it is off
+    assert {(r["batching"], r["wait_for_speculating"]) for r in rows} == {(True, True), (True, False), (False, None)}
     assert {r["concurrency"] for r in rows} == {1, 2}
     assert all(r["identical"] == r["requests"] == 2 for r in rows)
     assert all(r["p50_s"] > 0 and r["p95_s"] >= r["p50_s"] and r["throughput_rps"] > 0 for r in rows)

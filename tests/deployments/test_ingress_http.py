@@ -456,7 +456,14 @@ def test_models_health_stats_and_admin(client, backend):
     out = client.post("/v1/ralm/admin/verifier", json={"batching": False, "reset_stats": True}).json()
     assert out == {"edr": {"batching": False}}
     assert backend.policies[0] == (
-        {"batching": False, "window_ms": None, "max_batch": None, "max_inflight": None, "flush_when_all_waiting": None},
+        {
+            "batching": False,
+            "window_ms": None,
+            "max_batch": None,
+            "max_inflight": None,
+            "flush_when_all_waiting": None,
+            "wait_for_speculating": None,
+        },
         True,
     )
     err = _error(client.post("/v1/ralm/admin/verifier", json={"max_inflight": 0}), 400)

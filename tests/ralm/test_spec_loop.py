@@ -214,3 +214,42 @@ def test_the_gamma_prior_carries_to_the_next_request_and_outputs_stay_exact():
     assert first.tokens == base.tokens == second.tokens
     assert first.stats.strides[0] == 1 and second.stats.strides[0] > 1
     assert run(spec.model_copy(update={"gamma_prior": False})).stats.strides[0] == 1
+
+
+class SharedScriptedKB(ScriptedKB):
+    """A scripted KB that, like the served verifier, takes the speculation hint; it logs the
+    hints and the KB calls in the order they happen."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.log: list[str] = []
+
+    def speculating(self) -> None:
+        self.log.append("hint")
+
+    def batch_search(self, queries, k):
+        self.log.append(f"kb{len(queries)}")
+        return super().batch_search(queries, k)
+
+
+def test_a_shared_kb_hears_each_window_before_its_speculative_steps_and_tokens_stay_exact():
+    """RaLMSpec tells a KB shared with other requests (:class:`ralm.retrieval.base.SharedKB`)
+    when a window opens: one hint per window, each before that window's verification call,
+    none before the first (KB) step. The hint changes nothing that is committed."""
+    from ralm.retrieval.base import SharedKB
+
+    spec = SpecConfig(stride=3)
+    gen, kb, req = pipeline({5: 9})
+    base = run_seq(Q, gen, kb, req)
+    gen2 = ScriptedGenerator()
+    gen2.encode_question(Q)
+    shared = SharedScriptedKB(schedule={5: 9}, n_q=6, k=K)
+    assert isinstance(shared, SharedKB) and not isinstance(kb, SharedKB)
+    out = run_spec(Q, gen2, shared, req, spec)
+    assert out.tokens == base.tokens and out.stats.doc_ids == base.stats.doc_ids
+    assert out.stats.rollbacks == 1
+    assert shared.log[0] == "kb1"  # the first step
+    windows = shared.log[1:]
+    # hint, verification, hint, verification, ...: one hint per window, each verified after it
+    assert windows[0::2] == ["hint"] * out.stats.verifications
+    assert [int(c[2:]) for c in windows[1::2]] == out.stats.strides

@@ -268,3 +268,52 @@ def test_the_scheduler_hears_what_each_window_and_direct_step_committed():
     assert sum(c for _, c in sched.realized) + 1 == st.steps  # + the first step
     assert sched.positions == [1, 3, 4, 5, 6]  # after step 0, then what each window or direct step committed
     assert sched.remaining == [9 - p for p in sched.positions]
+
+
+class HintedStrategy(FakeStrategy):
+    """Records, in order, the windows opened (``window_opens``) and the steps taken."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.events: list[str] = []
+
+    def window_opens(self) -> None:
+        self.events.append("open")
+
+    def direct_step(self) -> None:
+        self.events.append("direct")
+        super().direct_step()
+
+    def speculative_step(self) -> FakeStep:
+        self.events.append("spec")
+        return super().speculative_step()
+
+    def verify(self, window):
+        self.events.append("verify")
+        return super().verify(window)
+
+
+def test_a_strategy_is_told_before_each_window_runs_speculative_steps():
+    """``window_opens`` (the shared KB's batching hint) comes before each window's first
+    speculative step, never before a direct step, and not for a window that only verifies
+    a pending async step (it makes its KB call at once)."""
+    fs = HintedStrategy(8)
+    run(fs, [2, 0, 3])
+    assert fs.X == baseline(8)
+    # step 0 (KB), window [1, 2], direct 3, window [4, 5, 6], window [7]
+    assert fs.events == ["open", "spec", "spec", "verify", "direct"] + ["open"] + ["spec"] * 3 + [
+        "verify",
+        "open",
+        "spec",
+        "verify",
+    ]
+
+    pending = HintedStrategy(6, async_verify=True)
+    run(pending, [2, 0])
+    assert pending.X == baseline(6)
+    # window [1, 2] with async step 3; s = 0: step 3 verified alone (no hint), then direct steps
+    assert pending.events == ["open", "spec", "spec", "verify", "spec", "verify", "direct", "direct"]
+    # a strategy without the hook runs as before
+    plain = FakeStrategy(8)
+    run(plain, [2, 0, 3])
+    assert plain.X == baseline(8)
