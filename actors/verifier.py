@@ -25,8 +25,12 @@ always bounds the wait.
 Batching never changes a result: each query's KB result is independent of the batch it
 arrives in (every retriever re-scores exactly and ranks by (score desc, doc id asc)).
 Submissions with different ``k`` go in separate searches, so a query is always searched
-with its own ``k`` (HNSW's candidate set depends on ``k``); identical queries within a
-batch are searched once.
+with its own ``k`` (HNSW's candidate set depends on ``k``), except on a KB whose top-``k``
+is the first ``k`` of its top-``K`` for every ``K > k`` (``merge_k``: exact dense retrieval,
+whose candidate scan provably holds the exact top-``K`` and whose ranking is exact): there a
+batch is one search at its largest ``k``, each answer cut to its own ``k`` (RaLMSpec's
+direct steps ask for 1 document and its verifications for ``prefetch_size``). Identical
+queries within a batch are searched once.
 
 The verifier is also where coordinators get the KB's query representations and
 document keys for their local caches (:meth:`Verifier.encode`, :meth:`Verifier.doc_keys`),
@@ -110,6 +114,7 @@ class VerificationBatcher:
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         flush_when_all_waiting: bool = True,
         wait_for_speculating: bool = False,
+        merge_k: bool = False,
     ):
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -129,6 +134,7 @@ class VerificationBatcher:
         self.flush_when_all_waiting = bool(flush_when_all_waiting)
         self._active: dict[str, float] = {}  # announced request -> time of its last call (monotonic s)
         self.wait_for_speculating = bool(wait_for_speculating)
+        self.merge_k = bool(merge_k)  # one search per batch at its largest k (prefix-exact KBs only)
         self._away: set[str] = set()  # announced requests speculating until their next call
 
     # ---- requests in flight
@@ -244,6 +250,8 @@ class VerificationBatcher:
             by_k: dict[int, list[_Item]] = {}
             for it in batch:
                 by_k.setdefault(it.k, []).append(it)
+            if self.merge_k and len(by_k) > 1:  # top-k = top-K[:k]: one search at the largest k
+                by_k = {max(by_k): list(batch)}
             for k, items in by_k.items():
                 uniq = list(dict.fromkeys(q for it in items for q in it.queries))
                 self.stats.searches += 1
@@ -258,7 +266,7 @@ class VerificationBatcher:
                 row = dict(zip(uniq, res))
                 for it in items:
                     if not it.future.done():
-                        it.future.set_result([list(row[q]) for q in it.queries])
+                        it.future.set_result([list(row[q][: it.k]) for q in it.queries])
         finally:
             sem.release()
 
@@ -298,7 +306,14 @@ class Verifier:
         self.kind = kind
         self.router = ShardedRetriever(kind, shards, bounds, RetrieverConfig.model_validate(retriever))
         self.batcher = VerificationBatcher(
-            self._search, window_ms, max_batch, batching, max_inflight, flush_when_all_waiting, wait_for_speculating
+            self._search,
+            window_ms,
+            max_batch,
+            batching,
+            max_inflight,
+            flush_when_all_waiting,
+            wait_for_speculating,
+            merge_k=kind == "edr",  # exact dense: a top-k is a prefix of any larger top-K
         )
         self.batcher.on_batch = self._observe_batch
         self.kb_time_s = 0.0

@@ -325,6 +325,7 @@ def run_served_bench(
                         "p95_s": percentile(lats, 95),
                         "kb_calls_per_request": fmean(o["stats"]["kb_calls"] for o in outs),
                         "kb_searches": vst.get("searches"),
+                        "kb_time_s": vst.get("kb_time_s"),  # the verifier's time in KB searches
                         "queries_per_search": (vst["searched_queries"] / vst["searches"])
                         if vst.get("searches")
                         else None,

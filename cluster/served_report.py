@@ -35,7 +35,9 @@ def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] 
         f"Server {meta['url']}, model `{meta['model']}`, {meta['requests']} requests per row, "
         f"{meta['max_new_tokens']} new tokens each. Latency is per request (HTTP round trip); "
         f"throughput is requests finished per second of wall time. `q/search`: queries per KB "
-        f"search sent by the verifier (cross-request batching); `req/batch`: requests per batch.",
+        f"search sent by the verifier (cross-request batching); `KB s`: the verifier's seconds in "
+        f"KB searches during the row; `req/batch`: requests per batch; `wait spec`: whether a batch "
+        f"was held for requests running a speculation window (`-`: the server's setting).",
         "",
     ]
     lines += [f"> {n}" for n in notes] + ([""] if notes else [])
@@ -60,6 +62,7 @@ def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] 
             "p95 (s)",
             "mean (s)",
             "q/search",
+            "KB s",
             "req/batch",
             "tok/fwd",
             "accept",
@@ -80,6 +83,7 @@ def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] 
                 f"{r['p95_s']:.2f}",
                 f"{r['mean_s']:.2f}",
                 f"{r['queries_per_search']:.2f}" if r["queries_per_search"] else "-",
+                f2(r.get("kb_time_s")),
                 f"{r['requests_per_batch']:.2f}" if r["requests_per_batch"] else "-",
                 f2(r.get("tokens_per_forward")),
                 f2(r.get("acceptance_rate")),
@@ -88,7 +92,7 @@ def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] 
             ]
             for r in rows
         ),
-        align="lllllrrrrrrrrrrrr",
+        align="lllllrrrrrrrrrrrrr",
     )
     if one:
         lines += ["", "## One request in flight: served against the in-process engine", ""]

@@ -84,6 +84,27 @@ def test_window_flushes_a_lonely_query():
     assert len(calls) == 1
 
 
+def test_merge_k_searches_a_mixed_batch_once_at_its_largest_k():
+    """On a KB whose top-k is a prefix of its top-K (``merge_k``), calls with k = 1, 3 and 5
+    that arrive together are one search at k = 5, each answer cut to its own k and equal to
+    its own search; without ``merge_k`` each k is searched separately."""
+    ref = fake_kb()[0]
+    for merge, expected in ((True, [5]), (False, [1, 3, 5])):
+        search, calls = fake_kb()
+        b = VerificationBatcher(search, window_ms=30, max_batch=64, merge_k=merge)
+
+        async def main(b=b):
+            return await asyncio.gather(
+                b.submit(["a", "b"], 1), b.submit(["b", "c"], 3), b.submit(["d"], 5), b.submit(["a"], 1)
+            )
+
+        got = run(main())
+        assert got == [run(ref(["a", "b"], 1)), run(ref(["b", "c"], 3)), run(ref(["d"], 5)), run(ref(["a"], 1))]
+        assert sorted(k for _, k in calls) == expected
+        if merge:
+            assert calls[0][0] == ("a", "b", "c", "d")  # each query once
+
+
 def test_disabled_batching_searches_each_submission_alone():
     search, calls = fake_kb(delay=0.002)
     b = VerificationBatcher(search, window_ms=50, max_batch=64, enabled=False)
@@ -320,6 +341,8 @@ def test_verifier_actor_batches_across_callers_without_changing_results(verifier
         assert res == [full.search(q, k) for q in qs[2 * i : 2 * i + 2]]
     st = ray.get(verifier.stats.remote())
     assert st["submissions"] == 12 and st["max_batch_submissions"] > 1
+    # exact dense: a batch with k = 1 and k = 20 is one search at k = 20 (answers cut above)
+    assert st["searches"] == st["batches"]
     # switching batching off changes nothing either
     ray.get(verifier.configure.remote(batching=False))
     assert ray.get(verifier.verify.remote(qs[:3], 5)) == full.batch_search(qs[:3], 5)
