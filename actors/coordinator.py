@@ -171,6 +171,7 @@ class VerifierKB:
         self.verifier = verifier
         self.scorer: ExactScorer = scorer
         self.requester: str | None = None  # the request in flight, announced to the verifier
+        self._sharing = 0  # announced requests at the verifier's last answer
         self.cancelled = cancelled or threading.Event()  # set by Coordinator.cancel: the next call raises
 
     def search(self, query: str, k: int) -> list[Hit]:
@@ -179,7 +180,12 @@ class VerifierKB:
     def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
         if self.cancelled.is_set():
             raise RequestCancelled("the request was cancelled")
-        return _get(self.verifier.verify.remote(list(queries), int(k), self.requester))
+        hits, self._sharing = _get(self.verifier.verify_shared.remote(list(queries), int(k), self.requester))
+        return hits
+
+    def sharing(self) -> int:
+        """Requests that shared the verifier's batches at its last answer (this one included)."""
+        return self._sharing
 
     def speculating(self) -> None:
         """The request opened a speculation window: the verifier need not hold a batch for it
@@ -191,6 +197,7 @@ class VerifierKB:
         """Announce a request (the verifier may then send a batch as soon as every announced
         request is waiting); fire and forget: batching never changes a result."""
         self.requester = requester
+        self._sharing = 0
         self.verifier.begin.remote(requester)
 
     def end(self) -> None:

@@ -335,6 +335,14 @@ class Verifier:
         the call with a request announced by :meth:`begin`."""
         return await self.batcher.submit(list(queries), int(k), requester)
 
+    async def verify_shared(
+        self, queries: Sequence[str], k: int, requester: str | None = None
+    ) -> tuple[list[list[Hit]], int]:
+        """:meth:`verify`, plus how many announced requests share the batches now (RaLMSpec takes
+        direct steps when many do, :mod:`ralm.load_gate`)."""
+        hits = await self.batcher.submit(list(queries), int(k), requester)
+        return hits, self.batcher.active_requests
+
     async def begin(self, requester: str) -> None:
         """A request that will tag its calls ``requester`` is in flight (see the module docstring)."""
         self.batcher.begin(requester)

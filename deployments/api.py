@@ -118,6 +118,7 @@ class SpecOptions(BaseModel):
     gamma_quantile: float | None = None
     gamma_max: float | None = None
     max_stride: StrictInt | None = None
+    shared_kb_direct_at: StrictInt | None = None
 
 
 class KnnOptions(BaseModel):

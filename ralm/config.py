@@ -149,6 +149,12 @@ class SpecConfig(_Strict):
         description="With S: let OS3 choose s = 0 (retrieve from the KB directly, as RaLMSeq does) when its model says speculation cannot pay off, e.g. when retrieval is much cheaper than a rollback. The cache still predicts each step ('shadow speculation') so gamma stays current.",
     )
 
+    shared_kb_direct_at: int = Field(
+        C.SHARED_KB_DIRECT_AT,
+        ge=0,
+        description="On a knowledge base that batches several requests' calls (the served verifier): take direct steps, as RaLMSeq does, while at least this many requests share it (this one included; 0: never). Under such load RaLMSeq's requests step together and share every search, so speculation saves no KB work and only adds its own. Changes strides, never outputs.",
+    )
+
     @classmethod
     def named(cls, name: str, **overrides) -> SpecConfig:
         """A configuration by its paper name: base, P, S, A, PS, PA, SA, PSA."""

@@ -37,6 +37,10 @@ GAMMA_PRIOR_WEIGHT = 32  # ... scaled to at most this many pseudo-observations (
 RATE_CHECK_MIN_STEPS = 8  # OS3: committed steps of speculation measured before its realized rate can veto it
 RATE_CHECK_MARGIN = 0.03  # ... veto when a committed step of speculation costs this much more than a direct step
 RATE_CHECK_EXPLORE = 16  # ... and, once vetoed, let the model choose again after this many direct steps
+# RaLMSpec takes direct steps while at least this many requests share the KB's batches (the served
+# verifier): their direct steps then ride in lock-step batches, and speculation, which does not
+# reduce the number of KB queries, only adds work on a saturated machine (ralm/load_gate.py)
+SHARED_KB_DIRECT_AT = 8
 SHADOW_BUDGET = 0.05  # cache work (probes) in direct steps: at most this share of their KB time (ralm/shadow_budget.py)
 VERIFY_HISTORY_PER_SIZE = 8  # OS3 (bayes mode): recent KB-call latencies kept per batch size for b(s)
 

@@ -26,11 +26,13 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 from cache.speculative import SpeculativeCache
 from ralm.config import RequestConfig, SpecConfig
 from ralm.gamma_prior import PROCESS_PRIOR
 from ralm.generator import Generator
+from ralm.load_gate import SharedLoadGate
 from ralm.os3 import StrideScheduler
 from ralm.results import RalmResult, RequestStats, VerifiedPrefix
 from ralm.retrieval.base import Hit, Retriever, SharedKB
@@ -257,7 +259,14 @@ class _SpecRun:
         self.stats.doc_ids.append(doc_id)
 
     def run(self, executor: Executor) -> RalmResult:
-        speculate(self, self.sched, self.stats, executor)
+        sched: StrideScheduler = self.sched
+        gate = None
+        if self.spec.adaptive_stride:  # a fixed stride is what the caller asked for
+            gate = SharedLoadGate(self.sched, self.kb, self.spec.shared_kb_direct_at)
+            sched = cast(StrideScheduler, gate)  # the scheduler's interface, gated
+        speculate(self, sched, self.stats, executor)
+        if gate is not None:
+            self.stats.load_direct_steps = gate.gated
         return finish(self.gen, self.n_q, self.X, self.eos, self.stats, self.t_start)
 
 

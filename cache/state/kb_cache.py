@@ -39,6 +39,11 @@ class StoreCachedRetriever:
         if hint is not None:
             hint()
 
+    def sharing(self) -> int:
+        """The KB underneath's count of requests sharing its batches (0 when it has none)."""
+        count = getattr(self.kb, "sharing", None)
+        return int(count()) if count is not None else 0
+
     def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
         keys = [self._key(q, k) for q in queries]
         cached = self.store.get_kb_hits(keys)

@@ -45,8 +45,13 @@ class SharedKB(Protocol):
 
     :meth:`speculating` is a scheduling hint, never a change of result: the caller's request
     has opened a speculation window and makes no KB call until that window's verification,
-    so a batch forming now need not wait for it.
+    so a batch forming now need not wait for it. :meth:`sharing` says how many requests share
+    the KB (RaLMSpec takes direct steps under heavy sharing, :mod:`ralm.load_gate`).
     """
 
     def speculating(self) -> None:
         """The request in flight runs speculative steps until its next KB call."""
+
+    def sharing(self) -> int:
+        """Requests that shared the KB's batches at its last answer (this one included; 0:
+        not known yet)."""

@@ -220,12 +220,16 @@ class SharedScriptedKB(ScriptedKB):
     """A scripted KB that, like the served verifier, takes the speculation hint; it logs the
     hints and the KB calls in the order they happen."""
 
-    def __init__(self, *a, **kw):
+    def __init__(self, *a, load: int = 1, **kw):
         super().__init__(*a, **kw)
         self.log: list[str] = []
+        self.load = load  # requests sharing the KB, as the served verifier reports
 
     def speculating(self) -> None:
         self.log.append("hint")
+
+    def sharing(self) -> int:
+        return self.load
 
     def batch_search(self, queries, k):
         self.log.append(f"kb{len(queries)}")
@@ -253,3 +257,28 @@ def test_a_shared_kb_hears_each_window_before_its_speculative_steps_and_tokens_s
     # hint, verification, hint, verification, ...: one hint per window, each verified after it
     assert windows[0::2] == ["hint"] * out.stats.verifications
     assert [int(c[2:]) for c in windows[1::2]] == out.stats.strides
+
+
+@pytest.mark.parametrize(
+    "load, threshold, name, gated",
+    [(16, 8, "PSA", True), (8, 8, "PS", True), (7, 8, "PSA", False), (16, 0, "PSA", False), (16, 8, "Ps=4", False)],
+)
+def test_a_crowded_shared_kb_makes_ralmspec_take_direct_steps(load, threshold, name, gated):
+    """While at least ``shared_kb_direct_at`` requests share the KB, the adaptive scheduler's
+    every decision is a direct step (one KB query per step, as RaLMSeq); below it, with the
+    gate off (0), or with a fixed stride the loop speculates. Tokens equal RaLMSeq's."""
+    spec = SpecConfig.parse(name, shared_kb_direct_at=threshold)
+    gen, kb, req = pipeline({5: 9, 9: 3})
+    base = run_seq(Q, gen, kb, req)
+    gen2 = ScriptedGenerator()
+    gen2.encode_question(Q)
+    shared = SharedScriptedKB(schedule={5: 9, 9: 3}, n_q=6, k=K, load=load)
+    out = run_spec(Q, gen2, shared, req, spec)
+    assert out.tokens == base.tokens and out.stats.doc_ids == base.stats.doc_ids
+    st = out.stats
+    if gated:
+        assert st.load_direct_steps == st.direct_steps == st.steps - 1  # all but the first step
+        assert st.verifications == 0 and "hint" not in shared.log
+        assert st.kb_calls == base.stats.kb_calls
+    else:
+        assert st.load_direct_steps == 0 and st.verifications > 0
