@@ -11,8 +11,10 @@ KB busy 70% of the wall time against 48% for RaLMSeq (docs/results, section 7).
 
 So, like serving engines that turn speculative decoding off above a batch size, RaLMSpec takes
 direct steps while at least ``SpecConfig.shared_kb_direct_at`` requests share the KB (the
-count the KB reported with its last answer), and speculates again when the load falls. The
-gate only chooses strides: a direct step is the baseline's own step, so outputs never change.
+count the KB reported with its last answer), and speculates again when the load falls. Those
+direct steps are RaLMSeq's own, without the cache work of OS3's direct steps (no probe, no
+insertion into the cache; the next verification's prefetch fills it again). The gate only
+chooses strides: a direct step is the baseline's own step, so outputs never change.
 """
 
 from __future__ import annotations
@@ -48,13 +50,15 @@ class SharedLoadGate:
         self.kb = kb if isinstance(kb, SharedKB) else None
         self.threshold = int(threshold)
         self.gated = 0  # decisions turned into direct steps by the load
+        self.gating = False  # the last decision was one of them
 
     def crowded(self) -> bool:
         """At least ``threshold`` requests share the KB (never when the KB is not shared)."""
         return self.kb is not None and self.threshold > 0 and self.kb.sharing() >= self.threshold
 
     def next_stride(self, position: int | None = None, remaining: int | None = None) -> int:
-        if self.crowded():
+        self.gating = self.crowded()
+        if self.gating:
             self.gated += 1
             return 0
         return self.sched.next_stride(position=position, remaining=remaining)

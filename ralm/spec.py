@@ -100,6 +100,9 @@ class _SpecRun:
             spec, prior=PROCESS_PRIOR if spec.gamma_prior else None, prior_key=("doc", kb.name, spec.model_dump_json())
         )
         self.async_verify = spec.async_verify
+        # direct steps while many requests share the KB (adaptive strides only: a fixed stride is
+        # what the caller asked for)
+        self.gate = SharedLoadGate(self.sched, kb, spec.shared_kb_direct_at) if spec.adaptive_stride else None
         self.probe_budget = ShadowBudget(("doc", getattr(kb, "name", ""), self.depth))  # direct steps' guesses
         name = (
             "".join(c for c, on in (("P", spec.prefetch), ("S", spec.adaptive_stride), ("A", spec.async_verify)) if on)
@@ -205,9 +208,15 @@ class _SpecRun:
         reuses it) and looks it up in the cache; the lookup is overhead RaLMSeq does not
         pay, so probes are rationed by the shadow budget
         (:class:`~ralm.shadow_budget.ShadowBudget`, lookups within 5% of the direct steps'
-        KB time). The KB's answer always joins the cache (an insertion costs ~15 us)."""
+        KB time). The KB's answer always joins the cache (an insertion costs ~15 us). A direct
+        step the load gate chose (:mod:`ralm.load_gate`) is RaLMSeq's alone: no probe, no
+        insertion."""
         st = self.stats
         q = self.query(self.X)
+        if self.gate is not None and self.gate.gating:  # the KB is crowded: RaLMSeq's step, no cache work
+            hits = self.kb.search(q, self.depth)
+            self._commit_kb_step(hits)
+            return
         probe = self.probe_budget.allowed()
         guess, lookup, t_cache = None, None, 0.0
         t0 = time.perf_counter()
@@ -259,14 +268,10 @@ class _SpecRun:
         self.stats.doc_ids.append(doc_id)
 
     def run(self, executor: Executor) -> RalmResult:
-        sched: StrideScheduler = self.sched
-        gate = None
-        if self.spec.adaptive_stride:  # a fixed stride is what the caller asked for
-            gate = SharedLoadGate(self.sched, self.kb, self.spec.shared_kb_direct_at)
-            sched = cast(StrideScheduler, gate)  # the scheduler's interface, gated
+        sched = self.sched if self.gate is None else cast(StrideScheduler, self.gate)  # the same interface
         speculate(self, sched, self.stats, executor)
-        if gate is not None:
-            self.stats.load_direct_steps = gate.gated
+        if self.gate is not None:
+            self.stats.load_direct_steps = self.gate.gated
         return finish(self.gen, self.n_q, self.X, self.eos, self.stats, self.t_start)
 
 

@@ -279,6 +279,7 @@ def test_a_crowded_shared_kb_makes_ralmspec_take_direct_steps(load, threshold, n
     if gated:
         assert st.load_direct_steps == st.direct_steps == st.steps - 1  # all but the first step
         assert st.verifications == 0 and "hint" not in shared.log
+        assert st.cache_lookups == 0  # RaLMSeq's steps: no probe of the cache
         assert st.kb_calls == base.stats.kb_calls
     else:
         assert st.load_direct_steps == 0 and st.verifications > 0
