@@ -340,8 +340,7 @@ class Verifier:
     ) -> tuple[list[list[Hit]], int]:
         """:meth:`verify`, plus how many announced requests share the batches now (RaLMSpec takes
         direct steps when many do, :mod:`ralm.load_gate`)."""
-        hits = await self.batcher.submit(list(queries), int(k), requester)
-        return hits, self.batcher.active_requests
+        return await self.verify(queries, k, requester), self.batcher.active_requests
 
     async def begin(self, requester: str) -> None:
         """A request that will tag its calls ``requester`` is in flight (see the module docstring)."""

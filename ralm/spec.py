@@ -103,6 +103,7 @@ class _SpecRun:
         # direct steps while many requests share the KB (adaptive strides only: a fixed stride is
         # what the caller asked for)
         self.gate = SharedLoadGate(self.sched, kb, spec.shared_kb_direct_at) if spec.adaptive_stride else None
+        self.shared_kb = kb if isinstance(kb, SharedKB) else None  # told when a window opens
         self.probe_budget = ShadowBudget(("doc", getattr(kb, "name", ""), self.depth))  # direct steps' guesses
         name = (
             "".join(c for c, on in (("P", spec.prefetch), ("S", spec.adaptive_stride), ("A", spec.async_verify)) if on)
@@ -153,8 +154,8 @@ class _SpecRun:
     def window_opens(self) -> None:
         """A window of speculative steps starts: a shared KB need not wait for this request's
         next call to form a batch (:class:`~ralm.retrieval.base.SharedKB`)."""
-        if isinstance(self.kb, SharedKB):
-            self.kb.speculating()
+        if self.shared_kb is not None:
+            self.shared_kb.speculating()
 
     def emit(self, pending: _Step | None) -> None:
         """Pass newly verified tokens to ``on_commit`` (all of X except a pending async step),
