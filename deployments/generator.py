@@ -372,6 +372,7 @@ class GeneratorServer:
             "invariant_forward": self.engine.batcher is not None,
             "invariant_kernels": invariant_kernels(self.engine.model),
             "invariant_error": self.engine.invariant_error,
+            "invariance_proof": proof.as_dict() if (proof := self.engine.invariance_proof) is not None else None,
             "session_keys": self.session_keys.info(),
             "features": self.features(),
             "dense_drafting": self.dense,

@@ -84,6 +84,10 @@ INVARIANT_KEY_BLOCK = 64  # ... against keys in blocks of this many positions, s
 KV_SESSION_BYTES = 1024 * 1024 * 1024  # budget of the in-flight requests' KV sessions (LRU; docs/batching.md)
 BATCH_TOKEN_BUDGET = 512  # tokens one batched forward processes at most (prefill chunks + decode tokens)
 BATCH_MAX_SEQUENCES = 64  # sequences one batched forward holds at most
+# the whole-model invariance proof run before batching is turned on (ralm/batching/proof.py)
+PROOF_SEED = 0  # its random sequences: the same on every replica
+PROOF_PREFILL_CHUNK = 37  # chunked prefill vs one pass: chunks of this many tokens (not a tile multiple)
+PROOF_DRAFT_TOKENS = NGRAM_M + 1  # drafted verification: [next token, M drafted] fed in one forward
 
 # ---- KNN-LM (token level; docs/design.md "KNN-LM"; RaLMSpec paper section 5.3) ----
 KNN_K = 16  # neighbours retrieved per token (1..1024)

@@ -32,6 +32,8 @@ import torch
 from cache.doc_kv import DocPrefixTree
 from ralm.batching.engine import BatchEngine, StepCall
 from ralm.batching.invariant import InvariantUnavailable, make_invariant
+from ralm.batching.packed import model_max_positions
+from ralm.batching.proof import InvarianceProof, prove_invariance
 from ralm.batching.scheduler import ContinuousBatcher
 from ralm.batching.sessions import SessionStore
 from ralm.config import GeneratorConfig
@@ -83,9 +85,23 @@ class LMEngine:
         self.batcher: ContinuousBatcher | None = None
         self.sessions = SessionStore(self.cfg.kv_session_bytes if self.cfg.invariant else 0)
         self.invariant_error: str | None = None  # why the invariant forward is off although asked for
+        self.invariance_proof: InvarianceProof | None = None  # the whole-model proof (ralm.batching.proof)
         if self.cfg.invariant:
             try:
                 make_invariant(self.model, self.cfg.invariant_tile_rows)
+                # the kernels' probes passed: now the whole model, at the shapes the batcher will run
+                self.invariance_proof = prove_invariance(
+                    self.model, self.cfg.batch_max_sequences, self.cfg.batch_token_budget
+                )
+                if not self.invariance_proof.ok:
+                    raise InvariantUnavailable(str(self.invariance_proof.reason))
+                log.info(
+                    "invariance proved on %s/%s: %d comparisons in %.1f s",
+                    self.invariance_proof.device,
+                    self.invariance_proof.dtype,
+                    self.invariance_proof.comparisons,
+                    self.invariance_proof.seconds,
+                )
             except InvariantUnavailable as e:
                 # keep serving: one step at a time, context re-prefilled (exact as before), and say why
                 self.invariant_error = str(e)
@@ -132,11 +148,7 @@ class LMEngine:
 
     @staticmethod
     def _max_positions(config) -> int:
-        for name in ("n_positions", "max_position_embeddings", "n_ctx"):
-            v = getattr(config, name, None)
-            if isinstance(v, int) and v > 0:
-                return v
-        return 1 << 30
+        return model_max_positions(config)
 
     # ------------------------------------------------------------------ text
     def encode_question(self, question: str) -> list[int]:

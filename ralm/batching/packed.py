@@ -26,6 +26,16 @@ from ralm import constants as C
 from ralm.batching.invariant import attend, hidden_keys
 
 
+def model_max_positions(config) -> int:
+    """The positions a model's config allows (``n_positions``, ``max_position_embeddings`` or
+    ``n_ctx``; unbounded when it names none)."""
+    for name in ("n_positions", "max_position_embeddings", "n_ctx"):
+        v = getattr(config, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return 1 << 30
+
+
 class SeqKV:
     """The keys and values of one sequence, every layer, in block-padded buffers.
 

@@ -56,7 +56,11 @@ def test_concurrent_steps_are_batched_and_each_equals_the_step_alone(server, loc
     outs = asyncio.run(together())
     for call, a, b in zip(calls, alone, outs):
         assert b.tokens == a.tokens and b.eos == a.eos, call
-    m = server.info()["batching"]
+    info = server.info()
+    # batching is on because the whole model passed its invariance proof on this machine
+    assert info["invariance_proof"]["ok"] and info["invariant_error"] is None
+    assert info["invariance_proof"]["checks"][-1] == f"packed x{server.engine.cfg.batch_max_sequences}"
+    m = info["batching"]
     assert m["max_batch"] > 1 and m["iterations"] >= 1
     assert sum(n for b, n in m["batch_size_histogram"].items() if b != "<=1") >= 1
     assert m["steps_done"] == len(calls)  # every step ran in the batch, the n-gram drafted one too
