@@ -63,8 +63,9 @@ def _median(xs):
     return xs[len(xs) // 2]
 
 
-def forward_cost(plain_model, inv_model, context: int, reps: int) -> dict:
-    """Decode-token latency at batch 1 and tokens/s at batch 16, plain vs invariant.
+def forward_cost(plain_model, inv_model, context: int, reps: int, batches: tuple[int, ...] = (1, 16)) -> dict:
+    """Decode-token latency and tokens/s at each of ``batches`` (default 1 and 16), plain vs
+    invariant, on the models' device (a GPU is synchronised around each timed forward).
 
     The two forwards alternate rep by rep (medians of ``reps`` each), so a noisy machine
     slows both alike."""
@@ -74,10 +75,12 @@ def forward_cost(plain_model, inv_model, context: int, reps: int) -> dict:
 
     g = torch.Generator().manual_seed(0)
     vocab = plain_model.config.vocab_size
+    device = next(plain_model.parameters()).device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     res: dict = {"context": context}
     with torch.inference_mode():
-        for batch in (1, 16):
-            ids = torch.randint(1, vocab, (batch, context + 1), generator=g)
+        for batch in batches:
+            ids = torch.randint(1, vocab, (batch, context + 1), generator=g).to(device)
             past = plain_model(input_ids=ids[:, :context], use_cache=True).past_key_values
             lens = [len(layer.keys[0, 0]) for layer in past.layers]
             kvs = []
@@ -89,13 +92,18 @@ def forward_cost(plain_model, inv_model, context: int, reps: int) -> dict:
             for _ in range(reps + 2):  # the first two of each are warm-up
                 for layer, n in zip(past.layers, lens):  # the same KV length every rep
                     layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
+                sync()
                 t0 = time.perf_counter()
                 plain_model(input_ids=ids[:, context:], past_key_values=past, use_cache=True)
+                sync()
                 plain_t.append(time.perf_counter() - t0)
                 for kv in kvs:
                     kv.crop(context)
+                last = ids[:, context].tolist()
+                sync()
                 t0 = time.perf_counter()
-                packed_forward(inv_model, [(kv, [int(ids[b, context])]) for b, kv in enumerate(kvs)])
+                packed_forward(inv_model, [(kv, [last[b]]) for b, kv in enumerate(kvs)])
+                sync()
                 inv_t.append(time.perf_counter() - t0)
             plain_s, inv_s = _median(plain_t[2:]), _median(inv_t[2:])
             res[f"batch{batch}"] = {

@@ -8,6 +8,7 @@
     ralmspec soak --minutes 30 --concurrency 8       mixed load over time: leaks, drift, exactness
     ralmspec bench-gen ...                           doc-KV reuse and drafting benchmark
     ralmspec bench-batching ...                      continuous batching and KV sessions benchmark
+    ralmspec gpu-check                               exact batching on this accelerator: proof, identical counts, speed
     ralmspec costs                                   unit costs of retrieval and generation
     ralmspec bench-knn ...                           KNN-LM speculation benchmark
     ralmspec paper-table                             the RaLMSpec paper's grid on our profiles, beside its numbers
@@ -151,6 +152,14 @@ _PLUGGED_COMMANDS = [
         "batch_bench_main",
         False,
         "generator benchmark: invariant forward cost, continuous batching and KV sessions",
+    ),
+    (
+        "gpu-check",
+        "cluster.gpu_check",
+        "add_gpu_check_args",
+        "gpu_check_main",
+        False,
+        "exact batching on this machine's GPU: the whole-model proof per dtype, batched vs alone, forward and scan speed",
     ),
     (
         "costs",

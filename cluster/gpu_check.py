@@ -1,0 +1,401 @@
+"""``ralmspec gpu-check``: is exact batching safe on this machine's accelerator, and how fast is it?
+
+One command for anyone with a GPU (users checking their hardware before deploying, and us).
+It writes ``gpu-check.json`` and ``gpu-check.md`` under ``--out``, section by section as
+they finish (a failing section is recorded and the next one runs):
+
+``env``
+    torch, transformers, triton, the device, its compute capability, and the project commit.
+``proof``
+    per model shape and dtype: does the generator pass the whole-model invariance proof
+    (:mod:`ralm.batching.proof`) and so batch, or does it serve one step at a time, and why.
+``exact``
+    per dtype that batches: the engine with ``--requests`` (16, 64) requests in flight against
+    each request alone (one at a time, no KV session): identical counts and tokens/s.
+``forward``
+    the invariant decode forward against the plain Hugging Face one at batch 1, 16 and 64
+    (300-token context).
+``scan``
+    exact dense top-k on the device at 4M x 384 and 21M x 768 (float16 vectors and scores
+    from one matrix product, top-20 of the scores), batch 1, 16 and 64: time, and whether
+    each query's top-20 is the same alone as in the batch.
+
+By default the models are random ones built from a config (no download): the Llama-3.2-1B
+shape (16 layers, width 2048, 32/8 heads) with the demo tokenizer; ``--model`` takes any
+Hugging Face name or path instead. On a CPU every shape is tiny (a smoke run in seconds,
+which CI runs). ``--budget-s`` bounds the whole run: a section that would start after it is
+recorded as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from cluster.report import write_report
+from ralm import constants as C
+
+#: random model shapes: family, layers, width, intermediate, heads, kv heads
+SHAPES: dict[str, tuple[str, int, int, int, int, int]] = {
+    "llama-1b": ("llama", 16, 2048, 8192, 32, 8),  # Llama-3.2-1B's shape
+    "gpt2-124m": ("gpt2", 12, 768, 3072, 12, 12),
+    "llama-tiny": ("llama", 2, 64, 128, 4, 2),  # the CPU smoke run
+    "gpt2-tiny": ("gpt2", 2, 64, 256, 4, 4),
+}
+
+
+def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="a real generator (Hugging Face name or path) instead of random shapes")
+    p.add_argument(
+        "--shapes",
+        help=f"random model shapes, comma-separated, of {', '.join(SHAPES)} (default: llama-1b; tiny on CPU)",
+    )
+    p.add_argument("--dtypes", default="bfloat16,float16,float32", help="dtypes to prove and run")
+    p.add_argument("--requests", default=None, help="requests in flight for the exactness check (default 16,64; CPU 4)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 64; CPU 16)")
+    p.add_argument("--stride", type=int, default=4, help="tokens per step")
+    p.add_argument("--forward-batches", default="1,16,64", help="decode forward batch sizes")
+    p.add_argument(
+        "--scan", default=None, help="dense scans ROWSxDIM, comma-separated (default 4Mx384,21Mx768; CPU 20000x384)"
+    )
+    p.add_argument("--sections", default="env,proof,exact,forward,scan", help="which sections to run")
+    p.add_argument("--budget-s", type=float, default=480.0, help="no section starts after this many seconds")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--out", type=Path, default=Path("gpu-check-out"))
+
+
+def _rows(spec: str) -> int:
+    s = spec.strip().lower()
+    mult = {"k": 1_000, "m": 1_000_000}.get(s[-1:], 1)
+    return int(float(s[:-1] if mult > 1 else s) * mult)
+
+
+class GpuCheck:
+    """The sections, their shared state (the engines built by ``proof``) and the report."""
+
+    def __init__(self, args):
+        import torch
+
+        self.args = args
+        self.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.small = self.device == "cpu"
+        self.t0 = time.perf_counter()
+        self.res: dict[str, Any] = {"sections_s": {}}
+        self.engines: dict[str, Any] = {}  # "shape/dtype" -> invariant engine that batches
+        default_shapes = "llama-tiny,gpt2-tiny" if self.small else "llama-1b"
+        self.shapes = [s for s in (args.shapes or default_shapes).split(",") if s]
+        self.dtypes = [d for d in args.dtypes.split(",") if d]
+        self.requests = [int(x) for x in (args.requests or ("4" if self.small else "16,64")).split(",") if x]
+        self.new_tokens = args.new_tokens or (16 if self.small else 64)
+        self.scans = [
+            tuple(_rows(v) for v in s.split("x"))
+            for s in (args.scan or ("20000x384" if self.small else "4Mx384,21Mx768")).split(",")
+            if s
+        ]
+
+    # ------------------------------------------------------------------ plumbing
+    def save(self) -> None:
+        write_report(self.args.out, "gpu-check", self.res, markdown(self.res), default=str)
+
+    def run(self, names: list[str]) -> dict:
+        for name in names:
+            if time.perf_counter() - self.t0 > self.args.budget_s:
+                self.res[name] = {"skipped": f"the {self.args.budget_s:.0f} s budget was spent"}
+                continue
+            t = time.perf_counter()
+            print(f"== {name}", flush=True)
+            try:
+                self.res[name] = getattr(self, name)()
+            except Exception as e:  # a failing section is recorded; the next one runs
+                self.res[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
+            self.res["sections_s"][name] = round(time.perf_counter() - t, 1)
+            print(json.dumps(self.res[name], default=str)[:2000], flush=True)
+            self.save()
+        self.save()
+        return self.res
+
+    def sync(self) -> None:
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.args.model or str(C.DEMO_MODEL_DIR))
+
+    def build(self, shape: str, dtype: str, tok):
+        """A model of ``shape`` (or ``--model``) in ``dtype`` on the device, the same weights every call."""
+        import torch
+        from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+        dt = getattr(torch, dtype)
+        if self.args.model:
+            return AutoModelForCausalLM.from_pretrained(self.args.model, dtype=dt).to(self.device).eval()
+        fam, layers, width, inter, heads, kv = SHAPES[shape]
+        common = {"vocab_size": len(tok), "eos_token_id": tok.eos_token_id, "bos_token_id": tok.eos_token_id}
+        torch.manual_seed(0)
+        if fam == "gpt2":
+            cfg: Any = GPT2Config(n_layer=layers, n_embd=width, n_inner=inter, n_head=heads, n_positions=2048, **common)
+            cls: Any = GPT2LMHeadModel
+        else:
+            cfg = LlamaConfig(
+                num_hidden_layers=layers,
+                hidden_size=width,
+                intermediate_size=inter,
+                num_attention_heads=heads,
+                num_key_value_heads=kv,
+                max_position_embeddings=2048,
+                **common,
+            )
+            cls = LlamaForCausalLM
+        with torch.device(self.device):
+            return cls(cfg).to(dt).eval()
+
+    def engine(self, model, tok, dtype: str, **cfg):
+        from ralm.config import GeneratorConfig
+        from ralm.engine import LMEngine
+
+        name = self.args.model or str(C.DEMO_MODEL_DIR)
+        return LMEngine(model, tok, GeneratorConfig(model=name, device=self.device, dtype=dtype, **cfg))
+
+    # ------------------------------------------------------------------ sections
+    def env(self) -> dict:
+        import torch
+        import transformers
+
+        d: dict[str, Any] = {
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "triton": _version("triton"),
+            "device": self.device,
+            "cpu": platform.processor() or platform.machine(),
+        }
+        if self.device == "cuda":
+            p = torch.cuda.get_device_properties(0)
+            d.update(
+                gpu=torch.cuda.get_device_name(0),
+                capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+                memory_gib=round(p.total_memory / 2**30, 1),
+                cuda=torch.version.cuda,
+            )
+        try:
+            d["commit"] = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, cwd=C.PACKAGE_ROOT
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            d["commit"] = None
+        return d
+
+    def proof(self) -> dict:
+        from ralm.batching.invariant import invariant_kernels
+
+        tok = self.tokenizer()
+        out = {}
+        for shape in [self.args.model] if self.args.model else self.shapes:
+            for dtype in self.dtypes:
+                t = time.perf_counter()
+                e = self.engine(self.build(shape, dtype, tok), tok, dtype)
+                key = f"{shape}/{dtype}"
+                out[key] = {
+                    "batching": e.batcher is not None,
+                    "kernels": invariant_kernels(e.model),
+                    "reason_off": e.invariant_error,
+                    "proof": e.invariance_proof.as_dict() if e.invariance_proof else None,
+                    "load_and_proof_s": round(time.perf_counter() - t, 1),
+                }
+                if e.batcher is not None:
+                    self.engines[key] = e
+                else:
+                    del e
+                self.free()
+        return out
+
+    def free(self) -> None:
+        import gc
+
+        import torch
+
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+    def exact(self) -> dict:
+        from cluster.batch_bench import _requests, run_arm
+
+        out: dict[str, Any] = {}
+        data = C.PACKAGE_ROOT / "tests" / "data"
+        n_max = max(self.requests)
+        for key, e in self.engines.items():
+            if time.perf_counter() - self.t0 > self.args.budget_s:
+                out[key] = {"skipped": "time budget"}
+                continue
+            alone_engine = self.engine(e.model, e.tokenizer, e.cfg.dtype, kv_session_bytes=0)
+            reqs = _requests(e, data / "fixture_corpus.jsonl", data / "fixture_questions.jsonl", n_max)
+            alone = run_arm(alone_engine, reqs, 1, self.new_tokens, self.args.stride, serial=True)
+            for n in self.requests:
+                bat = run_arm(e, reqs[:n], n, self.new_tokens, self.args.stride, serial=False)
+                same = sum(a == b for a, b in zip(alone["outputs"][:n], bat["outputs"]))
+                out[f"{key}/n{n}"] = {
+                    "requests": n,
+                    "new_tokens": self.new_tokens,
+                    "identical": same,
+                    "alone_tok_s": round(alone["tokens_per_s"], 1),
+                    "batched_tok_s": round(bat["tokens_per_s"], 1),
+                    "batched_over_alone": round(bat["tokens_per_s"] / alone["tokens_per_s"], 2),
+                }
+            self.save()
+        return out
+
+    def forward(self) -> dict:
+        from cluster.batch_bench import forward_cost
+
+        out = {}
+        batches = tuple(int(b) for b in self.args.forward_batches.split(",") if b)
+        for key, e in self.engines.items():
+            shape, dtype = key.rsplit("/", 1)
+            plain = self.build(shape, dtype, e.tokenizer)
+            ctx = 300 if not self.small else 40
+            out[key] = forward_cost(plain, e.model, ctx, 12 if not self.small else 3, batches)
+            del plain
+            self.free()
+        return out
+
+    def _topk(self, X, qs):
+        """Top-20 of ``qs [b, d] @ X [n, d]^T`` (float16 product on a GPU; float32 on a CPU)."""
+        import torch
+
+        s = (qs @ X.T).float() if self.device == "cuda" else (qs.float() @ X.float().T)
+        return torch.topk(s, 20, dim=1)
+
+    def scan(self) -> dict:
+        import torch
+
+        out = {}
+        for n, d in self.scans:
+            g = torch.Generator(device=self.device).manual_seed(0)
+            if self.device == "cuda":
+                X = torch.randn(n, d, device=self.device, generator=g, dtype=torch.float16)
+            else:
+                X = torch.randn(n, d, generator=g).to(torch.float16)
+            r: dict[str, Any] = {}
+            q = torch.randn(64, d, device=self.device, generator=g).to(torch.float16)
+            alone = [self._topk(X, q[i : i + 1]).indices for i in range(64)]
+            for b in (1, 16, 64):
+                ts = []
+                for _ in range(5):
+                    self.sync()
+                    t = time.perf_counter()
+                    ix = self._topk(X, q[:b]).indices.cpu()
+                    ts.append(time.perf_counter() - t)
+                same = sum(torch.equal(ix[i], alone[i][0].cpu()) for i in range(b))
+                r[f"batch{b}"] = {"ms": round(sorted(ts)[len(ts) // 2] * 1e3, 2), "same_top20_as_alone": f"{same}/{b}"}
+            out[f"{n}x{d}"] = r
+            del X
+            self.free()
+        return out
+
+
+def _version(module: str) -> str | None:
+    try:
+        return str(__import__(module).__version__)
+    except ImportError:
+        return None
+
+
+def _done(res: dict, name: str) -> dict:
+    """A section's results, or {} when it failed, was skipped or has not run."""
+    v = res.get(name) or {}
+    return {} if "error" in v or "skipped" in v else v
+
+
+def markdown(res: dict) -> str:
+    """The report's tables (whatever sections have finished)."""
+    env = _done(res, "env")
+    lines = [
+        "# ralmspec gpu-check",
+        "",
+        f"{env.get('date', '')}: {env.get('gpu', env.get('cpu', ''))} (capability {env.get('capability', '-')}), "
+        f"torch {env.get('torch')}, transformers {env.get('transformers')}, triton {env.get('triton')}, "
+        f"commit {env.get('commit')}",
+        "",
+    ]
+    proof = _done(res, "proof")
+    if proof:
+        lines += ["| model/dtype | batching | kernels | proof | why off |", "|---|---|---|---|---|"]
+        for k, v in proof.items():
+            p = v.get("proof") or {}
+            verdict = f"{p.get('comparisons', 0)} comparisons, {p.get('seconds', 0)} s" if p else "-"
+            why = (v.get("reason_off") or "").replace("|", "/")
+            lines.append(f"| {k} | {'on' if v['batching'] else 'off'} | {v.get('kernels')} | {verdict} | {why} |")
+        lines.append("")
+    exact = _done(res, "exact")
+    if exact:
+        lines += [
+            "| model/dtype/in flight | identical | alone tok/s | batched tok/s | ratio |",
+            "|---|---|---|---|---|",
+        ]
+        for k, v in exact.items():
+            if "identical" in v:
+                lines.append(
+                    f"| {k} | {v['identical']}/{v['requests']} | {v['alone_tok_s']} | {v['batched_tok_s']} | "
+                    f"{v['batched_over_alone']}x |"
+                )
+        lines.append("")
+    fwd = _done(res, "forward")
+    if fwd:
+        lines += ["| model/dtype | batch | plain ms | invariant ms | invariant/plain |", "|---|---|---|---|---|"]
+        for k, v in fwd.items():
+            for b, r in v.items():
+                if isinstance(r, dict):
+                    lines.append(
+                        f"| {k} | {b.removeprefix('batch')} | {r['plain_ms']:.2f} | {r['invariant_ms']:.2f} | "
+                        f"{r['invariant_over_plain']:.2f}x |"
+                    )
+        lines.append("")
+    scan = _done(res, "scan")
+    if scan:
+        lines += ["| dense scan | batch | ms | top-20 same as alone |", "|---|---|---|---|"]
+        for k, v in scan.items():
+            for b, r in v.items():
+                lines.append(f"| {k} | {b.removeprefix('batch')} | {r['ms']} | {r['same_top20_as_alone']} |")
+        lines.append("")
+    for name, v in res.items():
+        if isinstance(v, dict) and ("error" in v or "skipped" in v):
+            lines.append(f"- {name}: {v.get('error') or v.get('skipped')}")
+    lines.append(f"\nSeconds per section: {res.get('sections_s')}")
+    return "\n".join(lines) + "\n"
+
+
+def gpu_check_main(args) -> int:
+    """Run the sections; exit status 1 when a batching dtype gave a batched answer that differs
+    from the same request alone (the exactness contract broken), else 0."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    check = GpuCheck(args)
+    res = check.run([s for s in args.sections.split(",") if s])
+    print(markdown(res))
+    bad = [k for k, v in _done(res, "exact").items() if v.get("identical", 0) != v.get("requests", 0)]
+    if bad:
+        print(f"FAIL: batched answers differ from the same requests alone: {', '.join(bad)}")
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ralmspec gpu-check", description=__doc__)
+    add_gpu_check_args(p)
+    return gpu_check_main(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
