@@ -102,6 +102,10 @@ class GeneratorConfig(_Strict):
         ge=1,
         description="Linear layers run on row counts padded to a multiple of this; checked at load for row invariance.",
     )
+    invariant_kernels: Literal["auto", "torch", "triton"] = Field(
+        "auto",
+        description="Kernels of the invariant forward: 'torch' (BLAS tiles / oneDNN linear layers and torch attention: the CPU path), 'triton' (batch-invariant Triton kernels for linear layers, norms and attention: fixed tiles, no split-K), 'auto' (triton for a model on a CUDA device, else torch). Either way the whole model must pass the invariance proof before batching turns on.",
+    )
     kv_session_bytes: int = Field(
         C.KV_SESSION_BYTES,
         ge=0,

@@ -88,7 +88,7 @@ class LMEngine:
         self.invariance_proof: InvarianceProof | None = None  # the whole-model proof (ralm.batching.proof)
         if self.cfg.invariant:
             try:
-                make_invariant(self.model, self.cfg.invariant_tile_rows)
+                make_invariant(self.model, self.cfg.invariant_tile_rows, self.cfg.invariant_kernels)
                 # the kernels' probes passed: now the whole model, at the shapes the batcher will run
                 self.invariance_proof = prove_invariance(
                     self.model, self.cfg.batch_max_sequences, self.cfg.batch_token_budget

@@ -12,6 +12,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the hub is unreachable: never try it
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# without a GPU the Triton kernels run in triton's interpreter on CPU tensors; triton reads the
+# variable when a function is decorated, so it is set before anything can import triton
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # passage embeddings built by tests go to a per-session directory, never the user's cache
 # (Ray workers started by the tests inherit it). Under pytest-xdist each worker process gets
 # its own: a worker removes its directory when it exits, while the others may still use theirs.

@@ -41,6 +41,12 @@ Element-wise functions
     GELUs are rewritten from those. Norms (LayerNorm, RMSNorm) reduce each row on its own
     and are row-invariant as they are.
 
+On NVIDIA GPUs none of this holds (cuBLAS changes a row's reduction with the row count,
+and torch's batched matmuls and norm reductions with the shape): ``kernels="triton"`` (the
+default for a model on CUDA) runs the linear layers, the norms and attention on the
+batch-invariant Triton kernels of :mod:`ralm.batching.triton_kernels` instead, whose
+reduction orders are fixed by construction (see there).
+
 Only architectures made of these parts are accepted (GPT-2, OPT, Llama, Mistral without
 a sliding window, Qwen2, and the project's model); anything else raises a clear error.
 """
@@ -94,7 +100,8 @@ class InvariantLinear(nn.Module):
     """``y = x W^T + b`` on a fixed kernel path whatever the row count.
 
     ``x [..., in]`` -> ``[..., out]``. ``kernel`` is ``"blas"`` (rows padded to a multiple of
-    ``tile_rows``) or ``"onednn"`` (rows padded to at least ``INVARIANT_ONEDNN_MIN_ROWS``).
+    ``tile_rows``), ``"onednn"`` (rows padded to at least ``INVARIANT_ONEDNN_MIN_ROWS``) or
+    ``"triton"`` (:func:`ralm.batching.triton_kernels.matmul`: M-independent tiles, no padding).
     Worked example with BLAS and ``tile_rows=16``: a decode step of 3 sequences is a
     ``[3, in]`` input; it runs as ``[16, in]`` (13 zero rows) and the 3 real rows come back;
     the same row inside a 40-row prefill runs as part of ``[48, in]`` and gets the same bits.
@@ -125,9 +132,9 @@ class InvariantLinear(nn.Module):
         self.use_kernel(kernel)
 
     def use_kernel(self, kernel: str) -> None:
-        """Run on ``kernel`` ("blas" or "onednn") and lay the weight out for it: oneDNN takes
-        ``[out, in]`` contiguous; BLAS tiles an ``[in, out]`` contiguous buffer (``weight`` is
-        its transposed view). Measured, one thread, 4-row tiles: ``[1024 -> 256]`` 45 us
+        """Run on ``kernel`` ("blas", "onednn" or "triton") and lay the weight out for it: oneDNN
+        and Triton take ``[out, in]`` contiguous; BLAS tiles an ``[in, out]`` contiguous buffer
+        (``weight`` is its transposed view). Measured, one thread, 4-row tiles: ``[1024 -> 256]`` 45 us
         against 75 us with the ``[out, in]`` layout, ``[256 -> 768]`` 35 against 42 us; the
         demo model's batch-1 invariant forward 1.44x the plain one against 1.55x. A weight
         shared with another module (a tied LM head, ``shared``) keeps its layout, and stays
@@ -137,7 +144,7 @@ class InvariantLinear(nn.Module):
             pass
         elif kernel == "blas" and not w.t().is_contiguous():
             w = w.t().contiguous().t()
-        elif kernel != "blas" and not w.is_contiguous():
+        elif kernel != "blas" and not w.is_contiguous():  # onednn, triton
             w = w.contiguous()
         if w.data_ptr() != self.weight.data_ptr() or w.stride() != self.weight.stride():
             self.weight = nn.Parameter(w, requires_grad=False)
@@ -150,7 +157,11 @@ class InvariantLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         n = x2.shape[0]
-        if self.kernel == "onednn":
+        if self.kernel == "triton":
+            from ralm.batching import triton_kernels
+
+            y = triton_kernels.matmul(x2, self.weight, self.bias)
+        elif self.kernel == "onednn":
             y = onednn_linear(_pad_rows(x2, max(n, C.INVARIANT_ONEDNN_MIN_ROWS)).contiguous(), self.weight, self.bias)
         else:
             y = F.linear(_pad_rows(x2, -(-n // self.tile_rows) * self.tile_rows), self.weight, self.bias)
@@ -201,6 +212,60 @@ _ROWWISE_SUFFIXES = ("LayerNorm", "RMSNorm", "Embedding", "Dropout", "RotaryEmbe
 def _is_rowwise(mod: nn.Module) -> bool:
     name = type(mod).__name__
     return isinstance(mod, (nn.Embedding, nn.LayerNorm, nn.Dropout, nn.Identity)) or name.endswith(_ROWWISE_SUFFIXES)
+
+
+# --------------------------------------------------------------------------- norms (Triton)
+class TritonRMSNorm(nn.Module):
+    """Hugging Face's ``*RMSNorm`` (Llama, Mistral, Qwen2) on :func:`triton_kernels.rms_norm`
+    (one program per row); ``weight`` is the replaced module's parameter (shared)."""
+
+    def __init__(self, weight: nn.Parameter, eps: float):
+        super().__init__()
+        self.weight = weight
+        self.variance_epsilon = float(eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ralm.batching import triton_kernels
+
+        y = triton_kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.variance_epsilon)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class TritonLayerNorm(nn.Module):
+    """``nn.LayerNorm`` over the last dimension on :func:`triton_kernels.layer_norm` (one
+    program per row); ``weight`` and ``bias`` are the replaced module's parameters (shared)."""
+
+    def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None, eps: float):
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.eps = float(eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ralm.batching import triton_kernels
+
+        y = triton_kernels.layer_norm(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self.eps)
+        return y.view(x.shape)
+
+
+def _triton_norm(mod: nn.Module) -> nn.Module | None:
+    """The Triton replacement of a norm module (None: not a norm, or already replaced)."""
+    if isinstance(mod, (TritonRMSNorm, TritonLayerNorm)):
+        return None
+    if isinstance(mod, nn.LayerNorm):
+        if len(mod.normalized_shape) != 1:
+            raise InvariantUnavailable(
+                f"LayerNorm over {tuple(mod.normalized_shape)}: only the last dimension is supported"
+            )
+        return TritonLayerNorm(mod.weight, mod.bias, mod.eps)
+    if type(mod).__name__.endswith("RMSNorm"):
+        weight, eps = getattr(mod, "weight", None), getattr(mod, "variance_epsilon", None)
+        if not isinstance(weight, nn.Parameter) or eps is None:
+            raise InvariantUnavailable(
+                f"no Triton form for {type(mod).__name__} (expected .weight and .variance_epsilon)"
+            )
+        return TritonRMSNorm(weight, eps)
+    return None
 
 
 # --------------------------------------------------------------------------- attention
@@ -317,6 +382,10 @@ def invariant_attention(module, query, key, value, attention_mask, scaling=None,
         raise InvariantUnavailable("the invariant forward takes no padding mask: run sequences unpadded")
     nq, lk = query.shape[2], key.shape[2]
     pos = torch.arange(lk - nq, lk, device=query.device).expand(query.shape[0], nq)
+    if getattr(module, "_ralm_triton", False):
+        from ralm.batching import triton_kernels
+
+        return triton_kernels.attention(query, key, value, pos, float(scaling)), None
     k_pad, v_aug = pad_kv(key, value)
     return attend(query, k_pad, v_aug, pos, float(scaling)), None
 
@@ -369,17 +438,37 @@ def _check_architecture(model) -> None:
         )
 
 
-def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS) -> Any:
+#: ``make_invariant``'s kernel choices (``GeneratorConfig.invariant_kernels``)
+KERNELS = ("auto", "torch", "triton")
+
+
+def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS, kernels: str = "auto") -> Any:
     """Rewrite ``model`` in place for the invariant forward and return it (idempotent).
 
     Linear layers become :class:`InvariantLinear` (sharing the weights of ``nn.Linear``,
     e.g. a tied LM head; ``Conv1D`` weights are transposed once), activations become their
-    invariant forms, and attention runs :func:`invariant_attention`. Raises
+    invariant forms, and attention runs :func:`invariant_attention`. ``kernels``: ``"torch"``
+    (BLAS tiles / oneDNN and :func:`attend`: torch's own kernels), ``"triton"`` (the Triton kernels for linear
+    layers, norms and attention: what a GPU needs; also runs in triton's interpreter on CPU
+    tensors), ``"auto"``: ``"triton"`` for a model on CUDA, else ``"torch"``. Raises
     :class:`InvariantUnavailable` for an unsupported architecture or machine.
     """
     if getattr(model, "_ralm_invariant", None):
         return model
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, not {kernels!r}")
+    if kernels == "auto":
+        param = next(model.parameters(), None)
+        kernels = "triton" if param is not None and param.device.type == "cuda" else "torch"
     _check_architecture(model)
+    if kernels == "triton":
+        from ralm.batching import triton_kernels
+
+        if not triton_kernels.triton_available():
+            raise InvariantUnavailable(
+                "the invariant forward on this device needs triton (pip install triton); "
+                "set generator.invariant=false to serve without batching and KV sessions"
+            )
     from transformers.pytorch_utils import Conv1D
 
     unknown = {
@@ -410,9 +499,13 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS) -> Any:
                 repl = _ACTIVATIONS[kind]
                 if repl is not None:
                     setattr(parent, name, repl())
+            elif kernels == "triton" and (norm := _triton_norm(child)) is not None:
+                setattr(parent, name, norm)
     _register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     layers = [m for m in model.modules() if isinstance(m, InvariantLinear)]
+    if kernels == "triton":
+        return _use_triton(model, layers)
     _choose_kernels(layers)  # probes the oneDNN shapes; the tile loop probes the BLAS ones
     blas = {(m.in_features, m.out_features): m for m in layers if m.kernel == "blas"}
     for tile in dict.fromkeys((tile_rows, 16, 64)):  # the configured tile, then safer ones
@@ -425,11 +518,61 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS) -> Any:
             log.warning("matrix multiply not row-invariant at %d-row tiles here; trying larger tiles", tile)
             continue
         check_attention_invariance(_head_dim(model), layers[0].weight.device, layers[0].weight.dtype)
-        kernels = sorted({m.kernel for m in layers})
-        model._ralm_invariant = f"{'+'.join(kernels)}, {tile}-row BLAS tiles"
+        kinds = sorted({m.kernel for m in layers})
+        model._ralm_invariant = f"{'+'.join(kinds)}, {tile}-row BLAS tiles"
         return model
     check_row_invariance(layers[0])  # raises with the reason
     return model
+
+
+def _use_triton(model, layers: list[InvariantLinear]) -> Any:
+    """Finish :func:`make_invariant` on the Triton kernels: linear layers on
+    :func:`triton_kernels.matmul`, attention modules flagged for :func:`triton_kernels.attention`,
+    then a cheap probe of both on the model's device and dtype."""
+    from ralm.batching import triton_kernels
+
+    for layer in layers:
+        layer.use_kernel("triton")
+    for m in model.modules():
+        if hasattr(m, "layer_idx"):  # the attention modules (the decoder layers too: harmless)
+            m._ralm_triton = True
+    try:
+        check_triton_invariance(layers[0], _head_dim(model))
+    except InvariantUnavailable:
+        raise
+    except Exception as e:  # no driver, a compilation failure, ...
+        raise InvariantUnavailable(
+            f"the Triton invariant kernels cannot run here ({type(e).__name__}: {e}); set generator.invariant=false"
+        ) from e
+    model._ralm_invariant = triton_kernels.DESCRIPTION
+    return model
+
+
+def check_triton_invariance(layer: InvariantLinear, head_dim: int) -> None:
+    """Raise :class:`InvariantUnavailable` unless the Triton kernels give a row of ``layer``
+    the same bits alone and inside 64- and 200-row batches, and a query the same bits alone
+    and inside a prefill over three key blocks (on ``layer``'s device and dtype)."""
+    from ralm.batching import triton_kernels as T
+
+    w = layer.weight
+    dev, dt = w.device, w.dtype
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(200, layer.in_features, generator=g).to(dev, dt)
+    rows = (0, 37, 63)
+    with torch.inference_mode():
+        alone = torch.cat([T.matmul(x[i : i + 1], w, layer.bias) for i in rows])
+        ok = all(torch.equal(T.matmul(x[:n], w, layer.bias)[list(rows)], alone) for n in (64, 200))
+        L = 2 * T.ATTN_BLOCK_N + 9
+        q, k, v = (torch.randn(1, 2, L, head_dim, generator=g).to(dev, dt) for _ in range(3))
+        pos = torch.arange(L, device=dev)[None]
+        full = T.attention(q, k, v, pos, 0.125)
+        for p in (T.ATTN_BLOCK_N - 5, L - 1):
+            one = T.attention(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1], pos[:, p : p + 1], 0.125)
+            ok = ok and torch.equal(one[0, 0], full[0, p])
+    if not ok:
+        raise InvariantUnavailable(
+            f"the Triton kernels are not batch-invariant on this device ({dt}, {dev}); set generator.invariant=false"
+        )
 
 
 def _choose_kernels(layers: list[InvariantLinear]) -> None:

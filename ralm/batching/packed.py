@@ -185,24 +185,28 @@ class PackedBatch:
         if len(self.groups) == 1 and self.groups[0].in_order:  # e.g. every row a decode token
             g = self.groups[0]
             q = query[0].view(H, len(g.idx), g.n_max, D).transpose(0, 1)  # [S, H, n, D], a view
-            return self._attend_group(g, layer, q, scaling).reshape(1, self.n_tokens, H, D)
+            return self._attend_group(g, layer, q, scaling, module).reshape(1, self.n_tokens, H, D)
         out = query.new_empty(self.n_tokens, H, D)
         q_rows = query[0].transpose(0, 1)  # [N, H, D]
         for g in self.groups:
             q = q_rows.index_select(0, g.gather).view(len(g.idx), g.n_max, H, D).transpose(1, 2)
-            o = self._attend_group(g, layer, q, scaling)
+            o = self._attend_group(g, layer, q, scaling, module)
             out.index_copy_(0, g.rows, o.reshape(-1, H, D).index_select(0, g.valid))
         return out.unsqueeze(0)
 
-    def _attend_group(self, g: _Group, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _attend_group(self, g: _Group, layer: int, q: torch.Tensor, scaling: float, module=None) -> torch.Tensor:
         """The group's queries ``q [S, H, n_max, D]`` against its sequences' KV at ``layer``:
-        ``[S, n_max, H, D]``."""
+        ``[S, n_max, H, D]`` (on the Triton kernel where ``make_invariant`` flagged ``module``)."""
         KB = C.INVARIANT_KEY_BLOCK
         segs = [self.segments[i] for i in g.idx]
         span = max(-(-s.kv.layer_len[layer] // KB) * KB for s in segs)
         ks, vs = zip(*(s.kv.span(layer, span) for s in segs))
         k_pad = ks[0].unsqueeze(0) if len(ks) == 1 else torch.stack(ks)
         v_aug = vs[0].unsqueeze(0) if len(vs) == 1 else torch.stack(vs)
+        if getattr(module, "_ralm_triton", False):
+            from ralm.batching import triton_kernels
+
+            return triton_kernels.attention(q, k_pad, v_aug[..., : q.shape[-1]], g.pos, scaling)
         mask = g.mask(span // KB, q.shape[1] // k_pad.shape[1])
         return attend(q, k_pad, v_aug, g.pos, scaling, mask=mask)
 

@@ -1,0 +1,420 @@
+"""Batch-invariant Triton kernels: the invariant forward on NVIDIA GPUs.
+
+On a GPU the plain forward is not batch-invariant: cuBLAS picks another GEMM kernel (other
+tiles, split-K) when the row count M changes, so a row's bits depend on how many rows share
+the product; torch's batched matmuls in attention and the norms' reductions change their
+reduction order with the shape as well. The kernels here fix every reduction order by
+construction, so a row's (a query's) result is a function of that row alone:
+
+``matmul`` (linear layers)
+    One program per ``[BLOCK_M, BLOCK_N]`` output tile loops over K in fixed ``BLOCK_K``
+    steps, in increasing order, accumulating with ``tl.dot`` in float32 (IEEE float32
+    products for float32 inputs: no TF32). No split-K, and the tile configuration depends
+    on (dtype, N, K) only, never on M. An output element ``y[m, n]`` is therefore always
+    the same sequence of ``tl.dot`` steps over row ``m`` of ``x`` and row ``n`` of the
+    weight; the other rows of its tile (other requests, or zero padding past M) enter other
+    output elements only. Masked K columns load zeros and add exact zeros.
+
+``rms_norm`` / ``layer_norm``
+    One program per row; the whole row is one ``BLOCK = next_pow2(d)`` vector reduced by
+    ``tl.sum`` (a fixed tree for a fixed BLOCK). Nothing about the other rows or M enters.
+
+``attention``
+    One program per (sequence, head, tile of ``BLOCK_Q`` queries): an online softmax
+    (float32 running max ``m``, sum ``l`` and accumulator ``acc``) over key blocks of a
+    fixed ``BLOCK_N`` keys, in increasing order, blocks ``0 .. max_pos // BLOCK_N`` (the
+    largest position in the tile). For one query, a block it cannot see wholly is masked:
+    its probabilities are set to exact zeros (``tl.where``), its block max is ``-inf``, so
+    ``m`` stays the same, ``alpha`` is set to exactly 1 and ``l * 1 + 0`` and
+    ``acc * 1 + 0 @ v`` (finite values) leave ``l`` and ``acc`` bit for bit unchanged.
+    Hence a query's result depends on its position, its own keys and values only, never on
+    nq, L, S, its neighbours in the tile or how the context was chunked: alone
+    (``nq = 1``), inside a whole prefill, in a chunk, or next to a longer sequence it runs
+    the same steps over blocks ``0 .. pos // BLOCK_N`` and then only exact no-ops. Inside
+    its last (partly visible) block the hidden keys get ``-inf`` scores and zero weights.
+
+Example: with ``BLOCK_N = 64`` a query at position 70 folds in block 0 (keys 0-63) and
+block 1 (keys 64-70, keys 71-127 hidden), whether it is a decode token, row 70 of a
+100-token prefill (whose tile may run to block 1 anyway) or next to a 900-token sequence
+(blocks 2-14 are no-ops for it).
+
+The module imports without triton (``triton_available()`` says whether it is there). The
+jitted kernels are built on first use, per value of ``TRITON_INTERPRET`` (triton reads it
+when a function is decorated): the tests set it to run the kernels on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+try:  # an optional dependency: CUDA builds of torch ship it; CPU serving never needs it
+    import triton  # type: ignore[import-untyped]
+    import triton.language as tl  # type: ignore[import-untyped]
+
+    _TRITON_ERROR: Exception | None = None
+except ImportError as e:  # pragma: no cover - depends on the installation
+    triton = None
+    tl = None
+    _TRITON_ERROR = e
+
+#: attention tiles: queries per program and keys per block (the block size fixes the reduction order)
+ATTN_BLOCK_Q = 16
+ATTN_BLOCK_N = 64
+#: the kernels' name as the model reports it (``invariant_kernels``)
+DESCRIPTION = f"triton (fixed tiles, no split-K; row-wise norms; fixed {ATTN_BLOCK_N}-key blocks)"
+
+
+def triton_available() -> bool:
+    """Whether triton can be imported here."""
+    return triton is not None
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+_BUILT: dict[bool, dict[str, Any]] = {}
+
+
+def _kernels() -> dict[str, Any]:
+    """The jitted kernels, built once per interpreter setting (see the module docstring)."""
+    if triton is None:
+        raise RuntimeError(f"triton is not available: {_TRITON_ERROR}")
+    key = _interpret()
+    built = _BUILT.get(key)
+    if built is None:
+        built = _BUILT[key] = _build()
+    return built
+
+
+def _build() -> dict[str, Any]:  # noqa: C901 - the kernels' bodies
+    # the row and query counts are never specialised on (triton would compile another kernel
+    # for M == 1 or M % 16 == 0): one compiled kernel per (dtype, shape) serves every batch
+    @triton.jit(do_not_specialize=["M"])
+    def matmul_kernel(
+        x_ptr,  # [M, K]
+        w_ptr,  # [N, K]
+        b_ptr,  # [N] (unused without HAS_BIAS)
+        y_ptr,  # [M, N], x's dtype
+        M,
+        N,
+        K,
+        sxm,
+        sxk,
+        swn,
+        swk,
+        sym,
+        syn,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # the whole K range, in order, by this program: no split-K
+            kk = k0 + rk
+            a = tl.load(
+                x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0
+            )  # [BLOCK_M, BLOCK_K]
+            b = tl.load(
+                w_ptr + kk[:, None] * swk + rn[None, :] * swn, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0
+            )  # [BLOCK_K, BLOCK_N] = W^T tile
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(
+            y_ptr + rm[:, None] * sym + rn[None, :] * syn,
+            acc.to(y_ptr.dtype.element_ty),
+            mask=(rm[:, None] < M) & (rn[None, :] < N),
+        )
+
+    @triton.jit
+    def rms_norm_kernel(
+        x_ptr,  # [M, d]
+        w_ptr,  # [d]
+        y_ptr,  # [M, d], promote(weight, x) dtype
+        d,
+        sxm,
+        sym,
+        eps,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < d
+        x = tl.load(x_ptr + row * sxm + cols, mask=mask, other=0.0)
+        h = x.to(tl.float32)
+        var = tl.sum(h * h, axis=0) / d
+        h = h * (1.0 / tl.sqrt(var + eps))
+        h = h.to(x.dtype).to(tl.float32)  # LlamaRMSNorm: weight * h.to(input_dtype)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * sym + cols, (w * h).to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def layer_norm_kernel(
+        x_ptr,  # [M, d]
+        w_ptr,  # [d] (unused without HAS_W)
+        b_ptr,  # [d] (unused without HAS_B)
+        y_ptr,  # [M, d], x's dtype
+        d,
+        sxm,
+        sym,
+        eps,
+        HAS_W: tl.constexpr,
+        HAS_B: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < d
+        h = tl.load(x_ptr + row * sxm + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(h, axis=0) / d
+        c = tl.where(mask, h - mean, 0.0)
+        var = tl.sum(c * c, axis=0) / d  # biased, like torch
+        y = c * (1.0 / tl.sqrt(var + eps))
+        if HAS_W:
+            y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_B:
+            y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * sym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit(do_not_specialize=["nq", "L"])
+    def attention_kernel(
+        q_ptr,  # [S, H, nq, D]
+        k_ptr,  # [S, Hkv, L, D]
+        v_ptr,  # [S, Hkv, L, D]
+        pos_ptr,  # [S, nq] int64
+        o_ptr,  # [S, nq, H, D], q's dtype
+        nq,
+        L,
+        D,
+        GROUP,  # H // Hkv
+        scaling,
+        sqs,
+        sqh,
+        sqn,
+        sqd,
+        sks,
+        skh,
+        skn,
+        skd,
+        svs,
+        svh,
+        svn,
+        svd,
+        sps,
+        spn,
+        sos,
+        son,
+        soh,
+        sod,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        s = tl.program_id(2)
+        h = tl.program_id(1)
+        kvh = h // GROUP
+        rq = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BLOCK_Q] query rows
+        rd = tl.arange(0, BLOCK_D)
+        qmask = rq < nq
+        dmask = rd < D
+        q = tl.load(
+            q_ptr + s * sqs + h * sqh + rq[:, None] * sqn + rd[None, :] * sqd,
+            mask=qmask[:, None] & dmask[None, :],
+            other=0.0,
+        )  # [BLOCK_Q, BLOCK_D]
+        pos = tl.load(pos_ptr + s * sps + rq * spn, mask=qmask, other=0)  # padded rows: position 0
+        m = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
+        lsum = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
+        max_pos = tl.max(pos, axis=0)
+        n_blocks = max_pos // BLOCK_N + 1
+        k_base = k_ptr + s * sks + kvh * skh
+        v_base = v_ptr + s * svs + kvh * svh
+        for j in range(0, n_blocks):  # fixed blocks, in order: block 0 holds key 0, seen by every query
+            rk = j * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+            # keys past the tile's last position are never loaded (stale or padding content)
+            kvmask = (rk[:, None] < L) & (rk[:, None] <= max_pos) & dmask[None, :]
+            k = tl.load(k_base + rk[:, None] * skn + rd[None, :] * skd, mask=kvmask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_base + rk[:, None] * svn + rd[None, :] * svd, mask=kvmask, other=0.0)
+            sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling  # [BLOCK_Q, BLOCK_N] float32
+            seen = rk[None, :] <= pos[:, None]
+            sc = tl.where(seen, sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, axis=1))
+            alpha = tl.where(m_new == m, 1.0, tl.exp(m - m_new))  # exactly 1 for a wholly hidden block
+            p = tl.where(seen, tl.exp(sc - m_new[:, None]), 0.0)  # exact zeros for hidden keys
+            lsum = lsum * alpha + tl.sum(p, axis=1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+            m = m_new
+        out = acc / lsum[:, None]
+        tl.store(
+            o_ptr + s * sos + rq[:, None] * son + h * soh + rd[None, :] * sod,
+            out.to(o_ptr.dtype.element_ty),
+            mask=qmask[:, None] & dmask[None, :],
+        )
+
+    return {
+        "matmul": matmul_kernel,
+        "rms_norm": rms_norm_kernel,
+        "layer_norm": layer_norm_kernel,
+        "attention": attention_kernel,
+    }
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # the latter is ignored for 16-bit inputs
+
+
+def matmul_config(dtype: torch.dtype, n: int, k: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` for a ``[*, k] @ [k, n]`` product: a function
+    of the dtype and the layer's shape, never of the row count."""
+    block_n = 64 if n <= 64 else 128
+    block_k = 32 if dtype == torch.float32 else 64
+    return 64, block_n, min(block_k, max(16, _next_pow2(k))), 4
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K]^T + bias[N]`` -> ``[M, N]`` in ``x.dtype`` (like ``F.linear``),
+    accumulated in float32 with M-independent tiles (any strides)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"matmul takes x [M, K] and weight [N, K], not {tuple(x.shape)} and {tuple(weight.shape)}")
+    M, K = x.shape
+    N = weight.shape[0]
+    y = x.new_empty(M, N)
+    if M == 0:
+        return y
+    bm, bn, bk, warps = matmul_config(x.dtype, N, K)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    _kernels()["matmul"][grid](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        M,
+        N,
+        K,
+        x.stride(0),
+        x.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        y.stride(0),
+        y.stride(1),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        PRECISION=_precision(x.dtype),
+        num_warps=warps,
+    )
+    return y
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [M, d]`` with a unit stride along ``d`` (the norm kernels index rows by one stride)."""
+    if x.dim() != 2:
+        raise ValueError(f"the norms take rows [M, d], not {tuple(x.shape)}")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face ``LlamaRMSNorm`` of each row of ``x [M, d]``: float32 inside,
+    ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``; -> ``[M, d]``."""
+    x = _rows(x)
+    M, d = x.shape
+    y = torch.empty(M, d, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if M:
+        block = _next_pow2(d)
+        _kernels()["rms_norm"][(M,)](
+            x, weight, y, d, x.stride(0), y.stride(0), float(eps), BLOCK=block, num_warps=_norm_warps(block)
+        )
+    return y
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``torch.nn.functional.layer_norm`` over the last dimension of ``x [M, d]`` (float32
+    statistics); -> ``[M, d]`` in ``x.dtype``."""
+    x = _rows(x)
+    M, d = x.shape
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if M:
+        block = _next_pow2(d)
+        _kernels()["layer_norm"][(M,)](
+            x,
+            weight if weight is not None else x,
+            bias if bias is not None else x,
+            y,
+            d,
+            x.stride(0),
+            y.stride(0),
+            float(eps),
+            HAS_W=weight is not None,
+            HAS_B=bias is not None,
+            BLOCK=block,
+            num_warps=_norm_warps(block),
+        )
+    return y
+
+
+def _norm_warps(block: int) -> int:
+    return 4 if block <= 2048 else 8  # a function of d only
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal attention of ``S`` sequences with a fixed reduction order.
+
+    ``q [S, H, nq, D]``; ``k, v [S, Hkv, L, D]``: keys and values at positions ``0..L-1``
+    (positions past a query's own are never read into its result; L may be padded);
+    ``q_pos [S, nq]`` (int64): query ``i`` sees keys ``j <= q_pos[s, i]`` (every position
+    ``< L``). ``H`` is a multiple of ``Hkv``: query head ``h`` reads kv head
+    ``h // (H // Hkv)``. Returns ``[S, nq, H, D]`` in ``q.dtype``. Any strides.
+    """
+    S, H, nq, D = q.shape
+    hkv, L = k.shape[1], k.shape[2]
+    if k.shape != (S, hkv, L, D) or v.shape != k.shape or H % hkv or q_pos.shape != (S, nq):
+        raise ValueError(
+            f"attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, q_pos {tuple(q_pos.shape)}"
+        )
+    if D > 256:
+        raise ValueError(f"head dimension {D} > 256")
+    out = q.new_empty(S, nq, H, D)
+    if S == 0 or nq == 0:
+        return out
+    q_pos = q_pos.to(device=q.device, dtype=torch.int64)
+    block_d = max(16, _next_pow2(D))
+    grid = (triton.cdiv(nq, ATTN_BLOCK_Q), H, S)
+    _kernels()["attention"][grid](
+        q,
+        k,
+        v,
+        q_pos,
+        out,
+        nq,
+        L,
+        D,
+        H // hkv,
+        float(scaling),
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *q_pos.stride(),
+        *out.stride(),
+        BLOCK_Q=ATTN_BLOCK_Q,
+        BLOCK_N=ATTN_BLOCK_N,
+        BLOCK_D=block_d,
+        PRECISION=_precision(q.dtype),
+        num_warps=4 if block_d <= 64 else 8,
+    )
+    return out

@@ -1,0 +1,249 @@
+"""The batch-invariant Triton kernels (ralm.batching.triton_kernels), run in triton's
+interpreter on CPU tensors: each computes its plain op, and a row's (a query's) bits do
+not depend on the batch, its neighbours, the chunking or the padding; then whole tiny
+models on them (``make_invariant(kernels="triton")``).
+
+triton reads ``TRITON_INTERPRET`` when a function is decorated, its own library helpers
+(``tl.zeros``, ``tl.sum``, ...) included: the variable must be set before triton is first
+imported in the process. This module sets it before it imports anything that imports
+triton (nothing collected before it does; the ``interpreter`` fixture fails loudly
+otherwise), and :mod:`ralm.batching.triton_kernels` builds its kernels on first use, per
+value of the variable. triton is a dev dependency: without it these tests fail, they do
+not skip.
+
+What the interpreter cannot show as it is: its ``tl.dot`` is numpy's matmul, i.e. OpenBLAS
+sgemm for float32, which gives a row other bits at another position in the tile (measured:
+rows 6-11 of every 12), and garbage for bfloat16 (raw 16-bit patterns multiplied). A GPU's
+MMA computes every output element the same way wherever it sits in the tile, which is what
+the kernels rely on; the ``interpreter`` fixture models that: ``tl.dot`` becomes a
+fixed-order float32 sum over k for every element (``acc + a[:, 0] b[0] + a[:, 1] b[1] +
+...``, operands converted exactly to float32). Everything else (tiling, masks, the K loop,
+the online softmax, the casts) runs as the interpreter runs it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import (see above)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from ralm.batching import triton_kernels as T  # noqa: E402
+from ralm.batching.invariant import (  # noqa: E402
+    InvariantLinear,
+    TritonLayerNorm,
+    TritonRMSNorm,
+    invariant_kernels,
+    make_invariant,
+)
+from ralm.batching.packed import SeqKV, packed_forward  # noqa: E402
+from tests.factories import tiny_causal_lm  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+#: dtype -> (matmul/attention tolerance against float64, norm tolerance)
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 4e-3), torch.bfloat16: (2e-2, 4e-2)}
+
+
+def _fixed_order_dot(a, b, d, input_precision=None, max_num_imprecise_acc=None):
+    """``d + a @ b`` (triton interpreter handles) with every element summed over k in one fixed
+    order, whatever its row or column: the model of the GPU's MMA the kernels rely on."""
+    from triton.runtime.interpreter import TensorHandle
+
+    def f32(h):
+        if h.dtype == T.tl.bfloat16:  # stored as raw uint16 bit patterns: exact widening
+            return (h.data.astype(np.uint32) << 16).view(np.float32)
+        return h.data.astype(np.float32)
+
+    x, y = f32(a), f32(b)
+    acc = d.data.astype(np.float32, copy=True)
+    for k in range(x.shape[1]):
+        acc += x[:, k : k + 1] * y[k : k + 1, :]
+    return TensorHandle(acc, d.dtype.scalar)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpreter():
+    assert T.triton_available(), "triton is a dev dependency (pip install -e '.[dev]')"
+    from triton.runtime.interpreter import InterpretedFunction, interpreter_builder
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    assert isinstance(T.tl.zeros, InterpretedFunction), "triton was imported before TRITON_INTERPRET=1 was set"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interpreter_builder, "create_dot", _fixed_order_dot)
+        yield
+
+
+def _randn(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def test_the_kernels_run_in_the_interpreter():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert all(isinstance(k, InterpretedFunction) for k in T._kernels().values())
+
+
+# ----------------------------------------------------------------------------- matmul
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_matmul_is_the_linear_map_and_rows_are_batch_invariant(dtype):
+    K, N = 48, 56  # neither a multiple of the tiles: masked tails
+    x = _randn(40, K, seed=1, dtype=dtype)
+    w, b = _randn(N, K, seed=2, dtype=dtype), _randn(N, seed=3, dtype=dtype)
+    y = T.matmul(x, w, b)
+    assert y.dtype == dtype and y.shape == (40, N)
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert torch.allclose(y.double(), ref, atol=TOL[dtype][0] * 20, rtol=TOL[dtype][0])
+    alone = torch.cat([T.matmul(x[i : i + 1], w, b) for i in range(40)])
+    assert torch.equal(alone, y)
+    for start, n in [(0, 2), (5, 3), (1, 17), (23, 17)]:
+        assert torch.equal(T.matmul(x[start : start + n], w, b), alone[start : start + n]), (start, n)
+    # other neighbours, a strided x and a transposed (non-contiguous) weight: the same bits
+    other = _randn(40, K, seed=4, dtype=dtype)
+    other[7] = x[7]
+    assert torch.equal(T.matmul(other, w, b)[7], alone[7])
+    wide = torch.cat([x, x], dim=1)[:, :K]
+    assert torch.equal(T.matmul(wide, w.t().contiguous().t(), b), alone)
+    assert torch.allclose(T.matmul(x, w).double(), ref - b.double(), atol=TOL[dtype][0] * 20, rtol=TOL[dtype][0])
+
+
+# ----------------------------------------------------------------------------- norms
+def _hf_rms_norm(x, weight, eps):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_norms_compute_their_formula_row_by_row(dtype):
+    d = 48
+    x = (_randn(24, d, seed=5) * 3 + 1).to(dtype)
+    w, b = (1 + _randn(d, seed=6)).to(dtype), _randn(d, seed=7).to(dtype)
+    tol = TOL[dtype][1]
+    rms = T.rms_norm(x, w, 1e-6)
+    assert rms.dtype == dtype
+    assert torch.allclose(rms.double(), _hf_rms_norm(x, w, 1e-6).double(), atol=tol, rtol=tol)
+    ln = T.layer_norm(x, w, b, 1e-5)
+    assert ln.dtype == dtype
+    ref = F.layer_norm(x.double(), (d,), w.double(), b.double(), 1e-5)
+    assert torch.allclose(ln.double(), ref, atol=tol, rtol=tol)
+    assert torch.allclose(
+        T.layer_norm(x, None, None, 1e-5).double(), F.layer_norm(x.double(), (d,)), atol=tol, rtol=tol
+    )
+    for norm in (lambda r: T.rms_norm(r, w, 1e-6), lambda r: T.layer_norm(r, w, b, 1e-5)):
+        whole = norm(x)
+        assert torch.equal(torch.cat([norm(x[i : i + 1]) for i in range(24)]), whole)
+        assert torch.equal(norm(torch.cat([x[:3], x[10:]])[2:4]), whole[2:11:8])
+
+
+# ----------------------------------------------------------------------------- attention
+def _ref_attention(q, k, v, pos, scaling):
+    """Plain causal softmax attention in float64: ``[S, nq, H, D]``."""
+    S, H, nq, D = q.shape
+    G = H // k.shape[1]
+    out = torch.empty(S, nq, H, D, dtype=torch.float64)
+    for s in range(S):
+        for h in range(H):
+            for i in range(nq):
+                p = int(pos[s, i])
+                sc = (k[s, h // G, : p + 1].double() @ q[s, h, i].double()) * scaling
+                out[s, i, h] = torch.softmax(sc, 0) @ v[s, h // G, : p + 1].double()
+    return out
+
+
+@pytest.mark.parametrize(
+    "dtype,D", [(torch.float32, 16), (torch.float32, 24), (torch.float16, 32), (torch.bfloat16, 16)]
+)
+def test_attention_is_causal_softmax_and_a_query_is_the_same_wherever_it_runs(dtype, D):
+    L, H, Hkv, sc = 80, 4, 2, D**-0.5  # two key blocks; grouped-query heads
+    q, k, v = (_randn(1, n, L, D, seed=10 + i, dtype=dtype) for i, n in enumerate((H, Hkv, Hkv)))
+    pos = torch.arange(L)[None]
+    full = T.attention(q, k, v, pos, sc)  # the whole prefill in one pass
+    assert full.dtype == dtype and full.shape == (1, L, H, D)
+    tol = TOL[dtype][0] * 10
+    assert torch.allclose(full.double(), _ref_attention(q, k, v, pos, sc), atol=tol, rtol=tol)
+    # alone (nq = 1, only its own keys), at block edges and inside blocks
+    for p in (0, 9, 63, 64, 79):
+        one = T.attention(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1], pos[:, p : p + 1], sc)
+        assert torch.equal(one[0, 0], full[0, p]), p
+    # chunked prefill (chunks of 5, keys up to the chunk's end) and a padded key range
+    chunks = [
+        T.attention(q[:, :, a : a + 5], k[:, :, : a + 5], v[:, :, : a + 5], pos[:, a : a + 5], sc)
+        for a in range(0, L, 5)
+    ]
+    assert torch.equal(torch.cat(chunks, dim=1), full)
+    kp, vp = (torch.cat([t, _randn(1, Hkv, 50, D, seed=20, dtype=dtype) * 1e3], dim=2) for t in (k, v))
+    # (queries 50-63 share a tile with 64-65: block 1 is wholly hidden from them, a no-op)
+    assert torch.equal(T.attention(q[:, :, 50:71], kp, vp, pos[:, 50:71], sc), full[:, 50:71])
+    # next to other sequences of other lengths (S = 3, keys padded to the longest; padded
+    # query rows repeat the last position, as PackedBatch lays them out)
+    n = 6  # new tokens of each sequence; the sequences are 80, 33 and 7 long
+    ks, vs = (torch.cat([t, _randn(2, Hkv, L, D, seed=30 + i, dtype=dtype)]) for i, t in enumerate((k, v)))
+    qs = torch.cat([q[:, :, 74:80], _randn(2, H, n, D, seed=32, dtype=dtype)])
+    ps = torch.tensor([[74 + t for t in range(n)], [27 + t for t in range(n)], [6, 6, 6, 6, 6, 6]])
+    ps[2, 0] = 5  # the 7-token sequence: 2 new tokens (positions 5, 6), then padded rows
+    many = T.attention(qs, ks, vs, ps, sc)
+    assert torch.equal(many[0], full[0, 74:80])
+    assert torch.allclose(many.double(), _ref_attention(qs, ks, vs, ps, sc), atol=tol, rtol=tol)
+    assert torch.equal(many[2, 1], T.attention(qs[2:, :, 1:2], ks[2:, :, :7], vs[2:, :, :7], ps[2:, 1:2], sc)[0, 0])
+    # grouped-query heads read their kv head: the same bits as the kv heads repeated
+    rep = T.attention(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), pos, sc)
+    assert torch.equal(rep, full)
+
+
+# ----------------------------------------------------------------------------- models
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def triton_model(request, interpreter):
+    plain = tiny_causal_lm(request.param, vocab_size=300, eos_token_id=0, seed=3)
+    model = make_invariant(tiny_causal_lm(request.param, vocab_size=300, eos_token_id=0, seed=3), kernels="triton")
+    return request.param, plain, model
+
+
+def test_make_invariant_puts_every_part_on_the_triton_kernels(triton_model):
+    family, plain, model = triton_model
+    assert invariant_kernels(model) == T.DESCRIPTION
+    mods = list(model.modules())
+    assert {m.kernel for m in mods if isinstance(m, InvariantLinear)} == {"triton"}
+    norm = TritonRMSNorm if family == "llama" else TritonLayerNorm
+    assert sum(isinstance(m, norm) for m in mods) == 2 * 2 + 1
+    assert not any(type(m).__name__ in ("LlamaRMSNorm", "LayerNorm") for m in mods)
+    final = model.model.norm if family == "llama" else model.transformer.ln_f
+    assert (
+        final.weight
+        is dict(model.named_parameters())["model.norm.weight" if family == "llama" else "transformer.ln_f.weight"]
+    )
+
+
+@torch.inference_mode()
+def test_packed_and_chunked_forwards_equal_the_sequence_alone(triton_model):
+    family, plain, model = triton_model
+    L = model.config.num_hidden_layers
+    # 70 tokens: two key blocks, and prefill chunks whose query tile straddles them
+    seq = [(37 * i + 5) % 290 + 1 for i in range(70)]
+    others = [[11, 12, 13], [200, 201, 202, 203, 204, 205, 206]]
+    kv = SeqKV(L)
+    alone = packed_forward(model, [(kv, seq)], range(len(seq)))
+    ref = plain(input_ids=torch.tensor([seq])).logits[0]
+    assert torch.allclose(alone, ref, atol=1e-4, rtol=1e-4), (alone - ref).abs().max()
+    # packed with two sequences of other lengths, in the middle of the batch
+    kvs = [SeqKV(L) for _ in range(3)]
+    rows = range(len(others[0]), len(others[0]) + len(seq))
+    packed = packed_forward(model, [(kvs[0], others[0]), (kvs[1], seq), (kvs[2], others[1])], rows)
+    assert torch.equal(packed, alone)
+    # chunked prefill (chunks of 5), then a decode step next to the others' decode steps
+    kc = SeqKV(L)
+    chunked = torch.cat(
+        [packed_forward(model, [(kc, seq[a : a + 5])], range(len(seq[a : a + 5]))) for a in range(0, len(seq), 5)]
+    )
+    assert torch.equal(chunked, alone)
+    for i in range(L):
+        assert torch.equal(kc.k[i][:, : len(seq)], kv.k[i][:, : len(seq)])
+        assert torch.equal(kvs[1].k[i][:, : len(seq)], kv.k[i][:, : len(seq)])
+        assert torch.equal(kvs[1].v[i][:, : len(seq)], kv.v[i][:, : len(seq)])
+    step = packed_forward(model, [(kvs[0], [4]), (kvs[1], [9]), (kvs[2], [4])])[1]
+    assert torch.equal(step, packed_forward(model, [(kv, [9])])[0])
