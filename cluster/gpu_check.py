@@ -71,7 +71,11 @@ def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scan", default=None, help="dense scans ROWSxDIM, comma-separated (default 4Mx384,21Mx768; CPU 20000x384)"
     )
-    p.add_argument("--sections", default="env,proof,exact,forward,scan", help="which sections to run")
+    p.add_argument(
+        "--sections",
+        default="env,proof,forward,scan,exact",
+        help="which sections to run, in order (also: profile, where a batch-64 decode forward spends its time)",
+    )
     p.add_argument("--budget-s", type=float, default=480.0, help="no section starts after this many seconds")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--out", type=Path, default=Path("gpu-check-out"))
@@ -290,6 +294,63 @@ class GpuCheck:
             self.free()
         return out
 
+    def profile(self) -> dict:
+        """Where a decode forward of 64 sequences (300-token contexts) spends its time: wall
+        time, the device's kernel time, kernel launches, and the top ops by self time
+        (torch.profiler), for the first dtype that batches."""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        from ralm.batching.packed import SeqKV, packed_forward
+
+        if not self.engines:
+            return {"skipped": "no dtype batches"}
+        key, e = next(iter(self.engines.items()))
+        m, layers = e.model, int(e.model.config.num_hidden_layers)
+        batch, ctx = (64, 300) if not self.small else (8, 40)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(1, int(m.config.vocab_size), (batch, ctx + 1), generator=g).tolist()
+        kvs = [SeqKV(layers) for _ in range(batch)]
+        with torch.inference_mode():
+            for kv, row in zip(kvs, ids):
+                packed_forward(m, [(kv, row[:ctx])], [])
+
+            def step():
+                for kv in kvs:
+                    kv.crop(ctx)
+                packed_forward(m, [(kv, [row[ctx]]) for kv, row in zip(kvs, ids)])
+
+            for _ in range(3):
+                step()
+            self.sync()
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
+            reps = 5
+            t = time.perf_counter()
+            with profile(activities=acts) as prof:
+                for _ in range(reps):
+                    step()
+                self.sync()
+            wall = (time.perf_counter() - t) / reps
+        events = prof.key_averages()
+        dev = "self_device_time_total" if self.device == "cuda" else "self_cpu_time_total"
+        kernel_us = sum(getattr(ev, "self_device_time_total", 0) for ev in events) if self.device == "cuda" else 0
+
+        def top(attr: str) -> list:
+            rows = sorted(events, key=lambda ev: getattr(ev, attr, 0), reverse=True)[:12]
+            return [[ev.key[:60], ev.count // reps, round(getattr(ev, attr, 0) / reps / 1e3, 3)] for ev in rows]
+
+        return {
+            "model": key,
+            "batch": batch,
+            "context": ctx,
+            "wall_ms_per_forward": round(wall * 1e3, 2),
+            "device_kernel_ms_per_forward": round(kernel_us / reps / 1e3, 2),
+            "cpu_ops_ms_per_forward": round(sum(ev.self_cpu_time_total for ev in events) / reps / 1e3, 2),
+            "ops_per_forward": sum(ev.count for ev in events) // reps,
+            "top_by_self_device_ms": top(dev),
+            "top_by_self_cpu_ms": top("self_cpu_time_total"),
+        }
+
     def _topk(self, X, qs):
         """Top-20 of ``qs [b, d] @ X [n, d]^T`` (float16 product on a GPU; float32 on a CPU)."""
         import torch
@@ -389,6 +450,22 @@ def markdown(res: dict) -> str:
             for b, r in v.items():
                 lines.append(f"| {k} | {b.removeprefix('batch')} | {r['ms']} | {r['same_top20_as_alone']} |")
         lines.append("")
+    prof = _done(res, "profile")
+    if prof:
+        lines += [
+            f"Decode forward of {prof['batch']} sequences ({prof['model']}, {prof['context']}-token contexts): "
+            f"{prof['wall_ms_per_forward']} ms wall, {prof['device_kernel_ms_per_forward']} ms of device kernels, "
+            f"{prof['cpu_ops_ms_per_forward']} ms in {prof['ops_per_forward']} torch ops on the host.",
+            "",
+            "| op (top by self device time) | calls per forward | ms per forward |",
+            "|---|---|---|",
+            *[f"| `{n}` | {c} | {ms} |" for n, c, ms in prof["top_by_self_device_ms"]],
+            "",
+            "| op (top by self CPU time) | calls per forward | ms per forward |",
+            "|---|---|---|",
+            *[f"| `{n}` | {c} | {ms} |" for n, c, ms in prof["top_by_self_cpu_ms"]],
+            "",
+        ]
     for name, v in res.items():
         if isinstance(v, dict) and ("error" in v or "skipped" in v):
             lines.append(f"- {name}: {v.get('error') or v.get('skipped')}")
