@@ -239,6 +239,11 @@ def prove_invariance(
             f"the whole-model invariance proof failed on {p.device} in {str(p.dtype).removeprefix('torch.')}: "
             f"{m.what} differs (max |difference| {m.diff:.3g})"
         )
+    except Exception as e:  # a kernel that cannot run a shape, a placement it does not handle, ...
+        reason = (
+            f"the whole-model invariance proof could not run on {p.device} in "
+            f"{str(p.dtype).removeprefix('torch.')}: {type(e).__name__}: {e}"
+        )
     return InvarianceProof(
         reason is None,
         reason,

@@ -45,6 +45,7 @@ when a function is decorated): the tests set it to run the kernels on CPU tensor
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -298,28 +299,35 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return y
     bm, bn, bk, warps = matmul_config(x.dtype, N, K)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    _kernels()["matmul"][grid](
-        x,
-        weight,
-        bias if bias is not None else weight,
-        y,
-        M,
-        N,
-        K,
-        x.stride(0),
-        x.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        y.stride(0),
-        y.stride(1),
-        HAS_BIAS=bias is not None,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        PRECISION=_precision(x.dtype),
-        num_warps=warps,
-    )
+    with _on(x):
+        _kernels()["matmul"][grid](
+            x,
+            weight,
+            bias if bias is not None else weight,
+            y,
+            M,
+            N,
+            K,
+            x.stride(0),
+            x.stride(1),
+            weight.stride(0),
+            weight.stride(1),
+            y.stride(0),
+            y.stride(1),
+            HAS_BIAS=bias is not None,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            PRECISION=_precision(x.dtype),
+            num_warps=warps,
+        )
     return y
+
+
+def _on(x: torch.Tensor):
+    """The device context of ``x`` for a launch (a model spread over several GPUs launches on
+    each layer's own GPU); nothing on a CPU tensor (the interpreter)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -337,9 +345,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty(M, d, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if M:
         block = _next_pow2(d)
-        _kernels()["rms_norm"][(M,)](
-            x, weight, y, d, x.stride(0), y.stride(0), float(eps), BLOCK=block, num_warps=_norm_warps(block)
-        )
+        with _on(x):
+            _kernels()["rms_norm"][(M,)](
+                x, weight, y, d, x.stride(0), y.stride(0), float(eps), BLOCK=block, num_warps=_norm_warps(block)
+            )
     return y
 
 
@@ -351,20 +360,21 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if M:
         block = _next_pow2(d)
-        _kernels()["layer_norm"][(M,)](
-            x,
-            weight if weight is not None else x,
-            bias if bias is not None else x,
-            y,
-            d,
-            x.stride(0),
-            y.stride(0),
-            float(eps),
-            HAS_W=weight is not None,
-            HAS_B=bias is not None,
-            BLOCK=block,
-            num_warps=_norm_warps(block),
-        )
+        with _on(x):
+            _kernels()["layer_norm"][(M,)](
+                x,
+                weight if weight is not None else x,
+                bias if bias is not None else x,
+                y,
+                d,
+                x.stride(0),
+                y.stride(0),
+                float(eps),
+                HAS_W=weight is not None,
+                HAS_B=bias is not None,
+                BLOCK=block,
+                num_warps=_norm_warps(block),
+            )
     return y
 
 
@@ -395,26 +405,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     q_pos = q_pos.to(device=q.device, dtype=torch.int64)
     block_d = max(16, _next_pow2(D))
     grid = (triton.cdiv(nq, ATTN_BLOCK_Q), H, S)
-    _kernels()["attention"][grid](
-        q,
-        k,
-        v,
-        q_pos,
-        out,
-        nq,
-        L,
-        D,
-        H // hkv,
-        float(scaling),
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *q_pos.stride(),
-        *out.stride(),
-        BLOCK_Q=ATTN_BLOCK_Q,
-        BLOCK_N=ATTN_BLOCK_N,
-        BLOCK_D=block_d,
-        PRECISION=_precision(q.dtype),
-        num_warps=4 if block_d <= 64 else 8,
-    )
+    with _on(q):
+        _kernels()["attention"][grid](
+            q,
+            k,
+            v,
+            q_pos,
+            out,
+            nq,
+            L,
+            D,
+            H // hkv,
+            float(scaling),
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *q_pos.stride(),
+            *out.stride(),
+            BLOCK_Q=ATTN_BLOCK_Q,
+            BLOCK_N=ATTN_BLOCK_N,
+            BLOCK_D=block_d,
+            PRECISION=_precision(q.dtype),
+            num_warps=4 if block_d <= 64 else 8,
+        )
     return out

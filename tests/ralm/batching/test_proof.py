@@ -105,3 +105,25 @@ def test_a_head_that_differs_for_several_logit_rows_fails_the_drafted_check(monk
     assert not proof.ok and proof.checks == ["chunked prefill (64 tokens)"]
     assert f"{C.PROOF_DRAFT_TOKENS} drafted tokens verified in one forward" in (proof.reason or "")
     assert proof.as_dict()["ok"] is False and torch.isfinite(torch.tensor(proof.seconds))
+
+
+def test_a_forward_that_raises_is_a_failed_proof_not_a_crash(monkeypatch):
+    """A kernel that cannot run some shape (or a placement it does not handle) refuses
+    batching with the error as the reason; the engine still starts."""
+    import ralm.batching.proof as proof_mod
+
+    plain = proof_mod.packed_forward
+
+    def packed_forward(model, chunks, rows=None):
+        if len(chunks) > 4:
+            raise RuntimeError("no kernel for this shape")
+        return plain(model, chunks, rows)
+
+    monkeypatch.setattr(proof_mod, "packed_forward", packed_forward)
+    engine = tiny_engine("opt")
+    assert engine.batcher is None and engine.invariance_proof is not None
+    assert "proof could not run on cpu in float32: RuntimeError: no kernel for this shape" in (
+        engine.invariant_error or ""
+    )
+    # the first forward of more than 4 sequences: the drafted check's, next to 7 decode tokens
+    assert engine.invariance_proof.checks == ["chunked prefill (512 tokens)"]
