@@ -532,20 +532,3 @@ def start_shards(
     if wait:
         ray.get([a.ping.remote() for a in actors])
     return actors
-
-
-def sharded_retriever(
-    rcfg: RetrieverConfig,
-    corpus: Corpus,
-    index_dir: str | Path,
-    n_shards: int,
-    num_cpus: float = 0.25,
-    max_restarts: int = 5,
-    max_task_retries: int = 3,
-    encoder: Any = None,
-    progress: bool = False,
-) -> ShardedRetriever:
-    """Prepare the shards of ``index_dir``, start their actors and return the router."""
-    specs = prepare_shards(rcfg, corpus, index_dir, n_shards, progress=progress)
-    actors = start_shards(specs, num_cpus, max_restarts, max_task_retries)
-    return ShardedRetriever(rcfg.kind, actors, [(s.lo, s.hi) for s in specs], rcfg, encoder=encoder)

@@ -55,15 +55,6 @@ class _KvStats(TypedDict):
     kv_bytes_reused: int
 
 
-def _kv_bytes(cache) -> int:
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
-
-
 class LMEngine:
     """Wraps any Hugging Face causal LM for deterministic RaLM steps."""
 

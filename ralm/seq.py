@@ -15,11 +15,6 @@ from ralm.retrieval.base import Retriever
 from ralm.workloads import call_step, doc_from_hits, make_query_fn, retrieval_depth, step_budget
 
 
-def query_text(gen: Generator, tokens: list[int], window: int) -> str:
-    """The retrieval query: the last ``window`` tokens of question + generated text, decoded."""
-    return gen.decode(tokens[-window:])
-
-
 def finish(
     gen: Generator, question_len: int, tokens: list[int], eos: bool, stats: RequestStats, t_start: float
 ) -> RalmResult:

@@ -91,10 +91,6 @@ def choose_token(
     return int(np.argmax(mix))
 
 
-def _model_of(lm: Any):
-    return getattr(lm, "model", lm)
-
-
 def _prepare(prompt: str, lm: Any, req: RequestConfig) -> list[int]:
     ids = lm.encode_question(prompt)
     max_pos = getattr(lm, "max_positions", 1 << 30)

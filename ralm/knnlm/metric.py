@@ -51,24 +51,6 @@ def l2_distances(keys: np.ndarray, query: np.ndarray) -> np.ndarray:
     return buf[0].copy()
 
 
-def _l2_reference(keys: np.ndarray, query: np.ndarray) -> np.ndarray:
-    """The same function, row layout (kept for tests)."""
-    K = np.asarray(keys, dtype=np.float64)
-    if K.ndim == 1:
-        K = K[None, :]
-    q = np.asarray(query, dtype=np.float64).reshape(-1)
-    diff = K - q
-    sq = diff * diff
-    d = sq.shape[1]
-    width = 1 << max(0, (d - 1).bit_length())
-    if width != d:
-        sq = np.concatenate([sq, np.zeros((sq.shape[0], width - d))], axis=1)
-    while width > 1:
-        width //= 2
-        sq = sq[:, :width] + sq[:, width:]
-    return sq[:, 0].copy()
-
-
 def rank_by_distance(ids: np.ndarray | Sequence[int], dists: np.ndarray | Sequence[float], k: int) -> list[Hit]:
     """Top-``k`` of ``(ids, dists)`` ordered by (distance asc, entry id asc); duplicates kept once.
 
