@@ -55,7 +55,7 @@ lint: setup
 
 # two pytest runs: the pure core (ralm/, no Ray) first, in two worker processes, then everything
 # that starts Ray, servers and Redis (one process for all segfaulted in tests/ralm after 813
-# tests; README, Development)
+# tests; docs/development.md)
 test: setup system-deps lint
 	$(PY) -m pytest -q -n 2 --durations=15 tests/ralm
 	$(PY) -m pytest -q --durations=30 --ignore=tests/ralm
