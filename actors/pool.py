@@ -174,7 +174,7 @@ class CoordinatorPool:
         except asyncio.TimeoutError:
             return False
         except Exception as e:
-            return not _is_actor_death(e)
+            return not is_actor_death(e)
         return True
 
     async def _sweep_idle(self) -> None:
@@ -240,7 +240,7 @@ class CoordinatorPool:
             except asyncio.TimeoutError:
                 raise self._unavailable(f"no coordinator could be started within {self.ready_timeout_s:g} s") from None
             except Exception as e:
-                if not _is_actor_death(e):
+                if not is_actor_death(e):
                     raise
                 self.stats.start_failures += 1
                 if time.monotonic() + delay >= deadline:
@@ -327,7 +327,7 @@ class CoordinatorPool:
 
     def _give_back(self, handle: Any, error: BaseException | None) -> bool:
         """Return a coordinator after its work, or replace it if the work found it dead (True)."""
-        if error is not None and _is_actor_death(error):
+        if error is not None and is_actor_death(error):
             log.warning("coordinator died during a request (%s); replacing it", type(error).__name__)
             asyncio.ensure_future(self.replace(handle))
             return True
@@ -345,7 +345,7 @@ class CoordinatorPool:
         self._sync_stats()
 
 
-def _is_actor_death(e: BaseException) -> bool:
+def is_actor_death(e: BaseException) -> bool:
     if isinstance(e, CoordinatorLost):
         return True
     try:

@@ -59,7 +59,7 @@ from actors.signals import preserve_fatal_signal_handlers
 from cluster.concurrency import CONCURRENCY_HELP, check_concurrency
 from cluster.config_args import add_config_args, load_config
 from cluster.eval_items import EvalItem, make_items
-from cluster.eval_local import LocalBackend, _answer, _warm
+from cluster.eval_local import LocalBackend, answer_item, warm_pipeline
 from cluster.eval_report import write_outputs
 from cluster.report import bench_header, exactness_status
 from ralm import constants as C
@@ -95,19 +95,19 @@ class _RayEvalWorker:
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.pipe = Pipeline.from_config(RalmConfig.model_validate_json(cfg_json), kinds=tuple(kinds), progress=False)
-        _warm(self.pipe, warmup, kinds)
+        warm_pipeline(self.pipe, warmup, kinds)
         self.where = f"{socket.gethostname()}:{os.getpid()}"
 
     def ready(self) -> str:
         return self.where
 
     def answer(self, item: dict) -> dict:
-        out = _answer(self.pipe, EvalItem.from_dict(item))
+        out = answer_item(self.pipe, EvalItem.from_dict(item))
         out["worker"] = self.where
         return out
 
 
-class RayBackend:
+class RayEvalBackend:
     """A pool of Ray actors, each with its own pipeline; items go to whichever is free.
 
     Inside a Ray job (``ray job submit``) it connects to the job's cluster; elsewhere it
@@ -207,12 +207,12 @@ def register_backend(name: str, factory: BackendFactory) -> None:
     _BACKENDS[name] = factory
 
 
-def _ray_backend(cfg, kinds: Sequence[str], args: argparse.Namespace, warm: Sequence[str]) -> RayBackend:
+def _ray_backend(cfg, kinds: Sequence[str], args: argparse.Namespace, warm: Sequence[str]) -> RayEvalBackend:
     if getattr(args, "concurrency", 1) > 1:
         from ralm.errors import ConfigError
 
         raise ConfigError("--concurrency applies to the local backend; the ray backend scales with --workers")
-    return RayBackend(
+    return RayEvalBackend(
         cfg, kinds, workers=args.workers, num_cpus=args.worker_cpus, num_gpus=args.worker_gpus, warmup=warm
     )
 

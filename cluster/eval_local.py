@@ -19,7 +19,7 @@ def _cold(pipe) -> None:
     pipe.engine.sessions.clear()
 
 
-def _answer(pipe, item: EvalItem, executor=None, cold: bool = True) -> dict:
+def answer_item(pipe, item: EvalItem, executor=None, cold: bool = True) -> dict:
     """One item's ``RalmResult.as_dict()`` (``{"error": ...}`` for invalid input); ``cold``:
     clear the caches first; ``executor``: RaLMSpec's asynchronous-verification pool."""
     from ralm.errors import RalmInputError
@@ -38,7 +38,7 @@ def _answer(pipe, item: EvalItem, executor=None, cold: bool = True) -> dict:
     return res.as_dict()
 
 
-def _warm(pipe, questions: Sequence[str], kinds: Sequence[str]) -> None:
+def warm_pipeline(pipe, questions: Sequence[str], kinds: Sequence[str]) -> None:
     """Untimed warm-up (FAISS, Lucene, torch lazy initialisation)."""
     from ralm.errors import RalmInputError
 
@@ -71,7 +71,7 @@ class LocalBackend:
 
             pipe = Pipeline.from_config(self.cfg, kinds=self.kinds)
             check_concurrency(self.concurrency, pipe.engine)
-            _warm(pipe, self.warmup, self.kinds)
+            warm_pipeline(pipe, self.warmup, self.kinds)
             self._pipe = pipe
         return self._pipe
 
@@ -82,7 +82,7 @@ class LocalBackend:
     def run(self, items: Sequence[EvalItem]) -> Iterator[tuple[EvalItem, dict]]:
         if self.concurrency <= 1:
             for item in items:
-                yield item, _answer(self.pipe, item)
+                yield item, answer_item(self.pipe, item)
             return
         pipe = self.pipe
         waves: dict[tuple[str, str], list[EvalItem]] = {}
@@ -92,7 +92,7 @@ class LocalBackend:
             _cold(pipe)  # each configuration's wave starts cold
             with verify_pool(self.concurrency) as pool:
                 results, tp = run_wave(
-                    lambda it: _answer(pipe, it, pool, cold=False),
+                    lambda it: answer_item(pipe, it, pool, cold=False),
                     wave,
                     self.concurrency,
                     lambda r: len(r.get("tokens", ())),

@@ -23,7 +23,7 @@ from typing import Any
 import ray
 
 from actors.coordinator import RemoteGenerator, coordinator_actor_class
-from actors.pool import CoordinatorPool, _is_actor_death
+from actors.pool import CoordinatorPool, is_actor_death
 from actors.shard import start_shards
 from actors.verifier import verifier_actor_class
 from cache.state import STATE_URL_ENV, StateStoreConfig, redact_url
@@ -257,7 +257,7 @@ class RayBackend:
             pool.release(coord)
         except Exception as e:
             done = True
-            if _is_actor_death(e):
+            if is_actor_death(e):
                 asyncio.ensure_future(pool.replace(coord))
                 raise Overloaded(
                     "the coordinator running this stream was lost (a node may have been lost); retry the request",

@@ -137,11 +137,11 @@ class Datastore:
     def pad_chunks(self, n_rows: int, chunk: int = 1 << 16):
         """The padding rows, ``n_rows`` in chunks of at most ``chunk`` (float32 (m, d)):
         random directions of norm ``KNN_PAD_NORM_FACTOR`` x the largest key norm
-        (:func:`ralm.retrieval.dense._pad_rows` with this datastore's seed and norm)."""
-        from ralm.retrieval.dense import _pad_rows
+        (:func:`ralm.retrieval.dense.padding_vectors` with this datastore's seed and norm)."""
+        from ralm.retrieval.dense import padding_vectors
 
         norm = C.KNN_PAD_NORM_FACTOR * max(self.max_norm, 1.0)
-        return _pad_rows(int(n_rows), self.dim, seed=PAD_SEED, norm=norm, chunk=chunk)
+        return padding_vectors(int(n_rows), self.dim, seed=PAD_SEED, norm=norm, chunk=chunk)
 
     # ------------------------------------------------------------------ save / load
     def save(self, directory: str | Path) -> Path:

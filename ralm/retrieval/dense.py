@@ -114,7 +114,9 @@ class DenseScorer:
 _BLAS_LOCK = threading.Lock()
 
 
-def _pad_rows(n_rows: int, dim: int, seed: int = PAD_SEED, norm: float = C.PAD_VECTOR_NORM, chunk: int = _PAD_CHUNK):
+def padding_vectors(
+    n_rows: int, dim: int, seed: int = PAD_SEED, norm: float = C.PAD_VECTOR_NORM, chunk: int = _PAD_CHUNK
+):
     """Yield float32 chunks (at most ``chunk`` rows) of random-direction vectors of norm
     ``norm``: the padding rows of a flat KB (fixed seed, so every index padded to the same
     size holds the same rows; lazy, so a bf16 scan needs no float32 copy of them)."""
@@ -211,9 +213,9 @@ class DenseRetriever:
         extra = max(0, int(pad_to) - self.n_docs) if (pad_to and kind == "edr") else 0
         chosen = choose_scan(dense_scan, self.scorer.dim) if kind == "edr" else "faiss"
         if chosen == "bf16":
-            self.scan = bf16_scan.Bf16Scan(self.scorer.vectors, _pad_rows(extra, self.scorer.dim), pad_rows=extra)
+            self.scan = bf16_scan.Bf16Scan(self.scorer.vectors, padding_vectors(extra, self.scorer.dim), pad_rows=extra)
         elif chosen == "int8":
-            self.scan = int8_scan.Int8Scan(self.scorer.vectors, _pad_rows(extra, self.scorer.dim), pad_rows=extra)
+            self.scan = int8_scan.Int8Scan(self.scorer.vectors, padding_vectors(extra, self.scorer.dim), pad_rows=extra)
         elif kind == "adr":
             # an adr index is an HNSW index (build_index, or the caller's own for this kind)
             cast("faiss.IndexHNSW", faiss.downcast_index(index)).hnsw.efSearch = int(ef_search)
@@ -221,7 +223,7 @@ class DenseRetriever:
             if pad_to:
                 log.warning("pad_to=%d ignored: padding only applies to the edr retriever", pad_to)
         else:
-            for chunk in _pad_rows(extra, self.scorer.dim):
+            for chunk in padding_vectors(extra, self.scorer.dim):
                 index.add(chunk)
         if extra:
             self.padded_rows = int(pad_to)

@@ -11,7 +11,7 @@ import pytest
 from ralm.retrieval import bf16_scan
 from ralm.retrieval.base import rank_hits
 from ralm.retrieval.bf16_scan import Bf16Scan, bound_constant
-from ralm.retrieval.dense import DenseRetriever, _pad_rows, dense_scores
+from ralm.retrieval.dense import DenseRetriever, dense_scores, padding_vectors
 from ralm.retrieval.factory import load_retriever
 from tests.ralm.retrieval.scan_rows import exact_top, unit_rows, with_ties
 
@@ -20,7 +20,7 @@ from tests.ralm.retrieval.scan_rows import exact_top, unit_rows, with_ties
 def ip_scan():
     rng = np.random.default_rng(11)
     X = with_ties(unit_rows(rng, 6000, 64))
-    return X, Bf16Scan(X, _pad_rows(40000, 64), pad_rows=40000, block_rows=4096)
+    return X, Bf16Scan(X, padding_vectors(40000, 64), pad_rows=40000, block_rows=4096)
 
 
 @pytest.mark.parametrize("k", [1, 4, 20, 64])

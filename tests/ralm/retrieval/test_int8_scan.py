@@ -9,7 +9,7 @@ import pytest
 
 from ralm.retrieval import int8_scan
 from ralm.retrieval.base import rank_hits
-from ralm.retrieval.dense import _pad_rows, dense_scores
+from ralm.retrieval.dense import dense_scores, padding_vectors
 from ralm.retrieval.factory import load_retriever
 from ralm.retrieval.int8_scan import Int8Scan, quantize
 from tests.ralm.retrieval.scan_rows import exact_top, unit_rows, with_ties
@@ -21,7 +21,7 @@ def scan():
     X = with_ties(unit_rows(rng, 6000, 64))
     X[200:260] *= np.float32(3.0)  # rows of other norms (and so other scales)
     X[300] = 0.0  # a zero row
-    return X, Int8Scan(X, _pad_rows(40000, 64), pad_rows=40000, block_rows=4096)
+    return X, Int8Scan(X, padding_vectors(40000, 64), pad_rows=40000, block_rows=4096)
 
 
 def test_quantize_matches_the_worked_example():
@@ -134,7 +134,7 @@ def test_a_pair_saturating_kernel_gets_the_coarser_level_and_stays_exact(monkeyp
     assert int8_scan.available("int8") is True
     rng = np.random.default_rng(4)
     X = with_ties(unit_rows(rng, 1200, 32))
-    s = Int8Scan(X, _pad_rows(800, 32), pad_rows=800, block_rows=512)
+    s = Int8Scan(X, padding_vectors(800, 32), pad_rows=800, block_rows=512)
     assert s.qmax == 63
     for k in (1, 4, 20):
         Q = unit_rows(rng, 9, 32)
