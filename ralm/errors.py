@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from cache.errors import ConfigError
 
-__all__ = ["ConfigError", "Overloaded", "RalmInputError", "RequestCancelled"]
+__all__ = ["ConfigError", "InvariantUnavailable", "Overloaded", "RalmInputError", "RequestCancelled"]
 
 
 class RalmInputError(ValueError):
     """A request is invalid (empty or over-long question, bad parameter)."""
+
+
+class InvariantUnavailable(RalmInputError):
+    """The model or the machine cannot run the invariant forward (see the message)."""
 
 
 class Overloaded(Exception):

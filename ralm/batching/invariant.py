@@ -62,16 +62,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ralm import constants as C
-from ralm.errors import RalmInputError
+from ralm.errors import InvariantUnavailable
 
 log = logging.getLogger(__name__)
 
 ATTENTION_NAME = "ralm_invariant"
 SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "mistral", "qwen2")
-
-
-class InvariantUnavailable(RalmInputError):
-    """The model or the machine cannot run the invariant forward (see the message)."""
 
 
 # --------------------------------------------------------------------------- linear
@@ -212,60 +208,6 @@ _ROWWISE_SUFFIXES = ("LayerNorm", "RMSNorm", "Embedding", "Dropout", "RotaryEmbe
 def _is_rowwise(mod: nn.Module) -> bool:
     name = type(mod).__name__
     return isinstance(mod, (nn.Embedding, nn.LayerNorm, nn.Dropout, nn.Identity)) or name.endswith(_ROWWISE_SUFFIXES)
-
-
-# --------------------------------------------------------------------------- norms (Triton)
-class TritonRMSNorm(nn.Module):
-    """Hugging Face's ``*RMSNorm`` (Llama, Mistral, Qwen2) on :func:`triton_kernels.rms_norm`
-    (one program per row); ``weight`` is the replaced module's parameter (shared)."""
-
-    def __init__(self, weight: nn.Parameter, eps: float):
-        super().__init__()
-        self.weight = weight
-        self.variance_epsilon = float(eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ralm.batching import triton_kernels
-
-        y = triton_kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.variance_epsilon)
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-
-class TritonLayerNorm(nn.Module):
-    """``nn.LayerNorm`` over the last dimension on :func:`triton_kernels.layer_norm` (one
-    program per row); ``weight`` and ``bias`` are the replaced module's parameters (shared)."""
-
-    def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None, eps: float):
-        super().__init__()
-        self.weight = weight
-        self.bias = bias
-        self.eps = float(eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ralm.batching import triton_kernels
-
-        y = triton_kernels.layer_norm(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self.eps)
-        return y.view(x.shape)
-
-
-def _triton_norm(mod: nn.Module) -> nn.Module | None:
-    """The Triton replacement of a norm module (None: not a norm, or already replaced)."""
-    if isinstance(mod, (TritonRMSNorm, TritonLayerNorm)):
-        return None
-    if isinstance(mod, nn.LayerNorm):
-        if len(mod.normalized_shape) != 1:
-            raise InvariantUnavailable(
-                f"LayerNorm over {tuple(mod.normalized_shape)}: only the last dimension is supported"
-            )
-        return TritonLayerNorm(mod.weight, mod.bias, mod.eps)
-    if type(mod).__name__.endswith("RMSNorm"):
-        weight, eps = getattr(mod, "weight", None), getattr(mod, "variance_epsilon", None)
-        if not isinstance(weight, nn.Parameter) or eps is None:
-            raise InvariantUnavailable(
-                f"no Triton form for {type(mod).__name__} (expected .weight and .variance_epsilon)"
-            )
-        return TritonRMSNorm(weight, eps)
-    return None
 
 
 # --------------------------------------------------------------------------- attention
@@ -462,7 +404,9 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS, kernels: str =
         kernels = "triton" if param is not None and param.device.type == "cuda" else "torch"
     _check_architecture(model)
     if kernels == "triton":
+        # the Triton side builds on this module's pieces, so it is imported here, not at the top
         from ralm.batching import triton_kernels
+        from ralm.batching.triton_forward import triton_norm, use_triton
 
         if not triton_kernels.triton_available():
             raise InvariantUnavailable(
@@ -499,13 +443,13 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS, kernels: str =
                 repl = _ACTIVATIONS[kind]
                 if repl is not None:
                     setattr(parent, name, repl())
-            elif kernels == "triton" and (norm := _triton_norm(child)) is not None:
+            elif kernels == "triton" and (norm := triton_norm(child)) is not None:
                 setattr(parent, name, norm)
     _register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     layers = [m for m in model.modules() if isinstance(m, InvariantLinear)]
     if kernels == "triton":
-        return _use_triton(model, layers)
+        return use_triton(model, layers, head_dim(model))
     _choose_kernels(layers)  # probes the oneDNN shapes; the tile loop probes the BLAS ones
     blas = {(m.in_features, m.out_features): m for m in layers if m.kernel == "blas"}
     for tile in dict.fromkeys((tile_rows, 16, 64)):  # the configured tile, then safer ones
@@ -517,62 +461,12 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS, kernels: str =
         except InvariantUnavailable:
             log.warning("matrix multiply not row-invariant at %d-row tiles here; trying larger tiles", tile)
             continue
-        check_attention_invariance(_head_dim(model), layers[0].weight.device, layers[0].weight.dtype)
+        check_attention_invariance(head_dim(model), layers[0].weight.device, layers[0].weight.dtype)
         kinds = sorted({m.kernel for m in layers})
         model._ralm_invariant = f"{'+'.join(kinds)}, {tile}-row BLAS tiles"
         return model
     check_row_invariance(layers[0])  # raises with the reason
     return model
-
-
-def _use_triton(model, layers: list[InvariantLinear]) -> Any:
-    """Finish :func:`make_invariant` on the Triton kernels: linear layers on
-    :func:`triton_kernels.matmul`, attention modules flagged for :func:`triton_kernels.attention`,
-    then a cheap probe of both on the model's device and dtype."""
-    from ralm.batching import triton_kernels
-
-    for layer in layers:
-        layer.use_kernel("triton")
-    for m in model.modules():
-        if hasattr(m, "layer_idx"):  # the attention modules (the decoder layers too: harmless)
-            m._ralm_triton = True
-    try:
-        check_triton_invariance(layers[0], _head_dim(model))
-    except InvariantUnavailable:
-        raise
-    except Exception as e:  # no driver, a compilation failure, ...
-        raise InvariantUnavailable(
-            f"the Triton invariant kernels cannot run here ({type(e).__name__}: {e}); set generator.invariant=false"
-        ) from e
-    model._ralm_invariant = triton_kernels.DESCRIPTION
-    return model
-
-
-def check_triton_invariance(layer: InvariantLinear, head_dim: int) -> None:
-    """Raise :class:`InvariantUnavailable` unless the Triton kernels give a row of ``layer``
-    the same bits alone and inside 64- and 200-row batches, and a query the same bits alone
-    and inside a prefill over three key blocks (on ``layer``'s device and dtype)."""
-    from ralm.batching import triton_kernels as T
-
-    w = layer.weight
-    dev, dt = w.device, w.dtype
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(200, layer.in_features, generator=g).to(dev, dt)
-    rows = (0, 37, 63)
-    with torch.inference_mode():
-        alone = torch.cat([T.matmul(x[i : i + 1], w, layer.bias) for i in rows])
-        ok = all(torch.equal(T.matmul(x[:n], w, layer.bias)[list(rows)], alone) for n in (64, 200))
-        L = 2 * T.ATTN_BLOCK_N + 9
-        q, k, v = (torch.randn(1, 2, L, head_dim, generator=g).to(dev, dt) for _ in range(3))
-        pos = torch.arange(L, device=dev)[None]
-        full = T.attention(q, k, v, pos, 0.125)
-        for p in (T.ATTN_BLOCK_N - 5, L - 1):
-            one = T.attention(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1], pos[:, p : p + 1], 0.125)
-            ok = ok and torch.equal(one[0, 0], full[0, p])
-    if not ok:
-        raise InvariantUnavailable(
-            f"the Triton kernels are not batch-invariant on this device ({dt}, {dev}); set generator.invariant=false"
-        )
 
 
 def _choose_kernels(layers: list[InvariantLinear]) -> None:
@@ -631,7 +525,8 @@ def check_attention_invariance(head_dim: int, device="cpu", dtype=torch.float32)
         )
 
 
-def _head_dim(model) -> int:
+def head_dim(model) -> int:
+    """The attention heads' dimension of ``model``'s config."""
     cfg = model.config
     hd = getattr(cfg, "head_dim", None)
     if isinstance(hd, int) and hd > 0:

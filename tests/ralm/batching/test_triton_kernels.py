@@ -36,12 +36,11 @@ import torch.nn.functional as F  # noqa: E402
 from ralm.batching import triton_kernels as T  # noqa: E402
 from ralm.batching.invariant import (  # noqa: E402
     InvariantLinear,
-    TritonLayerNorm,
-    TritonRMSNorm,
     invariant_kernels,
     make_invariant,
 )
 from ralm.batching.packed import SeqKV, packed_forward  # noqa: E402
+from ralm.batching.triton_forward import TritonLayerNorm, TritonRMSNorm  # noqa: E402
 from tests.factories import tiny_causal_lm  # noqa: E402
 
 pytestmark = pytest.mark.unit
