@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ralm import constants as C
-from ralm.batching.invariant import attend, hidden_keys
+from ralm.batching.attention import attend, hidden_keys
 
 
 def model_max_positions(config) -> int:
