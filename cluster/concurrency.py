@@ -11,7 +11,7 @@ Thread safety of what the requests share (checked, so no extra lock is taken her
 * the engine: model work runs on the batcher's thread only; the doc-KV tree and the KV
   session store have their own locks;
 * EDR/ADR (:mod:`ralm.retrieval.dense`): FAISS indexes are safe for concurrent searches,
-  the one global FAISS setting that is changed is under ``_BLAS_LOCK``, the bf16 scan only
+  the one global FAISS setting that is changed is under the lock of :mod:`ralm.retrieval.faiss_search`, the bf16 scan only
   reads, and queries are encoded on the encoder's single worker with its memo under a lock;
 * SR (:mod:`ralm.retrieval.bm25`): every Lucene call is under ``JVM_LOCK`` and the BM25
   scorer's caches under its own lock.

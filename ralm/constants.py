@@ -46,6 +46,9 @@ VERIFY_HISTORY_PER_SIZE = 8  # OS3 (bayes mode): recent KB-call latencies kept p
 
 # ---- retrieval ----
 RERANK_MARGIN = 16  # extra candidates fetched before exact re-scoring
+# a padded EDR index (bench --pad-to) pads FAISS as well when its plan routes some batch sizes to
+# FAISS, unless that would take more than this (then every batch goes to the low-precision scan)
+FAISS_PAD_MAX_BYTES = 8 * 2**30
 TIE_EPS = 1e-4  # scores closer than this are "near-ties" for candidate expansion
 HNSW_M = 32
 HNSW_EF_CONSTRUCTION = 200

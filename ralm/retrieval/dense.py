@@ -17,7 +17,6 @@ summation order of a row with the matrix shape.)
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -25,9 +24,10 @@ import numpy as np
 
 from ralm import constants as C
 from ralm.retrieval.base import Hit, rank_hits
+from ralm.retrieval.faiss_search import faiss_search
 from ralm.retrieval.int8_scan import Int8Scan
 from ralm.retrieval.rerank import Candidates, exact_top_k
-from ralm.retrieval.scan_choice import SCANS, choose_scan
+from ralm.retrieval.scan_choice import SCANS, ScanPlan, plan_scan
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +109,6 @@ class DenseScorer:
 
     def score_ids(self, query_rep: np.ndarray, doc_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         return dense_scores(self.key_matrix(doc_ids), query_rep)
-
-
-_BLAS_LOCK = threading.Lock()
 
 
 def padding_vectors(
@@ -211,7 +208,16 @@ class DenseRetriever:
         self.padded_rows = 0
         self.scan: bf16_scan.Bf16Scan | int8_scan.Int8Scan | None = None
         extra = max(0, int(pad_to) - self.n_docs) if (pad_to and kind == "edr") else 0
-        chosen = choose_scan(dense_scan, self.scorer.dim) if kind == "edr" else "faiss"
+        self.plan = plan_scan(dense_scan, self.scorer.dim, self.faiss_threads) if kind == "edr" else ScanPlan("faiss")
+        if self.plan.faiss_batches and extra * self.scorer.dim * 4 > C.FAISS_PAD_MAX_BYTES:
+            # padding the FAISS index as well would not fit: every batch goes to the scan
+            log.warning(
+                "dense scan: FAISS routes dropped (padding its index to %d rows would take %.1f GiB)",
+                pad_to,
+                extra * self.scorer.dim * 4 / 2**30,
+            )
+            self.plan = ScanPlan(self.plan.scan, (), self.plan.timings)
+        chosen = self.plan.scan
         if chosen == "bf16":
             self.scan = bf16_scan.Bf16Scan(self.scorer.vectors, padding_vectors(extra, self.scorer.dim), pad_rows=extra)
         elif chosen == "int8":
@@ -222,7 +228,8 @@ class DenseRetriever:
             self.ef_search = int(ef_search)
             if pad_to:
                 log.warning("pad_to=%d ignored: padding only applies to the edr retriever", pad_to)
-        else:
+        if extra and (chosen == "faiss" or self.plan.faiss_batches):
+            # FAISS answers some batches: its index is padded too, so it costs what the scan does
             for chunk in padding_vectors(extra, self.scorer.dim):
                 index.add(chunk)
         if extra:
@@ -249,10 +256,11 @@ class DenseRetriever:
 
     @property
     def scan_label(self) -> str:
-        """:attr:`dense_scan` with the int8 code level, for report headers ('int8 +-63')."""
-        if isinstance(self.scan, Int8Scan):
-            return f"int8 +-{self.scan.qmax}"
-        return self.dense_scan
+        """The paths in use for report headers: :attr:`dense_scan` with the int8 code level
+        ('int8 +-63'), and the batch sizes FAISS answers when it answers some
+        ('faiss at batch 1, int8 +-127 at 2-16')."""
+        name = f"int8 +-{self.scan.qmax}" if isinstance(self.scan, Int8Scan) else self.dense_scan
+        return self.plan.label(name)
 
     def __repr__(self) -> str:
         pad = f", padded_rows={self.padded_rows}" if self.padded_rows else ""
@@ -260,7 +268,6 @@ class DenseRetriever:
 
     # ------------------------------------------------------------------ search
     def _faiss_search(self, Q: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        Q = np.ascontiguousarray(Q, dtype=np.float32)
         if self.faiss_threads:
             # OpenMP's thread count is per calling thread: set it in *this* thread, which
             # may be an asynchronous-verification worker (else it would use one thread per
@@ -269,22 +276,9 @@ class DenseRetriever:
             import faiss
 
             faiss.omp_set_num_threads(self.faiss_threads)
-        if self.kind == "edr" and Q.shape[0] > 1:
-            # Batches go through FAISS's BLAS kernel, which streams the index once for all
-            # queries (its cost is nearly flat in the batch size); single queries keep the
-            # faster one-pass scan. Which kernel ran never changes a result: candidates are
-            # re-scored exactly (see module docstring). Measured on 1M x 384, 1 thread:
-            # scan 154 ms for 1 query but 2481 ms for 8; BLAS ~380-480 ms for 1-16.
-            with _BLAS_LOCK:
-                import faiss
-
-                old = faiss.cvar.distance_compute_blas_threshold
-                faiss.cvar.distance_compute_blas_threshold = 1
-                try:
-                    return self.index.search(Q, int(n))
-                finally:
-                    faiss.cvar.distance_compute_blas_threshold = old
-        return self.index.search(Q, int(n))
+        if self.kind == "edr":
+            return faiss_search(self.index, Q, n)  # batches on FAISS's BLAS path
+        return self.index.search(np.ascontiguousarray(Q, dtype=np.float32), int(n))
 
     def _candidates(self, D: np.ndarray, I: np.ndarray, n: int) -> Candidates:
         valid = I >= 0
@@ -321,7 +315,7 @@ class DenseRetriever:
         if k <= 0 or len(query_reps) == 0:
             return [[] for _ in query_reps]
         Q = np.stack([np.asarray(q, dtype=np.float32) for q in query_reps])
-        if self.scan is not None:
+        if self.scan is not None and self.plan.route(len(Q)) != "faiss":
             # one bf16 or int8 pass for the whole batch; its candidate sets provably contain
             # the exact top-k, which the float64 re-scoring then ranks (see bf16_scan, int8_scan)
             cands = self.scan.candidates(Q, k)

@@ -1,19 +1,30 @@
-"""Which exact candidate scan a flat dense index uses: ``faiss``, ``bf16`` or ``int8``.
+"""How an exact flat dense index answers a batch of queries: FAISS, or a bf16 or int8 scan.
 
-All three return the same hits (the low-precision scans only propose candidates, which are
-re-scored exactly), so the choice is about speed alone:
+Every path returns the same hits (FAISS's candidates and the low-precision scans' are
+re-scored exactly in float64), so the choice is about speed alone, and it may differ by
+batch size:
 
-* ``faiss``: FAISS's float32 kernels. A batch of 16 queries costs about 6 single queries.
+* ``faiss``: FAISS's float32 kernels. One query takes its one-pass SIMD scan; a batch takes
+  its BLAS path (one GEMM over the index for all queries; see
+  ``DenseRetriever._faiss_search``).
 * ``bf16``: one bf16 pass for the whole batch. Fast where the CPU has bf16 instructions
   (AMX, AVX512-BF16); emulated and slow elsewhere, so ``auto`` only considers it there.
-* ``int8``: one int8 pass for the whole batch, exact integer products. Fast on every x86
-  CPU (VNNI or AVX2's ``vpmaddubsw``).
+* ``int8``: one int8 pass for the whole batch, exact integer products (VNNI or AVX2's
+  ``vpmaddubsw``).
 
-``auto`` picks, in order: the only one of bf16 / int8 that is usable; when both are, the
-one whose kernel is faster *on this machine*, timed once per process on a block of rows at
-batch 1 and batch 16 (bf16 hardware is not enough: measured on an AMD EPYC with
-AVX512-BF16 but no AMX, the full 4M-row bf16 scan took 613 ms at batch 1 where int8 took
-162 ms); ``faiss`` when neither is usable.
+``auto`` measures, once per process and dimension, every path that can run exactly here at
+batch 1 and at the verification batch sizes 2, 4, 8 and 16, each over a block of
+:data:`TIMING_ROWS` rows (larger than a CPU's last-level cache, so memory traffic counts as
+it does over a whole index). It builds the low-precision scan that is cheaper summed over
+those sizes, and routes each batch size to whichever of that scan and FAISS measured
+faster at it. Measured on a 2-core AVX2-only AMD EPYC at 4M rows (docs/results): FAISS's
+single query beat the int8 scan, whose batch of 16 beat FAISS's: a plan that sends
+single queries to FAISS and verification batches to the scan beats either alone. Forced
+modes (``faiss``, ``bf16``, ``int8``) use one path for every batch and never fall back.
+
+Worked example: timings (ms per block) faiss {1: 10, 2: 30, 4: 33, 8: 36, 16: 45}, int8
+{1: 30, 2: 31, 4: 31, 8: 32, 16: 34} -> the int8 scan is built, batch 1 goes to FAISS, and
+batches of 2 and more go to the scan.
 """
 
 from __future__ import annotations
@@ -21,81 +32,142 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ralm.retrieval import bf16_scan, int8_scan
+from ralm.retrieval.int8_widths import padded_width
 
 log = logging.getLogger(__name__)
 
 SCANS = ("auto", "faiss", "bf16", "int8")
-TIMING_ROWS = 1 << 15  # rows per timed kernel call (one scan block)
+TIMING_ROWS = 1 << 17  # rows per timed call: 192 MiB of float32 at 384 dims, beyond any L3 cache
+TIMING_BATCHES = (1, 2, 4, 8, 16)  # a direct step and the verification batch sizes OS3 uses
 TIMING_REPS = 3  # best of, per batch size
+TIMING_K = 36  # candidates per query: top-20 plus the re-scoring margin
 
 _lock = threading.Lock()
-_auto: dict[int, tuple[str, dict[str, float]]] = {}  # dim -> (choice, ms per kernel)
+_auto: dict[tuple[int, int], ScanPlan] = {}  # (dim, faiss threads) -> plan
 
 
-def kernel_ms(scan: str, dim: int) -> float:
-    """Milliseconds of one scan kernel call over :data:`TIMING_ROWS` rows of ``dim``, at
-    batch 1 plus batch 16 (best of :data:`TIMING_REPS` each, after a warm-up call)."""
+@dataclass(frozen=True)
+class ScanPlan:
+    """``scan``: the low-precision scan to build ('bf16', 'int8'; 'faiss': none);
+    ``faiss_batches``: timed batch sizes that go to FAISS although a scan is built;
+    ``timings``: ms per :data:`TIMING_ROWS` rows by path and batch size (None: not timed)."""
+
+    scan: str
+    faiss_batches: tuple[int, ...] = ()
+    timings: dict[str, dict[int, float]] | None = field(default=None, compare=False)
+
+    def route(self, batch: int) -> str:
+        """The path a batch of ``batch`` queries takes: 'faiss' or :attr:`scan`. A size between
+        two timed ones takes the larger one's route; beyond the largest, the largest's."""
+        if self.scan == "faiss":
+            return "faiss"
+        timed = next((b for b in TIMING_BATCHES if b >= batch), TIMING_BATCHES[-1])
+        return "faiss" if timed in self.faiss_batches else self.scan
+
+    def label(self, scan_label: str | None = None) -> str:
+        """For report headers: 'int8 +-127', or 'faiss at batch 1, int8 +-127 at 2-16'."""
+        name = scan_label or self.scan
+        if self.scan == "faiss" or not self.faiss_batches:
+            return name
+        own = [b for b in TIMING_BATCHES if b not in self.faiss_batches]
+        return f"faiss at batch {_sizes(self.faiss_batches)}, {name} at {_sizes(own)}"
+
+
+def _sizes(bs) -> str:
+    bs = list(bs)
+    if not bs:
+        return "none"
+    if bs == [b for b in TIMING_BATCHES if bs[0] <= b <= bs[-1]] and len(bs) > 1:
+        return f"{bs[0]}-{bs[-1]}"
+    return ", ".join(map(str, bs))
+
+
+def kernel_ms(path: str, dim: int, batch: int, faiss_threads: int = 1) -> float:
+    """Milliseconds of one search of ``batch`` random queries over :data:`TIMING_ROWS` random
+    rows of ``dim`` on ``path`` (best of :data:`TIMING_REPS`, after a warm-up call)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
-    total = 0.0
-    for b in (1, 16):
-        if scan == "bf16":
-            rows = torch.randn(TIMING_ROWS, dim, generator=g).to(torch.bfloat16)
-            q = torch.randn(b, dim, generator=g).to(torch.bfloat16)
+    if path == "faiss":
+        import faiss
 
-            def call(rows=rows, q=q):
-                return bf16_scan._scores(rows, q)
-        else:
-            rows8 = torch.randint(-63, 64, (TIMING_ROWS, dim), dtype=torch.int8, generator=g)
-            q8 = torch.randint(-63, 64, (dim, b), dtype=torch.int8, generator=g)
+        from ralm.retrieval.faiss_search import faiss_search
 
-            def call(rows8=rows8, q8=q8):
-                return int8_scan._int_scores(rows8, q8)
+        faiss.omp_set_num_threads(max(1, int(faiss_threads)))
+        index = faiss.IndexFlatIP(dim)
+        index.add(torch.randn(TIMING_ROWS, dim, generator=g).numpy())
+        Q = torch.randn(batch, dim, generator=g).numpy()
 
+        def call():
+            return faiss_search(index, Q, TIMING_K)
+    elif path == "bf16":
+        rows = torch.randn(TIMING_ROWS, dim, generator=g).to(torch.bfloat16)
+        q = torch.randn(batch, dim, generator=g).to(torch.bfloat16)
+
+        def call():
+            return torch.topk(bf16_scan._scores(rows, q), TIMING_K, dim=0)
+    else:
+        rows8 = torch.randint(-63, 64, (TIMING_ROWS, dim), dtype=torch.int8, generator=g)
+        q8 = torch.randint(-63, 64, (dim, padded_width(batch, dim)), dtype=torch.int8, generator=g)
+
+        def call():
+            return torch.topk(int8_scan._int_scores(rows8, q8), TIMING_K, dim=0)
+
+    call()
+    best = np.inf
+    for _ in range(TIMING_REPS):
+        t0 = time.perf_counter()
         call()
-        best = np.inf
-        for _ in range(TIMING_REPS):
-            t0 = time.perf_counter()
-            call()
-            best = min(best, time.perf_counter() - t0)
-        total += best * 1e3
-    return total
+        best = min(best, time.perf_counter() - t0)
+    return float(best * 1e3)
 
 
-def choose_scan(mode: str, dim: int) -> str:
-    """The scan to build for ``mode`` ('auto', 'faiss', 'bf16', 'int8') over ``dim``-dim rows.
+def plan_scan(mode: str, dim: int, faiss_threads: int = 1) -> ScanPlan:
+    """The :class:`ScanPlan` for ``mode`` ('auto', 'faiss', 'bf16', 'int8') over ``dim``-dim rows.
 
     A forced mode that cannot run exactly here raises ``RuntimeError`` (from the scan's own
     probe) instead of silently falling back."""
     if mode not in SCANS:
         raise ValueError(f"dense_scan must be one of {', '.join(SCANS)}, not {mode!r}")
     if mode == "faiss":
-        return "faiss"
+        return ScanPlan("faiss")
     if mode == "bf16":
         bf16_scan.available("bf16")  # raises when unsound
-        return "bf16"
+        return ScanPlan("bf16")
     if mode == "int8":
         int8_scan.available("int8")  # raises when no level is exact
-        return "int8"
+        return ScanPlan("int8")
     usable = [s for s, ok in (("bf16", bf16_scan.available("auto")), ("int8", int8_scan.available("auto"))) if ok]
-    if len(usable) < 2:
-        return usable[0] if usable else "faiss"
+    key = (int(dim), int(faiss_threads))
     with _lock:
-        if dim not in _auto:
-            ms = {s: kernel_ms(s, dim) for s in usable}
-            pick = min(usable, key=lambda s: ms[s])
-            log.info("dense scan auto: %s (kernel ms at batch 1 + 16: %s)", pick, ms)
-            _auto[dim] = (pick, ms)
-        return _auto[dim][0]
+        if key not in _auto:
+            _auto[key] = _measure(usable, dim, faiss_threads)
+        return _auto[key]
 
 
-def auto_timings(dim: int) -> dict[str, float] | None:
-    """The kernel timings ``auto`` chose by for ``dim`` in this process (None: no timing was
-    needed, because at most one low-precision scan is usable)."""
-    got = _auto.get(dim)
-    return dict(got[1]) if got else None
+def _measure(usable: list[str], dim: int, faiss_threads: int) -> ScanPlan:
+    t = {p: {b: kernel_ms(p, dim, b, faiss_threads) for b in TIMING_BATCHES} for p in ["faiss", *usable]}
+    if not usable:
+        plan = ScanPlan("faiss", (), t)
+    else:
+        scan = min(usable, key=lambda s: sum(t[s].values()))
+        to_faiss = tuple(b for b in TIMING_BATCHES if t["faiss"][b] < t[scan][b])
+        plan = ScanPlan("faiss", (), t) if len(to_faiss) == len(TIMING_BATCHES) else ScanPlan(scan, to_faiss, t)
+    log.info("dense scan auto: %s (ms per %d rows by batch size: %s)", plan.label(), TIMING_ROWS, t)
+    return plan
+
+
+def choose_scan(mode: str, dim: int, faiss_threads: int = 1) -> str:
+    """The low-precision scan ``mode`` builds ('bf16', 'int8'), or 'faiss' for none."""
+    return plan_scan(mode, dim, faiss_threads).scan
+
+
+def auto_timings(dim: int, faiss_threads: int = 1) -> dict[str, dict[int, float]] | None:
+    """The timings ``auto`` chose by for ``dim`` in this process (None: not measured yet)."""
+    got = _auto.get((int(dim), int(faiss_threads)))
+    return None if got is None or got.timings is None else {p: dict(v) for p, v in got.timings.items()}

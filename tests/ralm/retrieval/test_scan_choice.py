@@ -1,11 +1,16 @@
-"""Which exact candidate scan ``auto`` builds: the usable low-precision scan, the faster one
-on this machine when both are usable, FAISS when neither is; forced modes never fall back."""
+"""How ``auto`` answers each batch size: it times every path that runs exactly here (FAISS,
+and the bf16 / int8 scans where usable) at batch 1 and the verification sizes, builds the
+cheaper low-precision scan and routes each size to whichever of it and FAISS is faster
+there; forced modes use one path and never fall back. Timings are injected (these CPUs are
+not all available here), except in the last test, which times this machine's kernels."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from ralm.retrieval import bf16_scan, int8_scan, scan_choice
+from ralm.retrieval.scan_choice import TIMING_BATCHES, ScanPlan
 
 
 @pytest.fixture
@@ -14,53 +19,105 @@ def fresh(monkeypatch):
     return monkeypatch
 
 
-def _machine(mp, *, bf16_hw: bool, int8_level: int, ms: dict[str, float] | None = None):
+def _machine(mp, *, bf16_hw: bool, int8_level: int, ms: dict[str, dict[int, float]] | None = None):
     """A machine with or without bf16 instructions, an int8 kernel exact at ``int8_level``
-    (0: nowhere), and given kernel timings. (Emulated: these CPUs are not all available here.)"""
+    (0: nowhere), and given timings (ms by path and batch size)."""
     mp.setattr(bf16_scan, "hardware_bf16", lambda: bf16_hw)
     mp.setattr(int8_scan, "_probe_result", int8_level)
-    timed: list[str] = []
+    timed: list[tuple[str, int]] = []
 
-    def kernel_ms(scan, dim):
-        timed.append(scan)
-        return (ms or {})[scan]
+    def kernel_ms(path, dim, batch, faiss_threads=1):
+        timed.append((path, batch))
+        return (ms or {})[path][batch]
 
     mp.setattr(scan_choice, "kernel_ms", kernel_ms)
     return timed
 
 
-def test_auto_times_both_kernels_and_takes_the_faster(fresh):
-    timed = _machine(fresh, bf16_hw=True, int8_level=127, ms={"bf16": 9.0, "int8": 4.0})
-    assert scan_choice.choose_scan("auto", 384) == "int8"
-    assert scan_choice.choose_scan("auto", 384) == "int8" and timed == ["bf16", "int8"]  # timed once
-    assert scan_choice.auto_timings(384) == {"bf16": 9.0, "int8": 4.0}
-    _machine(fresh, bf16_hw=True, int8_level=127, ms={"bf16": 2.0, "int8": 4.0})
-    assert scan_choice.choose_scan("auto", 768) == "bf16"  # per dimension
+def _curve(b1: float, per_query: float) -> dict[int, float]:
+    return {b: b1 + per_query * (b - 1) for b in TIMING_BATCHES}
 
 
-def test_auto_without_bf16_instructions_takes_int8_untimed(fresh):
-    timed = _machine(fresh, bf16_hw=False, int8_level=63)
-    assert scan_choice.choose_scan("auto", 384) == "int8" and timed == []
-    assert scan_choice.auto_timings(384) is None
+# FAISS's single query fast (its one-pass scan), its batches dearer (its GEMM path); the int8 scan flat
+AVX2 = {"faiss": {1: 10.0, 2: 40.0, 4: 42.0, 8: 45.0, 16: 50.0}, "int8": _curve(30.0, 0.2)}
 
 
-def test_auto_with_neither_takes_faiss_and_forced_modes_raise(fresh):
-    _machine(fresh, bf16_hw=False, int8_level=0)
-    assert scan_choice.choose_scan("auto", 384) == "faiss"
-    assert scan_choice.choose_scan("faiss", 384) == "faiss"
-    with pytest.raises(RuntimeError, match="not exact"):
-        scan_choice.choose_scan("int8", 384)
-    with pytest.raises(ValueError, match="dense_scan must be one of"):
-        scan_choice.choose_scan("fp8", 384)
+def test_each_batch_size_goes_to_the_path_that_is_faster_there(fresh):
+    timed = _machine(fresh, bf16_hw=False, int8_level=127, ms=AVX2)
+    plan = scan_choice.plan_scan("auto", 384)
+    assert plan == ScanPlan("int8", (1,)) and plan.timings == AVX2
+    assert [plan.route(b) for b in (1, 2, 3, 5, 16, 40)] == ["faiss"] + ["int8"] * 5
+    assert plan.label("int8 +-127") == "faiss at batch 1, int8 +-127 at 2-16"
+    assert scan_choice.plan_scan("auto", 384) is plan and len(timed) == 2 * len(TIMING_BATCHES)  # timed once
+    assert scan_choice.auto_timings(384) == AVX2
 
 
-def test_auto_with_only_bf16_takes_bf16(fresh):
-    timed = _machine(fresh, bf16_hw=True, int8_level=0)
+def test_faiss_wins_everywhere_and_no_scan_is_built(fresh):
+    _machine(fresh, bf16_hw=False, int8_level=127, ms={"faiss": _curve(5.0, 0.1), "int8": _curve(30.0, 0.2)})
+    plan = scan_choice.plan_scan("auto", 384)
+    assert plan.scan == "faiss" and scan_choice.choose_scan("auto", 384) == "faiss"
+    assert {plan.route(b) for b in (1, 4, 16)} == {"faiss"} and plan.label() == "faiss"
+
+
+def test_the_scan_wins_everywhere(fresh):
+    _machine(fresh, bf16_hw=False, int8_level=63, ms={"faiss": _curve(50.0, 5.0), "int8": _curve(30.0, 0.2)})
+    plan = scan_choice.plan_scan("auto", 384)
+    assert plan == ScanPlan("int8", ()) and {plan.route(b) for b in (1, 4, 16)} == {"int8"}
+
+
+def test_bf16_wins_where_it_is_faster_than_int8(fresh):
+    ms = {"faiss": _curve(40.0, 3.0), "int8": _curve(30.0, 0.2), "bf16": _curve(12.0, 0.5)}
     fresh.setattr(bf16_scan, "_probe_result", True)  # a sound bf16 kernel
-    assert scan_choice.choose_scan("auto", 384) == "bf16" and timed == []
+    _machine(fresh, bf16_hw=True, int8_level=127, ms=ms)
+    plan = scan_choice.plan_scan("auto", 768)
+    assert plan == ScanPlan("bf16", ()) and set(plan.timings or {}) == {"faiss", "int8", "bf16"}
+
+
+def test_with_no_low_precision_scan_auto_is_faiss_and_forced_modes_raise(fresh):
+    timed = _machine(fresh, bf16_hw=False, int8_level=0, ms={"faiss": _curve(5.0, 1.0)})
+    assert scan_choice.plan_scan("auto", 384) == ScanPlan("faiss") and {p for p, _ in timed} == {"faiss"}
+    assert scan_choice.plan_scan("faiss", 384) == ScanPlan("faiss")
+    with pytest.raises(RuntimeError, match="not exact"):
+        scan_choice.plan_scan("int8", 384)
+    with pytest.raises(ValueError, match="dense_scan must be one of"):
+        scan_choice.plan_scan("fp8", 384)
+
+
+def test_a_split_plan_gives_the_same_hits_as_every_single_path(fresh):
+    """The retriever routes by batch size, and every route returns the same hits."""
+    from ralm.retrieval.dense import DenseRetriever
+
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((3000, 32)).astype(np.float32)
+    X /= np.linalg.norm(X, axis=1, keepdims=True)
+    Q = [X[i] + 0.05 * rng.standard_normal(32).astype(np.float32) for i in range(6)]
+    _machine(fresh, bf16_hw=False, int8_level=127, ms=AVX2)
+    split = DenseRetriever("edr", None, X, dense_scan="auto")
+    assert split.dense_scan == "int8" and split.plan.faiss_batches == (1,)
+    assert split.scan_label.startswith("faiss at batch 1, int8")
+    fresh.setattr(scan_choice, "_auto", {})
+    only = {m: DenseRetriever("edr", None, X, dense_scan=m) for m in ("faiss", "int8")}
+    for r in only.values():
+        assert r.plan.faiss_batches == ()
+    for batch in ([Q[0]], Q[:2], Q):
+        want = only["faiss"].search_vectors(batch, 10)
+        assert split.search_vectors(batch, 10) == want == only["int8"].search_vectors(batch, 10)
+
+
+def test_padding_fits_or_faiss_routes_are_dropped(fresh, monkeypatch):
+    from ralm import constants as C
+    from ralm.retrieval.dense import DenseRetriever
+
+    X = np.random.default_rng(1).standard_normal((500, 16)).astype(np.float32)
+    _machine(fresh, bf16_hw=False, int8_level=127, ms=AVX2)
+    padded = DenseRetriever("edr", None, X, pad_to=5000, dense_scan="auto")
+    assert padded.plan.faiss_batches == (1,) and padded.index.ntotal == padded.scan.n_rows == 5000
+    monkeypatch.setattr(C, "FAISS_PAD_MAX_BYTES", 1000)
+    tight = DenseRetriever("edr", None, X, pad_to=5000, dense_scan="auto")
+    assert tight.plan.faiss_batches == () and tight.index.ntotal == 500 and tight.scan.n_rows == 5000
 
 
 def test_kernel_timing_is_real_and_positive():
     """The timing itself, on this machine's kernels (no mock)."""
-    for scan in ("int8", "bf16"):
-        assert scan_choice.kernel_ms(scan, 64) > 0
+    for path in ("faiss", "int8", "bf16"):
+        assert scan_choice.kernel_ms(path, 64, 4) > 0
