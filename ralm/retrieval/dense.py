@@ -208,7 +208,11 @@ class DenseRetriever:
         self.padded_rows = 0
         self.scan: bf16_scan.Bf16Scan | int8_scan.Int8Scan | None = None
         extra = max(0, int(pad_to) - self.n_docs) if (pad_to and kind == "edr") else 0
-        self.plan = plan_scan(dense_scan, self.scorer.dim, self.faiss_threads) if kind == "edr" else ScanPlan("faiss")
+        self.plan = (
+            plan_scan(dense_scan, self.scorer.dim, self.faiss_threads, max(self.n_docs, int(pad_to or 0)))
+            if kind == "edr"
+            else ScanPlan("faiss")
+        )
         if self.plan.faiss_batches and extra * self.scorer.dim * 4 > C.FAISS_PAD_MAX_BYTES:
             # padding the FAISS index as well would not fit: every batch goes to the scan
             log.warning(

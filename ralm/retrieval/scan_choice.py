@@ -13,18 +13,19 @@ batch size:
   ``vpmaddubsw``).
 
 ``auto`` measures, once per process and dimension, every path that can run exactly here at
-batch 1 and at the verification batch sizes 2, 4, 8 and 16, each over a block of
+batch 1 and at the verification batch sizes 4 and 16, each over a block of
 :data:`TIMING_ROWS` rows (larger than a CPU's last-level cache, so memory traffic counts as
-it does over a whole index). It builds the low-precision scan that is cheaper summed over
+it does over a whole index; about a second). An index smaller than that block is not worth
+timing: it takes the int8 scan where it is exact, else bf16, else FAISS. It builds the low-precision scan that is cheaper summed over
 those sizes, and routes each batch size to whichever of that scan and FAISS measured
 faster at it. Measured on a 2-core AVX2-only AMD EPYC at 4M rows (docs/results): FAISS's
 single query beat the int8 scan, whose batch of 16 beat FAISS's: a plan that sends
 single queries to FAISS and verification batches to the scan beats either alone. Forced
 modes (``faiss``, ``bf16``, ``int8``) use one path for every batch and never fall back.
 
-Worked example: timings (ms per block) faiss {1: 10, 2: 30, 4: 33, 8: 36, 16: 45}, int8
-{1: 30, 2: 31, 4: 31, 8: 32, 16: 34} -> the int8 scan is built, batch 1 goes to FAISS, and
-batches of 2 and more go to the scan.
+Worked example: timings (ms per block) faiss {1: 10, 4: 33, 16: 45}, int8 {1: 30, 4: 31,
+16: 34} -> the int8 scan is built, batch 1 goes to FAISS, and batches of 2 and more go to
+the scan (a size between two timed ones takes the larger one's route).
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ from ralm.retrieval.int8_widths import padded_width
 log = logging.getLogger(__name__)
 
 SCANS = ("auto", "faiss", "bf16", "int8")
-TIMING_ROWS = 1 << 17  # rows per timed call: 192 MiB of float32 at 384 dims, beyond any L3 cache
-TIMING_BATCHES = (1, 2, 4, 8, 16)  # a direct step and the verification batch sizes OS3 uses
-TIMING_REPS = 3  # best of, per batch size
+TIMING_ROWS = 1 << 16  # rows per timed call: 96 MiB of float32 at 384 dims, beyond a CPU's L3 cache
+TIMING_BATCHES = (1, 4, 16)  # a direct step and the verification batch sizes OS3 uses (2-16)
+TIMING_REPS = 2  # best of, per batch size (after a warm-up call)
 TIMING_K = 36  # candidates per query: top-20 plus the re-scoring margin
 
 _lock = threading.Lock()
@@ -70,21 +71,23 @@ class ScanPlan:
         return "faiss" if timed in self.faiss_batches else self.scan
 
     def label(self, scan_label: str | None = None) -> str:
-        """For report headers: 'int8 +-127', or 'faiss at batch 1, int8 +-127 at 2-16'."""
+        """For report headers: 'int8 +-127', or 'faiss at 1, int8 +-127 at 2+'."""
         name = scan_label or self.scan
         if self.scan == "faiss" or not self.faiss_batches:
             return name
-        own = [b for b in TIMING_BATCHES if b not in self.faiss_batches]
-        return f"faiss at batch {_sizes(self.faiss_batches)}, {name} at {_sizes(own)}"
-
-
-def _sizes(bs) -> str:
-    bs = list(bs)
-    if not bs:
-        return "none"
-    if bs == [b for b in TIMING_BATCHES if bs[0] <= b <= bs[-1]] and len(bs) > 1:
-        return f"{bs[0]}-{bs[-1]}"
-    return ", ".join(map(str, bs))
+        spans: list[list] = []  # [first size, last size (None: no end), path], merged
+        lo = 1
+        for i, b in enumerate(TIMING_BATCHES):
+            path = "faiss" if b in self.faiss_batches else name
+            hi = None if i == len(TIMING_BATCHES) - 1 else b
+            if spans and spans[-1][2] == path:
+                spans[-1][1] = hi
+            else:
+                spans.append([lo, hi, path])
+            lo = b + 1
+        return ", ".join(
+            f"{p} at {a}+" if z is None else f"{p} at {a}" if a == z else f"{p} at {a}-{z}" for a, z, p in spans
+        )
 
 
 def kernel_ms(path: str, dim: int, batch: int, faiss_threads: int = 1) -> float:
@@ -127,8 +130,9 @@ def kernel_ms(path: str, dim: int, batch: int, faiss_threads: int = 1) -> float:
     return float(best * 1e3)
 
 
-def plan_scan(mode: str, dim: int, faiss_threads: int = 1) -> ScanPlan:
-    """The :class:`ScanPlan` for ``mode`` ('auto', 'faiss', 'bf16', 'int8') over ``dim``-dim rows.
+def plan_scan(mode: str, dim: int, faiss_threads: int = 1, n_rows: int | None = None) -> ScanPlan:
+    """The :class:`ScanPlan` for ``mode`` ('auto', 'faiss', 'bf16', 'int8') over ``n_rows``
+    rows of ``dim`` (None: a large index).
 
     A forced mode that cannot run exactly here raises ``RuntimeError`` (from the scan's own
     probe) instead of silently falling back."""
@@ -143,6 +147,8 @@ def plan_scan(mode: str, dim: int, faiss_threads: int = 1) -> ScanPlan:
         int8_scan.available("int8")  # raises when no level is exact
         return ScanPlan("int8")
     usable = [s for s, ok in (("bf16", bf16_scan.available("auto")), ("int8", int8_scan.available("auto"))) if ok]
+    if n_rows is not None and n_rows < TIMING_ROWS:  # small: any path is fast, none is worth timing
+        return ScanPlan("int8" if "int8" in usable else usable[0] if usable else "faiss")
     key = (int(dim), int(faiss_threads))
     with _lock:
         if key not in _auto:
