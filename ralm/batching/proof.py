@@ -29,6 +29,7 @@ decode differs (``max |dlogit| 3e-07``), and the engine serves one step at a tim
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Sequence
@@ -52,6 +53,7 @@ class InvarianceProof:
     seconds: float = 0.0
     device: str = ""
     dtype: str = ""
+    reused: bool = False  # the verdict of an earlier proof of this very model object (same shapes)
 
     def as_dict(self) -> dict:
         return {
@@ -63,6 +65,7 @@ class InvarianceProof:
             "seconds": round(self.seconds, 3),
             "device": self.device,
             "dtype": self.dtype,
+            "reused": self.reused,
         }
 
 
@@ -223,7 +226,15 @@ def prove_invariance(
     gives every sequence the same logits and KV bits packed as alone, chunked as in one
     pass, and drafted as one token at a time, at up to ``max_sequences`` sequences and
     ``token_budget`` tokens per forward. Never raises for a mismatch: the verdict says why.
+
+    The verdict is kept on the model object: another engine over the same model (same
+    budget, sequences, seed and torch thread count) gets it back (``reused``) instead of
+    running the proof again.
     """
+    key = (int(max_sequences), int(token_budget), int(seed), torch.get_num_threads())
+    memo: dict = model.__dict__.setdefault("_ralm_proofs", {})
+    if key in memo:
+        return dataclasses.replace(memo[key], reused=True)
     p = next(model.parameters())
     t0 = time.perf_counter()
     prover = _Prover(model, max_sequences, token_budget, seed)
@@ -244,7 +255,7 @@ def prove_invariance(
             f"the whole-model invariance proof could not run on {p.device} in "
             f"{str(p.dtype).removeprefix('torch.')}: {type(e).__name__}: {e}"
         )
-    return InvarianceProof(
+    memo[key] = proof = InvarianceProof(
         reason is None,
         reason,
         checks,
@@ -254,3 +265,4 @@ def prove_invariance(
         str(p.device),
         str(p.dtype).removeprefix("torch."),
     )
+    return proof

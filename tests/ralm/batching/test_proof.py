@@ -25,6 +25,10 @@ def test_the_proof_passes_for_every_family_on_this_machine(family_model):
     assert proof.checks[:2] == ["chunked prefill (128 tokens)", f"drafted verification ({C.PROOF_DRAFT_TOKENS} tokens)"]
     assert [c for c in proof.checks if c.startswith("packed")] == [f"packed x{b}" for b in (2, 3, 5, 8, 16)]
     assert proof.comparisons > 100 and proof.device == "cpu" and proof.dtype == "float32"
+    # the same model object proves once: a second engine over it gets the verdict back
+    again = prove_invariance(model, max_sequences=16, token_budget=128)
+    assert again.reused and not proof.reused and again.checks == proof.checks and again.ok
+    assert not prove_invariance(model, max_sequences=8, token_budget=128).reused  # other shapes: proved anew
 
 
 def _switches_above(rows: int):
