@@ -3,10 +3,11 @@
 For every retriever, cross-request batching on and off, RaLMSeq and the RaLMSpec
 configurations asked for, and every concurrency level (default 1, 4, 16), it sends the
 same ``n`` questions through HTTP (``POST /v1/ralm/generate``) with that many requests in
-flight and reports throughput (requests/s, tokens/s) and p50/p95 latency, plus the
-verifier's batching (queries per KB search). Every answer is compared token by token
-with the server's RaLMSeq answer for the same question; a difference makes the command
-exit non-zero. ``--options`` adds request fields to every request (a generation-side
+flight (a request shed with 503/429 and ``Retry-After`` is sent again after that delay, a
+bounded number of times, and counted in the row's ``retries``) and reports throughput
+(requests/s, tokens/s) and p50/p95 latency, plus the verifier's batching (queries per KB
+search). Every answer is compared token by token with the server's RaLMSeq answer for the
+same question; a difference makes the command exit non-zero. ``--options`` adds request fields to every request (a generation-side
 mode: drafting, several documents, FLARE, ...); rows then also report tokens per forward
 pass, drafting acceptance and the doc-KV hit rate.
 
@@ -29,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import fmean
 
+from cluster.http_retry import RetryLog, send_with_retry
 from cluster.report import machine_note, write_report
 from cluster.served_report import one_request_rows, to_markdown
 from ralm.config import SpecConfig
@@ -213,6 +215,7 @@ class Client:
         self.timeout = timeout
         self._local = threading.local()
         self._httpx = httpx
+        self.retries = RetryLog()  # shed answers (503/429 with Retry-After) sent again
 
     @property
     def http(self):
@@ -222,11 +225,17 @@ class Client:
         return c
 
     def generate(self, body: dict) -> tuple[dict, float]:
+        """(answer, latency): a shed answer (503/429 with Retry-After) is sent again after that
+        delay, a bounded number of times, as a real client does (the latency includes the
+        waits); any other failure, or still shed after the retries, raises."""
         t0 = time.perf_counter()
-        r = self.http.post("/v1/ralm/generate", json=body)
+        res = send_with_retry(lambda: self.http.post("/v1/ralm/generate", json=body))
         dt = time.perf_counter() - t0
+        self.retries.add(res)
+        r = res.response
         if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+            after = f" (after {res.retries} retries)" if res.retries else ""
+            raise RuntimeError(f"HTTP {r.status_code}{after}: {r.text[:300]}")
         return r.json(), dt
 
     def admin(self, body: dict) -> dict | None:
@@ -324,7 +333,9 @@ def run_served_bench(
                     ]
                     if can_switch:
                         client.admin({"reset_stats": True})
+                    retries0 = client.retries.retries
                     outs, lats, wall = _measure(client, bodies, c)
+                    retries = client.retries.retries - retries0
                     vst = client.stats()["verifiers"].get(kind, {})
                     n_tok = sum(len(o["tokens"]) for o in outs)
                     identical = sum(o["tokens"] == ref[q] for o, q in zip(outs, questions))
@@ -350,6 +361,7 @@ def run_served_bench(
                         else None,
                         "requests_per_batch": vst.get("mean_submissions_per_batch"),
                         "options": extra,
+                        "retries": retries,  # shed answers sent again (their latency includes the wait)
                         **mode_stats(outs),
                     }
                     rows.append(row)
@@ -362,6 +374,12 @@ def run_served_bench(
                         )
         if can_switch:
             client.admin({"batching": True})
+    shed = client.retries.as_dict()
+    if shed["retries"]:
+        notes.append(
+            f"{shed['retries']} requests were shed (503/429 with Retry-After) and sent again after that delay "
+            f"(per row: `retries`; their latency includes the wait); reasons: {shed['reasons']}"
+        )
     return rows, notes
 
 

@@ -9,7 +9,9 @@ time: the exactness contract, checked on every request.
 
 Every ``--interval`` seconds it samples, and writes to the report:
 
-- success rate, p50 and p99 latency of the requests finished in the interval;
+- success rate, p50 and p99 latency of the requests finished in the interval, and the
+  retries of shed requests (a 503/429 with ``Retry-After`` is sent again after that delay,
+  a bounded number of times, as a real client does: :mod:`cluster.http_retry`);
 - the RSS and open file descriptors of every Ray actor and Serve replica on this machine
   (found by their process titles and read from ``/proc``), summed per actor class;
 - the number of state-store keys when the server uses Redis (``--state-url``);
@@ -33,7 +35,19 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from cluster.http_retry import (
+    Retried,
+    RetryLog,
+    call_with_retry,
+    parse_retry_after,
+    retry_after,
+    send_with_retry,
+    shed_reason,
+)
 
 WARMUP_SAMPLES = 2  # growth is measured from the sample after these (caches fill first)
 
@@ -70,10 +84,19 @@ class Recorder:
         self.events: list[tuple[float, str, str, float]] = []  # (t_end, kind, outcome, latency_s)
         self.answers: dict[tuple[str, str], list[int]] = {}
         self.mismatches: list[dict] = []
+        self.retry_times: list[float] = []  # when each retry of a shed request was decided
+        self.retries = RetryLog()
 
     def add(self, kind: str, outcome: str, latency: float) -> None:
         with self.lock:
             self.events.append((time.time(), kind, outcome, latency))
+
+    def retried(self, res: Retried) -> None:
+        """A request's sends: its retries (a shed answer, 503/429 with Retry-After, sent again)."""
+        self.retries.add(res)
+        if res.retries:
+            with self.lock:
+                self.retry_times += [time.time()] * res.retries
 
     def check(self, question: str, kind: str, tokens: list[int], how: str) -> bool:
         with self.lock:
@@ -84,7 +107,53 @@ class Recorder:
             return True
 
 
+def _stream_attempt(http, comp: dict) -> Callable[[], tuple[Any, list[int] | None, float | None]]:
+    """One streamed completion: (response, the answer's tokens or None, the delay of an
+    ``overloaded`` error event (a stream shed after it started) or None)."""
+
+    def attempt():
+        with http.stream("POST", "/v1/completions", json=comp) as r:
+            if r.status_code != 200:
+                r.read()
+                return r, None, None
+            toks, shed = None, None
+            for line in r.iter_lines():
+                if line.startswith("data: {") and '"ralm"' in line:
+                    toks = json.loads(line[6:])["ralm"]["tokens"]
+                shed = _overloaded_delay(line) if shed is None else shed
+            return r, toks, shed
+
+    return attempt
+
+
+def _overloaded_delay(line: str) -> float | None:
+    """The ``retry_after`` of a stream's ``overloaded`` error event (the stream was shed
+    after it started), else None."""
+    if not (line.startswith("data: {") and '"error"' in line):
+        return None
+    err = json.loads(line[6:]).get("error") or {}
+    if err.get("code") != "overloaded" or err.get("retry_after") is None:
+        return None
+    return parse_retry_after(str(err["retry_after"]))
+
+
+def _stream_delay(out: tuple) -> float | None:
+    """The delay before sending a shed stream again (503/429 with Retry-After, or its
+    ``overloaded`` event), None for an answer to keep; ``out`` is (response, ..., event delay)."""
+    r, shed = out[0], out[-1]
+    return retry_after(r) if r.status_code != 200 else shed
+
+
+def _stream_reason(out: tuple) -> str:
+    r = out[0]
+    return shed_reason(r) if r.status_code != 200 else "stream ended with an overloaded event"
+
+
 def _one(http, rec: Recorder, rng: random.Random, questions: list[str], kinds: list[str], max_new: int) -> None:
+    """One request of a random kind, sent as a real client sends it: a shed answer (503/429
+    with Retry-After, or a stream's ``overloaded`` event) is retried after that delay, a
+    bounded number of times (:mod:`cluster.http_retry`); still shed after that, it counts
+    as its status (``http_503``)."""
     what = rng.choices([k for k, _ in KINDS_OF_REQUEST], [w for _, w in KINDS_OF_REQUEST])[0]
     q, kind = rng.choice(questions), rng.choice(kinds)
     body = {"question": q, "retriever": kind, "max_new_tokens": max_new}
@@ -92,28 +161,34 @@ def _one(http, rec: Recorder, rng: random.Random, questions: list[str], kinds: l
     try:
         if what in ("spec", "seq"):
             body.update({"method": what} if what == "seq" else {"method": "spec", "spec": "PSA"})
-            r = http.post("/v1/ralm/generate", json=body)
+            res = send_with_retry(lambda: http.post("/v1/ralm/generate", json=body))
+            rec.retried(res)
+            r = res.response
             ok = r.status_code == 200 and rec.check(q, kind, r.json()["tokens"], what)
             outcome = "ok" if ok else ("wrong" if r.status_code == 200 else f"http_{r.status_code}")
         elif what == "stream":
             comp = {"prompt": q, "retriever": kind, "max_tokens": max_new, "stream": True, "spec": "PSA"}
-            toks, outcome = None, "no_result"
-            with http.stream("POST", "/v1/completions", json=comp) as r:
-                if r.status_code != 200:
-                    outcome = f"http_{r.status_code}"
-                for line in r.iter_lines():
-                    if line.startswith("data: {") and '"ralm"' in line:
-                        toks = json.loads(line[6:])["ralm"]["tokens"]
+            sres = call_with_retry(_stream_attempt(http, comp), _stream_delay, reason_of=_stream_reason)
+            rec.retried(sres)
+            r, toks, _ = sres.response
+            outcome = "no_result" if r.status_code == 200 else f"http_{r.status_code}"
             if toks is not None:
                 outcome = "ok" if rec.check(q, kind, toks, "stream") else "wrong"
         elif what == "abandon":
             comp = {"prompt": q, "retriever": kind, "max_tokens": max_new, "stream": True, "method": "seq"}
-            outcome = "http_error"
-            with http.stream("POST", "/v1/completions", json=comp) as r:
-                if r.status_code == 200:
-                    for _ in r.iter_lines():
-                        outcome = "ok"  # got the first event; leave
-                        break
+
+            def abandon() -> tuple[Any, str, float | None]:
+                with http.stream("POST", "/v1/completions", json=comp) as r:
+                    if r.status_code == 200:
+                        for line in r.iter_lines():  # got the first event; leave
+                            return r, "ok", _overloaded_delay(line)
+                    else:
+                        r.read()
+                    return r, "http_error", None
+
+            ares = call_with_retry(abandon, _stream_delay, reason_of=_stream_reason)
+            rec.retried(ares)
+            outcome = ares.response[1]
         else:
             bad = rng.choice(
                 [
@@ -123,7 +198,9 @@ def _one(http, rec: Recorder, rng: random.Random, questions: list[str], kinds: l
                     {"question": q, "spec": {"stride": "x"}},
                 ]
             )
-            r = http.post("/v1/ralm/generate", json=bad)
+            res = send_with_retry(lambda: http.post("/v1/ralm/generate", json=bad))
+            rec.retried(res)
+            r = res.response
             outcome = "ok" if 400 <= r.status_code < 500 else f"http_{r.status_code}"
     except Exception as e:  # a connection error or a timeout: lost
         outcome = f"exc_{type(e).__name__}"
@@ -277,6 +354,8 @@ def run_soak(url: str, args, questions: list[str], kinds: list[str]) -> dict:
             with rec.lock:
                 events = list(rec.events)
             row = sample(stats, args.state_url) | window_stats(events, last, now)
+            with rec.lock:
+                row["retries"] = sum(1 for t in rec.retry_times if last <= t < now)
             samples.append(row)
             bar.update(round(now - last))
             bar.set_postfix(ok=row["ok"], req=row["requests"], p99=row["p99_s"])
@@ -289,7 +368,14 @@ def run_soak(url: str, args, questions: list[str], kinds: list[str]) -> dict:
     hung = sum(t.is_alive() for t in threads)
     with rec.lock:
         events = list(rec.events)
-    return {"start": start, "samples": samples, "events": events, "mismatches": rec.mismatches, "hung_clients": hung}
+    return {
+        "start": start,
+        "samples": samples,
+        "events": events,
+        "mismatches": rec.mismatches,
+        "hung_clients": hung,
+        "retries": rec.retries.as_dict(),
+    }
 
 
 def summarize(res: dict) -> dict:
@@ -325,6 +411,10 @@ def summarize(res: dict) -> dict:
         "wrong_answers": len(res["mismatches"]),
         "lost": sum(v for k, v in by_outcome.items() if k.startswith("exc_")),
         "hung_clients": res["hung_clients"],
+        # shed answers (503/429 with Retry-After) sent again; gave_up: still shed after the bounded retries
+        "retries": (res.get("retries") or {}).get("retries", 0),
+        "retries_gave_up": (res.get("retries") or {}).get("gave_up", 0),
+        "retry_reasons": (res.get("retries") or {}).get("reasons", {}),
         "p50_s": _percentile(lat, 50),
         "p99_s": _percentile(lat, 99),
         "growth_from_sample": first,

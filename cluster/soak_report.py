@@ -33,6 +33,8 @@ def to_markdown(meta: dict, summary: dict, samples: list[dict]) -> str:
         f"- answers checked for exactness: {s['answers_checked']}, wrong: **{s['wrong_answers']}**; "
         f"lost (connection error or client timeout): **{s['lost']}**; hung clients: {s['hung_clients']}",
         f"- latency of whole answers: p50 {_f(s['p50_s'])} s, p99 {_f(s['p99_s'])} s",
+        f"- retries of shed requests (503/429 with Retry-After, sent again after that delay): "
+        f"{s.get('retries', 0)}; still shed after the bounded retries: {s.get('retries_gave_up', 0)}",
         "",
         f"## Memory and file descriptors (sample {s['growth_from_sample']} to the last)",
         "",
@@ -78,6 +80,7 @@ def to_markdown(meta: dict, summary: dict, samples: list[dict]) -> str:
                 "-" if smp.get("redis_checkpoints") is None else smp["redis_checkpoints"],
                 srv.get("waiting", "-"),
                 srv.get("cancelled", "-"),
+                smp.get("retries", "-"),
             )
         )
     lines += table(
@@ -93,9 +96,10 @@ def to_markdown(meta: dict, summary: dict, samples: list[dict]) -> str:
             "checkpoints",
             "waiting",
             "cancelled",
+            "retries",
         ],
         srows,
-        "rrrrrrrrrrr",
+        "rrrrrrrrrrrr",
     )
     return "\n".join(lines) + "\n"
 

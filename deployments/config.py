@@ -101,7 +101,9 @@ class IngressOptions(_Opts):
         description="HTTP requests that may wait for the ingress beyond max_ongoing_requests; Serve's proxy answers any further one 503 with Retry-After.",
     )
     retry_after_s: float = Field(
-        5.0, ge=0, description="Retry-After of the proxy's 503 when the ingress queue is full (seconds)."
+        C.SHED_RETRY_AFTER_S,
+        ge=0,
+        description="Retry-After of the proxy's 503 when the ingress queue is full (seconds).",
     )
     max_prompt_chars: int = Field(
         20_000, ge=1, description="Prompts longer than this are rejected before tokenisation."

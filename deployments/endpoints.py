@@ -35,6 +35,7 @@ from deployments.api import (
 )
 from deployments.backend import BackendUnavailable, RalmBackend
 from deployments.sse_response import ClosingStreamingResponse
+from ralm import constants as C
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 from ralm.errors import ConfigError, Overloaded, RalmInputError, RequestCancelled
 
@@ -268,7 +269,11 @@ class Endpoints:
         try:
             extra = await self.backend.health()
         except BackendUnavailable as e:
-            return JSONResponse({"status": "unhealthy", "reason": e.reason}, status_code=503)
+            return JSONResponse(
+                {"status": "unhealthy", "reason": e.reason},
+                status_code=503,
+                headers={"Retry-After": str(math.ceil(C.SHED_RETRY_AFTER_S))},
+            )
         return {
             "status": "ok",
             "model": self.settings.model_name,

@@ -117,6 +117,13 @@ COORDINATOR_PROBE_INTERVAL_S = 10.0  # a leased coordinator is pinged this often
 COORDINATOR_PROBE_TIMEOUT_S = 30.0  # a ping unanswered this long: the coordinator is lost (node gone)
 COORDINATOR_DEATH_RETRIES = 3  # fresh coordinators a request is retried on when its coordinator dies
 
+# ---- load shedding (HTTP 503/429 with Retry-After; docs/api.md) ----
+SHED_RETRY_AFTER_S = 5.0  # Retry-After where the server has no better estimate: the proxy's full queue, /healthz
+# clients of the HTTP API (cluster/http_retry.py: soak, served-bench, the fault tests) retry a shed request
+CLIENT_SHED_RETRIES = 5  # ... at most this many times,
+CLIENT_SHED_BUDGET_S = 300.0  # ... never starting a retry later than this after the first try,
+CLIENT_MAX_RETRY_AFTER_S = 60.0  # ... waiting at most this long before one (a longer Retry-After is cut)
+
 # ---- paths ----
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 ASSETS_DIR = PACKAGE_ROOT / "assets"

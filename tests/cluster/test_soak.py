@@ -87,6 +87,34 @@ def test_a_short_soak_records_every_kind_of_request_and_checks_exactness(live_ap
     assert (tmp_path / "soak.png").stat().st_size > 10_000
 
 
+def test_shed_requests_are_retried_after_retry_after_and_counted(live_app):
+    """The server sheds the first requests (503 + Retry-After, or a stream's ``overloaded``
+    event): the soak sends them again after that delay, as a real client does, so none is a
+    failure, and the retries are counted in the summary, the samples and the report."""
+    from ralm.errors import Overloaded
+    from tests.deployments.test_ingress_http import SheddingBackend
+
+    backend = SheddingBackend([Overloaded("the server is at capacity; retry later", 0.2) for _ in range(3)])
+    res = run_soak(live_app(backend), _args(), QUESTIONS, ["edr"])
+    s = summarize(res)
+    assert s["by_outcome"] == {"ok": s["requests"]}, s["by_outcome"]
+    assert s["retries"] == 3 and s["retries_gave_up"] == 0 and s["wrong_answers"] == 0, s
+    assert sum(x.get("retries", 0) for x in res["samples"]) <= 3
+    meta = dict(
+        url="u",
+        minutes=0.05,
+        concurrency=3,
+        interval_s=1.0,
+        retrievers=["edr"],
+        max_new_tokens=6,
+        state_url=False,
+        machine="test machine",
+    )
+    assert "retries of shed requests (503/429 with Retry-After, sent again after that delay): 3" in to_markdown(
+        meta, s, res["samples"]
+    )
+
+
 def test_a_drifting_answer_is_reported_as_wrong(live_app):
     url = live_app(DriftingBackend(drift_after=6))
     res = run_soak(url, _args(minutes=0.06), QUESTIONS[:1], ["edr"])

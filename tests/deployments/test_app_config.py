@@ -57,6 +57,11 @@ def test_build_app_returns_an_application():
 
     app = build_app({"retrievers": ["edr"], "generator_preset": "llama2-70b-4gpu"})
     assert isinstance(app, Application)
+    # Serve's proxy sheds requests beyond the ingress queue with 503 and Retry-After
+    bp = app._bound_deployment.backpressure_config
+    assert (bp.status_code, bp.retry_after_s) == (503, C.SHED_RETRY_AFTER_S)
+    app = build_app({"retrievers": ["edr"], "generator_preset": "llama2-70b-4gpu", "ingress": {"retry_after_s": 2}})
+    assert app._bound_deployment.backpressure_config.retry_after_s == 2
 
 
 def test_cli_overrides_and_check(capsys):

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from cluster.http_retry import RetryLog, send_with_retry
 from ralm.config import RequestConfig
 from ralm.seq import run_seq
 
@@ -77,12 +78,17 @@ def baselines(retrievers, local_generator, questions):
     return {kind: {q: run_seq(q, local_generator, retrievers[kind], REQ) for q in questions} for kind in KINDS}
 
 
-def _generate(client, q, kind, method, spec=None, **extra):
+def _generate(client, q, kind, method, spec=None, log: RetryLog | None = None, **extra):
+    """The answer, sent as a real client sends it: a shed answer (503/429 with Retry-After) is
+    retried after that delay, a bounded number of times; the retries go to ``log``."""
     body = {"question": q, "retriever": kind, "method": method, **extra}
     if spec is not None:
         body["spec"] = spec
-    r = client.post("/v1/ralm/generate", json=body)
-    assert r.status_code == 200, r.text
+    res = send_with_retry(lambda: client.post("/v1/ralm/generate", json=body))
+    if log is not None:
+        log.add(res)
+    r = res.response
+    assert r.status_code == 200, f"{r.text} (after {res.retries} retries: {res.reasons})"
     return r.json()
 
 
@@ -128,10 +134,12 @@ def test_sixteen_concurrent_requests_are_all_exact(server, baselines, questions)
         for i in range(16)
     ]
 
+    log = RetryLog()
+
     def one(job):
         q, kind, method, spec = job
         with httpx.Client(base_url=server["url"], timeout=600) as c:
-            return _generate(c, q, kind, method, spec if method == "spec" else None)
+            return _generate(c, q, kind, method, spec if method == "spec" else None, log=log)
 
     t0 = time.time()
     with ThreadPoolExecutor(16) as ex:
@@ -142,7 +150,7 @@ def test_sixteen_concurrent_requests_are_all_exact(server, baselines, questions)
     assert stats["pool"]["size"] <= 8
     assert sum(v["submissions"] for v in stats["verifiers"].values()) > 0
     print(
-        f"16 concurrent requests in {time.time() - t0:.1f}s; batches:",
+        f"16 concurrent requests in {time.time() - t0:.1f}s; retries of shed requests: {log.as_dict()}; batches:",
         {k: v["sizes"] for k, v in stats["verifiers"].items()},
     )
 
@@ -160,13 +168,16 @@ def test_concurrent_requests_share_the_generators_forward_passes(server, baselin
     before, _ = _batched_iterations(server["client"])
     jobs = [(questions[i % len(questions)], KINDS[i % 2], ("seq", "spec")[(i // 2) % 2]) for i in range(16)]
 
+    log = RetryLog()
+
     def one(job):
         q, kind, method = job
         with httpx.Client(base_url=server["url"], timeout=600) as c:
-            return _generate(c, q, kind, method, "PSA" if method == "spec" else None)
+            return _generate(c, q, kind, method, "PSA" if method == "spec" else None, log=log)
 
     with ThreadPoolExecutor(16) as ex:
         results = list(ex.map(one, jobs))
+    print(f"retries of shed requests: {log.as_dict()}")
     for (q, kind, method), res in zip(jobs, results):
         assert res["tokens"] == baselines[kind][q].tokens, (q, kind, method)
     after, gen = _batched_iterations(server["client"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -23,6 +24,7 @@ from fastapi.testclient import TestClient
 
 from deployments.backend import BackendUnavailable
 from deployments.ingress import IngressSettings, build_http_app
+from ralm import constants as C
 from ralm.chat import chat_prompt
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 from ralm.errors import ConfigError, Overloaded, RalmInputError
@@ -364,6 +366,80 @@ def test_a_full_server_answers_503_with_retry_after_and_keeps_serving(client, ba
     )
     assert client.get("/v1/ralm/stats").json()["overloaded"] == 2
     assert client.post("/v1/ralm/generate", json={"question": QUESTION}).status_code == 200
+
+
+SHED_MESSAGES = [  # every way the backend sheds a request (actors/pool.py, deployments/ray_backend.py)
+    ("the server is at capacity (16 requests running, 64 waiting); retry later", 7.2),
+    ("no coordinator could be started within 60 s; a node may have been lost, retry later", 1.0),
+    ("the request's coordinator was lost 4 times; a node may have been lost, retry later", 60.0),
+    ("the coordinator running this stream was lost (a node may have been lost); retry the request", 0.0),
+]
+
+
+@pytest.mark.parametrize("message,after", SHED_MESSAGES, ids=["full", "no-coordinator", "lost", "stream-lost"])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/ralm/generate", {"question": QUESTION}),
+        ("/v1/completions", {"prompt": QUESTION}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": QUESTION}]}),
+    ],
+    ids=["generate", "completions", "chat"],
+)
+def test_every_shed_answer_carries_retry_after(client, backend, path, body, message, after):
+    """A request the server sheds gets 503 with Retry-After (whole seconds, at least 1) on
+    every route; a stream shed after it started ends with an ``overloaded`` event whose body
+    carries ``retry_after``; the server keeps serving."""
+    backend.fail = Overloaded(message, after)
+    r = client.post(path, json=body)
+    err = _error(r, 503)
+    assert err["code"] == "overloaded" and err["message"] == message
+    assert r.headers["retry-after"] == str(max(1, math.ceil(after)))
+    if "prompt" in body or "messages" in body:  # the OpenAI routes stream
+        backend.fail = Overloaded(message, after)
+        with client.stream("POST", path, json={**body, "stream": True}) as s:
+            assert s.status_code == 200
+            last = [line for line in s.iter_lines() if line.startswith("data: {")][-1]
+        err = json.loads(last[6:])["error"]
+        assert err["code"] == "overloaded" and err["retry_after"] == str(max(1, math.ceil(after)))
+    assert client.post(path, json=body).status_code == 200
+
+
+def test_an_unhealthy_server_answers_503_with_retry_after(client, backend):
+    backend.unhealthy = "verifier: ActorDiedError"
+    r = client.get("/healthz")
+    assert r.status_code == 503 and r.json() == {"status": "unhealthy", "reason": "verifier: ActorDiedError"}
+    assert r.headers["retry-after"] == str(math.ceil(C.SHED_RETRY_AFTER_S))
+    backend.unhealthy = None
+    assert client.get("/healthz").status_code == 200
+
+
+class SheddingBackend(InProcessBackend):
+    """Sheds its first requests (``sheds``: the :class:`Overloaded` each raises), then answers."""
+
+    def __init__(self, sheds: list[Overloaded]):
+        super().__init__()
+        self.sheds = list(sheds)
+
+    def _result(self, job: dict, on_commit=None) -> dict:
+        if self.sheds:
+            self.fail = self.sheds.pop(0)
+        return super()._result(job, on_commit)
+
+
+def test_a_client_retrying_shed_answers_gets_every_answer():
+    """The clients' retry (cluster/http_retry.py: soak, served-bench, the fault tests) against
+    the real app: a request shed twice is answered on its third send, after the two waits the
+    server asked for, with the answer it would have had at once."""
+    from cluster.http_retry import send_with_retry
+
+    backend = SheddingBackend([Overloaded("full", 2.0), Overloaded("no coordinator could be started", 0.3)])
+    waits: list[float] = []
+    with TestClient(build_http_app(backend, settings())) as c:
+        res = send_with_retry(lambda: c.post("/v1/ralm/generate", json={"question": QUESTION}), sleep=waits.append)
+    assert res.response.status_code == 200 and res.retries == 2 and waits == [2.0, 1.0] and not res.gave_up
+    assert res.response.json()["tokens"] == answer(QUESTION, backend.jobs[-1]).tokens
+    assert [r.split(" ", 1)[0] for r in res.reasons] == ["503", "503"] and "full" in res.reasons[0]
 
 
 def test_a_request_past_its_deadline_is_cancelled_and_answered_504():

@@ -11,6 +11,7 @@ import uuid
 import httpx
 import pytest
 
+from cluster.http_retry import send_with_retry
 from ralm.config import RequestConfig, SpecConfig
 from ralm.seq import run_seq
 from tests.deployments.serving import app_args, serve_app
@@ -73,8 +74,11 @@ def test_killed_coordinator_resumes_from_checkpoint(
         body["spec"] = spec
     box = {}
 
-    def call():
-        box["r"] = server["client"].post("/v1/ralm/generate", json=body, headers={"X-Request-ID": rid})
+    def call():  # a shed answer (503 + Retry-After) is retried as a real client would, with the same id
+        res = send_with_retry(
+            lambda: server["client"].post("/v1/ralm/generate", json=body, headers={"X-Request-ID": rid})
+        )
+        box["r"], box["retries"] = res.response, res.retries
 
     t = threading.Thread(target=call)
     t.start()
@@ -90,8 +94,9 @@ def test_killed_coordinator_resumes_from_checkpoint(
     victim = cp.meta["coordinator"]
     assert victim.startswith("coordinator-")
     ray.kill(ray.get_actor(victim, namespace="ralmspec"), no_restart=True)
-    t.join(300)
+    t.join(600)
     r = box["r"]
+    print(f"retries of the shed request: {box['retries']}")
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["request_id"] == rid
