@@ -8,14 +8,15 @@ KNN-LM requests (``knnlm-seq``/``knnlm-spec``) are a token-level loop that needs
 hidden states, so they are handed to the generator deployment, which runs
 :mod:`ralm.knnlm`'s loops next to the model. For the document-level loops it gives:
 
-- a :class:`RemoteGenerator` (the :class:`~ralm.generator.Generator` protocol): tokenising
-  and decoding happen locally with the generator's own tokenizer (fetched once), and
-  each step ``f(doc, X, k)`` is a call to the generator deployment, sent with the
-  request's session key as Serve's multiplexed model id so that the request's steps stay
-  on the replica holding its KV sessions, which are released when the request ends;
-- a :class:`VerifierKB` (the :class:`~ralm.retrieval.base.Retriever` protocol) per
-  retriever kind: KB searches and verifications go to that kind's verifier actor, which
-  batches them with other requests' and fans them out to the shards;
+- a :class:`~actors.remote_proxies.RemoteGenerator` (the :class:`~ralm.generator.Generator`
+  protocol): tokenising and decoding happen locally with the generator's own tokenizer
+  (fetched once), and each step ``f(doc, X, k)`` is a call to the generator deployment,
+  sent with the request's session key as Serve's multiplexed model id so that the
+  request's steps stay on the replica holding its KV sessions, which are released when the
+  request ends;
+- a :class:`~actors.remote_proxies.VerifierKB` (the :class:`~ralm.retrieval.base.Retriever`
+  protocol) per retriever kind: KB searches and verifications go to that kind's verifier
+  actor, which batches them with other requests' and fans them out to the shards;
 - the request's local :class:`~cache.speculative.SpeculativeCache`, ranked with the KB's
   exact scorer (query encoding and document keys come from the verifier, so they are
   the very bits the KB uses; the score function runs here). It is cleared after each
@@ -24,6 +25,9 @@ hidden states, so they are handed to the generator deployment, which runs
 Asynchronous verification (A) is real overlap: ``run_spec`` submits the verification to
 the coordinator's thread pool, whose thread blocks on the verifier's ObjectRef while the
 main thread runs the next speculative step.
+
+A request with a ``request_id`` is checkpointed in a durable state store as it goes and
+resumes from its checkpoint when sent again (:mod:`actors.checkpoints`).
 """
 
 from __future__ import annotations
@@ -33,196 +37,19 @@ import os
 import queue
 import threading
 import uuid
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from actors.checkpoints import checkpointer, forget_checkpoint, job_digest, resume_point
+from actors.remote_proxies import RemoteGenerator, RemoteScorer, StreamDecoder, VerifierKB, remote_result
 from ralm.config import GeneratorConfig, RequestConfig, SpecConfig
-from ralm.engine import LMEngine, StepOutput
 from ralm.errors import ConfigError, RequestCancelled
 from ralm.methods import method_info
 from ralm.results import RalmResult
-from ralm.retrieval.base import ExactScorer, Hit, Retriever
+from ralm.retrieval.base import Retriever
 
 log = logging.getLogger(__name__)
-
-
-def _get(ref_or_response, timeout: float | None = None):
-    """Value of an ObjectRef or a Serve DeploymentResponse (blocking)."""
-    import ray
-
-    if hasattr(ref_or_response, "result"):
-        return ref_or_response.result(timeout_s=timeout)
-    return ray.get(ref_or_response, timeout=timeout)
-
-
-class RemoteGenerator:
-    """:class:`~ralm.generator.Generator` whose steps run on the generator deployment."""
-
-    def __init__(
-        self,
-        handle: Any,
-        tokenizer: Any,
-        cfg: GeneratorConfig,
-        eos_token_id: int | None,
-        cancelled: threading.Event | None = None,
-    ):
-        self.handle = handle
-        self.tokenizer = tokenizer  # LMEngine.encode_question/decode only use these two
-        self.cfg = cfg
-        self.eos_token_id = eos_token_id
-        self.calls = 0
-        self.session: str | None = None  # the session key of the request in flight
-        self._steps = handle  # the handle steps go through (with the session key while a request runs)
-        self.cancelled = cancelled or threading.Event()  # set by Coordinator.cancel: the next step raises
-
-    def begin(self, session: str) -> None:
-        """Start a request: its steps carry ``session`` as Serve's multiplexed model id, so they
-        are routed to the generator replica that holds the request's KV sessions, which are
-        tagged with it (:mod:`deployments.affinity`). A plain actor handle (one generator, no
-        Serve) takes the steps as they are."""
-        if callable(getattr(type(self.handle), "options", None)):  # a Serve DeploymentHandle
-            self.session = session
-            self._steps = self.handle.options(multiplexed_model_id=session)
-
-    def end(self) -> None:
-        """End the request (done, failed or cancelled): ask the replica that served it to free its
-        sessions. Fire and forget: a lost release costs memory until the session LRU evicts them,
-        never a result."""
-        session, self.session, self._steps = self.session, None, self.handle
-        if session is None:
-            return
-        try:
-            self.handle.options(multiplexed_model_id=session).release.remote(session)
-        except Exception as e:
-            log.warning("cannot release the generator sessions of %s: %s", session, e)
-
-    # LMEngine's methods run unbound on this duck-typed stand-in: they only read
-    # ``tokenizer`` and ``cfg``, which this class provides.
-    def encode_question(self, question: str) -> list[int]:
-        return LMEngine.encode_question(self, question)  # type: ignore[arg-type]  # the engine's own validation
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        return LMEngine.decode(self, tokens)  # type: ignore[arg-type]  # see encode_question
-
-    def step(
-        self, doc_id: Any, context: Sequence[int], k: int, ignore_eos: bool = False, options: Any = None
-    ) -> StepOutput:
-        """``f`` on the generator deployment; ``doc_id`` may be a tuple of ranked ids and
-        ``options`` a :class:`ralm.drafting.StepOptions` (drafting, FLARE, several documents).
-        Raises :class:`~ralm.errors.RequestCancelled` once the request was cancelled."""
-        if self.cancelled.is_set():
-            raise RequestCancelled("the request was cancelled")
-        self.calls += 1
-        h = self._steps
-        if options is not None:
-            return _get(h.step.remote(doc_id, list(context), int(k), bool(ignore_eos), options))
-        if ignore_eos:
-            return _get(h.step.remote(doc_id, list(context), int(k), True))
-        return _get(h.step.remote(doc_id, list(context), int(k)))
-
-
-class RemoteScorer:
-    """The KB's exact scorer seen from a coordinator.
-
-    ``encode`` and ``doc_keys`` ask the verifier (so the bits are the KB's own; document
-    keys are immutable and kept in a small LRU); ``score`` is the KB's pure scoring
-    function, run locally.
-    """
-
-    def __init__(self, verifier: Any, score_fn: Any, key_cache_size: int = 50_000):
-        self.verifier = verifier
-        self.score_fn = score_fn
-        self._keys: OrderedDict[int, Any] = OrderedDict()
-        self._max = key_cache_size
-        self._lock = threading.Lock()
-
-    def encode(self, queries: Sequence[str]) -> list[Any]:
-        return _get(self.verifier.encode.remote(list(queries)))
-
-    def doc_keys(self, doc_ids: Sequence[int]) -> list[Any]:
-        ids = [int(d) for d in doc_ids]
-        with self._lock:
-            missing = list(dict.fromkeys(d for d in ids if d not in self._keys))
-        if missing:
-            fetched = _get(self.verifier.doc_keys.remote(missing))
-            with self._lock:
-                for d, key in zip(missing, fetched):
-                    self._keys[d] = key
-                while len(self._keys) > self._max:
-                    self._keys.popitem(last=False)
-        with self._lock:
-            out = []
-            for d in ids:
-                self._keys.move_to_end(d)
-                out.append(self._keys[d])
-            return out
-
-    def score(self, query_rep: Any, keys: Sequence[Any]):
-        return self.score_fn(query_rep, keys)
-
-
-class VerifierKB:
-    """:class:`~ralm.retrieval.base.Retriever` backed by a verifier actor."""
-
-    def __init__(self, name: str, verifier: Any, scorer: RemoteScorer, cancelled: threading.Event | None = None):
-        self.name = name
-        self.verifier = verifier
-        self.scorer: ExactScorer = scorer
-        self.requester: str | None = None  # the request in flight, announced to the verifier
-        self._sharing = 0  # announced requests at the verifier's last answer
-        self.cancelled = cancelled or threading.Event()  # set by Coordinator.cancel: the next call raises
-
-    def search(self, query: str, k: int) -> list[Hit]:
-        return self.batch_search([query], k)[0]
-
-    def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
-        if self.cancelled.is_set():
-            raise RequestCancelled("the request was cancelled")
-        hits, self._sharing = _get(self.verifier.verify_shared.remote(list(queries), int(k), self.requester))
-        return hits
-
-    def sharing(self) -> int:
-        """Requests that shared the verifier's batches at its last answer (this one included)."""
-        return self._sharing
-
-    def speculating(self) -> None:
-        """The request opened a speculation window: the verifier need not hold a batch for it
-        until its next call (:class:`~ralm.retrieval.base.SharedKB`); fire and forget."""
-        if self.requester is not None:
-            self.verifier.away.remote(self.requester)
-
-    def begin(self, requester: str) -> None:
-        """Announce a request (the verifier may then send a batch as soon as every announced
-        request is waiting); fire and forget: batching never changes a result."""
-        self.requester = requester
-        self._sharing = 0
-        self.verifier.begin.remote(requester)
-
-    def end(self) -> None:
-        if self.requester is not None:
-            self.verifier.end.remote(self.requester)
-            self.requester = None
-
-
-class StreamDecoder:
-    """Turns committed token chunks into text deltas whose concatenation is the full text."""
-
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self.decode = decode
-        self.tokens: list[int] = []
-        self.sent = ""
-
-    def push(self, tokens: Sequence[int], final: bool = False) -> str:
-        self.tokens.extend(tokens)
-        text = self.decode(self.tokens)
-        if not final and text.endswith("\ufffd"):  # a multi-byte character is not complete yet
-            return ""
-        if not text.startswith(self.sent):  # decoding is not prefix-stable: resend nothing
-            return ""
-        delta, self.sent = text[len(self.sent) :], text
-        return delta
 
 
 class Coordinator:
@@ -306,8 +133,8 @@ class Coordinator:
     def _generator(self) -> RemoteGenerator:
         if self._gen is None:
             h = self.generator_handle
-            tok = _get(h.tokenizer.remote())
-            info = _get(h.info.remote())
+            tok = remote_result(h.tokenizer.remote())
+            info = remote_result(h.info.remote())
             cfg = GeneratorConfig(max_prompt_tokens=info["max_prompt_tokens"], max_new_tokens=info["max_new_tokens"])
             self._gen = RemoteGenerator(h, tok, cfg, info["eos_token_id"], self.cancelled)
         return self._gen
@@ -319,7 +146,7 @@ class Coordinator:
             from cache.speculative import SpeculativeCache
 
             v = self.verifiers[kind]
-            scorer = RemoteScorer(v, _get(v.score_function.remote()))
+            scorer = RemoteScorer(v, remote_result(v.score_function.remote()))
             vkb = VerifierKB(kind, v, scorer, self.cancelled)
             self._vkbs[kind] = vkb
             kb: Retriever = vkb
@@ -343,69 +170,6 @@ class Coordinator:
         spec = SpecConfig.model_validate(spec.model_dump())
         return kind, method, req, spec
 
-    # ---------------------------------------------------------------- checkpoints
-    @staticmethod
-    def _job_digest(request: dict) -> str:
-        import hashlib
-        import json
-
-        job = {k: v for k, v in request.items() if k != "request_id"}
-        return hashlib.sha256(json.dumps(job, sort_keys=True, default=str).encode()).hexdigest()
-
-    def _resume_point(self, rid: str, digest: str, q_tokens: list[int]):
-        """The verified prefix checkpointed for request ``rid`` (same job), or None."""
-        from ralm.results import VerifiedPrefix
-
-        try:
-            cp = self._store().load_checkpoint(rid)
-        except Exception as e:
-            log.warning("cannot load the checkpoint of request %s: %s", rid, e)
-            return None
-        if (
-            cp is None
-            or cp.meta.get("job") != digest
-            or cp.prompt_len != len(q_tokens)
-            or cp.tokens[: cp.prompt_len] != q_tokens
-            or not cp.steps
-        ):
-            return None
-        return VerifiedPrefix(cp.tokens[cp.prompt_len :], list(cp.doc_ids), bool(cp.meta.get("eos")))
-
-    def _checkpointer(self, rid: str, digest: str, q_tokens: list[int]):
-        from cache.state import RequestCheckpoint
-
-        store = self._store()
-        try:
-            import ray
-
-            me = ray.get_runtime_context().get_actor_name() or ""
-        except Exception:
-            me = ""
-
-        def save(generated: list[int], doc_ids: list, eos: bool) -> None:
-            cp = RequestCheckpoint(
-                request_id=rid,
-                tokens=list(q_tokens) + list(generated),
-                doc_ids=list(doc_ids),
-                steps=len(doc_ids),
-                prompt_len=len(q_tokens),
-                meta={"job": digest, "eos": bool(eos), "coordinator": me},
-            )
-            try:
-                store.save_checkpoint(cp)
-            except Exception as e:  # a checkpoint is an optimisation: never fail the request
-                log.warning("cannot save the checkpoint of request %s: %s", rid, e)
-
-        return save
-
-    def _forget_checkpoint(self, rid: str | None) -> None:
-        if not rid:
-            return
-        try:
-            self._store().delete_checkpoint(rid)
-        except Exception as e:
-            log.warning("cannot delete the checkpoint of request %s: %s", rid, e)
-
     def _run(self, request: dict, on_commit=None) -> RalmResult:
         from actors.metrics import record_request
         from ralm.seq import run_seq
@@ -419,13 +183,14 @@ class Coordinator:
         rid = request.get("request_id")
         resume = on_verified = None
         if rid and self.checkpoints:
-            digest = self._job_digest(request)
+            store = self._store()
+            digest = job_digest(request)
             q_tokens = gen.encode_question(request["question"])
-            resume = self._resume_point(rid, digest, q_tokens)
+            resume = resume_point(store, rid, digest, q_tokens)
             if resume is not None:
                 self.resumed += 1
                 log.info("request %s resumes from a checkpoint of %d tokens", rid, len(resume.tokens))
-            on_verified = self._checkpointer(rid, digest, q_tokens)
+            on_verified = checkpointer(store, rid, digest, q_tokens)
         self.busy = True
         self.cancelled.clear()  # shared with the generator and the KBs (made with it)
         vkb = self._vkbs[kind]
@@ -452,12 +217,12 @@ class Coordinator:
                     on_verified=on_verified,
                 )
             if on_verified is not None:
-                self._forget_checkpoint(rid)
+                forget_checkpoint(self._store(), rid)
             record_request(res.stats)
             return res
         except RequestCancelled:
             if on_verified is not None:  # nobody waits for it any more: do not keep its checkpoint
-                self._forget_checkpoint(rid)
+                forget_checkpoint(self._store(), rid)
             raise
         finally:
             gen.end()
@@ -474,7 +239,7 @@ class Coordinator:
 
         self.busy = True
         try:
-            res = _get(
+            res = remote_result(
                 self.generator_handle.knn_generate.remote(
                     request["question"], method, request.get("knn") or {}, req.model_dump(), spec.model_dump()
                 )

@@ -1,4 +1,4 @@
-"""Retrieval shards and the router that fans queries out to them.
+"""Retrieval shards: the slices of a KB, each served by a Ray actor.
 
 The corpus is split into ``N`` contiguous slices ``[lo, hi)``; doc ids stay global (a
 shard adds ``lo`` to its local row numbers). Each :class:`RetrievalShard` - run as a Ray
@@ -9,9 +9,9 @@ actor by :func:`start_shards` - holds the index of its slice, loaded from disk:
   a FAISS flat or HNSW index over them, built once by :func:`prepare_shards`;
 - **sr**: a Lucene index of the slice's passages.
 
-:class:`ShardedRetriever` implements the :class:`~ralm.retrieval.base.Retriever`
-protocol over the shards: every shard returns its exact top-k (global doc ids) and the
-router merges them with :func:`~ralm.retrieval.base.rank_hits`, i.e. by (score desc,
+The router, :class:`~actors.shard_router.ShardedRetriever`, implements the
+:class:`~ralm.retrieval.base.Retriever` protocol over the shards: every shard returns its
+exact top-k (global doc ids) and the router merges them with :func:`~ralm.retrieval.base.rank_hits`, i.e. by (score desc,
 doc id asc). The union of every shard's exact top-k contains the global top-k, so the
 merge is the unsharded answer *provided each shard scores with the unsharded scores*:
 
@@ -38,7 +38,8 @@ merge is the unsharded answer *provided each shard scores with the unsharded sco
 
 Fault tolerance: shard actors restart (``max_restarts``) and reload their slice from
 disk in ``__init__``; in-flight calls are retried by Ray (``max_task_retries``) and, on
-top of that, by the router (:meth:`ShardedRetriever._call`) until ``retry_timeout_s``.
+top of that, by the router (:meth:`~actors.shard_router.ShardedRetriever._call`) until
+``retry_timeout_s``.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ import numpy as np
 
 from ralm.config import RetrieverConfig
 from ralm.corpus import Corpus
-from ralm.retrieval.base import Hit, rank_hits
+from ralm.retrieval.base import Hit
 from ralm.retrieval.rerank import Candidates, exact_top_k, tolerance
 
 if TYPE_CHECKING:
@@ -369,125 +370,6 @@ def _bound_ratio(global_q, local_q, avgdl_g: float, avgdl_l: float) -> float:
         if lw:  # a term absent from the slice contributes 0 to all its docs
             r = max(r, w / lw)
     return r * max(1.0, avgdl_g / avgdl_l if avgdl_l > 0 else 1.0)
-
-
-# ---------------------------------------------------------------------------- the router
-_RETRYABLE: tuple = ()
-
-
-def _retryable() -> tuple:
-    global _RETRYABLE
-    if not _RETRYABLE:
-        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
-
-        _RETRYABLE = (RayActorError, ActorUnavailableError, GetTimeoutError)
-    return _RETRYABLE
-
-
-class ShardedRetriever:
-    """:class:`~ralm.retrieval.base.Retriever` over shard actors; merges per-shard exact top-k."""
-
-    def __init__(
-        self,
-        kind: str,
-        shards: Sequence[Any],
-        bounds: Sequence[tuple[int, int]],
-        rcfg: RetrieverConfig | dict | None = None,
-        encoder: Any = None,
-        retry_timeout_s: float = 120.0,
-    ):
-        self.kind = kind
-        self.name = kind
-        self.shards = list(shards)
-        self.bounds = [tuple(b) for b in bounds]
-        self._los = np.array([lo for lo, _ in self.bounds], dtype=np.int64)
-        if rcfg is None:
-            rcfg = RetrieverConfig(kind=kind)
-        self.rcfg = rcfg if isinstance(rcfg, RetrieverConfig) else RetrieverConfig.model_validate(rcfg)
-        self.retry_timeout_s = retry_timeout_s
-        self.retries = 0
-        self.calls = 0
-        from actors.shard_scoring import ShardedBM25Scorer, ShardedDenseScorer
-
-        if kind in DENSE:
-            if encoder is None:
-                from ralm.retrieval.factory import get_encoder
-
-                encoder = get_encoder(self.rcfg.encoder)
-            self.scorer: Any = ShardedDenseScorer(self, encoder)
-        else:
-            self.scorer = ShardedBM25Scorer(self, self.rcfg.bm25_k1, self.rcfg.bm25_b)
-
-    # ---- fan-out with retries
-    def _call(
-        self, method: str, args_per_shard: Sequence[tuple] | None = None, shard_ids: Sequence[int] | None = None
-    ) -> list[Any]:
-        """Call ``method`` on the given shards (all by default) and wait; a call that fails
-        because its shard died is resubmitted until the shard is back (restarted by Ray)."""
-        import ray
-
-        shard_ids = list(range(len(self.shards))) if shard_ids is None else list(shard_ids)
-        args = list(args_per_shard) if args_per_shard is not None else [()] * len(shard_ids)
-        self.calls += 1
-        refs = {i: getattr(self.shards[i], method).remote(*a) for i, a in zip(shard_ids, args)}
-        out: dict[int, Any] = {}
-        deadline = time.monotonic() + self.retry_timeout_s
-        delay = 0.05
-        for i, a in zip(shard_ids, args):
-            while True:
-                try:
-                    out[i] = ray.get(refs[i], timeout=max(1.0, deadline - time.monotonic()))
-                    break
-                except _retryable() as e:
-                    if time.monotonic() >= deadline:
-                        raise
-                    self.retries += 1
-                    log.warning("shard %d of %s failed (%s); retrying", i, self.kind, type(e).__name__)
-                    time.sleep(delay)
-                    delay = min(1.0, delay * 2)
-                    refs[i] = getattr(self.shards[i], method).remote(*a)
-        return [out[i] for i in shard_ids]
-
-    def shard_of(self, doc_id: int) -> int:
-        return int(np.searchsorted(self._los, int(doc_id), side="right") - 1)
-
-    def fetch_keys(self, doc_ids: Sequence[int]) -> list[Any]:
-        groups: dict[int, list[int]] = {}
-        for d in doc_ids:
-            groups.setdefault(self.shard_of(d), []).append(int(d))
-        sids = sorted(groups)
-        res = self._call("doc_keys", [(groups[s],) for s in sids], sids)
-        got = {d: key for s, keys in zip(sids, res) for d, key in zip(groups[s], keys)}
-        return [got[int(d)] for d in doc_ids]
-
-    def term_stats(self, terms: Sequence[str]) -> list[dict]:
-        return self._call("term_stats", [(list(terms),)] * len(self.shards))
-
-    # ---- Retriever protocol
-    def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
-        queries = list(queries)
-        if not queries:
-            return []
-        if k <= 0:
-            return [[] for _ in queries]
-        reps = self.scorer.encode(queries)
-        n = len(self.shards)
-        if self.kind in DENSE:
-            per_shard = self._call("search_vectors", [(reps, k)] * n)
-        else:
-            per_shard = self._call("search_bm25", [(queries, reps, self.scorer.avgdl, k)] * n)
-        out = []
-        for qi in range(len(queries)):
-            ids = [d for res in per_shard for d, _ in res[qi]]
-            scores = [s for res in per_shard for _, s in res[qi]]
-            out.append(rank_hits(ids, scores, k))
-        return out
-
-    def search(self, query: str, k: int) -> list[Hit]:
-        return self.batch_search([query], k)[0]
-
-    def infos(self) -> list[dict]:
-        return self._call("info")
 
 
 # ---------------------------------------------------------------------------- actors

@@ -1,4 +1,4 @@
-"""The KB's exact scorers as the shard router sees them (:class:`actors.shard.ShardedRetriever`).
+"""The KB's exact scorers as the shard router sees them (:class:`actors.shard_router.ShardedRetriever`).
 
 A speculative cache scores its cached documents with the KB's own scoring function, so
 the router exposes one: queries are encoded here (the dense encoder, or BM25 analysis over
@@ -19,7 +19,7 @@ import numpy as np
 
 
 class ShardRouter(Protocol):
-    """What the scorers need of the router (:class:`actors.shard.ShardedRetriever`)."""
+    """What the scorers need of the router (:class:`actors.shard_router.ShardedRetriever`)."""
 
     def fetch_keys(self, doc_ids: Sequence[int]) -> list[Any]:
         """The document keys of ``doc_ids``, from the shards that own them."""

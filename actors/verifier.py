@@ -4,7 +4,7 @@ One :class:`Verifier` actor per retriever kind takes the KB calls of every in-fl
 request - RaLMSpec's verifications and first retrievals, RaLMSeq's per-step searches.
 It collects them for a window (``window_ms``), until ``max_batch`` queries are waiting, or
 until every request in flight is waiting on it, then sends **one** batched search to each
-shard (through its :class:`~actors.shard.ShardedRetriever`) and routes each request's rows
+shard (through its :class:`~actors.shard_router.ShardedRetriever`) and routes each request's rows
 back.
 
 "Every request in flight is waiting" is what makes a long window cheap: coordinators
@@ -300,7 +300,7 @@ class Verifier:
         flush_when_all_waiting: bool = True,
         wait_for_speculating: bool = False,
     ):
-        from actors.shard import ShardedRetriever
+        from actors.shard_router import ShardedRetriever
         from ralm.config import RetrieverConfig
 
         self.kind = kind

@@ -22,8 +22,9 @@ from typing import Any
 
 import ray
 
-from actors.coordinator import RemoteGenerator, coordinator_actor_class
+from actors.coordinator import coordinator_actor_class
 from actors.pool import CoordinatorPool, is_actor_death
+from actors.remote_proxies import RemoteGenerator
 from actors.shard import start_shards
 from actors.verifier import verifier_actor_class
 from cache.state import STATE_URL_ENV, StateStoreConfig, redact_url

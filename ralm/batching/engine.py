@@ -12,8 +12,9 @@ Each step is a small state machine:
 
 :meth:`BatchEngine.iterate` runs one packed forward over all active steps: decode tokens
 first (one each), then prefill chunks in arrival order, up to ``token_budget`` tokens and
-``max_sequences`` sequences. Greedy choice is that of the plain engine: ``argmax`` of the
-float32 logits (lowest id on ties), EOS masked with ``ignore_eos``, EOS not returned.
+``max_sequences`` sequences (the policy: :func:`ralm.batching.policy.plan_iteration`).
+Greedy choice is that of the plain engine: ``argmax`` of the float32 logits (lowest id on
+ties), EOS masked with ``ignore_eos``, EOS not returned.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from ralm import constants as C
 from ralm.batching.packed import SeqKV, packed_forward
+from ralm.batching.policy import plan_iteration
 from ralm.batching.sessions import DocsKey, Session, SessionStore
 from ralm.drafting import StepOptions, greedy_scores
 from ralm.errors import RalmInputError
@@ -62,7 +64,7 @@ class FeedOutput:
 
 @dataclass
 class ActiveStep:
-    """A step in progress (engine-internal state, exposed for the scheduler and tests)."""
+    """A step in progress (engine-internal state, exposed for the scheduler, the policy and tests)."""
 
     call: StepCall
     session: Session
@@ -208,24 +210,10 @@ class BatchEngine:
         )
 
     # ------------------------------------------------------------------ one iteration
-    def _plan(self, active: Sequence[ActiveStep]) -> list[tuple[ActiveStep, int]]:
-        """(step, tokens to feed) for this iteration: decode steps first, then prefill chunks."""
-        budget = self.token_budget
-        plan: list[tuple[ActiveStep, int]] = []
-        decoding = [a for a in active if not a.done and (len(a.pending) == 1 or a.verify is not None)]
-        prefilling = [a for a in active if not a.done and len(a.pending) > 1 and a.verify is None]
-        for a in decoding + prefilling:
-            if budget <= 0 or len(plan) >= self.max_sequences:
-                break
-            n = len(a.pending) if a.verify is not None else min(len(a.pending), budget)  # a draft is fed whole
-            plan.append((a, n))
-            budget -= n
-        return plan
-
     @torch.inference_mode()
     def iterate(self, active: Sequence[ActiveStep]) -> IterationStats:
         """One packed forward over (some of) ``active``; marks the steps that finish ``done``."""
-        plan = self._plan(active)
+        plan = plan_iteration(active, self.token_budget, self.max_sequences)
         if not plan:
             return IterationStats(0, 0, 0.0)
         t0 = time.perf_counter()

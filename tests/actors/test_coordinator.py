@@ -47,7 +47,7 @@ def test_on_commit_streams_exactly_the_final_tokens(name, stride, schedule):
 
 
 def test_stream_decoder_concatenates_to_the_full_text():
-    from actors.coordinator import StreamDecoder
+    from actors.remote_proxies import StreamDecoder
 
     text = "héllo wörld ✓ done"
     data = list(text.encode())

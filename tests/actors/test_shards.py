@@ -14,7 +14,8 @@ import threading
 import numpy as np
 import pytest
 
-from actors.shard import ShardedRetriever, prepare_shards, shard_bounds, start_shards
+from actors.shard import prepare_shards, shard_bounds, start_shards
+from actors.shard_router import ShardedRetriever
 from ralm.config import RequestConfig
 from ralm.retrieval.base import rank_hits
 from ralm.seq import run_seq
