@@ -256,7 +256,17 @@ class RetrievalShard:
             "started": self.started,
             "calls": self.calls,
             **self.stats,
+            **self._scan_info(),
         }
+
+    def _scan_info(self) -> dict:
+        """An exact dense shard's candidate paths and the timings ``auto`` chose them by."""
+        from ralm.retrieval.dense import DenseRetriever
+
+        if not isinstance(self.local, DenseRetriever) or self.kind != "edr":
+            return {}
+        plan = self.local.plan
+        return {"dense_scan": self.local.scan_label, "dense_scan_timings_ms": plan.timings}
 
     def ping(self) -> int:
         return self.pid

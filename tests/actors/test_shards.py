@@ -66,6 +66,14 @@ def test_sharded_equals_unsharded(kind, n, routers, retrievers, queries):
     sharded, full = routers(kind, n), retrievers[kind]
     for k in KS:
         assert sharded.batch_search(queries, k) == full.batch_search(queries, k), (kind, n, k)
+    import ray
+
+    info = ray.get(sharded.shards[0].info.remote())
+    if kind == "edr":  # an exact dense shard names its candidate paths (a small slice: untimed)
+        assert info["dense_scan"] in ("faiss", "bf16") or info["dense_scan"].startswith("int8")
+        assert info["dense_scan_timings_ms"] is None
+    else:
+        assert "dense_scan" not in info
 
 
 def test_sharded_bm25_with_tiny_margin_equals_brute_force(routers, retrievers, queries, fixture_corpus):
