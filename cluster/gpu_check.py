@@ -39,7 +39,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from cluster.report import write_report
+from cluster.report import table, write_report
 from ralm import constants as C
 
 #: random model shapes: family, layers, width, intermediate, heads, kv heads
@@ -410,46 +410,54 @@ def markdown(res: dict) -> str:
         f"commit {env.get('commit')}",
         "",
     ]
+    rows: list[tuple[Any, ...]]
     proof = _done(res, "proof")
     if proof:
-        lines += ["| model/dtype | batching | kernels | proof | why off |", "|---|---|---|---|---|"]
+        rows = []
         for k, v in proof.items():
             p = v.get("proof") or {}
             verdict = f"{p.get('comparisons', 0)} comparisons, {p.get('seconds', 0)} s" if p else "-"
             why = (v.get("reason_off") or "").replace("|", "/")
-            lines.append(f"| {k} | {'on' if v['batching'] else 'off'} | {v.get('kernels')} | {verdict} | {why} |")
-        lines.append("")
+            rows.append((k, "on" if v["batching"] else "off", v.get("kernels"), verdict, why))
+        lines += [*table(("model/dtype", "batching", "kernels", "proof", "why off"), rows), ""]
     exact = _done(res, "exact")
     if exact:
-        lines += [
-            "| model/dtype/in flight | identical | alone tok/s | batched tok/s | ratio |",
-            "|---|---|---|---|---|",
+        rows = [
+            (
+                k,
+                f"{v['identical']}/{v['requests']}",
+                v["alone_tok_s"],
+                v["batched_tok_s"],
+                f"{v['batched_over_alone']}x",
+            )
+            for k, v in exact.items()
+            if "identical" in v
         ]
-        for k, v in exact.items():
-            if "identical" in v:
-                lines.append(
-                    f"| {k} | {v['identical']}/{v['requests']} | {v['alone_tok_s']} | {v['batched_tok_s']} | "
-                    f"{v['batched_over_alone']}x |"
-                )
-        lines.append("")
+        head = ("model/dtype/in flight", "identical", "alone tok/s", "batched tok/s", "ratio")
+        lines += [*table(head, rows), ""]
     fwd = _done(res, "forward")
     if fwd:
-        lines += ["| model/dtype | batch | plain ms | invariant ms | invariant/plain |", "|---|---|---|---|---|"]
-        for k, v in fwd.items():
-            for b, r in v.items():
-                if isinstance(r, dict):
-                    lines.append(
-                        f"| {k} | {b.removeprefix('batch')} | {r['plain_ms']:.2f} | {r['invariant_ms']:.2f} | "
-                        f"{r['invariant_over_plain']:.2f}x |"
-                    )
-        lines.append("")
+        rows = [
+            (
+                k,
+                b.removeprefix("batch"),
+                f"{r['plain_ms']:.2f}",
+                f"{r['invariant_ms']:.2f}",
+                f"{r['invariant_over_plain']:.2f}x",
+            )
+            for k, v in fwd.items()
+            for b, r in v.items()
+            if isinstance(r, dict)
+        ]
+        lines += [*table(("model/dtype", "batch", "plain ms", "invariant ms", "invariant/plain"), rows), ""]
     scan = _done(res, "scan")
     if scan:
-        lines += ["| dense scan | batch | ms | top-20 same as alone |", "|---|---|---|---|"]
-        for k, v in scan.items():
-            for b, r in v.items():
-                lines.append(f"| {k} | {b.removeprefix('batch')} | {r['ms']} | {r['same_top20_as_alone']} |")
-        lines.append("")
+        rows = [
+            (k, b.removeprefix("batch"), r["ms"], r["same_top20_as_alone"])
+            for k, v in scan.items()
+            for b, r in v.items()
+        ]
+        lines += [*table(("dense scan", "batch", "ms", "top-20 same as alone"), rows), ""]
     prof = _done(res, "profile")
     if prof:
         lines += [
@@ -457,15 +465,10 @@ def markdown(res: dict) -> str:
             f"{prof['wall_ms_per_forward']} ms wall, {prof['device_kernel_ms_per_forward']} ms of device kernels, "
             f"{prof['cpu_ops_ms_per_forward']} ms in {prof['ops_per_forward']} torch ops on the host.",
             "",
-            "| op (top by self device time) | calls per forward | ms per forward |",
-            "|---|---|---|",
-            *[f"| `{n}` | {c} | {ms} |" for n, c, ms in prof["top_by_self_device_ms"]],
-            "",
-            "| op (top by self CPU time) | calls per forward | ms per forward |",
-            "|---|---|---|",
-            *[f"| `{n}` | {c} | {ms} |" for n, c, ms in prof["top_by_self_cpu_ms"]],
-            "",
         ]
+        for by in ("device", "cpu"):
+            rows = [(f"`{n}`", c, ms) for n, c, ms in prof[f"top_by_self_{by}_ms"]]
+            lines += [*table((f"op (top by self {by} time)", "calls per forward", "ms per forward"), rows), ""]
     for name, v in res.items():
         if isinstance(v, dict) and ("error" in v or "skipped" in v):
             lines.append(f"- {name}: {v.get('error') or v.get('skipped')}")
