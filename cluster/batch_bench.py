@@ -27,15 +27,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from cluster.random_models import SHAPES, random_model
 from cluster.report import exactness_status, machine_note, write_report
 from ralm import constants as C
 
 ARMS = ("plain-serial", "sessions", "batching", "batching+sessions")
-#: --random-model shapes (GPT-2 family; vocabulary: the tokenizer's)
-RANDOM_MODELS: dict[str, tuple[int, int, int]] = {  # (layers, width, heads)
-    "gpt2-124m": (12, 768, 12),
-    "gpt2-355m": (24, 1024, 16),
-}
 
 
 def add_batch_bench_args(p: argparse.ArgumentParser) -> None:
@@ -50,7 +46,7 @@ def add_batch_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arms", default=",".join(ARMS), help=f"(b) arms to run, of {', '.join(ARMS)}")
     p.add_argument(
         "--random-model",
-        choices=sorted(RANDOM_MODELS),
+        choices=sorted(SHAPES),
         help="instead of --model's weights, a randomly initialised model of this shape (built from a config, "
         "with --model's tokenizer): the cost structure of a bigger model without a download; its tokens mean nothing",
     )
@@ -230,23 +226,12 @@ def _random_engines(base, name: str):
     """(plain engine, invariant engine) over two copies of one random model of shape ``name``."""
     import copy
 
-    import torch
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    from transformers import AutoTokenizer
 
     from ralm.engine import LMEngine
 
     tok = AutoTokenizer.from_pretrained(base.model)
-    torch.manual_seed(0)
-    n_layer, n_embd, n_head = RANDOM_MODELS[name]
-    cfg = GPT2Config(
-        vocab_size=len(tok),
-        n_positions=1024,
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        eos_token_id=tok.eos_token_id,
-    )
-    model = GPT2LMHeadModel(cfg).eval()
+    model = random_model(name, tok)
     plain = LMEngine(model, tok, base.model_copy(update={"invariant": False, "model": name}))
     inv = LMEngine(copy.deepcopy(model), tok, base.model_copy(update={"model": name}))
     return plain, inv

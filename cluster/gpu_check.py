@@ -39,16 +39,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from cluster.random_models import SHAPES, random_model
 from cluster.report import table, write_report
 from ralm import constants as C
-
-#: random model shapes: family, layers, width, intermediate, heads, kv heads
-SHAPES: dict[str, tuple[str, int, int, int, int, int]] = {
-    "llama-1b": ("llama", 16, 2048, 8192, 32, 8),  # Llama-3.2-1B's shape
-    "gpt2-124m": ("gpt2", 12, 768, 3072, 12, 12),
-    "llama-tiny": ("llama", 2, 64, 128, 4, 2),  # the CPU smoke run
-    "gpt2-tiny": ("gpt2", 2, 64, 256, 4, 4),
-}
 
 
 def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
@@ -145,30 +138,12 @@ class GpuCheck:
     def build(self, shape: str, dtype: str, tok):
         """A model of ``shape`` (or ``--model``) in ``dtype`` on the device, the same weights every call."""
         import torch
-        from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
         dt = getattr(torch, dtype)
         if self.args.model:
             return AutoModelForCausalLM.from_pretrained(self.args.model, dtype=dt).to(self.device).eval()
-        fam, layers, width, inter, heads, kv = SHAPES[shape]
-        common = {"vocab_size": len(tok), "eos_token_id": tok.eos_token_id, "bos_token_id": tok.eos_token_id}
-        torch.manual_seed(0)
-        if fam == "gpt2":
-            cfg: Any = GPT2Config(n_layer=layers, n_embd=width, n_inner=inter, n_head=heads, n_positions=2048, **common)
-            cls: Any = GPT2LMHeadModel
-        else:
-            cfg = LlamaConfig(
-                num_hidden_layers=layers,
-                hidden_size=width,
-                intermediate_size=inter,
-                num_attention_heads=heads,
-                num_key_value_heads=kv,
-                max_position_embeddings=2048,
-                **common,
-            )
-            cls = LlamaForCausalLM
-        with torch.device(self.device):
-            return cls(cfg).to(dt).eval()
+        return random_model(shape, tok, dt, self.device)
 
     def engine(self, model, tok, dtype: str, **cfg):
         from ralm.config import GeneratorConfig

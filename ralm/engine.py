@@ -68,7 +68,7 @@ class LMEngine:
             eos = eos[0]
         self._eos_token_id: int | None = eos
         self.device = next(model.parameters()).device
-        self.max_positions = self._max_positions(model.config)
+        self.max_positions = model_max_positions(model.config)
         self.doc_kv = DocPrefixTree(self.cfg.doc_kv_cache_bytes, segment_bytes)
         self.dense_store = None  # DenseDatastore for drafting='dense' (attach_dense_datastore)
         self._doc_tok_memo: dict[str, tuple[int, ...]] = {}
@@ -136,10 +136,6 @@ class LMEngine:
         if cfg.device != "auto":
             model = model.to(cfg.device)
         return cls(model, tok, cfg)
-
-    @staticmethod
-    def _max_positions(config) -> int:
-        return model_max_positions(config)
 
     # ------------------------------------------------------------------ text
     def encode_question(self, question: str) -> list[int]:
