@@ -2,7 +2,7 @@
 
 While a request with a ``request_id`` runs (and the coordinator's store is durable), every
 verified prefix is saved (:func:`checkpointer`); a request sent again with the same id and
-the same job (:func:`job_digest`) resumes from it (:func:`resume_point`); the checkpoint is
+the same job (:meth:`RalmJob.digest <ralm.job.RalmJob.digest>`) resumes from it (:func:`resume_point`); the checkpoint is
 deleted once the request is done or cancelled (:func:`forget_checkpoint`). A checkpoint is
 an optimisation: a store that fails is logged, never a failed request.
 """
@@ -16,15 +16,6 @@ from typing import Any
 from ralm.results import VerifiedPrefix
 
 log = logging.getLogger(__name__)
-
-
-def job_digest(request: dict) -> str:
-    """sha256 of the request without its ``request_id``: a checkpoint resumes only the same job."""
-    import hashlib
-    import json
-
-    job = {k: v for k, v in request.items() if k != "request_id"}
-    return hashlib.sha256(json.dumps(job, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def resume_point(store: Any, rid: str, digest: str, q_tokens: list[int]) -> VerifiedPrefix | None:

@@ -41,11 +41,11 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from actors.checkpoints import checkpointer, forget_checkpoint, job_digest, resume_point
+from actors.checkpoints import checkpointer, forget_checkpoint, resume_point
 from actors.remote_proxies import RemoteGenerator, RemoteScorer, StreamDecoder, VerifierKB, remote_result
-from ralm.config import GeneratorConfig, RequestConfig, SpecConfig
+from ralm.config import GeneratorConfig
 from ralm.errors import ConfigError, RequestCancelled
-from ralm.methods import method_info
+from ralm.job import RalmJob
 from ralm.results import RalmResult
 from ralm.retrieval.base import Retriever
 
@@ -59,8 +59,6 @@ class Coordinator:
         self,
         generator: Any,
         verifiers: dict[str, Any],
-        request_defaults: dict | None = None,
-        spec_defaults: dict | None = None,
         verify_threads: int = 4,
         state: dict | None = None,
     ):
@@ -69,8 +67,6 @@ class Coordinator:
         only) and which retrievers' verified KB results to cache across requests."""
         self.generator_handle = generator
         self.verifiers = dict(verifiers)
-        self.request_defaults = RequestConfig.model_validate(request_defaults or {})
-        self.spec_defaults = SpecConfig.model_validate(spec_defaults or {})
         self.executor = ThreadPoolExecutor(max_workers=verify_threads, thread_name_prefix="coord-verify")
         self._gen: RemoteGenerator | None = None
         self._kbs: dict[str, Retriever] = {}  # the retriever each request uses (maybe store-cached)
@@ -160,32 +156,22 @@ class Coordinator:
         return self._kbs[kind]
 
     # ---------------------------------------------------------------- requests
-    def _configs(self, request: dict) -> tuple[str, str, RequestConfig, SpecConfig]:
-        kind = request.get("retriever") or next(iter(self.verifiers))
-        method = request.get("method", "spec")
-        method_info(method)  # RalmInputError for an unknown method
-        req = self.request_defaults.model_copy(update=request.get("request") or {})
-        req = RequestConfig.model_validate(req.model_dump())
-        spec = self.spec_defaults.model_copy(update=request.get("spec") or {})
-        spec = SpecConfig.model_validate(spec.model_dump())
-        return kind, method, req, spec
-
-    def _run(self, request: dict, on_commit=None) -> RalmResult:
+    def _run(self, job: RalmJob, on_commit=None) -> RalmResult:
         from actors.metrics import record_request
         from ralm.seq import run_seq
         from ralm.spec import run_spec
 
-        kind, method, req, spec = self._configs(request)
-        info = method_info(method)
-        if info.knn:
-            return self._run_knn(request, method, req, spec, on_commit)
+        if job.info.knn:
+            return self._run_knn(job, on_commit)
+        kind = job.retriever
+        assert kind is not None  # RalmJob: every document-level job names its retriever
         gen, kb = self._generator(), self._kb(kind)
-        rid = request.get("request_id")
+        rid = job.request_id
         resume = on_verified = None
         if rid and self.checkpoints:
             store = self._store()
-            digest = job_digest(request)
-            q_tokens = gen.encode_question(request["question"])
+            digest = job.digest()
+            q_tokens = gen.encode_question(job.question)
             resume = resume_point(store, rid, digest, q_tokens)
             if resume is not None:
                 self.resumed += 1
@@ -198,18 +184,18 @@ class Coordinator:
         vkb.begin(session)
         gen.begin(session)
         try:
-            if not info.speculative:
+            if not job.info.speculative:
                 res = run_seq(
-                    request["question"], gen, kb, req, on_commit=on_commit, resume=resume, on_verified=on_verified
+                    job.question, gen, kb, job.request, on_commit=on_commit, resume=resume, on_verified=on_verified
                 )
             else:
                 cache = self._caches[kind]
                 res = run_spec(
-                    request["question"],
+                    job.question,
                     gen,
                     kb,
-                    req,
-                    spec,
+                    job.request,
+                    job.spec,
                     cache=cache,
                     executor=self.executor,
                     on_commit=on_commit,
@@ -232,18 +218,14 @@ class Coordinator:
             self.busy = False
             self.served += 1
 
-    def _run_knn(self, request: dict, method: str, req: RequestConfig, spec: SpecConfig, on_commit=None) -> RalmResult:
+    def _run_knn(self, job: RalmJob, on_commit=None) -> RalmResult:
         """A KNN-LM request: the token-level loop runs in a generator replica, next to the model
         and the token datastore (:class:`deployments.modes.KnnServer`); not checkpointed."""
         from actors.metrics import record_request
 
         self.busy = True
         try:
-            res = remote_result(
-                self.generator_handle.knn_generate.remote(
-                    request["question"], method, request.get("knn") or {}, req.model_dump(), spec.model_dump()
-                )
-            )
+            res = remote_result(self.generator_handle.knn_generate.remote(job))
             if on_commit is not None and res.tokens:
                 on_commit(list(res.tokens))
             record_request(res.stats)
@@ -263,17 +245,17 @@ class Coordinator:
         self.cancels += 1
         return True
 
-    def run(self, request: dict) -> dict:
-        """Answer one request: ``{question, retriever, method, request: {...}, spec: {...}}``.
+    def run(self, job: RalmJob) -> dict:
+        """Answer one job (every option resolved where the request entered).
 
         Returns :meth:`RalmResult.as_dict` plus ``prompt_tokens``.
         """
-        res = self._run(request)
+        res = self._run(job)
         out = res.as_dict()
-        out["prompt_tokens"] = len(self._generator().encode_question(request["question"]))
+        out["prompt_tokens"] = len(self._generator().encode_question(job.question))
         return out
 
-    def run_stream(self, request: dict) -> Iterator[dict]:
+    def run_stream(self, job: RalmJob) -> Iterator[dict]:
         """Like :meth:`run`, yielding ``{"delta": text, "tokens": [...]}`` as tokens are verified,
         then ``{"done": True, "result": ...}``. Call with ``num_returns="streaming"``."""
         chunks: queue.Queue = queue.Queue()
@@ -282,7 +264,7 @@ class Coordinator:
 
         def work():
             try:
-                box["result"] = self._run(request, on_commit=lambda toks: chunks.put(list(toks)))
+                box["result"] = self._run(job, on_commit=lambda toks: chunks.put(list(toks)))
             except BaseException as e:  # re-raised in the generator below
                 box["error"] = e
             finally:
@@ -302,7 +284,7 @@ class Coordinator:
         res: RalmResult = box["result"]
         tail = dec.push([], final=True)
         out = res.as_dict()
-        out["prompt_tokens"] = len(self._generator().encode_question(request["question"]))
+        out["prompt_tokens"] = len(self._generator().encode_question(job.question))
         yield {"delta": tail, "tokens": [], "done": True, "result": out}
 
     def info(self) -> dict:

@@ -10,9 +10,9 @@ import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from ralm.config import SpecConfig
+from ralm.config import RequestConfig, SpecConfig
+from ralm.job import RalmJob
 
 SEQ = "seq"  # the config name of the RaLMSeq baseline
 
@@ -40,13 +40,15 @@ class EvalItem:
         """The RaLMSpec configuration of the item; ``None`` for the RaLMSeq baseline."""
         return None if self.config == SEQ else SpecConfig.parse(self.config)
 
-    def request(self) -> dict:
-        """The request as the serving layer's coordinators take it."""
-        spec = self.spec()
-        out: dict[str, Any] = {"question": self.question, "retriever": self.retriever, "method": self.method}
-        if spec is not None:
-            out["spec"] = spec.model_dump()
-        return out
+    def job(self, request: RequestConfig) -> RalmJob:
+        """The item as a :class:`~ralm.job.RalmJob` under the job's generation options ``request``."""
+        return RalmJob(
+            question=self.question,
+            method=self.method,
+            retriever=self.retriever,
+            spec=self.spec() or SpecConfig(),
+            request=request,
+        )
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

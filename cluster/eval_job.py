@@ -27,7 +27,7 @@ server needed. (The in-process memory store would lose everything with the proce
 * ``ray`` - a pool of Ray actors, each holding a Pipeline; used automatically when the
   command runs as a Ray job (``ray job submit --working-dir . -- ralmspec eval ...``);
 * anything registered with :func:`register_backend`, e.g. the serving layer's coordinator
-  pool via :class:`RequestFnBackend` (``fn(request_dict) -> RalmResult.as_dict()``, the
+  pool via :class:`RequestFnBackend` (``fn(job: RalmJob) -> RalmResult.as_dict()``, the
   signature of ``actors.coordinator.Coordinator.run``).
 
 **Outputs** (in ``--out``): ``results.jsonl`` (one line per item), ``summary.md`` (table
@@ -63,7 +63,8 @@ from cluster.eval_local import LocalBackend, answer_item, warm_pipeline
 from cluster.eval_report import write_outputs
 from cluster.report import bench_header, exactness_status
 from ralm import constants as C
-from ralm.config import SpecConfig
+from ralm.config import RequestConfig, SpecConfig
+from ralm.job import RalmJob
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +102,8 @@ class _RayEvalWorker:
     def ready(self) -> str:
         return self.where
 
-    def answer(self, item: dict) -> dict:
-        out = answer_item(self.pipe, EvalItem.from_dict(item))
+    def answer(self, item: EvalItem) -> dict:
+        out = answer_item(self.pipe, item)
         out["worker"] = self.where
         return out
 
@@ -157,7 +158,7 @@ class RayEvalBackend:
         while todo or pending:
             while todo and free:
                 item, actor = todo.pop(), free.pop()
-                pending[actor.answer.remote(item.as_dict())] = (item, actor)
+                pending[actor.answer.remote(item)] = (item, actor)
             done, _ = ray.wait(list(pending), num_returns=1)
             item, actor = pending.pop(done[0])
             free.append(actor)
@@ -169,12 +170,21 @@ class RayEvalBackend:
 
 
 class RequestFnBackend:
-    """Adapter for any ``fn(request: dict) -> RalmResult.as_dict()`` callable, e.g. the
-    serving layer's ``Coordinator.run`` through its pool, or an HTTP client of the native
-    API. Runs up to ``concurrency`` requests at once in threads."""
+    """Adapter for any ``fn(job: RalmJob) -> RalmResult.as_dict()`` callable, e.g. the
+    serving layer's ``Coordinator.run`` through its pool. Each item becomes a
+    :class:`~ralm.job.RalmJob` under ``request`` (the job's generation options). Runs up to
+    ``concurrency`` requests at once in threads."""
 
-    def __init__(self, fn: Callable[[dict], dict], name: str = "request-fn", concurrency: int = 1, describe: str = ""):
+    def __init__(
+        self,
+        fn: Callable[[RalmJob], dict],
+        request: RequestConfig | None = None,
+        name: str = "request-fn",
+        concurrency: int = 1,
+        describe: str = "",
+    ):
         self.fn, self.name, self.concurrency = fn, name, max(1, concurrency)
+        self.request = request or RequestConfig()
         self._describe = describe or name
 
     def describe(self) -> str:
@@ -189,7 +199,7 @@ class RequestFnBackend:
             while todo or pending:
                 while todo and len(pending) < self.concurrency:
                     item = todo.pop()
-                    pending[ex.submit(self.fn, item.request())] = item
+                    pending[ex.submit(self.fn, item.job(self.request))] = item
                 done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
                 for fut in done:
                     yield pending.pop(fut), fut.result()

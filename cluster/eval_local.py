@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 
 from cluster.concurrency import Throughput, check_concurrency, run_wave, verify_pool
 from cluster.eval_items import EvalItem
+from ralm.errors import RalmInputError
 
 
 def _cold(pipe) -> None:
@@ -22,17 +23,10 @@ def _cold(pipe) -> None:
 def answer_item(pipe, item: EvalItem, executor=None, cold: bool = True) -> dict:
     """One item's ``RalmResult.as_dict()`` (``{"error": ...}`` for invalid input); ``cold``:
     clear the caches first; ``executor``: RaLMSpec's asynchronous-verification pool."""
-    from ralm.errors import RalmInputError
-    from ralm.spec import run_spec
-
     if cold:
         _cold(pipe)  # every request starts cold, like the benchmark
     try:
-        if item.method == "spec" and executor is not None:
-            kb = pipe.retriever(item.retriever)
-            res = run_spec(item.question, pipe.generator, kb, pipe.cfg.request, item.spec(), executor=executor)
-        else:
-            res = pipe.answer(item.question, kind=item.retriever, method=item.method, spec=item.spec())
+        res = pipe.run(item.job(pipe.cfg.request), executor=executor)
     except RalmInputError as e:  # deterministic: record it, don't retry forever
         return {"error": str(e)}
     return res.as_dict()
@@ -40,8 +34,6 @@ def answer_item(pipe, item: EvalItem, executor=None, cold: bool = True) -> dict:
 
 def warm_pipeline(pipe, questions: Sequence[str], kinds: Sequence[str]) -> None:
     """Untimed warm-up (FAISS, Lucene, torch lazy initialisation)."""
-    from ralm.errors import RalmInputError
-
     for q in questions:
         for kind in kinds:
             try:

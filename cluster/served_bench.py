@@ -150,31 +150,18 @@ def mode_stats(outs: list[dict]) -> dict:
     }
 
 
-def _split_fields(spec: str) -> tuple[str, dict[str, int]]:
-    """'PSA;shared_kb_direct_at=0' -> ('PSA', {'shared_kb_direct_at': 0}): a configuration name
-    and integer SpecConfig fields set on top of it."""
-    name, *fields = spec.split(";")
-    out: dict[str, int] = {}
-    for f in fields:
-        key, eq, value = f.partition("=")
-        if not eq or key.strip() not in SpecConfig.model_fields:
-            raise ValueError(f"bad field {f!r} in {spec!r}: use ;FIELD=INTEGER with a SpecConfig field")
-        out[key.strip()] = int(value)
-    return name, out
-
-
 def _parse_methods(spec: str) -> list[tuple[str, str | None]]:
-    """'seq,spec:PSA@0.9' -> [('seq', None), ('spec', 'PSA@0.9')]; a bare 'spec' is 'spec:base';
-    ';FIELD=N' after a name sets an integer SpecConfig field ('spec:PSA;shared_kb_direct_at=0').
-    Every configuration is checked here (:meth:`SpecConfig.parse`), before any request."""
+    """'seq,spec:PSA@0.9' -> [('seq', None), ('spec', 'PSA@0.9')]; a bare 'spec' is 'spec:base'.
+    The configuration is in :meth:`SpecConfig.parse`'s grammar (``;FIELD=VALUE`` included:
+    'spec:PSA;shared_kb_direct_at=0'), the same the server parses from the request's ``spec``
+    field; every one is checked here, before any request."""
     out: list[tuple[str, str | None]] = []
     for m in (x.strip() for x in spec.split(",") if x.strip()):
         if m == "seq":
             out.append(("seq", None))
         elif m == "spec" or m.startswith("spec:"):
             name = m.split(":", 1)[1] if ":" in m else "base"
-            base, fields = _split_fields(name)
-            SpecConfig.parse(base, **fields)
+            SpecConfig.parse(name)
             out.append(("spec", name))
         else:
             raise ValueError(f"unknown method {m!r}: use seq or spec:<config>")
@@ -182,29 +169,17 @@ def _parse_methods(spec: str) -> list[tuple[str, str | None]]:
 
 
 def _label(method: str, spec: str | None) -> str:
-    """'spec[PSA@0.9]': the P/S/A letters in canonical order (or 'base') and the name's gamma cap."""
+    """'spec[PSA@0.9]': the P/S/A letters in canonical order (or 'base'), then the name's fixed
+    stride, gamma cap and settings as written (a row label, never parsed back)."""
     if method == "seq":
         return "seq"
-    base, fields = _split_fields(spec or "base")
-    sc = SpecConfig.parse(base)
-    name = (
-        "".join(c for c, on in (("P", sc.prefetch), ("S", sc.adaptive_stride), ("A", sc.async_verify)) if on) or "base"
-    )
-    cap = base.partition("@")[2]
-    extra = "".join(f";{k}={v}" for k, v in fields.items())
-    return f"spec[{name}{'@' + cap if cap else ''}{extra}]"
-
-
-def _spec_body(spec: str) -> str | dict:
-    """The request's ``spec`` field: the name itself, or with ``@G`` an object of SpecConfig fields
-    (the name's P/S/A flags, ``gamma_estimate`` and ``gamma_max``)."""
-    base, fields = _split_fields(spec)
-    if "@" not in base and not fields:
-        return spec
-    body = SpecConfig.parse(base).model_dump(
-        include={"prefetch", "adaptive_stride", "async_verify", "gamma_estimate", "gamma_max"}
-    )
-    return {**body, **fields}
+    name = spec or "base"
+    sc = SpecConfig.parse(name)
+    head, semi, settings = name.partition(";")
+    body, at, cap = head.partition("@")
+    letters = "".join(c for c, on in (("P", sc.prefetch), ("S", sc.adaptive_stride), ("A", sc.async_verify)) if on)
+    fixed = f"s={sc.stride}" if "s=" in body else ""
+    return f"spec[{(letters + fixed) or 'base'}{at}{cap}{semi}{settings}]"
 
 
 class Client:
@@ -326,7 +301,7 @@ def run_served_bench(
                             "retriever": kind,
                             "method": method,
                             "max_new_tokens": max_new,
-                            **({"spec": _spec_body(spec)} if spec else {}),
+                            **({"spec": spec} if spec else {}),
                             **extra,
                         }
                         for q in questions

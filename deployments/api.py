@@ -11,11 +11,22 @@ constraint and the value, before any work starts.
 import json
 import re
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    create_model,
+)
 
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
+from ralm.job import KNN_REQUEST_FIELDS, KnnRequestOptions, RalmJob
 from ralm.methods import KNN_METHODS, MethodName, describe_methods, method_info
 
 
@@ -79,16 +90,21 @@ def describe(errors: list) -> tuple:
     return "invalid request: " + "; ".join(parts), param
 
 
+def _prefixed_error(e: ValidationError, prefix: str = "") -> ApiError:
+    """A 400 naming the fields of ``e``, each under ``prefix`` (``knn.k``)."""
+    errs = [
+        {**err, "loc": tuple(f"{prefix}{x}" if i == 0 and prefix else x for i, x in enumerate(err.get("loc", ())))}
+        for err in e.errors()
+    ]
+    msg, param = describe(errs)
+    return ApiError(400, msg, param=param)
+
+
 def _validated(model, data: dict, prefix: str = ""):
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        errs = [
-            {**err, "loc": tuple(f"{prefix}{x}" if i == 0 and prefix else x for i, x in enumerate(err.get("loc", ())))}
-            for err in e.errors()
-        ]
-        msg, param = describe(errs)
-        raise ApiError(400, msg, param=param) from None
+        raise _prefixed_error(e, prefix) from None
 
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -104,112 +120,57 @@ def request_id(value: str | None) -> str:
 
 
 # ------------------------------------------------------------------ request bodies
-class SpecOptions(BaseModel):
-    """RaLMSpec options (any subset of :class:`~ralm.config.SpecConfig` fields)."""
-
-    model_config = ConfigDict(extra="forbid")
-    prefetch: StrictBool | None = None
-    prefetch_size: StrictInt | None = None
-    adaptive_stride: StrictBool | None = None
-    async_verify: StrictBool | None = None
-    stride: StrictInt | None = None
-    os3_window: StrictInt | None = None
-    gamma_estimate: Literal["positional", "bayes", "capped"] | None = None
-    gamma_quantile: float | None = None
-    gamma_max: float | None = None
-    max_stride: StrictInt | None = None
-    shared_kb_direct_at: StrictInt | None = None
+_STRICT = {bool: StrictBool, int: StrictInt, float: StrictFloat, str: StrictStr}  # JSON "4" is not 4, nor 1 true
 
 
-class KnnOptions(BaseModel):
-    """KNN-LM options of a request (methods knnlm-seq/knnlm-spec; :class:`~ralm.config.KnnLMConfig`)."""
-
-    model_config = ConfigDict(extra="forbid")
-    k: StrictInt | None = Field(None, description="Neighbours retrieved per token (1..1024).")
-    temperature: StrictFloat | None = Field(None, description="T of p_knn ~ exp(-dist/T).")
-    lmbda: StrictFloat | None = Field(None, description="lambda: weight of p_knn in the interpolation (0..1).")
-    spatial_next: StrictInt | None = Field(
-        None, description="knnlm-spec: successors of each retrieved entry put into the cache."
-    )
-    cache_max_entries: StrictInt | None = Field(
-        None, description="knnlm-spec: speculative cache capacity (0: automatic)."
-    )
+def optional_fields(source: type[BaseModel], names: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """``create_model`` fields for a body that may set any of ``source``'s fields ``names``
+    (default: all): each optional (None: the server's value), strict about its JSON type, and
+    described as ``source`` describes it. Their constraints stay ``source``'s, checked when the
+    job is built, so a body model never copies a field by hand."""
+    out: dict[str, Any] = {}
+    for name in names or tuple(source.model_fields):
+        f = source.model_fields[name]
+        typ: Any = _STRICT.get(f.annotation, f.annotation)  # type: ignore[arg-type]
+        out[name] = (Optional[typ], Field(None, description=f.description))  # noqa: UP045 (typ is a runtime value)
+    return out
 
 
 # RequestConfig fields a request may set, beyond max tokens (their constraints are RequestConfig's)
-GENERATION_FIELDS = (
-    "generation_stride",
-    "query_window",
-    "ignore_eos",
-    "num_docs",
-    "drafting",
-    "ngram_n",
-    "ngram_min_n",
-    "ngram_m",
-    "dense_num_drafts",
-    "dense_draft_len",
-    "dense_candidates",
-    "workload",
-    "flare_threshold",
-    "iter_retgen_iterations",
-    "idgr",
-    "idgr_unrelated",
-    "allow_inexact_shifted_reuse",
+GENERATION_FIELDS = tuple(n for n in RequestConfig.model_fields if n != "max_new_tokens")
+_FORBID = ConfigDict(extra="forbid")
+
+SpecOptions = create_model(
+    "SpecOptions",
+    __config__=_FORBID,
+    __doc__="RaLMSpec options: any subset of :class:`~ralm.config.SpecConfig` fields.",
+    **optional_fields(SpecConfig),
+)
+KnnOptions = create_model(
+    "KnnOptions",
+    __config__=_FORBID,
+    __doc__="KNN-LM options of a request (methods knnlm-seq/knnlm-spec; :class:`~ralm.config.KnnLMConfig`).",
+    **optional_fields(KnnLMConfig, KNN_REQUEST_FIELDS),
+)
+_GenerationOptions = create_model(
+    "GenerationOptions", __config__=_FORBID, **optional_fields(RequestConfig, GENERATION_FIELDS)
 )
 
 
-class RalmOptions(BaseModel):
+class RalmOptions(_GenerationOptions):
+    """The retrieval options every generation body takes (plus :class:`~ralm.config.RequestConfig`'s
+    generation fields, derived from it)."""
+
     model_config = ConfigDict(extra="forbid")
     retriever: StrictStr | None = Field(None, description="edr, adr or sr (default: the server's first).")
     method: MethodName | None = Field(None, description=describe_methods() + " (KNN-LM: when the server enables it).")
     spec: StrictStr | SpecOptions | None = Field(
-        None, description="'base', any of P/S/A (e.g. 'PSA'), or an object of SpecConfig fields."
-    )
-    stride: StrictInt | None = Field(None, description="Fixed speculation stride s.")
-    prefetch_size: StrictInt | None = Field(None, description="p, documents prefetched per query (with P).")
-    generation_stride: StrictInt | None = Field(None, description="k, tokens generated per retrieval.")
-    query_window: StrictInt | None = Field(None, description="Query = last N tokens.")
-    ignore_eos: StrictBool | None = Field(None, description="Never stop at EOS (fixed-length generation).")
-    # ---- generation-side modes (RequestConfig; exact unless stated)
-    num_docs: StrictInt | None = Field(
         None,
-        description="Documents per prompt (1..8): the KB's top-n in rank order; their KV is reused through the doc-KV prefix tree.",
+        description="A configuration name in SpecConfig.parse's grammar ('base', 'PSA', 'PSA@0.9', 's=4', "
+        "'PSA;max_stride=4'), or an object of SpecConfig fields.",
     )
-    drafting: Literal["none", "ngram", "dense"] | None = Field(
-        None,
-        description="Draft tokens and verify them in one forward pass: 'ngram' (copy from documents/question) or 'dense' (DReSD datastore; needs a server that enables it).",
-    )
-    ngram_n: StrictInt | None = Field(None, description="n-gram drafting: match the last N tokens (1..64).")
-    ngram_min_n: StrictInt | None = Field(
-        None, description="n-gram drafting: back off to matches of this length (1..64)."
-    )
-    ngram_m: StrictInt | None = Field(None, description="n-gram drafting: tokens per draft (1..256).")
-    dense_num_drafts: StrictInt | None = Field(
-        None, description="dense drafting: drafts per batched verification (1..32)."
-    )
-    dense_draft_len: StrictInt | None = Field(None, description="dense drafting: tokens per draft (1..256).")
-    dense_candidates: StrictInt | None = Field(
-        None, description="dense drafting: datastore neighbours fetched (1..1024)."
-    )
-    workload: Literal["fixed", "flare", "iter_retgen"] | None = Field(
-        None,
-        description="Retrieval trigger: every k tokens ('fixed'), before a low-confidence token ('flare'), or per Iter-RetGen iteration ('iter_retgen').",
-    )
-    flare_threshold: StrictFloat | None = Field(
-        None, description="FLARE: a token with greedy probability below this ends the step (0 < t < 1)."
-    )
-    iter_retgen_iterations: StrictInt | None = Field(None, description="Iter-RetGen: number of iterations (1..1024).")
-    idgr: StrictBool | None = Field(
-        None,
-        description="IDGR instruction block listing related/unrelated doc ids. INEXACT: changes the output (the response says exact: false).",
-    )
-    idgr_unrelated: StrictInt | None = Field(
-        None, description="IDGR: lower-ranked doc ids listed as unrelated (0..64)."
-    )
-    allow_inexact_shifted_reuse: StrictBool | None = Field(
-        None,
-        description="Reuse a document's stand-alone KV at another position (IDR2). INEXACT: changes the output (exact: false).",
-    )
+    stride: StrictInt | None = Field(None, description=SpecConfig.model_fields["stride"].description)
+    prefetch_size: StrictInt | None = Field(None, description=SpecConfig.model_fields["prefetch_size"].description)
     knn: KnnOptions | None = Field(None, description="KNN-LM options (methods knnlm-seq / knnlm-spec only).")
 
 
@@ -308,11 +269,11 @@ def check_greedy(body: CompletionRequest | ChatCompletionRequest) -> None:
         bad("logit_bias", "logit_bias is not supported")
 
 
-def ralm_block(job: dict, res: dict) -> dict:
+def ralm_block(job: RalmJob, res: dict) -> dict:
     """The ``ralm`` part of an OpenAI-style response: method, tokens, exactness and statistics."""
     return {
-        "retriever": job["retriever"],
-        "method": job["method"],
+        "retriever": job.source,
+        "method": job.method,
         "tokens": res["tokens"],
         "exact": res.get("exact", True),
         "stats": res["stats"],
@@ -357,10 +318,12 @@ def build_job(
     max_new_limit: int,
     features: dict,
     knn_defaults: KnnLMConfig | None = None,
-) -> dict:
-    """The coordinator job of a validated body: ``{question, retriever, method, spec, request,
-    request_id}`` (plus ``knn`` for KNN-LM). ``features``: ``{"dense_drafting": bool, "knnlm": bool}``
-    of the generator. Raises :class:`ApiError` (400) for any invalid or unavailable option."""
+) -> RalmJob:
+    """The :class:`~ralm.job.RalmJob` of a validated body, with the server's defaults applied: the
+    one place a request's options are resolved. The default retriever is the first of
+    ``kinds`` (the server's configured order). ``features``: ``{"dense_drafting": bool,
+    "knnlm": bool}`` of the generator. Raises :class:`ApiError` (400) for any invalid or
+    unavailable option."""
     method = opts.method or default_method
     info = method_info(method)
     knn_method = info.knn
@@ -385,15 +348,13 @@ def build_job(
             400, f"knn options apply only to methods {' and '.join(KNN_METHODS)} (method is {method!r})", param="knn"
         )
 
-    spec_upd: dict = {}
+    spec_base = spec_defaults
     if isinstance(opts.spec, str):
-        try:
-            named = SpecConfig.named(opts.spec)
+        try:  # the one configuration grammar (CLI, benchmarks, eval); the server's fields underneath
+            spec_base = SpecConfig.parse(opts.spec, **spec_defaults.model_dump())
         except ValueError as e:
             raise ApiError(400, str(e), param="spec") from None
-        spec_upd.update(prefetch=named.prefetch, adaptive_stride=named.adaptive_stride, async_verify=named.async_verify)
-    elif opts.spec is not None:
-        spec_upd.update(opts.spec.model_dump(exclude_none=True))
+    spec_upd: dict = opts.spec.model_dump(exclude_none=True) if isinstance(opts.spec, BaseModel) else {}
     if opts.stride is not None:
         spec_upd["stride"] = opts.stride
     if opts.prefetch_size is not None:
@@ -419,7 +380,8 @@ def build_job(
                 "token-level loop (it takes max tokens, ignore_eos, spec and knn)",
                 param=doc_level[0],
             )
-        if spec_upd.get("async_verify") and not info.async_verify:
+        asks_async = spec_upd.get("async_verify") or (isinstance(opts.spec, str) and spec_base.async_verify)
+        if asks_async and not info.async_verify:
             raise ApiError(
                 400,
                 "asynchronous verification (A) is not supported for KNN-LM (as in the RaLMSpec "
@@ -430,7 +392,7 @@ def build_job(
         base_req = RequestConfig(max_new_tokens=request_defaults.max_new_tokens, ignore_eos=request_defaults.ignore_eos)
     else:
         base_req = request_defaults
-    spec = _validated(SpecConfig, {**spec_defaults.model_dump(), **spec_upd})
+    spec = _validated(SpecConfig, {**spec_base.model_dump(), **spec_upd})
     req = _validated(RequestConfig, {**base_req.model_dump(), **req_upd})
     if req.drafting == "dense" and not features.get("dense_drafting"):
         raise _not_enabled(
@@ -438,17 +400,19 @@ def build_job(
             "no DReSD datastore is configured (app config dense_drafting.datastore); use drafting 'ngram' or 'none'",
             "drafting",
         )
-    job = {
-        "question": question,
-        "retriever": "knn" if knn_method else kind,
-        "method": method,
-        "spec": spec.model_dump(),
-        "request": req.model_dump(),
-        "request_id": request_id(rid),
-    }
+    knn = None
     if knn_method:
-        over = opts.knn.model_dump(exclude_none=True) if opts.knn is not None else {}
-        base = (knn_defaults or KnnLMConfig()).model_dump()
-        _validated(KnnLMConfig, {**base, **over}, "knn.")
-        job["knn"] = over
-    return job
+        knn = KnnRequestOptions.model_validate(opts.knn.model_dump() if opts.knn is not None else {})
+        try:  # the request's settings on the server's: a 400 now, not in the replica
+            knn.applied_to(knn_defaults or KnnLMConfig())
+        except ValidationError as e:
+            raise _prefixed_error(e, "knn.") from None
+    return RalmJob(
+        question=question,
+        retriever=None if knn_method else kind,
+        method=method,
+        spec=spec,
+        request=req,
+        knn=knn,
+        request_id=request_id(rid),
+    )

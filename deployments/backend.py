@@ -6,8 +6,8 @@ served backend is :class:`deployments.ray_backend.RayBackend` (shards, verifiers
 of coordinator actors, the generator deployment); tests use an in-process one over the
 core loops. Nothing here imports Ray.
 
-A *job* is the dict :func:`deployments.api.build_job` makes: ``{question, retriever,
-method, spec, request, request_id}`` (plus ``knn`` for KNN-LM). A *result* is
+A *job* is the :class:`~ralm.job.RalmJob` :func:`deployments.api.build_job` makes, every
+option resolved; backends pass it on as it is. A *result* is
 :meth:`ralm.results.RalmResult.as_dict` plus ``prompt_tokens``. A stream yields
 ``{"delta": text, "tokens": [...]}`` chunks as tokens are verified (the deltas concatenate
 to the text), then ``{"delta": text, "tokens": [], "done": True, "result": result}``.
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
+
+from ralm.job import RalmJob
 
 
 class BackendUnavailable(Exception):
@@ -52,11 +54,11 @@ class RalmBackend(Protocol):
         token count; RalmInputError when no dense retriever is served or a text is too long."""
         ...
 
-    async def run(self, job: dict) -> dict:
+    async def run(self, job: RalmJob) -> dict:
         """Answer one job; returns its result."""
         ...
 
-    def stream(self, job: dict) -> AsyncGenerator[dict, None]:
+    def stream(self, job: RalmJob) -> AsyncGenerator[dict, None]:
         """Answer one job chunk by chunk (an async generator). Closing it early (the client
         went away) cancels the request: the backend frees what it holds once the request
         is done."""

@@ -38,6 +38,7 @@ from deployments.sse_response import ClosingStreamingResponse
 from ralm import constants as C
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 from ralm.errors import ConfigError, Overloaded, RalmInputError, RequestCancelled
+from ralm.job import RalmJob
 
 if TYPE_CHECKING:  # the config module pulls in the generator's (torch); the HTTP layer needs none of it
     from deployments.config import AppConfig
@@ -141,7 +142,7 @@ class Endpoints:
 
     def _job(
         self, question: str, opts: RalmOptions, max_new: int | None, max_param: str, rid: str | None = None
-    ) -> dict:
+    ) -> RalmJob:
         s = self.settings
         return build_job(
             opts,
@@ -179,7 +180,7 @@ class Endpoints:
             503, message_of(e), type_="overloaded_error", code="overloaded", headers={"Retry-After": str(retry)}
         )
 
-    async def _run(self, job: dict) -> dict:
+    async def _run(self, job: RalmJob) -> dict:
         self.requests += 1
         try:
             # past the deadline wait_for cancels the backend call: the backend stops the request
@@ -212,7 +213,7 @@ class Endpoints:
         return f"data: {json.dumps(obj)}\n\n"
 
     async def _sse(
-        self, job: dict, chunk: ChunkFn, first: str | None, n_prompt: int, include_usage: bool
+        self, job: RalmJob, chunk: ChunkFn, first: str | None, n_prompt: int, include_usage: bool
     ) -> AsyncIterator[str]:
         """Server-sent events of a streamed job: ``first`` (when given), then ``chunk(delta,
         None)`` per verified piece of text, then ``chunk("", finish_reason, ralm=..., usage=...)``
@@ -331,9 +332,9 @@ class Endpoints:
         res["prompt_tokens"] = n_prompt
         return {
             "model": self.settings.model_name,
-            "retriever": job["retriever"],
-            "method": job["method"],
-            "request_id": job["request_id"],
+            "retriever": job.source,
+            "method": job.method,
+            "request_id": job.request_id,
             **res,
         }
 

@@ -53,6 +53,7 @@ from ralm.config import GeneratorConfig
 from ralm.corpus import Corpus
 from ralm.engine import LMEngine, StepOutput
 from ralm.generator import LocalGenerator
+from ralm.job import RalmJob
 
 if TYPE_CHECKING:
     from ray.serve import Deployment
@@ -328,22 +329,15 @@ class GeneratorServer:
         with self._lock:
             return self.local.step(doc_id, context, k, ignore_eos=ignore_eos, options=options)
 
-    def knn_generate(
-        self,
-        question: str,
-        method: str,
-        knn: dict | None = None,
-        request: dict | None = None,
-        spec: dict | None = None,
-    ):
-        """One KNN-LM request (``method`` knnlm-seq or knnlm-spec) on this replica; a
+    def knn_generate(self, job: RalmJob):
+        """One KNN-LM job (method knnlm-seq or knnlm-spec) on this replica; a
         :class:`~ralm.results.RalmResult`. Each forward pass runs between the batcher's
         iterations (under the step lock with ``invariant=false``)."""
         from ralm.errors import RalmInputError
 
         if self.knn is None:
             raise RalmInputError("knnlm is not enabled on this server (app config: knnlm.enabled)")
-        return self.knn.run(question, method, knn, request, spec)
+        return self.knn.run(job)
 
     def features(self) -> dict:
         """The optional modes this replica serves."""

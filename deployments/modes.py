@@ -29,14 +29,12 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
+from ralm.config import KnnLMConfig
 from ralm.errors import RalmInputError
-from ralm.methods import KNN_METHODS, METHODS
+from ralm.job import KNN_REQUEST_FIELDS, RalmJob
+from ralm.methods import KNN_METHODS
 
 log = logging.getLogger(__name__)
-
-# KnnLMConfig fields a request may set (the rest describe the datastore and its index)
-KNN_REQUEST_FIELDS = ("k", "temperature", "lmbda", "spatial_next", "cache_max_entries")
 
 
 class _Opts(BaseModel):
@@ -232,24 +230,20 @@ class KnnServer:
         self.lm = _KnnLM(engine, lock)
         self.requests = 0
 
-    def config_for(self, overrides: dict | None) -> KnnLMConfig:
-        bad = sorted(set(overrides or {}) - set(KNN_REQUEST_FIELDS))
-        if bad:
-            raise RalmInputError(f"knn options {bad} cannot be set per request (only {', '.join(KNN_REQUEST_FIELDS)})")
-        return KnnLMConfig.model_validate({**self.opts.config.model_dump(), **(overrides or {})})
+    def config_for(self, job: RalmJob) -> KnnLMConfig:
+        """The server's KNN-LM configuration with the job's own settings on top."""
+        return self.opts.config if job.knn is None else job.knn.applied_to(self.opts.config)
 
-    def run(self, question: str, method: str, knn: dict | None, request: dict | None, spec: dict | None):
+    def run(self, job: RalmJob):
         from ralm.knnlm import run_knn_seq, run_knn_spec
 
-        info = METHODS.get(method) if isinstance(method, str) else None
-        if info is None or not info.knn:
-            raise RalmInputError(f"unknown KNN-LM method {method!r}: use {' or '.join(KNN_METHODS)}")
-        cfg = self.config_for(knn)
-        req = RequestConfig.model_validate(request or {})
+        if not job.info.knn:
+            raise RalmInputError(f"method {job.method!r} is not a KNN-LM method: use {' or '.join(KNN_METHODS)}")
+        cfg = self.config_for(job)
         self.requests += 1
-        if not info.speculative:
-            return run_knn_seq(question, self.lm, self.kb, cfg, req)
-        return run_knn_spec(question, self.lm, self.kb, cfg, req, SpecConfig.model_validate(spec or {}))
+        if not job.info.speculative:
+            return run_knn_seq(job.question, self.lm, self.kb, cfg, job.request)
+        return run_knn_spec(job.question, self.lm, self.kb, cfg, job.request, job.spec)
 
     def info(self) -> dict:
         return {

@@ -32,6 +32,7 @@ from deployments.backend import BackendUnavailable
 from deployments.config import AppConfig
 from ralm.config import GeneratorConfig
 from ralm.errors import Overloaded
+from ralm.job import RalmJob
 
 log = logging.getLogger(__name__)
 
@@ -178,14 +179,12 @@ class RayBackend:
     async def _start_pool(self, state: dict) -> None:
         cfg = self.cfg
         coord_cls = coordinator_actor_class(cfg.pool.num_cpus)
-        req_defaults = cfg.ralm.request.model_dump(mode="json")
-        spec_defaults = cfg.ralm.spec.model_dump(mode="json")
         generator, verifiers = self.generator, self.verifiers
 
         def factory():
             extra = {"resources": dict(cfg.pool.resources)} if cfg.pool.resources else {}
             return coord_cls.options(name=f"coordinator-{uuid.uuid4().hex[:12]}", namespace="ralmspec", **extra).remote(
-                generator, verifiers, req_defaults, spec_defaults, state=state
+                generator, verifiers, state=state
             )
 
         async def ready(h):
@@ -235,11 +234,11 @@ class RayBackend:
             raise RalmInputError("embeddings need a dense retriever (edr or adr); this server serves only sr")
         return await self.verifiers[kind].embed.remote(texts)
 
-    async def run(self, job: dict) -> dict:
+    async def run(self, job: RalmJob) -> dict:
         """On a leased coordinator; retried once on a fresh one if the coordinator died."""
         return await self._started_pool().run(lambda c: c.run.remote(job), cancel=lambda c: c.cancel.remote())
 
-    async def stream(self, job: dict) -> AsyncGenerator[dict, None]:
+    async def stream(self, job: RalmJob) -> AsyncGenerator[dict, None]:
         pool = self._started_pool()
         coord = await pool.acquire()
         refs = coord.run_stream.options(num_returns="streaming").remote(job)

@@ -175,7 +175,7 @@ class SpecConfig(_Strict):
         evaluation job (:meth:`named` extended with fixed strides, the gamma cap and the
         served benchmark's ``spec:`` prefix)::
 
-            NAME  = [spec:] BODY [@GAMMA | @bayes | @positional]
+            NAME  = [spec:] BODY [@GAMMA | @bayes | @positional] {;FIELD=VALUE}
             BODY  = base | a combination of P, S, A | [P][A]s=N
 
         Letters are case-insensitive and in any order; ``s=N`` is lower case. ``P``: prefetch,
@@ -183,9 +183,10 @@ class SpecConfig(_Strict):
         stride N (so not with ``S``), ``@GAMMA``: the paper's OS3 with this cap on its
         gamma estimate (``gamma_estimate='capped'``, ``gamma_max``; ``PSA@0.6`` is the
         paper's PSA; ``@bayes``: one Beta-posterior gamma for every step; ``@positional``, or
-        nothing: a gamma per position bucket, the default). ``defaults``: other SpecConfig fields
-        (a server's config, a benchmark's ``prefetch_size``, ...); what the name says
-        overrides them, and the name alone decides P, S and A.
+        nothing: a gamma per position bucket, the default); ``;FIELD=VALUE``: any other
+        SpecConfig field set on top (``PSA;shared_kb_direct_at=0``). ``defaults``: other
+        SpecConfig fields (a server's config, a benchmark's ``prefetch_size``, ...); what the
+        name says overrides them, and the name alone decides P, S and A.
 
         Worked examples:
 
@@ -201,6 +202,7 @@ class SpecConfig(_Strict):
         ``PSA@0.9``       the same with the cap raised to 0.9
         ``PSA@bayes``     PSA with one Beta-posterior gamma for every step
         ``spec:PSA@0.9``  the same (the served benchmark's method form)
+        ``PSA;max_stride=4``  PSA with OS3's stride capped at 4
         ================  ============================================================
 
         >>> SpecConfig.parse("PSA@0.9").gamma_max
@@ -213,7 +215,17 @@ class SpecConfig(_Strict):
         ...", ``s=0``: "invalid RaLMSpec configuration 's=0': stride: Input should be greater
         than or equal to 1" (the table in tests/ralm/test_config_names.py lists them all).
         """
-        body, at, cap = name.strip().partition("@")
+        head, *settings = name.split(";")
+        fields = {k: v for k, v in defaults.items() if k not in ("prefetch", "adaptive_stride", "async_verify")}
+        for setting in settings:
+            key, eq, value = (x.strip() for x in setting.partition("="))
+            if not eq or key not in cls.model_fields or key in ("prefetch", "adaptive_stride", "async_verify"):
+                raise ValueError(
+                    f"bad setting {setting!r} in RaLMSpec configuration {name!r}: use ;FIELD=VALUE with a "
+                    "SpecConfig field other than the P/S/A flags (the name's letters set those)"
+                )
+            fields[key] = value  # validated (and converted) with the whole configuration below
+        body, at, cap = head.strip().partition("@")
         if body[:5].lower() == "spec:":
             body = body[5:]
         body = body.strip()
@@ -221,7 +233,6 @@ class SpecConfig(_Strict):
             raise ValueError(
                 f"empty RaLMSpec configuration name {name!r}: use base, a combination of P, S, A, or [P][A]s=N"
             )
-        fields = {k: v for k, v in defaults.items() if k not in ("prefetch", "adaptive_stride", "async_verify")}
         if at and cap.strip().lower() in ("bayes", "positional"):
             fields["gamma_estimate"] = cap.strip().lower()  # NAME@ESTIMATE
         elif at:

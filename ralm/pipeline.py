@@ -14,6 +14,7 @@ from ralm.corpus import Corpus
 from ralm.engine import LMEngine
 from ralm.errors import ConfigError
 from ralm.generator import LocalGenerator
+from ralm.job import RalmJob
 from ralm.methods import DOCUMENT_METHODS
 from ralm.results import RalmResult
 from ralm.retrieval.base import Retriever
@@ -76,6 +77,33 @@ class Pipeline:
             )
         return self.retrievers[kind]
 
+    def job(
+        self, question: str, kind: str | None = None, method: str = "spec", spec: SpecConfig | None = None
+    ) -> RalmJob:
+        """The :class:`~ralm.job.RalmJob` of a question under this pipeline's defaults: the
+        config's retriever, spec and request options unless given."""
+        if method not in PIPELINE_METHODS:
+            raise ConfigError(f"unknown method {method!r}: use one of {', '.join(PIPELINE_METHODS)}")
+        return RalmJob(
+            question=question,
+            method=method,
+            retriever=check_kind(kind or self.cfg.retriever.kind),
+            spec=spec or self.cfg.spec,
+            request=self.cfg.request,
+        )
+
+    def run(self, job: RalmJob, executor=None) -> RalmResult:
+        """Answer one document-level job with RaLMSeq or RaLMSpec (``executor``: RaLMSpec's
+        asynchronous-verification pool; None: its own)."""
+        if job.info.knn or job.retriever is None:
+            raise ConfigError(
+                f"method {job.method!r} is not run by a pipeline: use one of {', '.join(PIPELINE_METHODS)}"
+            )
+        kb = self.retriever(job.retriever)
+        if job.info.speculative:
+            return run_spec(job.question, self.generator, kb, job.request, job.spec, executor=executor)
+        return run_seq(job.question, self.generator, kb, job.request)
+
     def answer(
         self,
         question: str,
@@ -85,10 +113,5 @@ class Pipeline:
         req: RequestConfig | None = None,
     ) -> RalmResult:
         """Answer one question with RaLMSeq (``method='seq'``) or RaLMSpec (``'spec'``)."""
-        kb = self.retriever(kind or self.cfg.retriever.kind)
-        req = req or self.cfg.request
-        if method == "seq":
-            return run_seq(question, self.generator, kb, req)
-        if method == "spec":
-            return run_spec(question, self.generator, kb, req, spec or self.cfg.spec)
-        raise ConfigError(f"unknown method {method!r}: use one of {', '.join(PIPELINE_METHODS)}")
+        job = self.job(question, kind, method, spec)
+        return self.run(job if req is None else job.model_copy(update={"request": req}))

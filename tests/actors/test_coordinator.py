@@ -13,6 +13,7 @@ import time
 import pytest
 
 from ralm.config import RequestConfig, SpecConfig
+from ralm.job import RalmJob
 from ralm.seq import run_seq
 from ralm.spec import run_spec
 from tests.factories import ScriptedGenerator, ScriptedKB
@@ -79,7 +80,7 @@ def stack(ray_local, index_dirs, fixture_corpus, retriever_configs, gen_model_di
     cls = coordinator_actor_class(0.02)
 
     def make():
-        return cls.remote(gen, {"edr": ver}, REQ.model_dump(), SpecConfig().model_dump())
+        return cls.remote(gen, {"edr": ver})
 
     coord = make()
     ray.get(coord.ready.remote())
@@ -94,14 +95,8 @@ def baselines(retrievers, local_generator, fixture_questions):
     return qs, [run_seq(q, local_generator, retrievers["edr"], REQ) for q in qs]
 
 
-def _job(q, method="spec", spec=None):
-    return {
-        "question": q,
-        "retriever": "edr",
-        "method": method,
-        "request": REQ.model_dump(),
-        "spec": (spec or SpecConfig()).model_dump(),
-    }
+def _job(q, method="spec", spec=None, request=REQ, retriever="edr"):
+    return RalmJob(question=q, retriever=retriever, method=method, request=request, spec=spec or SpecConfig())
 
 
 @pytest.mark.parametrize(
@@ -187,7 +182,7 @@ def test_coordinator_rejects_bad_input(stack):
     with pytest.raises(RalmInputError, match="empty"):
         ray.get(stack["coord"].run.remote(_job("   ")))
     with pytest.raises(ValueError, match="unknown retriever"):
-        ray.get(stack["coord"].run.remote({**_job("hi"), "retriever": "sr"}))
+        ray.get(stack["coord"].run.remote(_job("hi", retriever="sr")))
 
 
 def test_pool_over_ray_queues_and_replaces_a_dead_coordinator(stack, baselines):
@@ -231,8 +226,7 @@ def test_a_cancelled_request_stops_at_its_next_step_and_frees_the_coordinator(st
 
     coord = stack["coord"]
     qs, base = baselines
-    job = _job(qs[0], method, spec)
-    job["request"] = {**job["request"], "max_new_tokens": 128, "ignore_eos": True}
+    job = _job(qs[0], method, spec, request=REQ.model_copy(update={"max_new_tokens": 128, "ignore_eos": True}))
     calls0 = ray.get(coord.info.remote())["generator_calls"]
     ref = coord.run.remote(job)
     deadline = time.time() + 30

@@ -24,6 +24,7 @@ import pytest
 from cache.state import open_state_store
 from cluster import eval_job
 from cluster.eval_job import EvalItem, make_items, register_backend
+from ralm.config import RequestConfig
 from tests.cache.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,7 +126,9 @@ def test_items_and_keys():
     ]
     assert len({i.key for i in items}) == 6
     assert EvalItem(0, "q one", "edr", "seq").key != EvalItem(0, "q one (edited)", "edr", "seq").key
-    assert items[2].request()["spec"]["prefetch"] and items[0].request()["method"] == "seq"
+    req = RequestConfig(max_new_tokens=7)
+    assert items[2].job(req).spec.prefetch and items[0].job(req).method == "seq"
+    assert items[2].job(req).request == req and items[2].job(req).retriever == items[2].retriever
     assert EvalItem.from_dict(items[1].as_dict()) == items[1]
 
 
@@ -228,9 +231,10 @@ def test_request_fn_backend_runs_concurrently():
     def fn(req):
         seen.add(threading.current_thread().name)
         time.sleep(0.05)
-        return {"tokens": [1], "text": req["question"], "stats": {}}
+        assert req.request.max_new_tokens == 5  # the job's generation options reach every request
+        return {"tokens": [1], "text": req.question, "stats": {}}
 
-    be = eval_job.RequestFnBackend(fn, concurrency=4)
+    be = eval_job.RequestFnBackend(fn, RequestConfig(max_new_tokens=5), concurrency=4)
     items = make_items([f"q{i}" for i in range(4)], ["edr"], ["PSA"])
     t0 = time.perf_counter()
     out = list(be.run(items))

@@ -3,7 +3,9 @@ the 1-request served-vs-in-process rows built from it."""
 
 from __future__ import annotations
 
-from cluster.served_bench import _label, _parse_methods, _spec_body, in_process_latencies, one_request_rows, to_markdown
+import pytest
+
+from cluster.served_bench import _label, _parse_methods, in_process_latencies, one_request_rows, to_markdown
 from ralm.config import RalmConfig, RequestConfig
 from ralm.pipeline import Pipeline
 from tests.conftest import FIXTURE_CORPUS
@@ -36,16 +38,25 @@ def test_in_process_reference_runs_the_same_requests(tmp_path, gen_model_dir, fi
     assert "| edr | RaLMSeq | 2.00 | 1.60 | 1.25x |" in md
 
 
-def test_methods_with_a_gamma_cap_become_spec_objects():
-    """'spec:PS@0.9' is sent as the PS flags plus gamma_max (the API's SpecOptions); plain names stay names."""
-    methods = _parse_methods("seq,spec:PSA,spec:PS@0.9")
-    assert methods == [("seq", None), ("spec", "PSA"), ("spec", "PS@0.9")]
-    assert [_label(m, s) for m, s in methods] == ["seq", "spec[PSA]", "spec[PS@0.9]"]
-    assert _spec_body("PSA") == "PSA"
-    assert _spec_body("PS@0.9") == {
-        "prefetch": True,
-        "adaptive_stride": True,
-        "async_verify": False,
-        "gamma_estimate": "capped",
-        "gamma_max": 0.9,
-    }
+def test_methods_are_named_in_the_one_configuration_grammar():
+    """A method's configuration is sent as written: the server parses the same grammar
+    (SpecConfig.parse, ``;FIELD=VALUE`` included), so the benchmark has no second parser."""
+    methods = _parse_methods("seq,spec:PSA,spec:PS@0.9,spec:s=4,spec:PSA;shared_kb_direct_at=0")
+    assert methods == [
+        ("seq", None),
+        ("spec", "PSA"),
+        ("spec", "PS@0.9"),
+        ("spec", "s=4"),
+        ("spec", "PSA;shared_kb_direct_at=0"),
+    ]
+    assert [_label(m, s) for m, s in methods] == [
+        "seq",
+        "spec[PSA]",
+        "spec[PS@0.9]",
+        "spec[s=4]",
+        "spec[PSA;shared_kb_direct_at=0]",
+    ]
+    with pytest.raises(ValueError, match="bad setting 'nope=1'"):
+        _parse_methods("spec:PSA;nope=1")
+    with pytest.raises(ValueError, match="shared_kb_direct_at"):
+        _parse_methods("spec:PSA;shared_kb_direct_at=x")

@@ -8,6 +8,7 @@ import pytest
 
 from deployments.api import ApiError, GenerateRequest, build_job
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
+from ralm.job import KnnRequestOptions, RalmJob
 
 SERVER = dict(
     kinds=["edr", "sr"],
@@ -21,7 +22,7 @@ ALL_ON = {"dense_drafting": True, "knnlm": True}
 ALL_OFF = {"dense_drafting": False, "knnlm": False}
 
 
-def job(body: dict, features: dict = ALL_ON) -> dict:
+def job(body: dict, features: dict = ALL_ON) -> RalmJob:
     b = GenerateRequest.model_validate({"question": "q", **body})
     return build_job(b, "q", b.max_new_tokens, "max_new_tokens", None, features=features, **SERVER)
 
@@ -48,12 +49,12 @@ MODES = [
 @pytest.mark.parametrize("fields", MODES, ids=lambda f: "+".join(f))
 def test_every_mode_reaches_the_request_config(fields):
     j = job(fields)
-    req = RequestConfig.model_validate(j["request"])
+    req = j.request
     for name, value in fields.items():
         assert getattr(req, name) == value
     assert req.max_new_tokens == 24  # the server's default is kept
     assert req.exact == (not (fields.get("idgr") or fields.get("allow_inexact_shifted_reuse")))
-    assert j["method"] == "spec" and j["retriever"] == "edr"
+    assert j.method == "spec" and j.retriever == "edr" and j.spec == SERVER["spec_defaults"]
 
 
 def test_inexact_options_are_named():
@@ -117,15 +118,54 @@ def test_modes_the_server_does_not_enable_are_refused_clearly():
     for method in ("knnlm-seq", "knnlm-spec"):
         e = refused({"method": method}, ALL_OFF)
         assert e.message.startswith("knnlm is not enabled on this server:") and e.param == "method"
-    assert job({"drafting": "ngram"}, ALL_OFF)["request"]["drafting"] == "ngram"
+    assert job({"drafting": "ngram"}, ALL_OFF).request.drafting == "ngram"
 
 
 def test_knn_jobs():
     j = job({"method": "knnlm-spec", "spec": {"stride": 4}, "knn": {"k": 4, "lmbda": 0.5}, "max_new_tokens": 12})
-    assert j["method"] == "knnlm-spec" and j["retriever"] == "knn" and j["knn"] == {"k": 4, "lmbda": 0.5}
-    assert j["spec"]["stride"] == 4 and j["spec"]["async_verify"] is False  # the server's A does not apply
-    assert j["request"]["max_new_tokens"] == 12
-    assert job({"method": "knnlm-seq"})["knn"] == {}
+    assert j.method == "knnlm-spec" and j.retriever is None and j.source == "knn"
+    assert j.knn == KnnRequestOptions(k=4, lmbda=0.5)
+    assert j.knn.applied_to(SERVER["knn_defaults"]).model_dump(include={"k", "lmbda", "temperature"}) == {
+        "k": 4,
+        "lmbda": 0.5,
+        "temperature": SERVER["knn_defaults"].temperature,
+    }
+    assert j.spec.stride == 4 and j.spec.async_verify is False  # the server's A does not apply
+    assert j.request.max_new_tokens == 12
+    assert job({"method": "knnlm-seq"}).knn == KnnRequestOptions()
+
+
+def test_the_spec_field_takes_the_one_configuration_grammar():
+    """A name in SpecConfig.parse's grammar, on top of the server's spec defaults; an object of
+    any SpecConfig field; the stride/prefetch_size shortcuts on top of either."""
+    server = SERVER["spec_defaults"]
+    assert job({"spec": "PS@0.9;max_stride=4"}).spec == SpecConfig.parse("PS@0.9;max_stride=4", **server.model_dump())
+    assert job({"spec": "s=5"}).spec.stride == 5 and not job({"spec": "s=5"}).spec.adaptive_stride
+    j = job({"spec": {"allow_direct": False, "gamma_prior": False}, "stride": 2, "prefetch_size": 7})
+    assert (j.spec.allow_direct, j.spec.gamma_prior, j.spec.stride, j.spec.prefetch_size) == (False, False, 2, 7)
+    assert j.spec.adaptive_stride == server.adaptive_stride  # fields not given keep the server's
+    assert "bad setting 'nope=1'" in refused({"spec": "PSA;nope=1"}).message
+    assert refused({"spec": {"max_stride": 0}}).param == "max_stride"
+
+
+def test_a_job_is_typed_and_self_consistent():
+    """What crosses to the coordinator is a frozen RalmJob: a KNN-LM job has no retriever, a
+    document-level one has one, and knn settings belong to KNN-LM methods only."""
+    from pydantic import ValidationError
+
+    j = job({})
+    with pytest.raises(ValidationError):
+        j.question = "other"  # frozen
+    assert j.digest() == job({}).model_copy(update={"request_id": "other"}).digest()
+    assert j.digest() != job({"stride": 5}).digest()
+    for bad in (
+        {"method": "knnlm-seq", "retriever": "edr"},
+        {"method": "seq"},
+        {"method": "seq", "retriever": "edr", "knn": {"k": 4}},
+        {"method": "seq", "retriever": "faiss"},
+    ):
+        with pytest.raises(ValidationError):
+            RalmJob.model_validate({"question": "q", **bad})
 
 
 def test_app_config_checks_modes():

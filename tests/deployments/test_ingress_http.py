@@ -28,7 +28,7 @@ from ralm import constants as C
 from ralm.chat import chat_prompt
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 from ralm.errors import ConfigError, Overloaded, RalmInputError
-from ralm.methods import method_info
+from ralm.job import RalmJob
 from ralm.results import RalmResult
 from ralm.seq import run_seq
 from ralm.spec import run_spec
@@ -43,15 +43,14 @@ QUESTION = "what does json dumps do"
 SCHEDULE = {0: 4, 1: 7, 2: 7, 3: 2}  # the KB's top-1 per retrieval step
 
 
-def answer(question: str, job: dict, on_commit=None) -> RalmResult:
+def answer(question: str, job: RalmJob, on_commit=None) -> RalmResult:
     """A job run by the core loops over fresh scripted parts (the reference for the HTTP answers)."""
     gen = ScriptedGenerator()
     q = gen.encode_question(question)
-    req = RequestConfig.model_validate(job["request"])
-    kb = ScriptedKB(dict(SCHEDULE), n_q=len(q), k=req.generation_stride, name=job["retriever"])
-    if method_info(job["method"]).speculative:
-        return run_spec(question, gen, kb, req, SpecConfig.model_validate(job["spec"]), on_commit=on_commit)
-    return run_seq(question, gen, kb, req, on_commit=on_commit)
+    kb = ScriptedKB(dict(SCHEDULE), n_q=len(q), k=job.request.generation_stride, name=job.source)
+    if job.info.speculative:
+        return run_spec(question, gen, kb, job.request, job.spec, on_commit=on_commit)
+    return run_seq(question, gen, kb, job.request, on_commit=on_commit)
 
 
 class InProcessBackend:
@@ -62,7 +61,7 @@ class InProcessBackend:
     max_new_tokens = 64
 
     def __init__(self):
-        self.jobs: list[dict] = []
+        self.jobs: list[RalmJob] = []
         self.fail: Exception | None = None  # raised by the next request
         self.unhealthy: str | None = None
         self.policies: list[tuple[dict, bool]] = []
@@ -86,19 +85,19 @@ class InProcessBackend:
         vecs = np.array([[len(t), t.count(" "), sum(map(ord, t)) % 97, 1.0] for t in texts], dtype=np.float32)
         return vecs / np.linalg.norm(vecs, axis=1, keepdims=True), [len(t.split()) for t in texts]
 
-    def _result(self, job: dict, on_commit=None) -> dict:
+    def _result(self, job: RalmJob, on_commit=None) -> dict:
         self.jobs.append(job)
         if self.fail is not None:
             e, self.fail = self.fail, None
             raise e
-        out = answer(job["question"], job, on_commit).as_dict()
-        out["prompt_tokens"] = len(self.encode_question(job["question"]))
+        out = answer(job.question, job, on_commit).as_dict()
+        out["prompt_tokens"] = len(self.encode_question(job.question))
         return out
 
-    async def run(self, job: dict) -> dict:
+    async def run(self, job: RalmJob) -> dict:
         return await asyncio.to_thread(self._result, job)
 
-    async def stream(self, job: dict) -> AsyncIterator[dict]:
+    async def stream(self, job: RalmJob) -> AsyncIterator[dict]:
         """Each committed step as a chunk, as a coordinator streams them."""
         commits: list[list[int]] = []
         try:
@@ -306,11 +305,11 @@ def test_generate_carries_stats_and_the_job_built_from_the_server_defaults(clien
     assert r.status_code == 200, r.text
     out = r.json()
     job = backend.jobs[0]
-    assert (job["retriever"], job["method"], job["request"]["max_new_tokens"]) == ("sr", "spec", 9)
-    assert job["spec"]["prefetch"] and not job["spec"]["async_verify"]
+    assert (job.retriever, job.method, job.request.max_new_tokens, job.request_id) == ("sr", "spec", 9, "req-1")
+    assert job.spec.prefetch and not job.spec.async_verify
     assert (out["model"], out["retriever"], out["method"], out["request_id"]) == (MODEL, "sr", "spec", "req-1")
     assert out["prompt_tokens"] == len(QUESTION.split()) and out["exact"] is True
-    seq = answer(QUESTION, {**job, "method": "seq"})
+    seq = answer(QUESTION, job.model_copy(update={"method": "seq"}))
     assert out["tokens"] == seq.tokens and out["stats"]["doc_ids"] == seq.stats.doc_ids  # RaLMSpec == RaLMSeq
     assert out["stats"]["method"] == "spec[PS]" and out["stats"]["retriever"] == "sr"
 
@@ -336,7 +335,7 @@ class SlowBackend(InProcessBackend):
         super().__init__()
         self.cancelled = 0
 
-    async def run(self, job: dict) -> dict:
+    async def run(self, job: RalmJob) -> dict:
         self.jobs.append(job)
         try:
             await asyncio.sleep(3600)
@@ -345,7 +344,7 @@ class SlowBackend(InProcessBackend):
             raise
         raise AssertionError("unreachable")
 
-    async def stream(self, job: dict) -> AsyncIterator[dict]:
+    async def stream(self, job: RalmJob) -> AsyncIterator[dict]:
         try:
             yield {"delta": "first", "tokens": [1]}
             await asyncio.sleep(3600)
@@ -421,7 +420,7 @@ class SheddingBackend(InProcessBackend):
         super().__init__()
         self.sheds = list(sheds)
 
-    def _result(self, job: dict, on_commit=None) -> dict:
+    def _result(self, job: RalmJob, on_commit=None) -> dict:
         if self.sheds:
             self.fail = self.sheds.pop(0)
         return super()._result(job, on_commit)
@@ -505,7 +504,7 @@ def test_a_failing_stream_ends_with_an_error_event(client, backend):
 def test_a_stream_the_client_leaves_is_closed(backend):
     """The client goes away after the first chunk: the backend's stream is closed (the request cancelled)."""
     ep = build_http_app(backend, settings()).state.endpoints
-    job = {"question": QUESTION, "retriever": "edr", "method": "seq", "spec": {}, "request": REQ.model_dump()}
+    job = RalmJob(question=QUESTION, retriever="edr", method="seq", request=REQ)
 
     async def leave_early():
         sse = ep._sse(job, lambda text, finish, **extra: f"data: {text}\n\n", None, 5, False)
@@ -601,4 +600,6 @@ def test_concurrent_requests_are_answered_independently(client, backend):
     for t in threads:
         t.join()
     for i in range(4):
-        assert out[i]["tokens"] == answer(QUESTION + " x" * i, {**backend.jobs[0], "method": "seq"}).tokens
+        assert (
+            out[i]["tokens"] == answer(QUESTION + " x" * i, backend.jobs[0].model_copy(update={"method": "seq"})).tokens
+        )

@@ -53,7 +53,7 @@ def test_chat_is_the_completion_of_the_rendered_prompt(client, backend):
     # the retrieval options ride along; speculation returns the same tokens
     r = _chat(client, spec="PSA", retriever="edr")
     assert r.status_code == 200 and r.json()["ralm"]["tokens"] == expected.tokens
-    assert backend.jobs[-1]["method"] == "spec"
+    assert backend.jobs[-1].method == "spec"
     # a system message and text parts: contents joined by blank lines (no template)
     msgs = [
         {"role": "system", "content": "be brief"},
@@ -61,7 +61,7 @@ def test_chat_is_the_completion_of_the_rendered_prompt(client, backend):
     ]
     r = _chat(client, msgs, max_completion_tokens=4)
     assert r.status_code == 200, r.text
-    assert backend.jobs[-1]["question"] == "be brief\n\nwhat does json do"
+    assert backend.jobs[-1].question == "be brief\n\nwhat does json do"
     assert r.json()["usage"]["completion_tokens"] == 4
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ralm.config import SpecConfig
@@ -83,3 +85,21 @@ def test_defaults_fill_the_other_fields_and_the_name_overrides_them():
 def test_parse_extends_named():
     for name in ("base", "P", "S", "A", "PS", "PA", "SA", "PSA"):
         assert SpecConfig.parse(name) == SpecConfig.named(name)
+
+
+def test_settings_after_a_semicolon_set_other_fields():
+    """``;FIELD=VALUE`` sets any SpecConfig field but the P/S/A flags, validated like the rest."""
+    sc = SpecConfig.parse("PSA@0.9;max_stride=4;shared_kb_direct_at=0", prefetch_size=64)
+    assert (sc.prefetch, sc.adaptive_stride, sc.async_verify, sc.gamma_max) == (True, True, True, 0.9)
+    assert (sc.max_stride, sc.shared_kb_direct_at, sc.prefetch_size) == (4, 0, 64)
+    assert SpecConfig.parse("s=4; gamma_estimate = bayes").gamma_estimate == "bayes"
+    for bad, msg in [
+        ("PSA;prefetch=0", "bad setting 'prefetch=0'"),
+        ("PSA;nope=1", "bad setting 'nope=1'"),
+        ("PSA;max_stride", "bad setting 'max_stride'"),
+        ("PSA;max_stride=0", "max_stride: Input should be greater than or equal to 1"),
+        ("PSA;max_stride=x", "max_stride: Input should be a valid integer"),
+        (";max_stride=4", "empty RaLMSpec configuration name"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            SpecConfig.parse(bad)
