@@ -23,14 +23,13 @@ import argparse
 import json
 import logging
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import fmean
 
-from cluster.http_retry import RetryLog, send_with_retry
+from cluster.native_client import Client
 from cluster.report import machine_note, write_report
 from cluster.served_report import one_request_rows, to_markdown
 from ralm.config import SpecConfig
@@ -180,48 +179,6 @@ def _label(method: str, spec: str | None) -> str:
     letters = "".join(c for c, on in (("P", sc.prefetch), ("S", sc.adaptive_stride), ("A", sc.async_verify)) if on)
     fixed = f"s={sc.stride}" if "s=" in body else ""
     return f"spec[{(letters + fixed) or 'base'}{at}{cap}{semi}{settings}]"
-
-
-class Client:
-    def __init__(self, url: str, timeout: float):
-        import httpx
-
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-        self._local = threading.local()
-        self._httpx = httpx
-        self.retries = RetryLog()  # shed answers (503/429 with Retry-After) sent again
-
-    @property
-    def http(self):
-        c = getattr(self._local, "c", None)
-        if c is None:
-            c = self._local.c = self._httpx.Client(base_url=self.url, timeout=self.timeout)
-        return c
-
-    def generate(self, body: dict) -> tuple[dict, float]:
-        """(answer, latency): a shed answer (503/429 with Retry-After) is sent again after that
-        delay, a bounded number of times, as a real client does (the latency includes the
-        waits); any other failure, or still shed after the retries, raises."""
-        t0 = time.perf_counter()
-        res = send_with_retry(lambda: self.http.post("/v1/ralm/generate", json=body))
-        dt = time.perf_counter() - t0
-        self.retries.add(res)
-        r = res.response
-        if r.status_code != 200:
-            after = f" (after {res.retries} retries)" if res.retries else ""
-            raise RuntimeError(f"HTTP {r.status_code}{after}: {r.text[:300]}")
-        return r.json(), dt
-
-    def admin(self, body: dict) -> dict | None:
-        r = self.http.post("/v1/ralm/admin/verifier", json=body)
-        if r.status_code == 403:
-            return None
-        r.raise_for_status()
-        return r.json()
-
-    def stats(self) -> dict:
-        return self.http.get("/v1/ralm/stats").json()
 
 
 def _measure(client: Client, bodies: list[dict], concurrency: int) -> tuple[list[dict], list[float], float]:

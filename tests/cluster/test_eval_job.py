@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 
 from cache.state import open_state_store
-from cluster import eval_job
-from cluster.eval_job import EvalItem, make_items, register_backend
+from cluster import eval_backends, eval_job
+from cluster.eval_backends import register_backend
+from cluster.eval_job import EvalItem, make_items
 from ralm.config import RequestConfig
 from tests.cache.redis_server import RedisServer
 
@@ -215,12 +216,12 @@ def test_unreachable_state_store_is_a_clear_error(tmp_path, scripted, capsys):
 
 
 def test_backend_choice(monkeypatch):
-    monkeypatch.delenv(eval_job.RAY_JOB_ENV, raising=False)
-    assert eval_job.choose_backend("auto") == "local"
-    monkeypatch.setenv(eval_job.RAY_JOB_ENV, "{}")
-    assert eval_job.choose_backend("auto") == "ray"
+    monkeypatch.delenv(eval_backends.RAY_JOB_ENV, raising=False)
+    assert eval_backends.choose_backend("auto") == "local"
+    monkeypatch.setenv(eval_backends.RAY_JOB_ENV, "{}")
+    assert eval_backends.choose_backend("auto") == "ray"
     with pytest.raises(ValueError, match="unknown eval backend"):
-        eval_job.choose_backend("nope")
+        eval_backends.choose_backend("nope")
 
 
 def test_request_fn_backend_runs_concurrently():
@@ -234,7 +235,7 @@ def test_request_fn_backend_runs_concurrently():
         assert req.request.max_new_tokens == 5  # the job's generation options reach every request
         return {"tokens": [1], "text": req.question, "stats": {}}
 
-    be = eval_job.RequestFnBackend(fn, RequestConfig(max_new_tokens=5), concurrency=4)
+    be = eval_backends.RequestFnBackend(fn, RequestConfig(max_new_tokens=5), concurrency=4)
     items = make_items([f"q{i}" for i in range(4)], ["edr"], ["PSA"])
     t0 = time.perf_counter()
     out = list(be.run(items))

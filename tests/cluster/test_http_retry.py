@@ -106,7 +106,7 @@ def test_a_lost_request_raises():
 
 
 def test_the_served_bench_client_retries_shed_requests_and_counts_them():
-    from cluster.served_bench import Client
+    from cluster.native_client import Client
 
     answers = [_shed(503, "0"), _shed(429, "0"), _ok((4, 5)), _shed(503, None, "not retryable")]
     transport = httpx.MockTransport(lambda request: answers.pop(0))
