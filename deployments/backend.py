@@ -61,7 +61,10 @@ class RalmBackend(Protocol):
     def stream(self, job: RalmJob) -> AsyncGenerator[dict, None]:
         """Answer one job chunk by chunk (an async generator). Closing it early (the client
         went away) cancels the request: the backend frees what it holds once the request
-        is done."""
+        is done. The ingress sends the response headers only after the first chunk, so a
+        request refused when it is admitted (:class:`~ralm.errors.Overloaded`, bad input)
+        gets its status and ``Retry-After`` like a non-streamed one: a backend that admits
+        a request before its first tokens yields an empty chunk (``delta`` "") then."""
         ...
 
     async def health(self) -> dict:

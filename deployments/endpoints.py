@@ -180,26 +180,54 @@ class Endpoints:
             503, message_of(e), type_="overloaded_error", code="overloaded", headers={"Retry-After": str(retry)}
         )
 
+    def _api_error(self, e: Exception) -> ApiError:
+        """The HTTP error of a request that failed before its answer started (and count it)."""
+        if isinstance(e, ApiError):
+            return e
+        if isinstance(e, (RalmInputError, ConfigError)):
+            self.errors += 1
+            return ApiError(400, message_of(e))
+        if isinstance(e, Overloaded):
+            self.overloaded += 1
+            return self._overloaded_error(e)
+        if isinstance(e, (asyncio.TimeoutError, RequestCancelled)):
+            self.timeouts += 1
+            return self._timeout_error()
+        self.errors += 1
+        log.error("request failed", exc_info=e)
+        return ApiError(500, f"internal error: {message_of(e)}", type_="server_error")
+
     async def _run(self, job: RalmJob) -> dict:
         self.requests += 1
         try:
             # past the deadline wait_for cancels the backend call: the backend stops the request
             return await asyncio.wait_for(self.backend.run(job), self._deadline)
-        except (RalmInputError, ConfigError) as e:
-            self.errors += 1
-            raise ApiError(400, message_of(e)) from None
-        except Overloaded as e:
-            self.overloaded += 1
-            raise self._overloaded_error(e) from None
-        except (asyncio.TimeoutError, RequestCancelled):
-            self.timeouts += 1
-            raise self._timeout_error() from None
-        except ApiError:
-            raise
         except Exception as e:
-            self.errors += 1
-            log.exception("request failed")
-            raise ApiError(500, f"internal error: {message_of(e)}", type_="server_error") from None
+            raise self._api_error(e) from None
+
+    async def _stream_response(
+        self, job: RalmJob, chunk: ChunkFn, first: str | None, n_prompt: int, include_usage: bool
+    ) -> ClosingStreamingResponse:
+        """The SSE response of a streamed job. The backend's stream is opened and its first
+        chunk awaited before the response starts, so a request shed or refused when it is
+        admitted gets the status and headers a non-streamed one gets (503 with
+        ``Retry-After``, 400, 504); errors after that are ``error`` events."""
+        self.requests += 1
+        stream = self.backend.stream(job)
+        deadline = None if self._deadline is None else time.monotonic() + self._deadline
+        try:
+            head: dict | None = await asyncio.wait_for(anext(stream), self._deadline)
+        except StopAsyncIteration:
+            head = None
+        except Exception as e:
+            with contextlib.suppress(RuntimeError):
+                await stream.aclose()
+            raise self._api_error(e) from None
+        return ClosingStreamingResponse(
+            self._sse(job, stream, head, deadline, chunk, first, n_prompt, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     def _chunk(self, cid: str, created: int, text: str, finish: str | None, **extra) -> str:
         obj = {
@@ -213,23 +241,33 @@ class Endpoints:
         return f"data: {json.dumps(obj)}\n\n"
 
     async def _sse(
-        self, job: RalmJob, chunk: ChunkFn, first: str | None, n_prompt: int, include_usage: bool
+        self,
+        job: RalmJob,
+        stream: AsyncIterator[dict],
+        head: dict | None,
+        deadline: float | None,
+        chunk: ChunkFn,
+        first: str | None,
+        n_prompt: int,
+        include_usage: bool,
     ) -> AsyncIterator[str]:
-        """Server-sent events of a streamed job: ``first`` (when given), then ``chunk(delta,
-        None)`` per verified piece of text, then ``chunk("", finish_reason, ralm=..., usage=...)``
-        and ``[DONE]``; errors become an ``error`` event."""
-        self.requests += 1
-        stream = self.backend.stream(job)
-        deadline = None if self._deadline is None else time.monotonic() + self._deadline
+        """Server-sent events of a streamed job whose first chunk ``head`` was read already
+        (None: the stream was empty): ``first`` (when given), then ``chunk(delta, None)`` per
+        verified piece of text, then ``chunk("", finish_reason, ralm=..., usage=...)`` and
+        ``[DONE]``; errors become an ``error`` event. ``deadline``: ``time.monotonic()`` at
+        which the request is cancelled (None: never)."""
         try:
             if first is not None:
                 yield first
             while True:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    piece = await asyncio.wait_for(anext(stream), left)
-                except StopAsyncIteration:
-                    break
+                if head is not None:
+                    piece, head = head, None
+                else:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    try:
+                        piece = await asyncio.wait_for(anext(stream), left)
+                    except StopAsyncIteration:
+                        break
                 if piece.get("done"):
                     res = piece["result"]
                     if piece["delta"]:
@@ -359,11 +397,7 @@ class Endpoints:
                 return self._chunk(cid, created, text, finish, **extra)
 
             first = chunk(prompt, None) if body.echo and prompt else None
-            return ClosingStreamingResponse(
-                self._sse(job, chunk, first, n_prompt, include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
+            return await self._stream_response(job, chunk, first, n_prompt, include_usage)
         res = await self._run(job)
         text = (prompt if body.echo else "") + res["text"]
         n_out = len(res["tokens"])

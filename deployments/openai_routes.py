@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from deployments.api import ApiError, ChatCompletionRequest, EmbeddingRequest, check_greedy, message_of, ralm_block
-from deployments.sse_response import ClosingStreamingResponse
 from ralm import constants as C
 from ralm.errors import RalmInputError
 
@@ -76,10 +75,8 @@ async def chat_completions(ep: Endpoints, body: ChatCompletionRequest, x_request
         def chunk(text: str, finish: str | None, **extra) -> str:
             return event({"content": text} if text or finish is None else {}, finish, **extra)
 
-        return ClosingStreamingResponse(
-            ep._sse(job, chunk, event({"role": "assistant", "content": ""}, None), n_prompt, include_usage),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        return await ep._stream_response(
+            job, chunk, event({"role": "assistant", "content": ""}, None), n_prompt, include_usage
         )
     res = await ep._run(job)
     n_out = len(res["tokens"])

@@ -245,6 +245,7 @@ class RayBackend:
         done = False
         nxt: asyncio.Future | None = None  # the chunk being awaited (the drain takes it over)
         try:
+            yield {"delta": "", "tokens": []}  # admitted: the ingress may send its headers now
             while True:
                 nxt = asyncio.ensure_future(refs.__anext__())
                 try:  # each chunk awaited under the pool's liveness pings (a lost node never answers)

@@ -357,12 +357,9 @@ def test_a_full_server_answers_503_with_retry_after_and_keeps_serving(client, ba
     r = client.post("/v1/ralm/generate", json={"question": QUESTION})
     err = _error(r, 503)
     assert r.headers["retry-after"] == "8" and err["code"] == "overloaded" and "at capacity" in err["message"]
-    backend.fail = Overloaded("full", 0.2)
-    events = _events(client, {"method": "seq"})
-    assert (
-        json.loads(events[-1])["error"]["code"] == "overloaded"
-        and json.loads(events[-1])["error"]["retry_after"] == "1"
-    )
+    backend.fail = Overloaded("full", 0.2)  # a stream shed at admission: a 503 before any event
+    r = client.post("/v1/completions", json={"prompt": QUESTION, "stream": True, "method": "seq"})
+    assert _error(r, 503)["code"] == "overloaded" and r.headers["retry-after"] == "1"
     assert client.get("/v1/ralm/stats").json()["overloaded"] == 2
     assert client.post("/v1/ralm/generate", json={"question": QUESTION}).status_code == 200
 
@@ -387,8 +384,8 @@ SHED_MESSAGES = [  # every way the backend sheds a request (actors/pool.py, depl
 )
 def test_every_shed_answer_carries_retry_after(client, backend, path, body, message, after):
     """A request the server sheds gets 503 with Retry-After (whole seconds, at least 1) on
-    every route; a stream shed after it started ends with an ``overloaded`` event whose body
-    carries ``retry_after``; the server keeps serving."""
+    every route, streamed or not (a stream is admitted before its headers are sent); the
+    server keeps serving."""
     backend.fail = Overloaded(message, after)
     r = client.post(path, json=body)
     err = _error(r, 503)
@@ -396,11 +393,10 @@ def test_every_shed_answer_carries_retry_after(client, backend, path, body, mess
     assert r.headers["retry-after"] == str(max(1, math.ceil(after)))
     if "prompt" in body or "messages" in body:  # the OpenAI routes stream
         backend.fail = Overloaded(message, after)
-        with client.stream("POST", path, json={**body, "stream": True}) as s:
-            assert s.status_code == 200
-            last = [line for line in s.iter_lines() if line.startswith("data: {")][-1]
-        err = json.loads(last[6:])["error"]
-        assert err["code"] == "overloaded" and err["retry_after"] == str(max(1, math.ceil(after)))
+        r = client.post(path, json={**body, "stream": True})
+        err = _error(r, 503)
+        assert err["code"] == "overloaded" and err["message"] == message
+        assert r.headers["retry-after"] == str(max(1, math.ceil(after)))
     assert client.post(path, json=body).status_code == 200
 
 
@@ -487,18 +483,55 @@ def test_streaming_sends_server_sent_events(client, backend):
     assert backend.closed_streams == 3
 
 
-def test_a_failing_stream_ends_with_an_error_event(client, backend):
+class MidStreamBackend(InProcessBackend):
+    """Streams one chunk, then raises ``after`` (an error once the response has started)."""
+
+    def __init__(self, after: Exception):
+        super().__init__()
+        self.after = after
+
+    async def stream(self, job: RalmJob) -> AsyncIterator[dict]:
+        try:
+            yield {"delta": "first", "tokens": [1]}
+            raise self.after
+        finally:
+            self.closed_streams += 1
+
+
+def test_a_stream_that_fails_before_its_first_chunk_gets_an_http_error(client, backend):
+    """Refused before anything was sent: the status a non-streamed request gets, not a 200."""
     backend.fail = RalmInputError("question has no tokens")
-    events = _events(client, {"method": "seq"})
-    assert json.loads(events[-1])["error"] == {
-        "message": "question has no tokens",
-        "type": "invalid_request_error",
-        "param": None,
-        "code": None,
-    }
+    r = client.post("/v1/completions", json={"prompt": QUESTION, "stream": True, "method": "seq"})
+    assert _error(r, 400)["message"] == "question has no tokens"
     backend.fail = RuntimeError("boom")
-    assert json.loads(_events(client, {})[-1])["error"]["type"] == "server_error"
+    r = client.post("/v1/completions", json={"prompt": QUESTION, "stream": True})
+    assert _error(r, 500)["type"] == "server_error"
     assert client.get("/v1/ralm/stats").json()["errors"] == 2
+    assert backend.closed_streams == 2  # both backend streams were closed
+
+
+@pytest.mark.parametrize(
+    "error,type_,extra",
+    [
+        (RalmInputError("question has no tokens"), "invalid_request_error", {}),
+        (RuntimeError("boom"), "server_error", {}),
+        (
+            Overloaded("the coordinator running this stream was lost; retry the request", 2.5),
+            "overloaded_error",
+            {"retry_after": "3"},
+        ),
+    ],
+    ids=["input", "internal", "shed"],
+)
+def test_a_stream_that_fails_after_it_started_ends_with_an_error_event(error, type_, extra):
+    """Once the first chunk went out, an error is the stream's last event (a shed one says when to retry)."""
+    backend = MidStreamBackend(error)
+    with TestClient(build_http_app(backend, settings())) as c:
+        events = _events(c, {"method": "seq"})
+    assert json.loads(events[0])["choices"][0]["text"] == "first"
+    err = json.loads(events[-1])["error"]
+    assert err["type"] == type_ and all(err[k] == v for k, v in extra.items())
+    assert backend.closed_streams == 1
 
 
 def test_a_stream_the_client_leaves_is_closed(backend):
@@ -507,9 +540,9 @@ def test_a_stream_the_client_leaves_is_closed(backend):
     job = RalmJob(question=QUESTION, retriever="edr", method="seq", request=REQ)
 
     async def leave_early():
-        sse = ep._sse(job, lambda text, finish, **extra: f"data: {text}\n\n", None, 5, False)
-        first = await sse.__anext__()
-        await sse.aclose()
+        resp = await ep._stream_response(job, lambda text, finish, **extra: f"data: {text}\n\n", None, 5, False)
+        first = await resp.body_iterator.__anext__()
+        await resp.body_iterator.aclose()
         return first
 
     assert asyncio.run(leave_early()).startswith("data: ")
