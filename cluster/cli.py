@@ -1,7 +1,7 @@
 """The ``ralmspec`` command line.
 
     ralmspec index    --retriever edr|adr|sr|all     build indexes (progress bars, manifest)
-    ralmspec generate --retriever edr "question"     answer one question, print statistics
+    ralmspec generate --retriever edr "question"     answer one question (SmolLM2-135M; --model demo), print statistics
     ralmspec bench    ...                            side-by-side RaLMSeq vs RaLMSpec benchmark
     ralmspec serve                                   start the HTTP server (OpenAI-compatible + native API)
     ralmspec served-bench ...                        served throughput/latency benchmark
@@ -17,7 +17,10 @@
     ralmspec assets   corpus|questions|train|fixtures|embeddings  rebuild the shipped demo assets
 
 Every command reads the same :class:`ralm.config.RalmConfig` (``--config FILE.yaml``),
-with the most common fields overridable by flags.
+with the most common fields overridable by flags. Its generator defaults to the library's
+4.5M-parameter demo model, except in ``generate`` and ``serve``, the commands a user tries
+first: without ``--model`` or ``--config`` they run SmolLM2-135M-Instruct
+(``cluster.serve.DEFAULT_MODEL``); ``--model demo`` is the demo model.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import sys
 from pathlib import Path
 
 from cluster.config_args import add_config_args, load_config
+from cluster.serve import DEFAULT_MODEL, cli_model, model_settings
 from ralm.config import SpecConfig
 from ralm.methods import DOCUMENT_METHODS
 
@@ -65,7 +69,10 @@ def cmd_index(args) -> int:
 def cmd_generate(args) -> int:
     from ralm.pipeline import Pipeline, check_kind
 
+    args.model = cli_model(args)  # SmolLM2 unless --model or --config says otherwise
     cfg = load_config(args)
+    if args.model is not None and not args.config:
+        cfg = cfg.model_copy(update={"generator": cfg.generator.model_copy(update=model_settings(args.model))})
     kind = check_kind(args.retriever)
     pipe = Pipeline.from_config(cfg, kinds=(kind,))
     spec = SpecConfig.parse(args.spec) if args.method == "spec" else None
@@ -119,7 +126,7 @@ _PLUGGED_COMMANDS = [
         "add_serve_args",
         "serve_main",
         True,
-        "start the HTTP server (Ray Serve) from serve_config.yaml",
+        f"start the HTTP server (Ray Serve) from serve_config.yaml (generator: {DEFAULT_MODEL} unless --model/--config)",
     ),
     (
         "served-bench",
@@ -225,7 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     pi.add_argument("--force", action="store_true", help="rebuild even if a valid index exists")
     pi.set_defaults(func=cmd_index)
 
-    pg = sub.add_parser("generate", help="answer one question and print its statistics")
+    pg = sub.add_parser(
+        "generate",
+        help=f"answer one question and print its statistics (generator: {DEFAULT_MODEL} unless --model/--config)",
+    )
     add_config_args(pg)
     pg.add_argument("question")
     pg.add_argument("--retriever", default="edr", help="edr, adr or sr")

@@ -1,8 +1,11 @@
 """``ralmspec serve``: run the Serve application of ``serve_config.yaml`` from the CLI.
 
-Equivalent to ``serve run serve_config.yaml`` with the common settings as flags::
+Equivalent to ``serve run serve_config.yaml`` with the common settings as flags, with one
+difference: without ``--model`` (and ``--config``) it serves :data:`DEFAULT_MODEL`, the
+pretrained SmolLM2-135M-Instruct, where the file names the 4.5M-parameter demo model::
 
-    ralmspec serve                                  # the demo on 127.0.0.1:8000
+    ralmspec serve                                  # SmolLM2-135M-Instruct on 127.0.0.1:8000
+    ralmspec serve --model demo                     # the demo model (what serve_config.yaml names)
     ralmspec serve --port 8080 --retrievers edr,sr --n-shards 4
     ralmspec serve --address auto                   # on a running Ray cluster
     ralmspec serve --preset llama2-70b-4gpu --model /models/Llama-2-70b-hf
@@ -31,6 +34,43 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SERVE_CONFIG = C.PACKAGE_ROOT / "serve_config.yaml"
 APP_NAME = "ralmspec"
+
+#: The generator of ``ralmspec serve`` and ``ralmspec generate`` when neither ``--model`` nor
+#: ``--config`` is given: SmolLM2-135M-Instruct (the preset of ralm/models.py, installed offline
+#: by ``make setup``), so that the first thing a user tries answers in sentences. The library
+#: default (``GeneratorConfig.model``) and ``serve_config.yaml`` keep the demo model: the tests,
+#: benchmarks, ``ralmspec soak`` and the KubeRay manifests build on it.
+DEFAULT_MODEL = "smollm2-135m"
+#: ``--model`` names besides paths, hub names and the presets of ralm/models.py
+MODEL_ALIASES = {"demo": str(C.DEMO_MODEL_DIR)}
+#: Generator settings the command line gives a model when the configuration leaves them at
+#: their defaults. SmolLM2 on a CPU: the whole-model invariance proof that every engine runs
+#: before batching (docs/batching.md) costs about 3x less at 256 tokens and 16 sequences per
+#: forward than at 512 and 64 (on 2 cores, about 30 s instead of 90 s), and 16 is the most
+#: requests the default pool has in flight (pool.max_size).
+MODEL_GENERATOR_SETTINGS: dict[str, dict[str, int]] = {
+    DEFAULT_MODEL: {"batch_token_budget": 256, "batch_max_sequences": 16},
+}
+
+
+def cli_model(args: argparse.Namespace, default: str | None = DEFAULT_MODEL) -> str | None:
+    """The generator the command line asks for: ``--model`` (``demo`` names the demo model),
+    else ``default``, unless ``--config`` gives a whole configuration or ``--serve-config`` a
+    file of the user's own (then None: the configuration's own model)."""
+    model = getattr(args, "model", None)
+    if model:
+        return MODEL_ALIASES.get(model, model)
+    if getattr(args, "config", None):
+        return None
+    serve_config = getattr(args, "serve_config", None)
+    if serve_config is not None and Path(serve_config).resolve() != DEFAULT_SERVE_CONFIG.resolve():
+        return None
+    return default
+
+
+def model_settings(model: str | None) -> dict[str, int]:
+    """The generator settings of :data:`MODEL_GENERATOR_SETTINGS` for ``model`` (else none)."""
+    return dict(MODEL_GENERATOR_SETTINGS.get(model or "", {}))
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -101,8 +141,10 @@ def apply_overrides(data: dict, args: argparse.Namespace) -> dict:
         ralm["corpus"] = str(args.corpus)
     if getattr(args, "work_dir", None):
         ralm["work_dir"] = str(args.work_dir)
-    if getattr(args, "model", None):
-        ralm.setdefault("generator", {})["model"] = args.model
+    # `ralmspec serve` defaults to DEFAULT_MODEL; a caller's own Namespace (ralmspec soak) keeps the file's
+    model = cli_model(args, DEFAULT_MODEL if hasattr(args, "serve_config") else None)
+    if model is not None:
+        ralm.setdefault("generator", {})["model"] = model
     if getattr(args, "encoder", None):
         ralm.setdefault("retriever", {})["encoder"] = args.encoder
     if getattr(args, "pad_to", None) is not None:
@@ -128,6 +170,9 @@ def apply_overrides(data: dict, args: argparse.Namespace) -> dict:
             ralm.get("generator", {}).pop("dtype", None)
             if not getattr(args, "model", None) and args.preset == "llama2-70b-4gpu":
                 ralm.get("generator", {}).pop("model", None)
+    if model is not None and getattr(args, "preset", None) in (None, "cpu"):
+        for key, value in model_settings(model).items():  # where the file leaves them to the library
+            ralm["generator"].setdefault(key, value)
     if getattr(args, "admin", False):
         a.setdefault("ingress", {})["admin"] = True
     AppConfig.model_validate(a)  # fail early, with pydantic's message
@@ -183,8 +228,8 @@ def serve_main(args: argparse.Namespace) -> int:
     url = start_local_app(data, getattr(args, "address", None), getattr(args, "num_cpus", None))
     print(
         f"ralmspec is serving on {url} (ready in {time.time() - t0:.0f} s)\n"
-        f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
-        f'-d \'{{"prompt": "What does json.dumps do?", "max_tokens": 32}}\'\n'
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"messages": [{{"role": "user", "content": "What does json.dumps do?"}}], "max_tokens": 64}}\'\n'
         f"  OpenAI client: base_url={url}/v1   (Ctrl-C stops the server)",
         file=sys.stderr,
     )
@@ -213,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", type=Path, help="YAML RalmConfig replacing args.ralm of the serve config")
     p.add_argument("--corpus", type=Path)
     p.add_argument("--work-dir", type=Path)
-    p.add_argument("--model")
+    p.add_argument("--model", help=f"generator (default {DEFAULT_MODEL}; demo: the demo model)")
     p.add_argument("--encoder")
     p.add_argument("--pad-to", type=int)
     add_serve_args(p)
