@@ -1,11 +1,12 @@
-"""A pool of pre-started coordinator actors (creating an actor costs ~0.45 s here).
+"""A pool of pre-started coordinators: actors, or slots of coordinator hosts (:mod:`actors.coordinator_slots`).
 
 The ingress runs each request on a coordinator of the pool (:meth:`CoordinatorPool.run`, or
 :meth:`~CoordinatorPool.acquire` / :meth:`~CoordinatorPool.release` for a stream); the
 coordinator has already cleared its local cache by then.
 
-- The pool starts ``size`` coordinators up front and grows up to ``max_size`` under load;
-  beyond that, up to ``max_waiting`` requests wait for a free coordinator (first come, first
+- The pool starts ``size`` coordinators up front and grows up to ``max_size`` under load,
+  ahead of demand: whenever a lease leaves fewer than ``headroom`` coordinators idle or
+  starting, more are started in the background, so a burst finds them ready. Beyond that, up to ``max_waiting`` requests wait for a free coordinator (first come, first
   served) and any further one is refused at once with :class:`~ralm.errors.Overloaded`
   (HTTP 503 with ``Retry-After``), so the queue is bounded.
 - A coordinator that died is replaced, and its request is retried on a fresh one (requests
@@ -74,6 +75,8 @@ class CoordinatorPool:
     max_size: int = 16
     max_waiting: int = 64
     probe: Callable[[Any], Awaitable[Any]] | None = None
+    on_discard: Callable[[Any, bool], None] | None = None  # (handle, found dead); default: ray.kill an actor
+    headroom: int = 0  # keep this many coordinators idle or starting, ahead of demand (up to max_size)
     ready_timeout_s: float = C.COORDINATOR_READY_TIMEOUT_S
     probe_interval_s: float = C.COORDINATOR_PROBE_INTERVAL_S
     probe_timeout_s: float = C.COORDINATOR_PROBE_TIMEOUT_S
@@ -81,6 +84,7 @@ class CoordinatorPool:
     _all: list = field(default_factory=list, init=False, repr=False)
     _starting: int = field(default=0, init=False, repr=False)  # in _all, not ready yet
     _sweeping: bool = field(default=False, init=False, repr=False)
+    _topping: bool = field(default=False, init=False, repr=False)
     _closed: bool = field(default=False, init=False, repr=False)
     stats: PoolStats = field(default_factory=PoolStats, init=False)
 
@@ -115,7 +119,7 @@ class CoordinatorPool:
         try:
             await asyncio.wait_for(self.ready(h), self.ready_timeout_s if timeout_s is None else timeout_s)
         except BaseException:
-            self._discard(h)
+            self._discard(h, dead=True)
             raise
         finally:
             self._starting -= 1
@@ -123,13 +127,33 @@ class CoordinatorPool:
         return h
 
     def _short(self) -> bool:
-        """Below ``size``, or fewer coordinators starting than requests waiting (up to ``max_size``)."""
+        """Below ``size``, fewer coordinators starting than requests waiting, or fewer idle and
+        starting than ``headroom`` (the last two up to ``max_size``)."""
         n = len(self._all)
-        return n < self.size or (self.stats.waiting > self._starting and n < self.max_size)
+        if n < self.size:
+            return True
+        if n >= self.max_size:
+            return False
+        return self.stats.waiting > self._starting or self._idle.qsize() + self._starting < self.headroom
+
+    def _grow_ahead(self) -> None:
+        """Start coordinators in the background when a lease left the pool short of headroom,
+        so the next requests find one ready instead of waiting for a start."""
+        if not self._topping and not self._closed and self._short():
+            asyncio.ensure_future(self._top_up())
 
     async def _top_up(self) -> None:
         """Start coordinators while the pool is short of them, backing off when starts fail
         (e.g. no node can take one until a replacement node joins)."""
+        if self._topping:
+            return
+        self._topping = True
+        try:
+            await self._top_up_loop()
+        finally:
+            self._topping = False
+
+    async def _top_up_loop(self) -> None:
         delay = 0.5
         while not self._closed and self._short():
             try:
@@ -147,9 +171,12 @@ class CoordinatorPool:
         self.stats.size = len(self._all)
         self.stats.idle = self._idle.qsize()
 
-    def _discard(self, handle: Any) -> None:
+    def _discard(self, handle: Any, dead: bool = False) -> None:
         if handle in self._all:
             self._all.remove(handle)
+        if self.on_discard is not None:
+            self.on_discard(handle, dead)
+            return
         ray = sys.modules.get("ray")  # not imported: the handle cannot be an actor
         # only a real actor handle, and only while Ray runs: ray.kill on anything else would
         # start a local Ray instance (its auto-init), blocking this event loop for seconds
@@ -160,7 +187,7 @@ class CoordinatorPool:
     async def replace(self, handle: Any) -> None:
         """Drop a dead coordinator, check the idle ones (they may share its node) and start
         new ones until the pool is no longer short."""
-        self._discard(handle)
+        self._discard(handle, dead=True)
         self.stats.replaced += 1
         self._sync_stats()
         if not self._sweeping and self.probe is not None:
@@ -194,7 +221,7 @@ class CoordinatorPool:
             for h in kept:
                 self._idle.put_nowait(h)
             for h in dead:
-                self._discard(h)
+                self._discard(h, dead=True)
             self.stats.replaced += len(dead)
             self.stats.lost += len(dead)
             log.warning("%d idle coordinator(s) found dead; replacing them", len(dead))
@@ -226,6 +253,7 @@ class CoordinatorPool:
                 self.stats.waiting -= 1
             self.stats.wait_s += time.perf_counter() - t0
         self._sync_stats()
+        self._grow_ahead()
         return h
 
     async def _start_for_request(self) -> Any:

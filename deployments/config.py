@@ -67,12 +67,26 @@ class VerifierOptions(_Opts):
 
 
 class PoolOptions(_Opts):
-    size: int = Field(4, ge=1, description="Coordinators started with the server.")
-    max_size: int = Field(
-        16, ge=1, description="Most coordinators (= most requests in flight); further requests queue."
+    size: int = Field(
+        C.POOL_SIZE,
+        ge=1,
+        description="Coordinators (request slots) ready when the server starts: a burst of this many runs at once without starting anything.",
     )
-    num_cpus: float = Field(0.02, ge=0, description="CPUs reserved per coordinator actor.")
-    resources: dict[str, float] = resources_field("coordinator actor", "ralmspec_head")
+    max_size: int = Field(
+        C.POOL_MAX_SIZE, ge=1, description="Most coordinators (= most requests in flight); further requests queue."
+    )
+    slots_per_host: int = Field(
+        C.POOL_SLOTS_PER_HOST,
+        ge=1,
+        description="Coordinators per coordinator host actor (one process; each request still has its own coordinator, cache and checkpoints). A new host starts only when every host is full.",
+    )
+    headroom: int = Field(
+        C.POOL_HEADROOM,
+        ge=0,
+        description="Coordinators kept idle or starting ahead of demand: when a request leaves fewer free, more are started in the background (up to max_size).",
+    )
+    num_cpus: float = Field(0.02, ge=0, description="CPUs reserved per coordinator host actor.")
+    resources: dict[str, float] = resources_field("coordinator host actor", "ralmspec_head")
     max_waiting: int = Field(
         64,
         ge=0,

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -243,7 +243,7 @@ class Endpoints:
     async def _sse(
         self,
         job: RalmJob,
-        stream: AsyncIterator[dict],
+        stream: AsyncGenerator[dict, None],
         head: dict | None,
         deadline: float | None,
         chunk: ChunkFn,

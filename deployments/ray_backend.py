@@ -22,7 +22,8 @@ from typing import Any
 
 import ray
 
-from actors.coordinator import coordinator_actor_class
+from actors.coordinator import coordinator_host_class
+from actors.coordinator_slots import SlotFactory
 from actors.pool import CoordinatorPool, is_actor_death
 from actors.remote_proxies import RemoteGenerator
 from actors.shard import start_shards
@@ -84,6 +85,7 @@ class RayBackend:
         self.index_versions: dict[str, str] = {}
         self.state_info: dict = {}
         self.pool: CoordinatorPool | None = None
+        self.slots: SlotFactory | None = None
 
     # ---------------------------------------------------------------- start-up
     async def start(self) -> RayBackend:
@@ -178,22 +180,26 @@ class RayBackend:
 
     async def _start_pool(self, state: dict) -> None:
         cfg = self.cfg
-        coord_cls = coordinator_actor_class(cfg.pool.num_cpus)
+        host_cls = coordinator_host_class(cfg.pool.num_cpus, cfg.pool.slots_per_host)
         generator, verifiers = self.generator, self.verifiers
+        extra = {"resources": dict(cfg.pool.resources)} if cfg.pool.resources else {}
 
-        def factory():
-            extra = {"resources": dict(cfg.pool.resources)} if cfg.pool.resources else {}
-            return coord_cls.options(name=f"coordinator-{uuid.uuid4().hex[:12]}", namespace="ralmspec", **extra).remote(
-                generator, verifiers, state=state
+        def make_host(name: str):
+            return host_cls.options(name=name, namespace="ralmspec", **extra).remote(
+                generator, verifiers, cfg.pool.slots_per_host, state=state
             )
 
-        async def ready(h):
-            await h.ready.remote()
-
-        async def ping(h):
-            await h.ping.remote()
-
-        self.pool = CoordinatorPool(factory, ready, cfg.pool.size, cfg.pool.max_size, cfg.pool.max_waiting, probe=ping)
+        self.slots = SlotFactory(make_host, cfg.pool.slots_per_host)
+        self.pool = CoordinatorPool(
+            self.slots.new_slot,
+            self.slots.ready,
+            cfg.pool.size,
+            cfg.pool.max_size,
+            cfg.pool.max_waiting,
+            probe=self.slots.ping,
+            on_discard=self.slots.discard,
+            headroom=cfg.pool.headroom,
+        )
         await self.pool.start()
 
     def _started_codec(self) -> RemoteGenerator:
@@ -236,12 +242,12 @@ class RayBackend:
 
     async def run(self, job: RalmJob) -> dict:
         """On a leased coordinator; retried once on a fresh one if the coordinator died."""
-        return await self._started_pool().run(lambda c: c.run.remote(job), cancel=lambda c: c.cancel.remote())
+        return await self._started_pool().run(lambda c: c.run(job), cancel=lambda c: c.cancel())
 
     async def stream(self, job: RalmJob) -> AsyncGenerator[dict, None]:
         pool = self._started_pool()
         coord = await pool.acquire()
-        refs = coord.run_stream.options(num_returns="streaming").remote(job)
+        refs = coord.run_stream(job)
         done = False
         nxt: asyncio.Future | None = None  # the chunk being awaited (the drain takes it over)
         try:
@@ -269,7 +275,7 @@ class RayBackend:
         finally:
             if not done:  # the client went away: stop the request, keep the lease until it has stopped
                 with contextlib.suppress(Exception):
-                    coord.cancel.remote()
+                    coord.cancel()
                 pool.stats.cancelled += 1
                 asyncio.ensure_future(self._drain(refs, coord, nxt))
 
@@ -297,11 +303,27 @@ class RayBackend:
         ginfo = await self.generator.info.remote()
         return {
             "pool": self._started_pool().stats.as_dict(),
+            "coordinators": await self._host_stats(),
             "verifiers": dict(zip(self.verifiers, vstats)),
             "generator": ginfo,
             "shards": {k: {"namespace": "ralmspec", "names": v} for k, v in self.shard_names.items()},
             "state": self.state_info,
         }
+
+    async def _host_stats(self) -> dict:
+        """The coordinator hosts: how many, and each one's requests, slots and peak RSS."""
+        if self.slots is None:
+            return {}
+        hosts = list(self.slots.hosts)
+
+        async def one(h):
+            try:
+                return {"name": h.name, **await asyncio.wait_for(h.handle.info.remote(), 5)}
+            except Exception as e:  # a host that does not answer is reported, not fatal
+                return {"name": h.name, "error": type(e).__name__}
+
+        infos = await asyncio.gather(*(one(h) for h in hosts))
+        return {**self.slots.stats(), "per_host": infos, "rss_mib": sum(i.get("rss_mib", 0) for i in infos)}
 
     async def configure_verifiers(self, policy: dict, reset_stats: bool = False) -> dict:
         out = {}

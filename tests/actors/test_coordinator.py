@@ -62,10 +62,10 @@ def test_stream_decoder_concatenates_to_the_full_text():
 # --------------------------------------------------------------------------- over Ray
 @pytest.fixture(scope="module")
 def stack(ray_local, index_dirs, fixture_corpus, retriever_configs, gen_model_dir):
-    """A generator actor, an EDR verifier over 2 shards, and a coordinator actor class."""
+    """A generator actor, an EDR verifier over 2 shards, and a coordinator host (4 slots)."""
     import ray
 
-    from actors.coordinator import coordinator_actor_class
+    from actors.coordinator import coordinator_host_class
     from actors.shard import prepare_shards, start_shards
     from actors.verifier import verifier_actor_class
     from deployments.generator import GeneratorServer
@@ -77,10 +77,10 @@ def stack(ray_local, index_dirs, fixture_corpus, retriever_configs, gen_model_di
     ver = verifier_actor_class(0.05).remote(
         "edr", shards, [(s.lo, s.hi) for s in specs], rcfg.model_dump(mode="json"), 2.0, 64, True
     )
-    cls = coordinator_actor_class(0.02)
+    cls = coordinator_host_class(0.02, slots=4)
 
-    def make():
-        return cls.remote(gen, {"edr": ver})
+    def make(name: str | None = None):
+        return (cls.options(name=name, namespace="ralmspec") if name else cls).remote(gen, {"edr": ver}, 4)
 
     coord = make()
     ray.get(coord.ready.remote())
@@ -114,7 +114,7 @@ def test_coordinator_equals_in_process_seq(stack, baselines, method, spec):
 
     qs, base = baselines
     for q, b in zip(qs, base):
-        res = ray.get(stack["coord"].run.remote(_job(q, method, spec)))
+        res = ray.get(stack["coord"].run.remote(0, _job(q, method, spec)))
         assert res["tokens"] == b.tokens, q
         assert res["stats"]["doc_ids"] == b.stats.doc_ids
         assert res["text"] == b.text
@@ -131,7 +131,25 @@ def test_coordinator_equals_in_process_seq(stack, baselines, method, spec):
             assert st["rollbacks"] <= st["verifications"]
             assert st["direct_steps"] + st["verifications"] > 0
     info = ray.get(stack["coord"].info.remote())
-    assert info["busy"] is False
+    assert info["busy"] == 0 and info["slots"] == 4
+
+
+def test_one_host_runs_its_slots_at_once_each_exactly(stack, baselines):
+    """Four requests at once on the four slots of one host process: each its own coordinator
+    (own cache, own session), every answer RaLMSeq's; a busy slot refuses a second request."""
+    import ray
+
+    qs, base = baselines
+    host = stack["coord"]
+    jobs = [(slot, qs[slot % 2], "spec" if slot % 2 else "seq") for slot in range(4)]
+    refs = [host.run.remote(slot, _job(q, m, SpecConfig.named("PSA") if m == "spec" else None)) for slot, q, m in jobs]
+    out = ray.get(refs)
+    for (_, q, _), res in zip(jobs, out):
+        assert res["tokens"] == base[qs.index(q)].tokens
+    info = ray.get(host.info.remote())
+    assert info["busy"] == 0 and info["served"] >= 4 and info["rss_mib"] > 0
+    with pytest.raises(ValueError, match="slot 4 is not one of this host's 4"):
+        ray.get(host.run.remote(4, _job(qs[0], "seq")))
 
 
 @pytest.mark.parametrize("method,spec", [("seq", None), ("spec", SpecConfig.named("PSA"))], ids=["seq", "PSA"])
@@ -146,7 +164,7 @@ def test_coordinator_announces_its_request_so_a_long_window_never_delays_it(stac
     ray.get(ver.configure.remote(window_ms=3000.0))
     try:
         ray.get(ver.stats.remote(True))
-        res = ray.get(stack["coord"].run.remote(_job(qs[0], method, spec)))
+        res = ray.get(stack["coord"].run.remote(0, _job(qs[0], method, spec)))
         st = ray.get(ver.stats.remote())
     finally:
         ray.get(ver.configure.remote(window_ms=2.0))
@@ -163,7 +181,9 @@ def test_coordinator_announces_its_request_so_a_long_window_never_delays_it(stac
 def test_coordinator_stream(stack, baselines):
     qs, base = baselines
     gen = (
-        stack["coord"].run_stream.options(num_returns="streaming").remote(_job(qs[0], "spec", SpecConfig.named("PSA")))
+        stack["coord"]
+        .run_stream.options(num_returns="streaming")
+        .remote(1, _job(qs[0], "spec", SpecConfig.named("PSA")))
     )
     import ray
 
@@ -180,38 +200,55 @@ def test_coordinator_rejects_bad_input(stack):
     from ralm.errors import RalmInputError
 
     with pytest.raises(RalmInputError, match="empty"):
-        ray.get(stack["coord"].run.remote(_job("   ")))
+        ray.get(stack["coord"].run.remote(0, _job("   ")))
     with pytest.raises(ValueError, match="unknown retriever"):
-        ray.get(stack["coord"].run.remote(_job("hi", retriever="sr")))
+        ray.get(stack["coord"].run.remote(0, _job("hi", retriever="sr")))
 
 
-def test_pool_over_ray_queues_and_replaces_a_dead_coordinator(stack, baselines):
+def test_pool_of_host_slots_queues_and_replaces_a_dead_host(stack, baselines):
+    """The served pool: slots of 2-slot hosts. Five requests on 3 slots queue and are answered
+    exactly; a host killed while idle is found dead by the next request on it, which fails
+    over to a slot of a fresh host; the dead host gets no new slot."""
     import ray
 
+    from actors.coordinator import coordinator_host_class
+    from actors.coordinator_slots import SlotFactory
     from actors.pool import CoordinatorPool
 
     qs, base = baselines
     by_q = dict(zip(qs, base))
+    cls = coordinator_host_class(0.02, slots=2)
 
-    async def ready(h):
-        await h.ready.remote()
+    def make_host(name):
+        return cls.options(name=name, namespace="ralmspec").remote(stack["gen"], {"edr": stack["verifier"]}, 2)
 
     async def main():
-        pool = await CoordinatorPool(stack["make"], ready, size=2, max_size=2).start()
+        slots = SlotFactory(make_host, slots_per_host=2)
+        pool = CoordinatorPool(
+            slots.new_slot, slots.ready, size=3, max_size=3, probe=slots.ping, on_discard=slots.discard
+        )
+        await pool.start()
+        assert slots.stats()["hosts"] == 2  # 3 slots: a full host and half of a second
         jobs = [qs[i % len(qs)] for i in range(5)]
         res = await asyncio.gather(
-            *(pool.run(lambda c, q=q: c.run.remote(_job(q, "spec", SpecConfig.named("PSA")))) for q in jobs)
+            *(pool.run(lambda c, q=q: c.run(_job(q, "spec", SpecConfig.named("PSA")))) for q in jobs)
         )
         for q, r in zip(jobs, res):
             assert r["tokens"] == by_q[q].tokens
-        assert pool.stats.waits >= 1 and pool.stats.size == 2
-        # kill an idle coordinator: the next request on it fails over to a fresh one
-        victim = pool._idle._queue[0]
-        ray.kill(victim)
-        r = await pool.run(lambda c: c.run.remote(_job(qs[0], "seq")))
-        assert r["tokens"] == by_q[qs[0]].tokens
-        assert pool.stats.replaced == 1 and pool.stats.size == 2
+        assert pool.stats.waits >= 1 and pool.stats.size == 3
+        victim = slots.hosts[0]
+        ray.kill(victim.handle)
+        for _ in range(3):  # every slot is tried; those on the dead host fail over
+            r = await pool.run(lambda c: c.run(_job(qs[0], "seq")))
+            assert r["tokens"] == by_q[qs[0]].tokens
+        assert pool.stats.replaced >= 1 and victim not in slots.hosts and slots.stats()["hosts_lost"] == 1
+        for _ in range(200):  # the idle slots of the dead host are swept out in the background
+            if all(s.host is not victim for s in pool._all) and pool.stats.size == 3:
+                break
+            await asyncio.sleep(0.05)
+        assert all(s.host is not victim for s in pool._all) and pool.stats.size == 3
         await pool.shutdown()
+        slots.shutdown()
 
     asyncio.run(main())
 
@@ -228,17 +265,18 @@ def test_a_cancelled_request_stops_at_its_next_step_and_frees_the_coordinator(st
     qs, base = baselines
     job = _job(qs[0], method, spec, request=REQ.model_copy(update={"max_new_tokens": 128, "ignore_eos": True}))
     calls0 = ray.get(coord.info.remote())["generator_calls"]
-    ref = coord.run.remote(job)
+    ref = coord.run.remote(2, job)
     deadline = time.time() + 30
     while ray.get(coord.info.remote())["generator_calls"] == calls0:  # the request is under way
         assert time.time() < deadline
         time.sleep(0.02)
-    assert ray.get(coord.cancel.remote()) is True
+    assert ray.get(coord.cancel.remote(3)) is False  # another slot: nothing runs there
+    assert ray.get(coord.cancel.remote(2)) is True
     with pytest.raises(RequestCancelled):
         ray.get(ref, timeout=60)
     info = ray.get(coord.info.remote())
-    assert info["busy"] is False and info["cancelled"] >= 1
+    assert info["busy"] == 0 and info["cancelled"] >= 1
     assert info["generator_calls"] - calls0 < 32  # 128 tokens at stride 4 would be 32 steps
-    assert ray.get(coord.cancel.remote()) is False  # nothing to cancel now
-    res = ray.get(coord.run.remote(_job(qs[0], method, spec)))
+    assert ray.get(coord.cancel.remote(2)) is False  # nothing to cancel now
+    res = ray.get(coord.run.remote(2, _job(qs[0], method, spec)))
     assert res["tokens"] == base[0].tokens

@@ -185,7 +185,7 @@ def test_the_config_places_the_app_on_its_nodes(cluster):
     assert gen and all(a["node"] == nodes["gen"].node_id for a in gen), gen
     head = cluster["cluster"].head_node.node_id
     assert by_cls.get("Verifier") and all(a["node"] == head for a in by_cls["Verifier"]), by_cls.get("Verifier")
-    coords = by_cls.get("Coordinator")
+    coords = by_cls.get("CoordinatorHost")
     assert coords and all(a["node"] == nodes["coord"].node_id for a in coords), coords
 
 
@@ -241,7 +241,7 @@ def test_the_node_holding_every_coordinator_is_removed_under_load(cluster, want)
         nodes["coord"] = c.add_node(num_cpus=1, resources=COORD)
 
     _check(_load(cluster["client"], want, fault))
-    coords = _actors_by_class().get("Coordinator", [])
+    coords = _actors_by_class().get("CoordinatorHost", [])
     assert coords and all(a["node"] == nodes["coord"].node_id for a in coords), coords
     pool = cluster["client"].get("/v1/ralm/stats").json()["pool"]
     print(f"pool after the coordinator node was lost: {pool}")
