@@ -38,8 +38,12 @@ from ralm.batching.scheduler import ContinuousBatcher
 from ralm.batching.sessions import SessionStore
 from ralm.config import GeneratorConfig
 from ralm.drafting import DEFAULT_OPTIONS, StepOptions, greedy_scores
+from ralm.drafting.decode import drafted_decode
+from ralm.drafting.dense import DenseDrafter
 from ralm.drafting.kv import docs_past, last_logits_kwargs, segment_bytes
+from ralm.drafting.ngram import NGramDrafter
 from ralm.errors import RalmInputError
+from ralm.models import load_tokenizer_and_model, resolve
 from ralm.step_output import StepOutput
 
 log = logging.getLogger(__name__)
@@ -123,8 +127,6 @@ class LMEngine:
     def from_config(cls, cfg: GeneratorConfig) -> LMEngine:
         """Load ``cfg.model`` (a local path, a Hugging Face name, a GGUF file or a preset,
         see :mod:`ralm.models`) with its tokenizer."""
-        from ralm.models import load_tokenizer_and_model, resolve
-
         src = resolve(cfg.model, cfg.gguf_file, cfg.model_sha256)
         kwargs: dict = {}
         if cfg.device == "auto":
@@ -187,12 +189,8 @@ class LMEngine:
 
     def _drafter(self, docs, context, opts: StepOptions):
         if opts.drafting == "ngram":
-            from ralm.drafting.ngram import NGramDrafter
-
             return NGramDrafter(docs, opts.ngram_n, opts.ngram_m, opts.ngram_min_n)
         if opts.drafting == "dense":
-            from ralm.drafting.dense import DenseDrafter
-
             if self.dense_store is None:
                 raise RalmInputError("drafting='dense' needs a datastore: engine.attach_dense_datastore(...)")
             return DenseDrafter(self.dense_store, opts.dense_num_drafts, opts.dense_draft_len, opts.dense_candidates)
@@ -305,8 +303,6 @@ class LMEngine:
         past, info = docs_past(self, docs, opts.allow_inexact_shifted_reuse)
         kv = _KvStats(docs_reused=info.docs_reused, docs_computed=info.docs_computed, kv_bytes_reused=info.bytes_reused)
         if not opts.plain:
-            from ralm.drafting.decode import drafted_decode
-
             r = drafted_decode(self, past, context, k, ignore_eos, opts, self._drafter(docs, context, opts))
             t2 = time.perf_counter()
             return StepOutput(

@@ -8,12 +8,16 @@ and a corpus; the serving layer provides the same methods over Ray.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, TypeAlias, cast
+from typing import TYPE_CHECKING, Protocol, TypeAlias, cast
 
-from ralm.batching.engine import StepCall
 from ralm.corpus import Corpus
 from ralm.drafting import StepOptions
-from ralm.engine import LMEngine, StepOutput
+from ralm.drafting.idgr import idgr_block
+from ralm.step_output import StepOutput
+
+if TYPE_CHECKING:  # annotations only: the loops (ralm.seq, ralm.spec) import this module without torch
+    from ralm.batching.engine import StepCall
+    from ralm.engine import LMEngine
 
 #: What a step is conditioned on: one corpus id, a tuple of ranked ids (several documents
 #: or IDGR), or None (no document).
@@ -77,8 +81,6 @@ class LocalGenerator:
         n = options.num_docs if options is not None else len(ids)
         texts = [self.corpus.text(d) for d in ids[:n]]
         if options is not None and options.idgr:
-            from ralm.drafting.idgr import idgr_block
-
             texts.append(idgr_block(ids[:n], ids[n:]))
         return texts
 

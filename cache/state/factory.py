@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from cache.state.base import StateStore
 from cache.state.config import StateStoreConfig
+from cache.state.memory import MemoryStateStore
+from cache.state.sqlite_store import SqliteStateStore
 
 
 def open_state_store(cfg: StateStoreConfig | str | None = None, **overrides) -> StateStore:
@@ -20,16 +22,13 @@ def open_state_store(cfg: StateStoreConfig | str | None = None, **overrides) -> 
         cfg = StateStoreConfig.parse({**cfg.model_dump(), **overrides})
     scheme = cfg.scheme
     if scheme == "memory":
-        from cache.state.memory import MemoryStateStore
-
         return MemoryStateStore(cfg)
     if scheme in ("redis", "rediss", "unix"):
+        # lazy: keeps the redis client out of processes that use the memory or SQLite store
         from cache.state.redis_store import RedisStateStore
 
         return RedisStateStore(cfg)
     if scheme == "sqlite":
-        from cache.state.sqlite_store import SqliteStateStore
-
         return SqliteStateStore(cfg)
     raise AssertionError(scheme)  # the config validator rejects other schemes
 

@@ -134,6 +134,7 @@ def invariant_attention(module, query, key, value, attention_mask, scaling=None,
     nq, lk = query.shape[2], key.shape[2]
     pos = torch.arange(lk - nq, lk, device=query.device).expand(query.shape[0], nq)
     if getattr(module, "_ralm_triton", False):
+        # lazy: keeps triton (optional, only the CUDA path uses it) out of CPU processes
         from ralm.batching import triton_kernels
 
         return triton_kernels.attention(query, key, value, pos, float(scaling)), None

@@ -31,6 +31,7 @@ from ralm.batching.packed import SeqKV, packed_forward
 from ralm.batching.policy import plan_iteration
 from ralm.batching.sessions import DocsKey, Session, SessionStore
 from ralm.drafting import StepOptions, greedy_scores
+from ralm.drafting.ngram import NGramDrafter
 from ralm.errors import RalmInputError
 from ralm.step_output import StepOutput
 
@@ -163,8 +164,6 @@ class BatchEngine:
         self.sessions.stats.reused_tokens += reuse
         drafter = None
         if call.options is not None and call.options.drafting == "ngram":
-            from ralm.drafting.ngram import NGramDrafter
-
             o = call.options
             drafter = NGramDrafter(call.docs, o.ngram_n, o.ngram_m, o.ngram_min_n)
         elif call.options is not None and call.options.drafting != "none":

@@ -155,6 +155,7 @@ class InvariantLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         n = x2.shape[0]
         if self.kernel == "triton":
+            # lazy: keeps triton (optional, only the CUDA path uses it) out of CPU processes
             from ralm.batching import triton_kernels
 
             y = triton_kernels.matmul(x2, self.weight, self.bias)
@@ -283,9 +284,9 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS, kernels: str =
         kernels = "triton" if param is not None and param.device.type == "cuda" else "torch"
     _check_architecture(model)
     if kernels == "triton":
-        # the Triton side builds on this module's pieces, so it is imported here, not at the top
+        # lazy: keeps triton (optional, only the CUDA path uses it) out of CPU processes
         from ralm.batching import triton_kernels
-        from ralm.batching.triton_forward import triton_norm, use_triton
+        from ralm.batching.triton_forward import triton_norm, use_triton  # lazy: triton, as above
 
         if not triton_kernels.triton_available():
             raise InvariantUnavailable(

@@ -204,6 +204,7 @@ class PackedBatch:
         k_pad = ks[0].unsqueeze(0) if len(ks) == 1 else torch.stack(ks)
         v_aug = vs[0].unsqueeze(0) if len(vs) == 1 else torch.stack(vs)
         if getattr(module, "_ralm_triton", False):
+            # lazy: keeps triton (optional, only the CUDA path uses it) out of CPU processes
             from ralm.batching import triton_kernels
 
             return triton_kernels.attention(q, k_pad, v_aug[..., : q.shape[-1]], g.pos, scaling)

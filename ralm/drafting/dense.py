@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ralm import constants as C
+from ralm.drafting.kv import docs_past
 
 if TYPE_CHECKING:
     import faiss
@@ -185,8 +186,6 @@ def collect_sequences(
     """Teacher-force ``[docs][tokens]`` and record (hidden at p, tokens[p+1 : p+1+value_len])
     for positions ``start-1 <= p < end-1`` of ``tokens`` (each example: doc texts, tokens,
     start, end). Returns (keys, values)."""
-    from ralm.drafting.kv import docs_past
-
     keys, vals = [], []
     for doc_texts, toks, start, end in examples:
         toks = list(toks)

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ralm import constants as C
+from ralm.drafting.kv import docs_past
 
 
 @dataclass
@@ -41,8 +42,6 @@ def first_index(a: Sequence[int], b: Sequence[int]) -> int | None:
 @torch.inference_mode()
 def top2_gap(engine, doc_texts, tokens: Sequence[int], ignore_eos: bool = False) -> float:
     """Top-1 minus top-2 logit of the next token after ``[docs][tokens]``."""
-    from ralm.drafting.kv import docs_past
-
     if isinstance(doc_texts, str):
         doc_texts = [doc_texts]
     docs = [engine.doc_tokens(t) for t in (doc_texts or []) if t]

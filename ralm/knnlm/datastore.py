@@ -27,6 +27,7 @@ import numpy as np
 
 from ralm import constants as C
 from ralm.errors import RalmInputError
+from ralm.retrieval.dense import padding_vectors
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +139,6 @@ class Datastore:
         """The padding rows, ``n_rows`` in chunks of at most ``chunk`` (float32 (m, d)):
         random directions of norm ``KNN_PAD_NORM_FACTOR`` x the largest key norm
         (:func:`ralm.retrieval.dense.padding_vectors` with this datastore's seed and norm)."""
-        from ralm.retrieval.dense import padding_vectors
-
         norm = C.KNN_PAD_NORM_FACTOR * max(self.max_norm, 1.0)
         return padding_vectors(int(n_rows), self.dim, seed=PAD_SEED, norm=norm, chunk=chunk)
 

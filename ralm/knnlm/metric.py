@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from cache.ranking import rank_hits
+from ralm import constants as C
 
 Hit = tuple[int, float]  # (entry id, exact squared L2 distance)
 
@@ -68,6 +69,4 @@ def tolerance(bound: float, scale: float) -> float:
     FAISS computes L2 either directly (error relative to the distance) or as
     ``|q|^2 + |x|^2 - 2 q.x`` (error relative to the norms, ``scale``), so both count.
     """
-    from ralm import constants as C
-
     return C.TIE_EPS * max(1.0, abs(float(bound))) + 1e-5 * float(scale)

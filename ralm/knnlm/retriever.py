@@ -48,6 +48,7 @@ import numpy as np
 from ralm import constants as C
 from ralm.knnlm.datastore import Datastore
 from ralm.knnlm.metric import Hit, l2_distances, rank_by_distance, tolerance
+from ralm.retrieval import bf16_scan
 from ralm.retrieval.bf16_scan import U_FP32
 from ralm.retrieval.rerank import Candidates, exact_top_k
 
@@ -146,8 +147,6 @@ class KnnRetriever:
         scan: str = "auto",
     ):
         import faiss
-
-        from ralm.retrieval import bf16_scan
 
         if scan not in SCANS:
             raise ValueError(f"KNN scan must be one of {SCANS}, not {scan!r}")

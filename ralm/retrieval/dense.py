@@ -23,6 +23,7 @@ from typing import Any, cast
 import numpy as np
 
 from ralm import constants as C
+from ralm.retrieval import bf16_scan, int8_scan
 from ralm.retrieval.base import Hit, rank_hits
 from ralm.retrieval.faiss_search import faiss_search
 from ralm.retrieval.int8_scan import Int8Scan
@@ -185,8 +186,6 @@ class DenseRetriever:
         dense_scan: str = "auto",
     ):
         import faiss
-
-        from ralm.retrieval import bf16_scan, int8_scan
 
         if kind not in ("edr", "adr"):
             raise ValueError(f"not a dense retriever kind: {kind!r}")

@@ -33,6 +33,8 @@ import numpy as np
 
 from ralm import constants as C
 from ralm.checksums import sha256_file
+from ralm.errors import RalmInputError
+from ralm.models import model_cache_root
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +96,6 @@ def _split_model_dir(short: str) -> Path:
     from importlib import metadata
 
     dists, folder = SPLIT_MODELS[short]
-    from ralm.models import model_cache_root
-
     root = model_cache_root()
     target = root / f"{short}-{getattr(C, LOCAL_SHA256[short])[:16]}"
     if (target / "model.safetensors").is_file():
@@ -321,8 +321,6 @@ class DenseEncoder:
         vector the dense retrievers search with. A text longer than the encoder's
         ``max_length`` tokens is refused (it would be truncated silently otherwise).
         """
-        from ralm.errors import RalmInputError
-
         counts = [len(ids) for ids in self.tokenizer(list(texts), truncation=False)["input_ids"]]
         for i, n in enumerate(counts):
             if n > self.max_length:

@@ -16,6 +16,8 @@ import numpy as np
 
 from ralm.config import RetrieverConfig
 from ralm.corpus import Corpus
+from ralm.retrieval.bm25 import SparseRetriever
+from ralm.retrieval.dense import DenseRetriever
 from ralm.retrieval.errors import CorruptIndexError, IndexNotFoundError
 from ralm.retrieval.index_build import (
     DENSE_KINDS,
@@ -69,8 +71,6 @@ def load_retriever(
     if kind in DENSE_KINDS:
         import faiss
 
-        from ralm.retrieval.dense import DenseRetriever
-
         enc = encoder if encoder is not None else get_encoder(cfg.encoder)
         check_encoder(manifest, enc, index_dir)
         try:
@@ -100,8 +100,6 @@ def load_retriever(
             faiss_threads=cfg.faiss_threads,
             dense_scan=cfg.dense_scan,
         )
-
-    from ralm.retrieval.bm25 import SparseRetriever
 
     if cfg.pad_to:
         log.warning("pad_to=%d ignored: padding only applies to the edr retriever", cfg.pad_to)

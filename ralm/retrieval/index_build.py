@@ -35,7 +35,11 @@ import numpy as np
 from ralm.checksums import sha256_file  # noqa: F401  (re-exported for callers)
 from ralm.config import RetrieverConfig
 from ralm.corpus import Corpus
+from ralm.retrieval.dense import build_faiss_index
 from ralm.retrieval.errors import CorruptIndexError, IndexMismatchError, IndexNotFoundError, UnknownRetrieverError
+from ralm.retrieval.lucene_env import JVM_LOCK, ensure_lucene
+from ralm.retrieval.passage_vectors import cache_file, passage_vectors
+from ralm.retrieval.shared_encoder import get_encoder
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +99,6 @@ def _versions(kind: str) -> dict[str, str]:
         try:
             from jnius import autoclass
 
-            from ralm.retrieval.lucene_env import JVM_LOCK
-
             with JVM_LOCK:
                 out["lucene"] = str(autoclass("org.apache.lucene.util.Version").LATEST.toString())
         except Exception:  # pragma: no cover
@@ -152,8 +154,6 @@ def _quiet_lucene_logs() -> None:
 
 
 def _build_lucene(corpus: Corpus, index_dir: Path, threads: int, progress: bool) -> None:
-    from ralm.retrieval.lucene_env import ensure_lucene
-
     ensure_lucene()
     from jnius import autoclass
 
@@ -248,10 +248,6 @@ def build_index(
     if kind in DENSE_KINDS:
         import faiss
 
-        from ralm.retrieval.dense import build_faiss_index
-        from ralm.retrieval.passage_vectors import cache_file, passage_vectors
-        from ralm.retrieval.shared_encoder import get_encoder
-
         enc = encoder if encoder is not None else get_encoder(cfg.encoder)
         if vectors is None:
             vectors, source = passage_vectors(
@@ -275,8 +271,6 @@ def build_index(
         faiss.write_index(index, str(out_dir / "index.faiss"))
         manifest["encoder"] = {"name": enc.name, "fingerprint": enc.fingerprint, "dim": int(vectors.shape[1])}
     else:
-        from ralm.retrieval.lucene_env import JVM_LOCK
-
         with JVM_LOCK:
             _build_lucene(corpus, out_dir / LUCENE_SUBDIR, threads, progress)
         manifest["encoder"] = None

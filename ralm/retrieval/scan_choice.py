@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ralm.retrieval import bf16_scan, int8_scan
+from ralm.retrieval.faiss_search import faiss_search
 from ralm.retrieval.int8_widths import padded_width
 
 log = logging.getLogger(__name__)
@@ -98,8 +99,6 @@ def kernel_ms(path: str, dim: int, batch: int, faiss_threads: int = 1) -> float:
     g = torch.Generator().manual_seed(0)
     if path == "faiss":
         import faiss
-
-        from ralm.retrieval.faiss_search import faiss_search
 
         faiss.omp_set_num_threads(max(1, int(faiss_threads)))
         index = faiss.IndexFlatIP(dim)

@@ -8,10 +8,8 @@ which re-exports :func:`get_encoder`) and the shards all take it from here.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ralm.retrieval.encoder import DenseEncoder
+from ralm.retrieval.encoder import DenseEncoder
 
 _encoders: dict[tuple[str, str], DenseEncoder] = {}
 _enc_lock = threading.Lock()
@@ -19,8 +17,6 @@ _enc_lock = threading.Lock()
 
 def get_encoder(name: str = "local:all-MiniLM-L6-v2", device: str = "cpu") -> DenseEncoder:
     """A process-wide shared :class:`~ralm.retrieval.encoder.DenseEncoder` per (name, device)."""
-    from ralm.retrieval.encoder import DenseEncoder
-
     key = (str(name), str(device))
     with _enc_lock:
         enc = _encoders.get(key)
