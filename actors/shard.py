@@ -52,18 +52,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from actors.metrics import record_shard_search
 from ralm.config import RetrieverConfig
 from ralm.corpus import Corpus
 from ralm.retrieval.base import Hit
+from ralm.retrieval.bm25 import SparseRetriever, bm25_scores
+from ralm.retrieval.dense import DenseRetriever
+from ralm.retrieval.factory import ensure_index
+from ralm.retrieval.index_build import LUCENE_SUBDIR, MANIFEST, build_index, validate_index
 from ralm.retrieval.rerank import Candidates, exact_top_k, tolerance
-
-if TYPE_CHECKING:
-    from ralm.retrieval.bm25 import SparseRetriever
-    from ralm.retrieval.dense import DenseRetriever
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +144,6 @@ def prepare_shards(
     directory is rebuilt when it was made from another full index (``shard.json`` records its
     manifest's sha256).
     """
-    from ralm.retrieval.factory import ensure_index
-    from ralm.retrieval.index_build import MANIFEST, build_index, validate_index
-
     kind = rcfg.kind
     index_dir = Path(index_dir)
     ensure_index(rcfg, corpus, index_dir, progress=progress)
@@ -208,8 +206,6 @@ class RetrievalShard:
         if self.kind in DENSE:
             import faiss
 
-            from ralm.retrieval.dense import DenseRetriever
-
             vectors = np.load(d / "vectors.npy", allow_pickle=False)
             index = faiss.read_index(str(d / "index.faiss"))
             if vectors.shape[0] != self.n_docs or int(index.ntotal) != self.n_docs:
@@ -230,9 +226,6 @@ class RetrievalShard:
                 dense_scan=rcfg.dense_scan,
             )
         else:
-            from ralm.retrieval.bm25 import SparseRetriever
-            from ralm.retrieval.index_build import LUCENE_SUBDIR
-
             ids = json.loads((d / "ids.json").read_text()) if (d / "ids.json").is_file() else None
             if ids is None:
                 ids = _lucene_ids(d / LUCENE_SUBDIR, self.n_docs)
@@ -261,8 +254,6 @@ class RetrievalShard:
 
     def _scan_info(self) -> dict:
         """An exact dense shard's candidate paths and the timings ``auto`` chose them by."""
-        from ralm.retrieval.dense import DenseRetriever
-
         if not isinstance(self.local, DenseRetriever) or self.kind != "edr":
             return {}
         plan = self.local.plan
@@ -273,16 +264,12 @@ class RetrievalShard:
 
     def _dense(self) -> DenseRetriever:
         """The slice's dense retriever (edr / adr shards only)."""
-        from ralm.retrieval.dense import DenseRetriever
-
         if not isinstance(self.local, DenseRetriever):
             raise TypeError(f"shard {self.spec.index} is a {self.kind!r} shard: no dense index to search")
         return self.local
 
     def _sparse(self) -> SparseRetriever:
         """The slice's Lucene retriever (sr shards only)."""
-        from ralm.retrieval.bm25 import SparseRetriever
-
         if not isinstance(self.local, SparseRetriever):
             raise TypeError(f"shard {self.spec.index} is a {self.kind!r} shard: no Lucene index to search")
         return self.local
@@ -312,8 +299,6 @@ class RetrievalShard:
 
     def search_bm25(self, texts: Sequence[str], reps: Sequence[Any], avgdl: float, k: int) -> list[list[Hit]]:
         """Exact top-``k`` of this slice under *global* BM25 (``reps``: global query reps)."""
-        from ralm.retrieval.bm25 import bm25_scores
-
         self.calls += 1
         self.stats["searches"] += 1
         self.stats["queries"] += len(texts)
@@ -344,8 +329,6 @@ class RetrievalShard:
         return out
 
     def _observe(self, seconds: float) -> None:
-        from actors.metrics import record_shard_search
-
         record_shard_search(self.kind, self.spec.index, seconds)
 
     def _globalize(self, hits: list[Hit]) -> list[Hit]:

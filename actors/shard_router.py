@@ -22,8 +22,10 @@ from typing import Any
 import numpy as np
 
 from actors.shard import DENSE
+from actors.shard_scoring import ShardedBM25Scorer, ShardedDenseScorer
 from ralm.config import RetrieverConfig
 from ralm.retrieval.base import Hit, rank_hits
+from ralm.retrieval.factory import get_encoder
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +64,9 @@ class ShardedRetriever:
         self.retry_timeout_s = retry_timeout_s
         self.retries = 0
         self.calls = 0
-        from actors.shard_scoring import ShardedBM25Scorer, ShardedDenseScorer
 
         if kind in DENSE:
             if encoder is None:
-                from ralm.retrieval.factory import get_encoder
-
                 encoder = get_encoder(self.rcfg.encoder)
             self.scorer: Any = ShardedDenseScorer(self, encoder)
         else:

@@ -17,6 +17,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ralm.retrieval.bm25 import BM25ScoreFn, build_bm25_query
+from ralm.retrieval.dense import dense_scores
+from ralm.retrieval.lucene_env import JVM_LOCK, ensure_lucene
+
 
 class ShardRouter(Protocol):
     """What the scorers need of the router (:class:`actors.shard_router.ShardedRetriever`)."""
@@ -26,18 +30,6 @@ class ShardRouter(Protocol):
 
     def term_stats(self, terms: Sequence[str]) -> list[dict]:
         """Per shard: ``doc_count``, ``sum_total_term_freq`` and the ``df`` of each term."""
-
-
-def _jvm_lock():
-    """pyserini's JVM is entered by one thread at a time (``lucene_env.JVM_LOCK``)."""
-    try:
-        from ralm.retrieval.lucene_env import JVM_LOCK
-
-        return JVM_LOCK
-    except ImportError:  # pragma: no cover
-        import contextlib
-
-        return contextlib.nullcontext()
 
 
 class _ShardScorer(ABC):
@@ -72,8 +64,6 @@ class _ShardScorer(ABC):
 
 def dense_score_fn(query_rep: np.ndarray, keys) -> np.ndarray:
     """The dense KB's pure scoring function, in the ``(query_rep, keys)`` order of a scorer."""
-    from ralm.retrieval.dense import dense_scores
-
     return dense_scores(keys, query_rep)
 
 
@@ -99,14 +89,11 @@ class ShardedBM25Scorer(_ShardScorer):
 
     def __init__(self, router: ShardRouter, k1: float, b: float, language: str = "en"):
         super().__init__(router)
-        from ralm.retrieval.bm25 import BM25ScoreFn
-        from ralm.retrieval.lucene_env import ensure_lucene
-
         ensure_lucene()
         from pyserini.analysis import Analyzer, get_lucene_analyzer
 
         self.k1, self.b = float(k1), float(b)
-        with _jvm_lock():
+        with JVM_LOCK:  # pyserini's JVM is entered by one thread at a time
             self.analyzer = Analyzer(get_lucene_analyzer(language=language))
         stats = router.term_stats([])
         self.doc_count = sum(s["doc_count"] for s in stats)
@@ -118,7 +105,7 @@ class ShardedBM25Scorer(_ShardScorer):
         self._memo: OrderedDict[str, Any] = OrderedDict()
 
     def analyze(self, text: str) -> list[str]:
-        with _jvm_lock():
+        with JVM_LOCK:
             return list(self.analyzer.analyze(text))
 
     def df(self, term: str) -> int:
@@ -139,8 +126,6 @@ class ShardedBM25Scorer(_ShardScorer):
         """:meth:`BM25Scorer.encode_one` over global statistics: the same
         :func:`~ralm.retrieval.bm25.build_bm25_query` with the summed df and ``docCount``
         (``terms``: ``text`` already analysed)."""
-        from ralm.retrieval.bm25 import build_bm25_query
-
         return build_bm25_query(self.analyze(text) if terms is None else terms, self.df, self.doc_count)
 
     def encode(self, queries: Sequence[str]) -> list[Any]:

@@ -47,6 +47,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.metrics import record_batch
+from actors.shard_router import ShardedRetriever
+from ralm.config import RetrieverConfig
+from ralm.errors import RalmInputError
 from ralm.retrieval.base import Hit
 
 log = logging.getLogger(__name__)
@@ -300,9 +304,6 @@ class Verifier:
         flush_when_all_waiting: bool = True,
         wait_for_speculating: bool = False,
     ):
-        from actors.shard_router import ShardedRetriever
-        from ralm.config import RetrieverConfig
-
         self.kind = kind
         self.router = ShardedRetriever(kind, shards, bounds, RetrieverConfig.model_validate(retriever))
         self.batcher = VerificationBatcher(
@@ -319,8 +320,6 @@ class Verifier:
         self.kb_time_s = 0.0
 
     def _observe_batch(self, n: int) -> None:
-        from actors.metrics import record_batch
-
         record_batch(self.kind, n)
 
     async def _search(self, queries: list[str], k: int) -> list[list[Hit]]:
@@ -366,8 +365,6 @@ class Verifier:
         """``/v1/embeddings``: the dense encoder's vectors ``(n, dim)`` and token counts."""
         enc = getattr(self.router.scorer, "encoder", None)
         if enc is None:
-            from ralm.errors import RalmInputError
-
             raise RalmInputError(f"the {self.router.kind} retriever has no dense encoder")
         return await asyncio.to_thread(enc.embed, list(texts))
 
