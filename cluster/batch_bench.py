@@ -30,6 +30,8 @@ from pathlib import Path
 from cluster.random_models import SHAPES, random_model
 from cluster.report import exactness_status, machine_note, write_report
 from ralm import constants as C
+from ralm.config import GeneratorConfig
+from ralm.corpus import Corpus, load_questions
 
 ARMS = ("plain-serial", "sessions", "batching", "batching+sessions")
 
@@ -67,6 +69,7 @@ def forward_cost(plain_model, inv_model, context: int, reps: int, batches: tuple
     slows both alike."""
     import torch
 
+    # lazy: loads torch, and cli.build_parser imports this module for every command
     from ralm.batching.packed import SeqKV, packed_forward
 
     g = torch.Generator().manual_seed(0)
@@ -114,8 +117,6 @@ def forward_cost(plain_model, inv_model, context: int, reps: int, batches: tuple
 
 # ----------------------------------------------------------------------------- (b), (c)
 def _requests(engine, corpus_path: Path, questions_path: Path, n: int) -> list[tuple[list[int], str]]:
-    from ralm.corpus import Corpus, load_questions
-
     corpus = Corpus.load(corpus_path)
     qs = load_questions(questions_path)
     return [(engine.encode_question(qs[i % len(qs)]), corpus.text(i % len(corpus))) for i in range(n)]
@@ -162,9 +163,9 @@ def run_arm(engine, reqs, concurrency: int, new_tokens: int, stride: int, serial
 def batch_bench_main(args) -> int:
     import torch
 
+    # lazy: loads torch, and cli.build_parser imports this module for every command
     from ralm.batching.invariant import invariant_kernels
-    from ralm.config import GeneratorConfig
-    from ralm.engine import LMEngine
+    from ralm.engine import LMEngine  # lazy: as above
 
     levels = [int(x) for x in str(args.concurrency).split(",") if x]
     arms = [a for a in str(args.arms).split(",") if a]
@@ -228,6 +229,7 @@ def _random_engines(base, name: str):
 
     from transformers import AutoTokenizer
 
+    # lazy: loads torch, and cli.build_parser imports this module for every command
     from ralm.engine import LMEngine
 
     tok = AutoTokenizer.from_pretrained(base.model)

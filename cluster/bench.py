@@ -22,7 +22,9 @@ import logging
 import time
 from pathlib import Path
 
+import ralm.spec  # called as ralm.spec.run_spec, looked up at call time (tests swap in a broken one)
 from cluster.concurrency import CONCURRENCY_HELP, check_concurrency, run_wave, verify_pool
+from cluster.config_args import load_config
 from cluster.report import (
     BENCH_COLUMNS,
     THROUGHPUT_COLUMNS,
@@ -37,7 +39,11 @@ from cluster.report import (
     with_throughput,
     write_report,
 )
+from ralm import constants as C
 from ralm.config import SpecConfig
+from ralm.corpus import load_questions
+from ralm.gamma_prior import PROCESS_PRIOR
+from ralm.seq import run_seq
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +85,6 @@ def run_retriever(
     order. ``concurrency`` > 1: each configuration's questions run as one concurrent wave."""
     from tqdm import tqdm
 
-    from ralm.gamma_prior import PROCESS_PRIOR
-    from ralm.seq import run_seq
-    from ralm.spec import run_spec
-
     kb = pipe.retriever(kind)
     gen = pipe.generator
     req = pipe.cfg.request
@@ -91,7 +93,7 @@ def run_retriever(
     for q in questions[:warmup]:  # warm FAISS/Lucene/torch, untimed
         run_seq(q, gen, kb, req)
         for c in configs:
-            run_spec(q, gen, kb, req, specs[c])
+            ralm.spec.run_spec(q, gen, kb, req, specs[c])
     base = ConfigRuns("RaLMSeq")
     runs = {c: ConfigRuns(c) for c in configs}
     per_request: list[dict] = []
@@ -113,7 +115,7 @@ def run_retriever(
         row = {"retriever": kind, "question": q, "seq": b.stats.as_dict(), "seq_tokens": len(b.tokens)}
         for c in configs:
             cold()
-            r = run_spec(q, gen, kb, req, specs[c])
+            r = ralm.spec.run_spec(q, gen, kb, req, specs[c])
             same = r.tokens == b.tokens
             runs[c].results.append(r)
             runs[c].identical.append(same)
@@ -129,9 +131,6 @@ def run_retriever(
 def _run_waves(pipe, kind: str, questions: list[str], configs: list[str], specs: dict, cold, concurrency: int):
     """:func:`run_retriever` with ``concurrency`` > 1: RaLMSeq, then each configuration, as
     one wave of all ``questions`` run ``concurrency`` at a time, each wave from a cold start."""
-    from ralm.seq import run_seq
-    from ralm.spec import run_spec
-
     kb, gen, req = pipe.retriever(kind), pipe.generator, pipe.cfg.request
 
     def wave(name: str, answer) -> tuple[ConfigRuns, object]:
@@ -149,7 +148,7 @@ def _run_waves(pipe, kind: str, questions: list[str], configs: list[str], specs:
     ]
     rows = [with_throughput(summarize(base, base, retriever=kind), base_tp)]
     for c in configs:
-        runs, tp = wave(c, lambda q, pool, c=c: run_spec(q, gen, kb, req, specs[c], executor=pool))
+        runs, tp = wave(c, lambda q, pool, c=c: ralm.spec.run_spec(q, gen, kb, req, specs[c], executor=pool))
         for q, b, r, row in zip(questions, base.results, runs.results, per_request):
             same = r.tokens == b.tokens
             runs.identical.append(same)
@@ -162,9 +161,7 @@ def _run_waves(pipe, kind: str, questions: list[str], configs: list[str], specs:
 
 def bench_main(args: argparse.Namespace) -> int:
     """Entry point of ``ralmspec bench``; returns 1 if any RaLMSpec output differed from RaLMSeq's."""
-    from cluster.config_args import load_config
-    from ralm import constants as C
-    from ralm.corpus import load_questions
+    # lazy: loads torch, and cli.build_parser imports this module for every command
     from ralm.pipeline import Pipeline, check_kind
 
     cfg = load_config(args)

@@ -21,7 +21,11 @@ from statistics import median
 
 import numpy as np
 
-from cluster.report import table, write_report
+from cluster.config_args import load_config
+from cluster.report import machine_note, table, write_report
+from ralm.retrieval.dense import DenseRetriever
+from ralm.retrieval.int8_scan import Int8Scan
+from ralm.retrieval.scan_choice import auto_timings
 
 
 def add_costs_args(p: argparse.ArgumentParser) -> None:
@@ -78,9 +82,6 @@ def measure_scans(kb, corpus, scans: list[str], pad_to: int, reps: int, sizes: t
     """Search-only time (queries encoded beforehand) of each dense scan over the EDR
     vectors padded to ``pad_to`` rows, at each batch size of ``sizes``; every scan's hits
     are checked equal to the first one's."""
-    from ralm.retrieval.dense import DenseRetriever
-    from ralm.retrieval.int8_scan import Int8Scan
-
     qs = {bs: [kb.scorer.encode(_queries(corpus, bs, seed=7000 + 100 * bs + r)) for r in range(reps)] for bs in sizes}
     out: dict = {}
     first: dict | None = None
@@ -97,8 +98,6 @@ def measure_scans(kb, corpus, scans: list[str], pad_to: int, reps: int, sizes: t
         row: dict = {"path": r.scan_label + (" own widths" if own_widths else ""), "build_s": time.perf_counter() - t0}
         row["rows"] = r.n_rows
         if scan == "auto":  # the kernel timings it chose by, when both low-precision scans run here
-            from ralm.retrieval.scan_choice import auto_timings
-
             row["auto_kernel_ms"] = auto_timings(kb.scorer.dim)
         hits = {}
         for bs in sizes:
@@ -119,8 +118,6 @@ def measure_scans(kb, corpus, scans: list[str], pad_to: int, reps: int, sizes: t
 
 
 def scans_markdown(out: dict) -> str:
-    from cluster.report import machine_note
-
     sizes = out["sizes"]
     rows = [
         (
@@ -197,7 +194,7 @@ def costs_markdown(out: dict, reps: int) -> str:
 
 
 def costs_main(args) -> int:
-    from cluster.config_args import load_config
+    # lazy: loads torch, and cli.build_parser imports this module for every command
     from ralm.pipeline import Pipeline, check_kind
 
     cfg = load_config(args)

@@ -27,6 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.report import table, write_report
 from ralm import constants as C
+from ralm.config import GeneratorConfig, RequestConfig, RetrieverConfig, SpecConfig
+from ralm.corpus import Corpus, load_questions
+from ralm.generator import LocalGenerator
+from ralm.retrieval.factory import get_encoder, load_retriever
+from ralm.retrieval.index_build import build_index
+from ralm.seq import run_seq
+from ralm.spec import run_spec
 
 if TYPE_CHECKING:
     from ralm.results import RalmResult
@@ -81,12 +88,8 @@ def add_gen_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def _setup(args):
-    from ralm.config import GeneratorConfig, RetrieverConfig
-    from ralm.corpus import Corpus, load_questions
+    # lazy: loads torch, and cli.build_parser imports this module for every command
     from ralm.engine import LMEngine
-    from ralm.generator import LocalGenerator
-    from ralm.retrieval.factory import get_encoder, load_retriever
-    from ralm.retrieval.index_build import build_index
 
     corpus = Corpus.load(args.corpus)
     questions = load_questions(args.questions)
@@ -106,8 +109,8 @@ def _setup(args):
 
 def _dense_store(gen, kb, questions, req):
     """In-distribution datastore: greedy RaLMSeq generations, teacher-forced step by step."""
+    # lazy: loads torch, and cli.build_parser imports this module for every command
     from ralm.drafting.dense import build_datastore, collect_sequences
-    from ralm.seq import run_seq
 
     ex = []
     for q in questions:
@@ -157,6 +160,7 @@ def one_forward_s(eng, prompt: list[int]) -> float:
     computation (documents first, each on its own), so not bit-identical to it."""
     import torch
 
+    # lazy: loads torch, and cli.build_parser imports this module for every command
     from ralm.drafting.kv import last_logits_kwargs
 
     ids = torch.tensor([prompt], dtype=torch.long, device=eng.device)
@@ -194,8 +198,6 @@ def measure_prefill(gen, gen_nc, kb, questions, req, reps: int = 3, scope: str =
     with. Exactness: the tokens of every request must be the same in both arms. A third arm,
     for reference, times each step's prompt as one forward pass (:func:`one_forward_s`) at
     the same point of the same loop."""
-    from ralm.seq import run_seq
-
     if scope not in ("request", "run"):
         raise ValueError(f"unknown scope {scope!r}: 'request' or 'run'")
     eng = gen.engine
@@ -272,10 +274,8 @@ def measure_prefill(gen, gen_nc, kb, questions, req, reps: int = 3, scope: str =
 
 
 def gen_bench_main(args) -> int:
-    from ralm.config import RequestConfig, SpecConfig
+    # lazy: loads torch, and cli.build_parser imports this module for every command
     from ralm.drafting.exactness import first_divergence, first_index
-    from ralm.seq import run_seq
-    from ralm.spec import run_spec
 
     t_all = time.perf_counter()
     corpus, questions, kb, eng, gen, gen_nc = _setup(args)

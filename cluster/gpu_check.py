@@ -39,9 +39,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from cluster.batch_bench import _requests, forward_cost, run_arm
 from cluster.random_models import SHAPES, random_model
 from cluster.report import table, write_report
 from ralm import constants as C
+from ralm.config import GeneratorConfig
 
 
 def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
@@ -146,7 +148,7 @@ class GpuCheck:
         return random_model(shape, tok, dt, self.device)
 
     def engine(self, model, tok, dtype: str, **cfg):
-        from ralm.config import GeneratorConfig
+        # lazy: loads torch, and cli.build_parser imports this module for every command
         from ralm.engine import LMEngine
 
         name = self.args.model or str(C.DEMO_MODEL_DIR)
@@ -184,6 +186,7 @@ class GpuCheck:
         return d
 
     def proof(self) -> dict:
+        # lazy: loads torch, and cli.build_parser imports this module for every command
         from ralm.batching.invariant import invariant_kernels
 
         tok = self.tokenizer()
@@ -219,8 +222,6 @@ class GpuCheck:
     def exact(self) -> dict:
         """Batched vs alone at each ``--requests`` level, every batching dtype at the smallest
         level first (the alone reference of a request is computed once and reused)."""
-        from cluster.batch_bench import _requests, run_arm
-
         out: dict[str, Any] = {}
         data = C.PACKAGE_ROOT / "tests" / "data"
         alone: dict[str, list[list[int]]] = {key: [] for key in self.engines}
@@ -256,8 +257,6 @@ class GpuCheck:
         return out
 
     def forward(self) -> dict:
-        from cluster.batch_bench import forward_cost
-
         out = {}
         batches = tuple(int(b) for b in self.args.forward_batches.split(",") if b)
         for key, e in self.engines.items():
@@ -276,6 +275,7 @@ class GpuCheck:
         import torch
         from torch.profiler import ProfilerActivity, profile
 
+        # lazy: loads torch, and cli.build_parser imports this module for every command
         from ralm.batching.packed import SeqKV, packed_forward
 
         if not self.engines:

@@ -36,14 +36,14 @@ from cluster.report import (
     summarize,
     write_report,
 )
-from ralm.config import SpecConfig
+from ralm import constants as C
+from ralm.config import GeneratorConfig, KnnLMConfig, RequestConfig, SpecConfig
+from ralm.corpus import Corpus, load_questions
 
 log = logging.getLogger(__name__)
 
 
 def add_knn_bench_args(p: argparse.ArgumentParser) -> None:
-    from ralm import constants as C
-
     p.add_argument("--model", default=str(C.DEMO_MODEL_DIR), help="generator (HF causal LM path or name)")
     p.add_argument("--corpus", type=Path, default=C.DEMO_CORPUS, help="corpus JSONL(.gz) the datastore is built from")
     p.add_argument("--passages", type=int, default=400, help="datastore = the first N passages of the corpus")
@@ -135,6 +135,7 @@ def _spec(name: str, gamma_max: float = 0.6, max_stride: int = 16, prefetch_size
 
 
 def _load_or_build(args, engine, corpus):
+    # lazy: loads torch, and cli.build_parser imports this module for every command
     from ralm.knnlm import Datastore, DatastoreError, build_datastore, model_fingerprint
 
     d = args.datastore_dir or (args.out / "datastore")
@@ -173,11 +174,9 @@ def knn_bench_main(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from ralm import constants as C
-    from ralm.config import GeneratorConfig, KnnLMConfig, RequestConfig
-    from ralm.corpus import Corpus, load_questions
+    # lazy: loads torch, and cli.build_parser imports this module for every command
     from ralm.engine import LMEngine
-    from ralm.knnlm import KnnRetriever, new_cache, run_knn_seq, run_knn_spec
+    from ralm.knnlm import KnnRetriever, new_cache, run_knn_seq, run_knn_spec  # lazy: as above
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)

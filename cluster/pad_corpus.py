@@ -15,8 +15,12 @@ import argparse
 import time
 from pathlib import Path
 
+from ralm.config import RalmConfig
 from ralm.corpus import Corpus
 from ralm.corpus_padding import TOPIC_SHARE, write_padded_corpus
+from ralm.retrieval.padded_vectors import padded_corpus_vectors
+from ralm.retrieval.passage_vectors import passage_vectors, save_vectors
+from ralm.retrieval.shared_encoder import get_encoder
 
 
 def add_pad_corpus_args(p: argparse.ArgumentParser) -> None:
@@ -39,8 +43,6 @@ def add_pad_corpus_args(p: argparse.ArgumentParser) -> None:
 
 
 def pad_corpus_main(args: argparse.Namespace) -> int:
-    from ralm.config import RalmConfig
-
     src = args.corpus if args.corpus is not None else RalmConfig().corpus
     corpus = Corpus.load(src)
     t0 = time.perf_counter()
@@ -56,10 +58,6 @@ def pad_corpus_main(args: argparse.Namespace) -> int:
 
 
 def _cache_vectors(corpus: Corpus, args: argparse.Namespace, topics, encoder_name: str) -> None:
-    from ralm.retrieval.padded_vectors import padded_corpus_vectors
-    from ralm.retrieval.passage_vectors import passage_vectors, save_vectors
-    from ralm.retrieval.shared_encoder import get_encoder
-
     t0 = time.perf_counter()
     enc = get_encoder(encoder_name)
     real, _ = passage_vectors(corpus, enc)  # cached, shipped (the demo) or encoded once

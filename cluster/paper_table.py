@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from cluster.cli import build_parser
 from cluster.report import ConfigSummary, table
 
 # The paper's Table 5: speed-up of each RaLMSpec variant over RaLMSeq, the mean over four QA
@@ -212,8 +213,6 @@ def markdown(rows: Sequence[Mapping[str, Any]], notes: Sequence[str]) -> str:
 
 def paper_table_main(args: argparse.Namespace) -> int:
     """Entry point of ``ralmspec paper-table``; returns 1 if any output differed from its baseline."""
-    from cluster.cli import build_parser
-
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     n = str(args.num_questions)

@@ -21,6 +21,7 @@ from statistics import fmean
 from typing import Any
 
 from ralm.results import RalmResult
+from ralm.retrieval.bf16_scan import hardware_bf16
 
 
 @dataclass
@@ -291,8 +292,6 @@ def isa_note() -> str:
     instructions, and any environment cap that restricts them (to emulate an older CPU)."""
     try:
         import torch
-
-        from ralm.retrieval.bf16_scan import hardware_bf16
 
         note = f"torch kernels {torch.backends.cpu.get_cpu_capability()}, bf16 instructions {'yes' if hardware_bf16() else 'no'}"
     except Exception:  # no torch

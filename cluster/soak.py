@@ -48,6 +48,11 @@ from cluster.http_retry import (
     send_with_retry,
     shed_reason,
 )
+from cluster.report import machine_note, write_report
+from cluster.serve import DEFAULT_SERVE_CONFIG, app_entry, apply_overrides, load_serve_config, start_local_app
+from cluster.soak_report import plot, to_markdown
+from ralm import constants as C
+from ralm.corpus import load_questions
 
 WARMUP_SAMPLES = 2  # growth is measured from the sample after these (caches fill first)
 
@@ -426,17 +431,10 @@ def summarize(res: dict) -> dict:
 
 def soak_main(args: argparse.Namespace) -> int:
     """Entry point of ``ralmspec soak``; returns 1 on a wrong answer, a lost request or a hang."""
-    from cluster.report import machine_note, write_report
-    from cluster.soak_report import plot, to_markdown
-    from ralm import constants as C
-    from ralm.corpus import load_questions
-
     questions = load_questions(C.DEMO_QUESTIONS)
     kinds = [k.strip() for k in args.retrievers.split(",") if k.strip()]
     url, started = args.url, False
     if not url:
-        from cluster.serve import DEFAULT_SERVE_CONFIG, app_entry, apply_overrides, load_serve_config, start_local_app
-
         ns = argparse.Namespace(port=args.port, admin=True, pad_to=args.pad_to, retrievers=",".join(kinds))
         data = apply_overrides(load_serve_config(DEFAULT_SERVE_CONFIG), ns)
         if args.state_url:

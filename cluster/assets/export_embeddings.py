@@ -15,6 +15,9 @@ import sys
 
 from ralm import constants as C
 from ralm.config import RetrieverConfig
+from ralm.corpus import Corpus
+from ralm.retrieval.passage_vectors import SHIPPED_DIR, export_shipped
+from ralm.retrieval.shared_encoder import get_encoder
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,10 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", default=None, help="output directory (default: assets/embeddings)")
     args = ap.parse_args(argv)
-
-    from ralm.corpus import Corpus
-    from ralm.retrieval.passage_vectors import SHIPPED_DIR, export_shipped
-    from ralm.retrieval.shared_encoder import get_encoder
 
     corpus = Corpus.load(args.corpus)
     entry = export_shipped(corpus, get_encoder(args.encoder), args.out or SHIPPED_DIR)

@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cluster.assets.build_questions import load_records
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CORPUS = REPO_ROOT / "assets" / "corpus" / "pydocs.jsonl.gz"
 DEFAULT_OUT = REPO_ROOT / "assets" / "model" / "pydocs-gpt"
@@ -241,9 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     transformers.set_seed(args.seed)
-
-    sys.path.insert(0, str(REPO_ROOT))
-    from cluster.assets.build_questions import load_records
 
     records = load_records(args.corpus)
     if args.max_passages:
