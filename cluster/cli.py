@@ -5,6 +5,7 @@
     ralmspec bench    ...                            side-by-side RaLMSeq vs RaLMSpec benchmark
     ralmspec serve                                   start the HTTP server (OpenAI-compatible + native API)
     ralmspec served-bench ...                        served throughput/latency benchmark
+    ralmspec burst-bench ...                         a fresh server under bursts: throughput, sheds, memory
     ralmspec soak --minutes 30 --concurrency 8       mixed load over time: leaks, drift, exactness
     ralmspec bench-gen ...                           doc-KV reuse and drafting benchmark
     ralmspec bench-batching ...                      continuous batching and KV sessions benchmark
@@ -135,6 +136,14 @@ _PLUGGED_COMMANDS = [
         "served_bench_main",
         False,
         "served throughput/latency benchmark at several concurrencies",
+    ),
+    (
+        "burst-bench",
+        "cluster.burst_bench",
+        "add_burst_bench_args",
+        "burst_bench_main",
+        False,
+        "a fresh server's start-up, first and second bursts, and a big burst: throughput, sheds, memory",
     ),
     (
         "soak",
