@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from cache.state import RequestCheckpoint
 from ralm.results import VerifiedPrefix
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,6 @@ def resume_point(store: Any, rid: str, digest: str, q_tokens: list[int]) -> Veri
 def checkpointer(store: Any, rid: str, digest: str, q_tokens: list[int]) -> Callable[[list[int], list, bool], None]:
     """``save(generated, doc_ids, eos)``: checkpoint request ``rid``'s verified prefix in ``store``
     (the loops' ``on_verified``), tagged with the job and the coordinator actor's name."""
-    from cache.state import RequestCheckpoint
-
     try:
         import ray
 

@@ -116,7 +116,7 @@ def forward_cost(plain_model, inv_model, context: int, reps: int, batches: tuple
 
 
 # ----------------------------------------------------------------------------- (b), (c)
-def _requests(engine, corpus_path: Path, questions_path: Path, n: int) -> list[tuple[list[int], str]]:
+def workload_requests(engine, corpus_path: Path, questions_path: Path, n: int) -> list[tuple[list[int], str]]:
     corpus = Corpus.load(corpus_path)
     qs = load_questions(questions_path)
     return [(engine.encode_question(qs[i % len(qs)]), corpus.text(i % len(corpus))) for i in range(n)]
@@ -190,7 +190,7 @@ def batch_bench_main(args) -> int:
     print(json.dumps(cost), flush=True)
     rows, different, plain_agree, compared = [], 0, 0, 0
     for c in levels:
-        reqs = _requests(inv, args.corpus, args.questions, c)
+        reqs = workload_requests(inv, args.corpus, args.questions, c)
         ref = run_arm(nosess, reqs, 1, args.new_tokens, args.stride, serial=True)["outputs"] if c > 1 else None
         by_arm = {}
         for arm in arms:

@@ -36,7 +36,10 @@ from pathlib import Path
 from cluster.config_args import add_config_args, load_config
 from cluster.serve import DEFAULT_MODEL, cli_model, model_settings
 from ralm.config import SpecConfig
+from ralm.corpus import Corpus, CorpusError
+from ralm.errors import ConfigError, RalmInputError
 from ralm.methods import DOCUMENT_METHODS
+from ralm.retrieval.index_build import KINDS as RETRIEVER_KINDS, build_index, check_kind, validate_index
 
 # what `generate` runs: the document-level methods of the method table (the same tuple as
 # ralm.pipeline.PIPELINE_METHODS; ralm.pipeline is not imported here because it loads torch)
@@ -44,11 +47,6 @@ GENERATE_METHODS: tuple[str, ...] = DOCUMENT_METHODS
 
 
 def cmd_index(args) -> int:
-    from ralm.corpus import Corpus
-    from ralm.errors import ConfigError
-    from ralm.pipeline import RETRIEVER_KINDS, check_kind
-    from ralm.retrieval.index_build import build_index, validate_index
-
     cfg = load_config(args)
     kinds = RETRIEVER_KINDS if args.retriever == "all" else (check_kind(args.retriever),)
     if args.index_dir and len(kinds) != 1:
@@ -68,7 +66,7 @@ def cmd_index(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from ralm.pipeline import Pipeline, check_kind
+    from ralm.pipeline import Pipeline  # lazy: the generate subcommand loads torch, the others need not
 
     args.model = cli_model(args)  # SmolLM2 unless --model or --config says otherwise
     cfg = load_config(args)
@@ -283,9 +281,6 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    from ralm.corpus import CorpusError
-    from ralm.errors import ConfigError, RalmInputError
-
     try:
         return int(args.func(args) or 0)
     except (RalmInputError, ConfigError, CorpusError) as e:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from actors.signals import preserve_fatal_signal_handlers
 from cluster.eval_items import EvalItem
 from cluster.eval_local import LocalBackend, answer_item, warm_pipeline
-from ralm.config import RequestConfig
+from ralm.config import RalmConfig, RequestConfig
 from ralm.errors import ConfigError
 from ralm.job import RalmJob
 
@@ -44,9 +44,7 @@ class _RayEvalWorker:
     """Body of a Ray actor holding one pipeline."""
 
     def __init__(self, cfg_json: str, kinds: list[str], warmup: list[str]):
-        # lazy: the pipeline (torch, transformers) loads in the worker, never in the job's driver
-        from ralm.config import RalmConfig
-        from ralm.pipeline import Pipeline
+        from ralm.pipeline import Pipeline  # lazy: torch and the model load in the worker, never in the driver
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.pipe = Pipeline.from_config(RalmConfig.model_validate_json(cfg_json), kinds=tuple(kinds), progress=False)

@@ -54,6 +54,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cache.state import STATE_URL_ENV, StateStoreError, StateStoreUnavailable, open_state_store
 from cluster.concurrency import CONCURRENCY_HELP, check_concurrency
 from cluster.config_args import add_config_args, load_config
 from cluster.eval_backends import EvalBackend, make_backend
@@ -62,6 +63,9 @@ from cluster.eval_report import write_outputs
 from cluster.report import bench_header, exactness_status
 from ralm import constants as C
 from ralm.config import SpecConfig
+from ralm.corpus import CorpusError, load_questions
+from ralm.errors import ConfigError, RalmInputError
+from ralm.retrieval.index_build import check_kind
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +125,6 @@ def record_waiting(store, job_id: str, key: str, row: dict, wait_s: float, poll_
     row is kept in memory meanwhile), so a job pauses while Redis is down and goes on when it
     is back, losing nothing. Past ``wait_s`` the :class:`StateStoreUnavailable` is raised (the
     job stops; rerunning it resumes from what was recorded)."""
-    from cache.state import StateStoreUnavailable
-
     deadline = time.monotonic() + wait_s
     warned = False
     while True:
@@ -220,17 +222,10 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 def eval_main(args: argparse.Namespace) -> int:
     """Entry point of ``ralmspec eval``: 0 when every RaLMSpec output equals RaLMSeq's, 1 if
     any differs, 2 for an unusable state store, 3 when requests are still unrecorded."""
-    from cache.state import STATE_URL_ENV, StateStoreError, open_state_store
-    from ralm import constants as C
-    from ralm.corpus import load_questions
-    from ralm.pipeline import check_kind
-
     cfg = load_config(args)
     kinds = tuple(check_kind(k.strip()) for k in args.retrievers.split(",") if k.strip())
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if not kinds or not configs:
-        from ralm.errors import ConfigError
-
         raise ConfigError("--retrievers and --configs must each name at least one entry")
     for c in configs:
         SpecConfig.parse(c)  # fail fast on a bad name
@@ -335,9 +330,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    from ralm.corpus import CorpusError
-    from ralm.errors import ConfigError, RalmInputError
-
     try:
         return eval_main(args)
     except (RalmInputError, ConfigError, CorpusError, JobMismatch) as e:

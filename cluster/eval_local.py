@@ -59,7 +59,7 @@ class LocalBackend:
     @property
     def pipe(self):
         if self._pipe is None:
-            from ralm.pipeline import Pipeline
+            from ralm.pipeline import Pipeline  # lazy: torch loads only when a backend answers items
 
             pipe = Pipeline.from_config(self.cfg, kinds=self.kinds)
             check_concurrency(self.concurrency, pipe.engine)

@@ -39,7 +39,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from cluster.batch_bench import _requests, forward_cost, run_arm
+from cluster.batch_bench import forward_cost, run_arm, workload_requests
 from cluster.random_models import SHAPES, random_model
 from cluster.report import table, write_report
 from ralm import constants as C
@@ -234,7 +234,7 @@ class GpuCheck:
                     continue
                 if key not in alone_engines:  # the reference: each request alone, no KV session
                     alone_engines[key] = self.engine(e.model, e.tokenizer, e.cfg.dtype, kv_session_bytes=0)
-                reqs = _requests(e, data / "fixture_corpus.jsonl", data / "fixture_questions.jsonl", n)
+                reqs = workload_requests(e, data / "fixture_corpus.jsonl", data / "fixture_questions.jsonl", n)
                 done = len(alone[key])
                 if done < n:
                     t = time.perf_counter()

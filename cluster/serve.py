@@ -29,6 +29,7 @@ import yaml
 
 from actors.signals import preserve_fatal_signal_handlers
 from ralm import constants as C
+from ralm.config import RalmConfig
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +122,7 @@ def app_entry(data: dict, name: str = APP_NAME) -> dict:
 
 def apply_overrides(data: dict, args: argparse.Namespace) -> dict:
     """The serve config with the CLI flags applied (validated as AppConfig)."""
-    from deployments.app import AppConfig
-    from ralm.config import RalmConfig
+    from deployments.app import AppConfig  # lazy: the app config pulls in the generator (torch)
 
     data = copy.deepcopy(data)
     http = data.setdefault("http_options", {})
@@ -184,7 +184,7 @@ def start_local_app(data: dict, address: str | None = None, num_cpus: int | None
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import build_app  # lazy: torch and Ray, only once a server starts
 
     app = app_entry(data)
     env = (app.get("runtime_env") or {}).get("env_vars") or {}

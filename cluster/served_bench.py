@@ -31,8 +31,11 @@ from statistics import fmean
 
 from cluster.native_client import Client
 from cluster.report import machine_note, write_report
+from cluster.serve import DEFAULT_SERVE_CONFIG, app_entry, apply_overrides, load_serve_config, start_local_app
 from cluster.served_report import one_request_rows, to_markdown
-from ralm.config import SpecConfig
+from ralm import constants as C
+from ralm.config import RalmConfig, SpecConfig
+from ralm.corpus import load_questions
 
 log = logging.getLogger(__name__)
 
@@ -328,8 +331,7 @@ def in_process_latencies(
     the reference for "served latency at 1 request is close to in-process"."""
     import gc
 
-    from ralm.config import RalmConfig
-    from ralm.pipeline import Pipeline
+    from ralm.pipeline import Pipeline  # lazy: torch and the model, for the in-process reference only
 
     cfg = RalmConfig.model_validate(ralm)
     req = cfg.request.model_copy(update={"max_new_tokens": max_new, **(options or {})})
@@ -366,14 +368,10 @@ def _run_one_server(args, questions, kinds, methods, levels, batching, gen_on: b
     started_here = False
     ref: dict = {}
     if not url:
-        from cluster.serve import DEFAULT_SERVE_CONFIG, apply_overrides, load_serve_config, start_local_app
-
         ns = argparse.Namespace(
             port=args.port, admin=True, pad_to=args.pad_to, retrievers=",".join(dict.fromkeys(kinds))
         )
         data = apply_overrides(load_serve_config(args.serve_config or DEFAULT_SERVE_CONFIG), ns)
-        from cluster.serve import app_entry
-
         app_entry(data)["args"].setdefault("ralm", {}).setdefault("generator", {})["invariant"] = gen_on
         if want_ref and getattr(args, "in_process", True) and 1 in levels:
             print("in-process reference (same config, one request at a time)...", file=sys.stderr)
@@ -420,9 +418,6 @@ def _run_one_server(args, questions, kinds, methods, levels, batching, gen_on: b
 
 def served_bench_main(args: argparse.Namespace) -> int:
     """Entry point of ``ralmspec served-bench``; returns 1 if any answer differed from RaLMSeq's."""
-    from ralm import constants as C
-    from ralm.corpus import load_questions
-
     questions = load_questions(args.questions or C.DEMO_QUESTIONS)
     n = args.num_questions
     if n > len(questions):

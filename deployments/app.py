@@ -28,9 +28,9 @@ def build_app(args: dict | None = None):
     # config, for one, needs neither)
     from ray.serve.config import BackpressureConfig
 
-    from deployments.generator import generator_deployment
-    from deployments.ray_backend import start_ray_backend
-    from deployments.serve_ingress import Ingress
+    from deployments.generator import generator_deployment  # lazy: Ray (see above)
+    from deployments.ray_backend import start_ray_backend  # lazy: Ray
+    from deployments.serve_ingress import Ingress  # lazy: Ray
 
     cfg = AppConfig.model_validate(dict(args or {})).resolved()
     gen = generator_deployment(cfg.generator_deployment).bind(

@@ -48,10 +48,13 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from actors.metrics import record_generator_iteration
+from deployments.modes import knn_server, load_dense_datastore
 from ralm.batching.invariant import invariant_kernels
 from ralm.config import GeneratorConfig
 from ralm.corpus import Corpus
 from ralm.engine import LMEngine, StepOutput
+from ralm.errors import RalmInputError
 from ralm.generator import LocalGenerator
 from ralm.job import RalmJob
 
@@ -271,15 +274,12 @@ class GeneratorServer:
         """``dense_drafting`` / ``knnlm``: :class:`deployments.modes.DenseDraftingOptions` /
         :class:`~deployments.modes.KnnServeOptions` as dicts (None: the mode is off);
         ``session_keys``: the bound of Serve's multiplexed LRU of request session keys."""
-        from deployments.affinity import SessionKeys
-        from deployments.modes import knn_server, load_dense_datastore
+        from deployments.affinity import SessionKeys  # lazy: Ray; a config is validated without it
 
         self._probes, self.gpu_ids = claim_placement_group_gpus()
         self.cfg = GeneratorConfig.model_validate(generator)
         self.engine = load_engine(self.cfg)
         if self.engine.batch is not None:  # batch-size histogram and tokens/s, exported by Ray
-            from actors.metrics import record_generator_iteration
-
             self.engine.batch.on_iteration = record_generator_iteration
         self.corpus = Corpus.load(corpus)
         self.local = LocalGenerator(self.engine, self.corpus)
@@ -333,8 +333,6 @@ class GeneratorServer:
         """One KNN-LM job (method knnlm-seq or knnlm-spec) on this replica; a
         :class:`~ralm.results.RalmResult`. Each forward pass runs between the batcher's
         iterations (under the step lock with ``invariant=false``)."""
-        from ralm.errors import RalmInputError
-
         if self.knn is None:
             raise RalmInputError("knnlm is not enabled on this server (app config: knnlm.enabled)")
         return self.knn.run(job)

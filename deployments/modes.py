@@ -30,8 +30,19 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ralm.config import KnnLMConfig
+from ralm.drafting.dense import DenseDatastore, build_datastore, collect_corpus
 from ralm.errors import RalmInputError
 from ralm.job import KNN_REQUEST_FIELDS, RalmJob
+from ralm.knnlm import (
+    Datastore,
+    DatastoreError,
+    build_datastore as build_knn_datastore,
+    load_knn_retriever,
+    model_fingerprint,
+    run_knn_seq,
+    run_knn_spec,
+)
+from ralm.knnlm.projection import projection_for
 from ralm.methods import KNN_METHODS
 
 log = logging.getLogger(__name__)
@@ -88,8 +99,6 @@ class KnnServeOptions(_Opts):
 def load_dense_datastore(opts: dict | DenseDraftingOptions | None, engine, corpus) -> dict | None:
     """Attach the configured DReSD datastore to ``engine`` (building it if allowed); returns
     a description for ``info()`` (None when dense drafting is off)."""
-    from ralm.drafting.dense import DenseDatastore, build_datastore, collect_corpus
-
     opts = DenseDraftingOptions.model_validate(opts or {}) if not isinstance(opts, DenseDraftingOptions) else opts
     if not opts.enabled or opts.datastore is None:  # (enabled: a datastore is set)
         return None
@@ -174,8 +183,6 @@ class _KnnLM:
 
 
 def _load_or_build_knn(opts: KnnServeOptions, engine, corpus):
-    from ralm.knnlm import Datastore, DatastoreError, build_datastore, model_fingerprint
-
     cfg = opts.config
     if cfg.datastore_dir is None:
         raise ValueError("knnlm.config.datastore_dir must be resolved before the replica starts")
@@ -194,7 +201,7 @@ def _load_or_build_knn(opts: KnnServeOptions, engine, corpus):
         if not opts.build:
             raise
         log.info("building the KNN-LM datastore (%s)", e)
-    ds = build_datastore(
+    ds = build_knn_datastore(
         engine,
         corpus,
         n_passages=want,
@@ -219,13 +226,9 @@ class KnnServer:
     """The KNN-LM datastore and retriever of one generator replica; runs KNN-LM requests."""
 
     def __init__(self, opts: dict | KnnServeOptions, engine, corpus, lock):
-        from ralm.knnlm import load_knn_retriever
-
         self.opts = KnnServeOptions.model_validate(opts) if not isinstance(opts, KnnServeOptions) else opts
         self.ds, self.built = _load_or_build_knn(self.opts, engine, corpus)
         self.kb = load_knn_retriever(self.ds, self.opts.config)
-        from ralm.knnlm.projection import projection_for
-
         projection_for(self.ds, self.opts.config.cache_project_dims)  # fit it now, not in the first request
         self.lm = _KnnLM(engine, lock)
         self.requests = 0
@@ -235,8 +238,6 @@ class KnnServer:
         return self.opts.config if job.knn is None else job.knn.applied_to(self.opts.config)
 
     def run(self, job: RalmJob):
-        from ralm.knnlm import run_knn_seq, run_knn_spec
-
         if not job.info.knn:
             raise RalmInputError(f"method {job.method!r} is not a KNN-LM method: use {' or '.join(KNN_METHODS)}")
         cfg = self.config_for(job)

@@ -26,14 +26,18 @@ from actors.coordinator import coordinator_host_class
 from actors.coordinator_slots import SlotFactory
 from actors.pool import CoordinatorPool, is_actor_death
 from actors.remote_proxies import RemoteGenerator
-from actors.shard import start_shards
+from actors.shard import prepare_shards, start_shards
 from actors.verifier import verifier_actor_class
 from cache.state import STATE_URL_ENV, StateStoreConfig, redact_url
 from deployments.backend import BackendUnavailable
 from deployments.config import AppConfig
-from ralm.config import GeneratorConfig
-from ralm.errors import Overloaded
+from ralm.chat import chat_prompt
+from ralm.config import GeneratorConfig, RetrieverConfig
+from ralm.corpus import Corpus
+from ralm.errors import Overloaded, RalmInputError
 from ralm.job import RalmJob
+from ralm.retrieval.errors import IndexNotFoundError
+from ralm.retrieval.index_build import MANIFEST
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +49,6 @@ def _prepare_shards_task(rcfg: dict, corpus_path: str, index_dir: str, n_shards:
     """One-off task: build missing indexes and shard slices; returns the shard specs and the
     index version (the hash of its manifest)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before the encoder libraries are imported
-    from actors.shard import prepare_shards
-    from ralm.config import RetrieverConfig
-    from ralm.corpus import Corpus
-    from ralm.retrieval.errors import IndexNotFoundError
-    from ralm.retrieval.index_build import MANIFEST
-
     cfg = RetrieverConfig.model_validate(rcfg)
     missing = not os.path.isfile(os.path.join(index_dir, MANIFEST))
     if missing and not build:
@@ -227,14 +225,10 @@ class RayBackend:
         return self._started_codec().encode_question(question)
 
     def chat_prompt(self, messages: list) -> str:
-        from ralm.chat import chat_prompt
-
         return chat_prompt(self._started_codec().tokenizer, messages)
 
     async def embed(self, texts: list[str]) -> tuple[Any, list[int]]:
         """On the first served dense retriever's verifier (it holds the encoder)."""
-        from ralm.errors import RalmInputError
-
         kind = next((k for k in ("edr", "adr") if k in self.verifiers), None)
         if kind is None:
             raise RalmInputError("embeddings need a dense retriever (edr or adr); this server serves only sr")

@@ -18,6 +18,7 @@ from ralm.job import RalmJob
 from ralm.methods import DOCUMENT_METHODS
 from ralm.results import RalmResult
 from ralm.retrieval.base import Retriever
+from ralm.retrieval.factory import ensure_index, load_retriever
 from ralm.retrieval.index_build import KINDS as RETRIEVER_KINDS, check_kind
 from ralm.seq import run_seq
 from ralm.spec import run_spec
@@ -53,8 +54,6 @@ class Pipeline:
         progress: bool = True,
     ) -> Pipeline:
         """Load the corpus, the engine and the retrievers (building missing indexes)."""
-        from ralm.retrieval.factory import ensure_index, load_retriever
-
         kinds = tuple(check_kind(k) for k in (kinds or (cfg.retriever.kind,)))
         corpus = corpus or Corpus.load(cfg.corpus)
         engine = engine or LMEngine.from_config(cfg.generator)

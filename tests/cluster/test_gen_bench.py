@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.gen_bench import StepLog, _markdown, forward_overhead_ms, measure_prefill, one_forward_s
+from cluster.gen_bench import StepLog, forward_overhead_ms, measure_prefill, one_forward_s
+from cluster.gen_report import gen_bench_markdown
 from ralm.config import RequestConfig
 from ralm.generator import LocalGenerator
 from tests.factories import tiny_engine
@@ -66,7 +67,7 @@ def test_step_log_and_markdown(gens, fixture_questions):
     assert timed.steps[0][3] > 0
     assert one_forward_s(gen.engine, [1, 2, 3]) > 0
     assert forward_overhead_ms(gen.engine, reps=2) > 0
-    md = _markdown(
+    md = gen_bench_markdown(
         {
             "prefill": {
                 "forward_overhead_ms": 1.0,
