@@ -192,13 +192,16 @@ def start_local_app(data: dict, address: str | None = None, num_cpus: int | None
         os.environ.setdefault(k, str(v))
     paths = [str(C.PACKAGE_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    address = address or os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
         if address:
             with preserve_fatal_signal_handlers():  # keep the JVM's handlers (actors/signals.py)
                 ray.init(address=address)
         else:
+            # "local": a Ray of its own, as documented, even where another one was started on this
+            # machine (without an address ray.init joins the last cluster `ray start` began there)
             with preserve_fatal_signal_handlers():  # keep the JVM's handlers (actors/signals.py)
-                ray.init(num_cpus=num_cpus, include_dashboard=False)
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
     http = dict(data.get("http_options") or {})
     serve.start(
         http_options={

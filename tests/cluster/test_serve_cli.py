@@ -6,6 +6,8 @@ through ``ralmspec serve --check`` (the resolved, validated Serve config; nothin
 
 from __future__ import annotations
 
+import argparse
+import os
 import shlex
 import shutil
 import subprocess
@@ -14,7 +16,7 @@ import pytest
 import yaml
 
 from cluster.cli import main
-from cluster.serve import DEFAULT_SERVE_CONFIG, apply_overrides, load_serve_config
+from cluster.serve import DEFAULT_SERVE_CONFIG, apply_overrides, load_serve_config, start_local_app
 from ralm import constants as C
 from ralm.config import GeneratorConfig
 from ralm.errors import ConfigError
@@ -70,8 +72,6 @@ def test_serve_other_models_and_configs_keep_their_own(tmp_path, capsys):
 
 def test_a_namespace_without_serve_flags_keeps_the_files_model():
     """``ralmspec soak`` starts the server from its own Namespace: the demo model, as before."""
-    import argparse
-
     data = apply_overrides(load_serve_config(DEFAULT_SERVE_CONFIG), argparse.Namespace(port=8123, retrievers="edr"))
     gen = data["applications"][0]["args"]["ralm"]["generator"]
     assert gen["model"] == "assets/model/pydocs-gpt" and "batch_token_budget" not in gen
@@ -115,3 +115,33 @@ def test_makefile_serve_targets(target, model, capsys):
     assert argv[1] == "serve"
     gen = served_generator(argv[2:], capsys)
     assert gen["model"] == model
+
+
+@pytest.mark.parametrize(
+    "address,env,want",
+    [(None, None, "local"), ("auto", None, "auto"), (None, "10.0.0.5:6379", "10.0.0.5:6379")],
+)
+def test_the_server_starts_a_ray_of_its_own_unless_given_an_address(address, env, want, monkeypatch):
+    """Without --address (or RAY_ADDRESS) ``ralmspec serve`` starts its own Ray, even where a
+    cluster was started on this machine with ``ray start`` (which a bare ray.init() would join)."""
+    import ray
+
+    class Started(Exception):
+        pass
+
+    seen = {}
+
+    def init(**kwargs):
+        seen.update(kwargs)
+        raise Started
+
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # restored afterwards
+    if env is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", env)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    with pytest.raises(Started):
+        start_local_app(load_serve_config(DEFAULT_SERVE_CONFIG), address=address)
+    assert seen["address"] == want
