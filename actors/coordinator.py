@@ -91,7 +91,7 @@ class CoordinatorShared:
                 tok = remote_result(h.tokenizer.remote())
                 info = remote_result(h.info.remote())
                 cfg = GeneratorConfig(
-                    max_prompt_tokens=info["max_prompt_tokens"], max_new_tokens=info["max_new_tokens"]
+                    max_prompt_tokens=info["max_prompt_tokens"], max_new_tokens_limit=info["max_new_tokens"]
                 )
                 self._gen_parts = (tok, cfg, info["eos_token_id"])
             return self._gen_parts

@@ -162,7 +162,7 @@ def one_forward_s(eng, prompt: list[int]) -> float:
     import torch
 
     # lazy: loads torch, and cli.build_parser imports this module for every command
-    from ralm.drafting.kv import last_logits_kwargs
+    from ralm.doc_kv import last_logits_kwargs
 
     ids = torch.tensor([prompt], dtype=torch.long, device=eng.device)
     with torch.inference_mode():

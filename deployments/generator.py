@@ -355,7 +355,7 @@ class GeneratorServer:
             "gpu_ids": self.gpu_ids,
             "eos_token_id": self.engine.eos_token_id,
             "max_prompt_tokens": self.cfg.max_prompt_tokens,
-            "max_new_tokens": self.cfg.max_new_tokens,
+            "max_new_tokens": self.cfg.max_new_tokens_limit,
             "corpus_size": len(self.corpus),
             "corpus_sha256": self.corpus.sha256,
             "steps": self.steps,

@@ -95,7 +95,7 @@ class RayBackend:
         self.codec = RemoteGenerator(
             None,
             tok,
-            GeneratorConfig(max_prompt_tokens=info["max_prompt_tokens"], max_new_tokens=info["max_new_tokens"]),
+            GeneratorConfig(max_prompt_tokens=info["max_prompt_tokens"], max_new_tokens_limit=info["max_new_tokens"]),
             info["eos_token_id"],
         )
         for kind in sorted(self.kinds, key=_BUILD_ORDER.__getitem__):
@@ -219,7 +219,7 @@ class RayBackend:
 
     @property
     def max_new_tokens(self) -> int:
-        return self._started_codec().cfg.max_new_tokens
+        return self._started_codec().cfg.max_new_tokens_limit
 
     def encode_question(self, question: str) -> list[int]:
         return self._started_codec().encode_question(question)

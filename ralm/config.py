@@ -86,7 +86,11 @@ class GeneratorConfig(_Strict):
     max_prompt_tokens: int = Field(
         C.MAX_PROMPT_TOKENS, ge=1, description="Longest accepted question, in tokens; longer input is rejected."
     )
-    max_new_tokens: int = Field(C.MAX_NEW_TOKENS, ge=1, description="Upper bound on generated tokens per request.")
+    max_new_tokens_limit: int = Field(
+        C.MAX_NEW_TOKENS,
+        ge=1,
+        description="Most tokens a request may ask for (a request's own count is RequestConfig.max_new_tokens).",
+    )
     doc_kv_cache_bytes: int = Field(
         C.DOC_KV_CACHE_BYTES, ge=0, description="Byte budget of the per-engine doc-KV LRU (0 disables it)."
     )
@@ -429,8 +433,8 @@ class RalmConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> RalmConfig:
-        if self.request.max_new_tokens > self.generator.max_new_tokens:
-            raise ValueError("request.max_new_tokens exceeds generator.max_new_tokens")
+        if self.request.max_new_tokens > self.generator.max_new_tokens_limit:
+            raise ValueError("request.max_new_tokens exceeds generator.max_new_tokens_limit")
         return self
 
     _expand_paths = field_validator("corpus", "work_dir", mode="after")(_expand_user)

@@ -3,7 +3,7 @@
 
 Prompt layout: ``[doc <= max_doc_tokens][question + generated so far]``, or with several
 documents ``[doc1]..[docn][context]`` (their KV computed document by document and reused
-through the doc-KV prefix tree, :mod:`ralm.drafting.kv`). A step
+through the doc-KV prefix tree, :mod:`ralm.doc_kv`). A step
 
 1. takes the document's KV, computed from the document tokens alone and reused by
    token ids from a byte-bounded LRU (exact: the document is the prefix);
@@ -40,7 +40,7 @@ from ralm.config import GeneratorConfig
 from ralm.drafting import DEFAULT_OPTIONS, StepOptions, greedy_scores
 from ralm.drafting.decode import drafted_decode
 from ralm.drafting.dense import DenseDrafter
-from ralm.drafting.kv import docs_past, last_logits_kwargs, segment_bytes
+from ralm.doc_kv import docs_past, last_logits_kwargs, segment_bytes
 from ralm.drafting.ngram import NGramDrafter
 from ralm.errors import RalmInputError
 from ralm.models import load_tokenizer_and_model, resolve

@@ -3,7 +3,7 @@
 Each step retrieves from a small per-request cache instead of the KB; every ``s`` steps
 one batched KB call verifies them, and the first wrong step and everything after it is
 rolled back and regenerated with the KB's document. The cycle itself is
-:func:`ralm.speculation.speculate`; this module is its document-level strategy
+:func:`ralm.speculation_cycle.speculate`; this module is its document-level strategy
 (:class:`_SpecRun`: a step is ``f(doc, X, k)``). Options, independent of each other:
 
 - P (prefetch): insert the KB's top-p documents into the cache, not only the top-1;
@@ -17,7 +17,7 @@ or re-verified (see :meth:`_SpecRun.first_step`).
 
 Exactness: every committed step's document is the KB's top-1 for its query, and every
 step is ``f(doc, X, k)`` over the same ``X`` RaLMSeq would have, so the tokens are equal
-(the argument in full: :mod:`ralm.speculation`).
+(the argument in full: :mod:`ralm.speculation_cycle`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from ralm.results import RalmResult, RequestStats, VerifiedPrefix
 from ralm.retrieval.base import Hit, Retriever, SharedKB
 from ralm.seq import apply_resume, finish
 from ralm.shadow_budget import ShadowBudget
-from ralm.speculation import speculate
+from ralm.speculation_cycle import speculate
 from ralm.workloads import call_step, doc_from_hits, make_query_fn, retrieval_depth, step_budget, steps_left
 
 _POOL: ThreadPoolExecutor | None = None
@@ -66,7 +66,7 @@ def _timed_batch_search(kb: Retriever, queries: Sequence[str], k: int) -> tuple[
 
 
 class _SpecRun:
-    """State of one RaLMSpec request: the document-level :class:`~ralm.speculation.Strategy`.
+    """State of one RaLMSpec request: the document-level :class:`~ralm.speculation_cycle.Strategy`.
 
     A step's value is its document (``doc_from_hits``: the ranked ids the step uses); the
     truth of a window is the KB's top-p of each query, all of which are cached.

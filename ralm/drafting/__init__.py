@@ -3,9 +3,10 @@
 - :mod:`ralm.drafting.ngram`  -- IGPG n-gram drafts from the documents and the question;
 - :mod:`ralm.drafting.dense`  -- DReSD drafts from a datastore of hidden states;
 - :mod:`ralm.drafting.decode` -- the drafted greedy decode loop (one forward per draft round);
-- :mod:`ralm.drafting.kv`     -- multi-document KV assembly over the doc-KV prefix tree;
 - :mod:`ralm.drafting.idgr`   -- the opt-in IDGR instruction block (changes outputs);
 - :mod:`ralm.drafting.exactness` -- first divergence between two decodings and its top-2 logit gap.
+
+(Multi-document KV assembly over the doc-KV prefix tree is :mod:`ralm.doc_kv`.)
 
 Drafting changes how ``f`` computes, not what it means: accepted tokens are exactly the
 greedy argmax of the verifying forward pass. In float32 a multi-token forward can differ

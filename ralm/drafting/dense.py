@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ralm import constants as C
-from ralm.drafting.kv import docs_past
+from ralm.doc_kv import docs_past
 
 if TYPE_CHECKING:
     import faiss

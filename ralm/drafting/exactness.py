@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ralm import constants as C
-from ralm.drafting.kv import docs_past
+from ralm.doc_kv import docs_past
 
 
 @dataclass

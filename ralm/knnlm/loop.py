@@ -25,14 +25,14 @@ top-p, p > k, of which the top-k is the prefix on the exact index; HNSW is asked
 latency, fed per batch size; s = 0 is a direct KB step, with the cache's guess recorded
 on some of them, within a budget: :meth:`_KnnSpecRun.direct_step`).
 
-The cycle itself is :func:`ralm.speculation.speculate`; :class:`_KnnSpecRun` is its
+The cycle itself is :func:`ralm.speculation_cycle.speculate`; :class:`_KnnSpecRun` is its
 token-level strategy (a step's value is its token).
 
 Exactness: a committed token at position i is always chosen from (logits_i, KB top-k
 of h_i); logits_i and h_i are functions of the committed tokens before i computed by
 the same sequence of single-token forwards as the baseline; the KB answer of a query
 does not depend on its batch (exact re-scoring + boundary expansion), so the tokens
-equal :func:`run_knn_seq`'s (the argument in full: :mod:`ralm.speculation`).
+equal :func:`run_knn_seq`'s (the argument in full: :mod:`ralm.speculation_cycle`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from ralm.os3 import StrideScheduler
 from ralm.results import RalmResult, RequestStats
 from ralm.seq import finish
 from ralm.shadow_budget import ShadowBudget
-from ralm.speculation import speculate
+from ralm.speculation_cycle import speculate
 
 if TYPE_CHECKING:
     pass
@@ -185,7 +185,7 @@ class _Step:
 
 class _KnnSpecRun:
     """State of one KNN-LM speculative request: the token-level
-    :class:`~ralm.speculation.Strategy` (no async step; a window's truth is the KB's
+    :class:`~ralm.speculation_cycle.Strategy` (no async step; a window's truth is the KB's
     top-k of each query, to choose tokens with, and the fetched top-p, to cache)."""
 
     async_verify = False

@@ -137,7 +137,7 @@ def test_stored_segments_are_shared_and_never_written(family):
     context prefill right after a miss stored them, later hits, n-gram drafting, FLARE,
     several documents, a crop -- ever writes into them (compared with their value when
     they were inserted)."""
-    from ralm.drafting.kv import docs_past
+    from ralm.doc_kv import docs_past
 
     eng = tiny_engine(family, seed=2)
     at_insert: dict = {}
@@ -168,7 +168,7 @@ def test_stored_segments_are_shared_and_never_written(family):
 def test_reused_kv_and_logits_are_bit_identical(engine, n):
     """Not just the tokens: the KV (hit, prefix hit, miss, no cache) and the logits on top
     of it are the same bits."""
-    from ralm.drafting.kv import docs_past
+    from ralm.doc_kv import docs_past
 
     nocache = type(engine)(engine.model, engine.tokenizer, engine.cfg.model_copy(update={"doc_kv_cache_bytes": 0}))
     docs = [engine.doc_tokens(d) for d in DOCS[:n]]
@@ -198,7 +198,7 @@ def test_reused_kv_and_logits_are_bit_identical(engine, n):
 
 
 def test_segments_layer_reads_and_lengths():
-    from ralm.drafting.kv import cache_from_segments
+    from ralm.doc_kv import cache_from_segments
 
     a = [(torch.arange(24.0).view(1, 2, 3, 4), -torch.arange(24.0).view(1, 2, 3, 4))]
     b = [(torch.ones(1, 2, 2, 4), torch.zeros(1, 2, 2, 4))]

@@ -321,7 +321,7 @@ def _killed_job_resumes(tmp_path, model_dir, index_dirs, srv: RedisServer):
                 "corpus": str(DATA / "fixture_corpus.jsonl"),
                 "work_dir": str(tmp_path / "work"),
                 "retriever": {"kind": "edr", "index_dir": str(index_dirs["edr"])},
-                "generator": {"model": str(model_dir), "max_new_tokens": 16, "torch_threads": 1},
+                "generator": {"model": str(model_dir), "max_new_tokens_limit": 16, "torch_threads": 1},
                 "request": {"max_new_tokens": 16},
             }
         )
@@ -417,7 +417,7 @@ def test_ray_backend_matches_local(tmp_path, tiny_model_dir, index_dirs):
                 "corpus": str(DATA / "fixture_corpus.jsonl"),
                 "work_dir": str(tmp_path / "work"),
                 "retriever": {"kind": "edr", "index_dir": str(index_dirs["edr"])},
-                "generator": {"model": str(tiny_model_dir), "max_new_tokens": 12, "torch_threads": 1},
+                "generator": {"model": str(tiny_model_dir), "max_new_tokens_limit": 12, "torch_threads": 1},
                 "request": {"max_new_tokens": 12},
             }
         )

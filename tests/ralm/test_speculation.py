@@ -1,4 +1,4 @@
-"""The generic speculation cycle (:func:`ralm.speculation.speculate`) driven by a fake
+"""The generic speculation cycle (:func:`ralm.speculation_cycle.speculate`) driven by a fake
 strategy: pure Python, no model, no KB.
 
 A step appends one token. The KB's value for a state is a function of the whole prefix
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from ralm.results import RequestStats
-from ralm.speculation import speculate
+from ralm.speculation_cycle import speculate
 
 
 def kb_value(prefix: tuple[int, ...]) -> int:
