@@ -152,6 +152,24 @@ def mode_stats(outs: list[dict]) -> dict:
     }
 
 
+def time_breakdown(outs: list[dict], lats: list[float]) -> dict:
+    """Where a row's mean latency went, per request (seconds): waiting for a coordinator
+    (``queue_s``, from the server), in the generator (``gen_s``: G), in retrieval (``kb_s``:
+    R, KB waits and the local cache), and the rest (``overhead_s``: HTTP, Ray calls and
+    queues outside the loop = latency - queue - the loop's own time)."""
+    st = [o["stats"] for o in outs]
+    if not st:
+        return {}
+    queue = fmean(s.get("queue_s") or 0.0 for s in st)
+    loop = fmean(s.get("total_time_s") or 0.0 for s in st)
+    return {
+        "queue_s": queue,
+        "gen_s": fmean(s.get("gen_time_s") or 0.0 for s in st),
+        "kb_s": fmean(s.get("retrieval_time_s") or 0.0 for s in st),
+        "overhead_s": max(0.0, fmean(lats) - queue - loop),
+    }
+
+
 def _parse_methods(spec: str) -> list[tuple[str, str | None]]:
     """'seq,spec:PSA@0.9' -> [('seq', None), ('spec', 'PSA@0.9')]; a bare 'spec' is 'spec:base'.
     The configuration is in :meth:`SpecConfig.parse`'s grammar (``;FIELD=VALUE`` included:
@@ -297,6 +315,7 @@ def run_served_bench(
                         "requests_per_batch": vst.get("mean_submissions_per_batch"),
                         "options": extra,
                         "retries": retries,  # shed answers sent again (their latency includes the wait)
+                        **time_breakdown(outs, lats),
                         **mode_stats(outs),
                     }
                     rows.append(row)

@@ -94,6 +94,45 @@ def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] 
         ),
         align="lllllrrrrrrrrrrrrr",
     )
+    timed = [r for r in rows if "queue_s" in r]
+    if timed:
+        lines += [
+            "",
+            "## Where a request's time went (mean seconds per request)",
+            "",
+            "`queue`: waiting for a coordinator; `generator` (G) and `retrieval` (R, KB waits and the "
+            "local cache) inside the RaLM loop; `overhead`: the rest of the HTTP round trip (the "
+            "ingress, Ray calls and queues outside the loop).",
+            "",
+        ]
+        lines += table(
+            [
+                "retriever",
+                "method",
+                "batching",
+                "concurrency",
+                "latency",
+                "queue",
+                "generator",
+                "retrieval",
+                "overhead",
+            ],
+            (
+                [
+                    r["retriever"],
+                    name(r["method"]),
+                    "on" if r["batching"] else "off",
+                    r["concurrency"],
+                    f"{r['mean_s']:.2f}",
+                    f"{r['queue_s']:.2f}",
+                    f"{r['gen_s']:.2f}",
+                    f"{r['kb_s']:.2f}",
+                    f"{r['overhead_s']:.2f}",
+                ]
+                for r in timed
+            ),
+            align="llllrrrrr",
+        )
     if one:
         lines += ["", "## One request in flight: served against the in-process engine", ""]
         lines += table(

@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -235,12 +236,24 @@ class RayBackend:
         return await self.verifiers[kind].embed.remote(texts)
 
     async def run(self, job: RalmJob) -> dict:
-        """On a leased coordinator; retried once on a fresh one if the coordinator died."""
-        return await self._started_pool().run(lambda c: c.run(job), cancel=lambda c: c.cancel())
+        """On a leased coordinator; retried on a fresh one if the coordinator died. Its stats
+        gain ``queue_s``: how long the request waited for a coordinator."""
+        t0 = time.perf_counter()
+        started: list[float] = []
+
+        def call(c):
+            started.append(time.perf_counter())
+            return c.run(job)
+
+        res = await self._started_pool().run(call, cancel=lambda c: c.cancel())
+        res["stats"]["queue_s"] = started[0] - t0
+        return res
 
     async def stream(self, job: RalmJob) -> AsyncGenerator[dict, None]:
         pool = self._started_pool()
+        t0 = time.perf_counter()
         coord = await pool.acquire()
+        queue_s = time.perf_counter() - t0
         refs = coord.run_stream(job)
         done = False
         nxt: asyncio.Future | None = None  # the chunk being awaited (the drain takes it over)
@@ -253,7 +266,10 @@ class RayBackend:
                 except StopAsyncIteration:
                     break
                 nxt = None
-                yield await ref
+                piece = await ref
+                if piece.get("done"):
+                    piece["result"]["stats"]["queue_s"] = queue_s
+                yield piece
             done = True
             pool.release(coord)
         except Exception as e:

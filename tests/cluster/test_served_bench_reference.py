@@ -60,3 +60,34 @@ def test_methods_are_named_in_the_one_configuration_grammar():
         _parse_methods("spec:PSA;nope=1")
     with pytest.raises(ValueError, match="shared_kb_direct_at"):
         _parse_methods("spec:PSA;shared_kb_direct_at=x")
+
+
+def test_the_time_breakdown_splits_latency_into_queue_loop_and_overhead():
+    from cluster.served_bench import time_breakdown
+
+    outs = [
+        {"stats": {"queue_s": 1.0, "total_time_s": 3.0, "gen_time_s": 2.0, "retrieval_time_s": 1.0}},
+        {"stats": {"queue_s": 0.0, "total_time_s": 5.0, "gen_time_s": 4.0, "retrieval_time_s": 1.0}},
+    ]
+    b = time_breakdown(outs, [4.5, 5.5])
+    assert b == {"queue_s": 0.5, "gen_s": 3.0, "kb_s": 1.0, "overhead_s": 5.0 - 0.5 - 4.0}
+    assert time_breakdown([{"stats": {}}], [2.0])["overhead_s"] == 2.0  # an older server: no queue_s
+    row = {
+        "retriever": "edr",
+        "method": "seq",
+        "gen_batching": True,
+        "batching": True,
+        "concurrency": 16,
+        "requests": 2,
+        "identical": 2,
+        "throughput_rps": 1.0,
+        "tokens_per_s": 9.0,
+        "p50_s": 5.0,
+        "p95_s": 5.5,
+        "mean_s": 5.0,
+        "queries_per_search": None,
+        "requests_per_batch": None,
+        **b,
+    }
+    md = to_markdown([row], {"url": "u", "model": "m", "requests": 2, "max_new_tokens": 12}, [])
+    assert "| edr | RaLMSeq | on | 16 | 5.00 | 0.50 | 3.00 | 1.00 | 0.50 |" in md

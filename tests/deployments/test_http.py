@@ -465,8 +465,10 @@ def test_served_bench_tiny_run(server, tmp_path, questions):
     assert all(r["p50_s"] > 0 and r["p95_s"] >= r["p50_s"] and r["throughput_rps"] > 0 for r in rows)
     # with batching off every RaLMSeq submission (one query) is searched on its own
     assert all(r["queries_per_search"] == 1.0 for r in rows if r["method"] == "seq" and not r["batching"])
+    # where the time went: the server reports each request's wait for a coordinator
+    assert all(r["queue_s"] >= 0 and r["gen_s"] > 0 and r["overhead_s"] >= 0 for r in rows)
     md = (tmp_path / "out" / "served_bench.md").read_text()
-    assert "p95" in md and "RaLMSpec" in md
+    assert "p95" in md and "RaLMSpec" in md and "Where a request's time went" in md
 
 
 def test_admin_switches_batching(server):
