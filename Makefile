@@ -43,13 +43,15 @@ demo: index
 	$(VENV)/bin/ralmspec generate --retriever edr "What does json.dumps do?"
 
 # `ralmspec serve` serves SmolLM2-135M-Instruct unless --model is given (cluster/serve.py: the
-# server is what users try first); the library default and serve_config.yaml keep the demo model
+# server is what users try first); the library default and serve_config.yaml keep the demo model.
+# SERVE_ARGS: more flags, e.g. make serve SERVE_ARGS="--port 8080"
+SERVE_ARGS ?=
 serve: index
-	$(VENV)/bin/ralmspec serve
+	$(VENV)/bin/ralmspec serve $(SERVE_ARGS)
 
 # the demo model (assets/model/pydocs-gpt): starts in seconds, fluent but not useful answers
 serve-demo: index
-	$(VENV)/bin/ralmspec serve --model demo
+	$(VENV)/bin/ralmspec serve --model demo $(SERVE_ARGS)
 
 # former name of `make serve`
 serve-smollm2: serve
