@@ -23,10 +23,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ralm import tokens
 from ralm.config import GeneratorConfig
-from ralm.engine import LMEngine, StepOutput
 from ralm.errors import RequestCancelled
 from ralm.retrieval.base import ExactScorer, Hit
+from ralm.step_output import StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class RemoteGenerator:
         cancelled: threading.Event | None = None,
     ):
         self.handle = handle
-        self.tokenizer = tokenizer  # LMEngine.encode_question/decode only use these two
+        self.tokenizer = tokenizer  # the generator's own (ralm.tokens: the engine's encode/decode)
         self.cfg = cfg
         self.eos_token_id = eos_token_id
         self.calls = 0
@@ -81,13 +82,11 @@ class RemoteGenerator:
         except Exception as e:
             log.warning("cannot release the generator sessions of %s: %s", session, e)
 
-    # LMEngine's methods run unbound on this duck-typed stand-in: they only read
-    # ``tokenizer`` and ``cfg``, which this class provides.
     def encode_question(self, question: str) -> list[int]:
-        return LMEngine.encode_question(self, question)  # type: ignore[arg-type]  # the engine's own validation
+        return tokens.encode_question(self.tokenizer, question, self.cfg.max_prompt_tokens)
 
-    def decode(self, tokens: Sequence[int]) -> str:
-        return LMEngine.decode(self, tokens)  # type: ignore[arg-type]  # see encode_question
+    def decode(self, ids: Sequence[int]) -> str:
+        return tokens.decode(self.tokenizer, ids)
 
     def step(
         self, doc_id: Any, context: Sequence[int], k: int, ignore_eos: bool = False, options: Any = None

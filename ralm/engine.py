@@ -37,14 +37,15 @@ from ralm.batching.proof import InvarianceProof, prove_invariance
 from ralm.batching.scheduler import ContinuousBatcher
 from ralm.batching.sessions import SessionStore
 from ralm.config import GeneratorConfig
+from ralm.doc_kv import docs_past, last_logits_kwargs, segment_bytes
 from ralm.drafting import DEFAULT_OPTIONS, StepOptions, greedy_scores
 from ralm.drafting.decode import drafted_decode
 from ralm.drafting.dense import DenseDrafter
-from ralm.doc_kv import docs_past, last_logits_kwargs, segment_bytes
 from ralm.drafting.ngram import NGramDrafter
 from ralm.errors import RalmInputError
 from ralm.models import load_tokenizer_and_model, resolve
 from ralm.step_output import StepOutput
+from ralm.tokens import decode as decode_ids, encode_question as question_ids
 
 log = logging.getLogger(__name__)
 
@@ -142,18 +143,7 @@ class LMEngine:
     # ------------------------------------------------------------------ text
     def encode_question(self, question: str) -> list[int]:
         """Token ids of a question; rejects empty, non-string and over-long input."""
-        if not isinstance(question, str):
-            raise RalmInputError(f"question must be a string, got {type(question).__name__}")
-        if not question.strip():
-            raise RalmInputError("question is empty")
-        ids = self.tokenizer(question, add_special_tokens=False)["input_ids"]
-        if len(ids) > self.cfg.max_prompt_tokens:
-            raise RalmInputError(
-                f"question is {len(ids)} tokens long; the limit is {self.cfg.max_prompt_tokens} tokens"
-            )
-        if not ids:
-            raise RalmInputError("question has no tokens")
-        return list(ids)
+        return question_ids(self.tokenizer, question, self.cfg.max_prompt_tokens)
 
     def doc_tokens(self, doc_text: str) -> tuple[int, ...]:
         """Document token ids truncated to ``max_doc_tokens`` (memoised by text)."""
@@ -166,8 +156,8 @@ class LMEngine:
             self._doc_tok_memo[doc_text] = toks
         return toks
 
-    def decode(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int]) -> str:
+        return decode_ids(self.tokenizer, ids)
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()

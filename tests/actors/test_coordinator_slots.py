@@ -143,3 +143,17 @@ def test_without_headroom_a_lease_past_the_idle_ones_starts_a_slot_itself():
 
     asyncio.run(main())
     assert len(made) == 1
+
+
+def test_a_coordinator_host_process_does_not_load_torch():
+    """What makes a host light: the coordinators' code imports neither torch nor transformers
+    (tokenizing uses the generator's pickled tokenizer through ralm.tokens)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, actors.coordinator, actors.coordinator_slots, actors.pool; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
