@@ -113,7 +113,7 @@ def cmd_assets(args) -> int:
 _PLUGGED_COMMANDS = [
     (
         "bench",
-        "cluster.bench",
+        "cluster.bench.spec_bench",
         "add_bench_args",
         "bench_main",
         True,
@@ -129,7 +129,7 @@ _PLUGGED_COMMANDS = [
     ),
     (
         "served-bench",
-        "cluster.served_bench",
+        "cluster.bench.served_bench",
         "add_served_bench_args",
         "served_bench_main",
         False,
@@ -137,7 +137,7 @@ _PLUGGED_COMMANDS = [
     ),
     (
         "burst-bench",
-        "cluster.burst_bench",
+        "cluster.bench.burst_bench",
         "add_burst_bench_args",
         "burst_bench_main",
         False,
@@ -145,7 +145,7 @@ _PLUGGED_COMMANDS = [
     ),
     (
         "soak",
-        "cluster.soak",
+        "cluster.bench.soak",
         "add_soak_args",
         "soak_main",
         False,
@@ -153,7 +153,7 @@ _PLUGGED_COMMANDS = [
     ),
     (
         "bench-gen",
-        "cluster.gen_bench",
+        "cluster.bench.gen_bench",
         "add_gen_bench_args",
         "gen_bench_main",
         False,
@@ -161,7 +161,7 @@ _PLUGGED_COMMANDS = [
     ),
     (
         "bench-batching",
-        "cluster.batch_bench",
+        "cluster.bench.batch_bench",
         "add_batch_bench_args",
         "batch_bench_main",
         False,
@@ -169,7 +169,7 @@ _PLUGGED_COMMANDS = [
     ),
     (
         "gpu-check",
-        "cluster.gpu_check",
+        "cluster.bench.gpu_check",
         "add_gpu_check_args",
         "gpu_check_main",
         False,
@@ -177,7 +177,7 @@ _PLUGGED_COMMANDS = [
     ),
     (
         "costs",
-        "cluster.costs",
+        "cluster.bench.costs",
         "add_costs_args",
         "costs_main",
         True,
@@ -185,7 +185,7 @@ _PLUGGED_COMMANDS = [
     ),
     (
         "bench-knn",
-        "cluster.knn_bench",
+        "cluster.bench.knn_bench",
         "add_knn_bench_args",
         "knn_bench_main",
         False,
@@ -193,7 +193,7 @@ _PLUGGED_COMMANDS = [
     ),
     (
         "paper-table",
-        "cluster.paper_table",
+        "cluster.bench.paper_table",
         "add_paper_table_args",
         "paper_table_main",
         False,

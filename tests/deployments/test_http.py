@@ -415,7 +415,7 @@ def test_served_bench_tiny_run(server, tmp_path, questions):
     """The served benchmark end to end on the running server (tiny: correctness, not speed)."""
     import argparse
 
-    from cluster.served_bench import add_served_bench_args, served_bench_main
+    from cluster.bench.served_bench import add_served_bench_args, served_bench_main
 
     qfile = tmp_path / "q.jsonl"
     qfile.write_text("".join(json.dumps({"question": q}) + "\n" for q in questions[:2]))
@@ -493,7 +493,7 @@ def test_served_bench_default_levels(server, tmp_path):
     """The benchmark at its default shape (1, 4, 16 in flight; 16 requests): minutes on 2 cores."""
     import argparse
 
-    from cluster.served_bench import add_served_bench_args, served_bench_main
+    from cluster.bench.served_bench import add_served_bench_args, served_bench_main
 
     p = argparse.ArgumentParser()
     add_served_bench_args(p)

@@ -333,7 +333,7 @@ def test_bad_mode_values_get_4xx_and_the_server_keeps_serving(server, ref_gen, r
 def test_served_bench_measures_a_mode(server, tmp_path, questions):
     import argparse
 
-    from cluster.served_bench import add_served_bench_args, served_bench_main
+    from cluster.bench.served_bench import add_served_bench_args, served_bench_main
 
     qfile = tmp_path / "q.jsonl"
     qfile.write_text(json.dumps({"question": questions[0]}) + "\n")

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from cluster.soak import Recorder, run_soak, summarize, window_stats
-from cluster.soak_report import plot, to_markdown
+from cluster.bench.soak import Recorder, run_soak, summarize, window_stats
+from cluster.bench.soak_report import plot, to_markdown
 from deployments.ingress import build_http_app
 from tests.deployments.serving import free_port
 from tests.deployments.test_ingress_http import InProcessBackend, settings
@@ -139,7 +139,7 @@ def test_redis_samples_count_request_checkpoints_apart_from_other_keys(tmp_path,
     """A real redis-server: the soak's key sample separates checkpoints (which must not pile
     up) from the KB cache's keys (which grow with the distinct queries)."""
     from cache.state import KBKey, RequestCheckpoint, open_state_store
-    from cluster.soak import _redis_keys
+    from cluster.bench.soak import _redis_keys
     from tests.cache.redis_server import RedisServer
 
     monkeypatch.delenv("RALMSPEC_REDIS_PASSWORD", raising=False)

@@ -1,4 +1,4 @@
-"""The Markdown report of ``ralmspec bench-gen`` (:mod:`cluster.gen_bench`): prefill with and
+"""The Markdown report of ``ralmspec bench-gen`` (:mod:`cluster.bench.gen_bench`): prefill with and
 without doc-KV reuse, and n-gram vs dense drafting, from the benchmark's JSON."""
 
 from __future__ import annotations

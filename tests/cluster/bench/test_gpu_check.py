@@ -9,7 +9,7 @@ import json
 import pytest
 import torch.nn.functional as F
 
-from cluster.gpu_check import main
+from cluster.bench.gpu_check import main
 from ralm.batching.invariant import InvariantLinear
 
 pytestmark = pytest.mark.unit

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cluster.bench.soak_report import plot, to_markdown
 from cluster.http_retry import (
     Retried,
     RetryLog,
@@ -50,7 +51,6 @@ from cluster.http_retry import (
 )
 from cluster.report import machine_note, write_report
 from cluster.serve import DEFAULT_SERVE_CONFIG, app_entry, apply_overrides, load_serve_config, start_local_app
-from cluster.soak_report import plot, to_markdown
 from ralm import constants as C
 from ralm.corpus import load_questions
 

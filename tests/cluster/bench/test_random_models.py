@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.random_models import SHAPES, random_model
+from cluster.bench.random_models import SHAPES, random_model
 from tests.factories import tiny_tokenizer
 
 pytestmark = pytest.mark.unit

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster.batch_bench import ARMS, add_batch_bench_args, batch_bench_main
+from cluster.bench.batch_bench import ARMS, add_batch_bench_args, batch_bench_main
 
 pytestmark = pytest.mark.unit
 

@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cluster.random_models import SHAPES, random_model
+from cluster.bench.random_models import SHAPES, random_model
 from cluster.report import exactness_status, machine_note, write_report
 from ralm import constants as C
 from ralm.config import GeneratorConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 def test_scan_costs_compare_paths_and_check_their_hits(retrievers, fixture_corpus):
-    from cluster.costs import measure_scans, scans_markdown
+    from cluster.bench.costs import measure_scans, scans_markdown
     from ralm.retrieval import int8_scan
 
     scans = ["faiss", "int8", "int8-own-widths", "bf16", "auto"]

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.burst_bench import _batching, measure_bursts, ray_rss_mib, to_markdown
+from cluster.bench.burst_bench import _batching, measure_bursts, ray_rss_mib, to_markdown
 from cluster.http_retry import RetryPolicy
 from ralm.errors import Overloaded
-from tests.cluster.test_soak import QUESTIONS, DriftingBackend, live_app  # noqa: F401  (fixture)
+from tests.cluster.bench.test_soak import QUESTIONS, DriftingBackend, live_app  # noqa: F401  (fixture)
 from tests.deployments.test_ingress_http import InProcessBackend
 
 

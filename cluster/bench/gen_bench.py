@@ -25,7 +25,7 @@ from pathlib import Path
 from statistics import fmean, median
 from typing import TYPE_CHECKING, Any
 
-from cluster.gen_report import gen_bench_markdown
+from cluster.bench.gen_report import gen_bench_markdown
 from cluster.report import write_report
 from ralm import constants as C
 from ralm.config import GeneratorConfig, RequestConfig, RetrieverConfig, SpecConfig

@@ -39,8 +39,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from cluster.batch_bench import forward_cost, run_arm, workload_requests
-from cluster.random_models import SHAPES, random_model
+from cluster.bench.batch_bench import forward_cost, run_arm, workload_requests
+from cluster.bench.random_models import SHAPES, random_model
 from cluster.report import table, write_report
 from ralm import constants as C
 from ralm.config import GeneratorConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.served_bench import _label, _parse_methods, in_process_latencies, one_request_rows, to_markdown
+from cluster.bench.served_bench import _label, _parse_methods, in_process_latencies, one_request_rows, to_markdown
 from ralm.config import RalmConfig, RequestConfig
 from ralm.pipeline import Pipeline
 from tests.conftest import FIXTURE_CORPUS
@@ -63,7 +63,7 @@ def test_methods_are_named_in_the_one_configuration_grammar():
 
 
 def test_the_time_breakdown_splits_latency_into_queue_loop_and_overhead():
-    from cluster.served_bench import time_breakdown
+    from cluster.bench.served_report import time_breakdown
 
     outs = [
         {"stats": {"queue_s": 1.0, "total_time_s": 3.0, "gen_time_s": 2.0, "retrieval_time_s": 1.0}},

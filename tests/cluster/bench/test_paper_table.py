@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
+from cluster.bench.paper_table import PAPER_DOC, PAPER_KNN_BEST, PAPER_KNN_K1024, markdown, paper_rows
 from cluster.cli import main
-from cluster.paper_table import PAPER_DOC, PAPER_KNN_BEST, PAPER_KNN_K1024, markdown, paper_rows
 from tests.conftest import FIXTURE_CORPUS, FIXTURE_QUESTIONS, KINDS, TEST_HNSW
 
 
@@ -65,7 +65,7 @@ def test_rows_pair_each_cell_with_the_papers_number_and_its_own_baseline_share()
 
 
 def test_padded_corpus_rows_are_their_own_blocks_with_the_papers_numbers():
-    from cluster.paper_table import _padded_rows, padded_work_dir
+    from cluster.bench.paper_table import _padded_rows, padded_work_dir
 
     doc = [_row("RaLMSeq", 1.0, 0.10, retriever="sr"), _row("PSA", 1.02, 0.1, retriever="sr")]
     doc += _padded_rows([_row("RaLMSeq", 1.0, 0.7, retriever="sr"), _row("PSA", 1.6, 0.4, retriever="sr")], 1_000_000)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.gen_bench import StepLog, forward_overhead_ms, measure_prefill, one_forward_s
-from cluster.gen_report import gen_bench_markdown
+from cluster.bench.gen_bench import StepLog, forward_overhead_ms, measure_prefill, one_forward_s
+from cluster.bench.gen_report import gen_bench_markdown
 from ralm.config import RequestConfig
 from ralm.generator import LocalGenerator
 from tests.factories import tiny_engine
@@ -122,7 +122,7 @@ def test_gen_bench_main_measures_every_window_of_the_workload_and_writes_them(tm
     """End to end through the CLI entry point with the project's model and a real BM25 index."""
     import argparse
 
-    from cluster.gen_bench import add_gen_bench_args, gen_bench_main
+    from cluster.bench.gen_bench import add_gen_bench_args, gen_bench_main
 
     p = argparse.ArgumentParser()
     add_gen_bench_args(p)

@@ -29,10 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import fmean
 
+from cluster.bench.served_report import mode_stats, one_request_rows, time_breakdown, to_markdown
 from cluster.native_client import Client
 from cluster.report import machine_note, write_report
 from cluster.serve import DEFAULT_SERVE_CONFIG, app_entry, apply_overrides, load_serve_config, start_local_app
-from cluster.served_report import one_request_rows, to_markdown
 from ralm import constants as C
 from ralm.config import RalmConfig, SpecConfig
 from ralm.corpus import load_questions
@@ -132,42 +132,6 @@ def _on_off(text: str) -> list[bool]:
         return [{"on": True, "off": False}[x.strip()] for x in str(text).split(",") if x.strip()]
     except KeyError as e:
         raise SystemExit(f"expected a comma-separated list of on/off, got {text!r}") from e
-
-
-def _ratio(num: float, den: float) -> float | None:
-    return num / den if den else None
-
-
-def mode_stats(outs: list[dict]) -> dict:
-    """Generation-side statistics of a row's answers (pooled over the requests)."""
-    st = [o["stats"] for o in outs]
-    g = lambda name: sum(s.get(name, 0) or 0 for s in st)  # noqa: E731
-    return {
-        "tokens_per_forward": _ratio(g("generated_tokens"), g("forward_passes")),
-        "acceptance_rate": _ratio(g("accepted_tokens"), g("drafted_tokens")),
-        "accepted_per_verify_pass": _ratio(g("accepted_tokens"), g("draft_rounds")),
-        "doc_kv_hit_rate": _ratio(g("doc_kv_docs_reused"), g("doc_kv_docs_reused") + g("doc_kv_misses")),
-        "doc_kv_bytes_reused_per_request": g("doc_kv_bytes_reused") / len(st) if st else 0.0,
-        "exact": all(o.get("exact", True) for o in outs),
-    }
-
-
-def time_breakdown(outs: list[dict], lats: list[float]) -> dict:
-    """Where a row's mean latency went, per request (seconds): waiting for a coordinator
-    (``queue_s``, from the server), in the generator (``gen_s``: G), in retrieval (``kb_s``:
-    R, KB waits and the local cache), and the rest (``overhead_s``: HTTP, Ray calls and
-    queues outside the loop = latency - queue - the loop's own time)."""
-    st = [o["stats"] for o in outs]
-    if not st:
-        return {}
-    queue = fmean(s.get("queue_s") or 0.0 for s in st)
-    loop = fmean(s.get("total_time_s") or 0.0 for s in st)
-    return {
-        "queue_s": queue,
-        "gen_s": fmean(s.get("gen_time_s") or 0.0 for s in st),
-        "kb_s": fmean(s.get("retrieval_time_s") or 0.0 for s in st),
-        "overhead_s": max(0.0, fmean(lats) - queue - loop),
-    }
 
 
 def _parse_methods(spec: str) -> list[tuple[str, str | None]]:
