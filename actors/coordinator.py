@@ -55,6 +55,7 @@ from actors.remote_proxies import RemoteGenerator, RemoteScorer, StreamDecoder, 
 from cache.speculative import SpeculativeCache
 from cache.state import StateStoreConfig, StoreCachedRetriever, open_state_store
 from cache.state.degrading import DegradingStore
+from ralm import constants as C
 from ralm.config import GeneratorConfig
 from ralm.errors import ConfigError, RequestCancelled
 from ralm.job import RalmJob
@@ -237,7 +238,7 @@ class CoordinatorHost:
         self,
         generator: Any,
         verifiers: dict[str, Any],
-        slots: int = 64,
+        slots: int = C.POOL_SLOTS_PER_HOST,
         verify_threads: int | None = None,
         state: dict | None = None,
     ):
@@ -367,7 +368,7 @@ class CoordinatorHost:
         }
 
 
-def coordinator_host_class(num_cpus: float = 0.05, slots: int = 64):
+def coordinator_host_class(num_cpus: float = 0.05, slots: int = C.POOL_SLOTS_PER_HOST):
     """``ray.remote`` class for :class:`CoordinatorHost` with ``slots`` request threads (plus a
     few so pings, ``info`` and ``cancel`` answer while every slot is busy)."""
     import ray  # lazy: the core loops above are importable (and tested) without Ray

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ralm import constants as C
+
 log = logging.getLogger(__name__)
 
 
@@ -74,7 +76,7 @@ class SlotFactory:
     actor named ``name`` (with ``slots_per_host`` slots) and returns its handle."""
 
     make_host: Callable[[str], Any]
-    slots_per_host: int = 64
+    slots_per_host: int = C.POOL_SLOTS_PER_HOST
     kill: Callable[[Any], None] | None = None  # ends a host actor (default: ray.kill)
     hosts: list[HostRecord] = field(default_factory=list)
     started: int = 0  # hosts started in all

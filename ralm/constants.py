@@ -114,7 +114,7 @@ EVAL_STATE_WAIT_S = 600.0  # an eval job waits this long for an unreachable stat
 # ---- coordinator pool (actors/pool.py) ----
 POOL_SIZE = 32  # request coordinators ready at start (one host process)
 POOL_MAX_SIZE = 256  # most requests in flight per server
-POOL_SLOTS_PER_HOST = 64  # request coordinators per coordinator host process
+POOL_SLOTS_PER_HOST = 128  # request coordinators per coordinator host process
 POOL_HEADROOM = 16  # free coordinators kept ahead of demand
 COORDINATOR_READY_TIMEOUT_S = 60.0  # a new coordinator not ready by then is given up (its node is gone?)
 COORDINATOR_PROBE_INTERVAL_S = 10.0  # a leased coordinator is pinged this often while its request runs
