@@ -46,9 +46,10 @@ DEFAULT_MODEL = "smollm2-135m"
 MODEL_ALIASES = {"demo": str(C.DEMO_MODEL_DIR)}
 #: Generator settings the command line gives a model when the configuration leaves them at
 #: their defaults. SmolLM2 on a CPU: the whole-model invariance proof that every engine runs
-#: before batching (docs/batching.md) costs about 3x less at 256 tokens and 16 sequences per
-#: forward than at 512 and 64 (on 2 cores, about 30 s instead of 90 s), and 16 is the most
-#: requests the default pool has in flight (pool.max_size).
+#: before it batches (docs/batching.md) packs up to these many tokens and sequences; on one
+#: quiet core it took 21.5 s at 256 tokens and 16 sequences, 36 s at 256 and 64, and 63 s at the
+#: library's 512 and 64. More requests in flight than 16 share the following forwards (exact
+#: either way); a GPU preset keeps the library's shapes.
 MODEL_GENERATOR_SETTINGS: dict[str, dict[str, int]] = {
     DEFAULT_MODEL: {"batch_token_budget": 256, "batch_max_sequences": 16},
 }
