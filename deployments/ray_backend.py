@@ -88,10 +88,26 @@ class RayBackend:
 
     # ---------------------------------------------------------------- start-up
     async def start(self) -> RayBackend:
-        """Start the topology: shards and a verifier per retriever, then the coordinator pool."""
+        """Start the topology: shards and a verifier per retriever, then the coordinator pool.
+
+        The retrievers start while the generator replica loads its model (and proves its
+        batching exact), not after it: the dense ones in build order (EDR's build caches the
+        passage vectors ADR's then reuses), BM25 beside them."""
         cfg = self.cfg
-        info = await self.generator.info.remote()
-        tok = await self.generator.tokenizer.remote()
+        dense: list[str] = [k for k in sorted(self.kinds, key=_BUILD_ORDER.__getitem__) if k != "sr"]
+        chains: list[list[str]] = [dense, ["sr"] if "sr" in self.kinds else []]
+
+        async def start_chain(kinds: list[str]) -> None:
+            for kind in kinds:
+                await self._start_retriever(kind)
+
+        retrievers = asyncio.gather(*(start_chain(c) for c in chains if c))
+        try:
+            info = await self.generator.info.remote()
+            tok = await self.generator.tokenizer.remote()
+        except BaseException:
+            retrievers.cancel()
+            raise
         self.features = dict(info.get("features") or {})  # optional modes: dense drafting, KNN-LM
         self.codec = RemoteGenerator(
             None,
@@ -99,8 +115,7 @@ class RayBackend:
             GeneratorConfig(max_prompt_tokens=info["max_prompt_tokens"], max_new_tokens_limit=info["max_new_tokens"]),
             info["eos_token_id"],
         )
-        for kind in sorted(self.kinds, key=_BUILD_ORDER.__getitem__):
-            await self._start_retriever(kind)
+        await retrievers
         await asyncio.gather(*(v.ping.remote() for v in self.verifiers.values()))
         await self._start_pool(self._state())
         log.info(

@@ -219,8 +219,6 @@ def measure_bursts(
 
     wrong = sum(b["requests"] - b["identical"] for b in bursts)
     if args.burst:
-        before = http.get("/v1/ralm/stats").json()
-        coord_before = (before.get("coordinators") or {}).get("rss_mib", 0.0)
         mix = [
             body(
                 questions[i % len(questions)], args.burst_tokens, **({"spec": "PSA", "method": "spec"} if i % 2 else {})
@@ -231,6 +229,8 @@ def measure_bursts(
         for b in mix:  # the reference of each distinct question: RaLMSeq alone (PSA must equal it)
             if b["question"] not in refs:
                 refs[b["question"]] = _post(http, body(b["question"], args.burst_tokens))[1]
+        before = http.get("/v1/ralm/stats").json()  # after the references: the burst's own batching
+        coord_before = (before.get("coordinators") or {}).get("rss_mib", 0.0)
         rss_idle = ray_rss_mib()
         with RssSampler() as rss:
             out, wall = _at_once(url, mix, args.client_timeout, retry)
