@@ -2,7 +2,7 @@
 requests run N at a time through one in-process pipeline.
 
 The N request threads share one retriever and one :class:`ralm.engine.LMEngine`; the
-engine's continuous batcher (:mod:`ralm.batching.scheduler`) packs their steps into one
+engine's continuous batcher (:mod:`ralm.batching.continuous_batcher`) packs their steps into one
 forward per iteration, and since that forward is batch-invariant every request's tokens
 are the ones it gets alone, so the exactness check against RaLMSeq is unchanged.
 

@@ -9,7 +9,7 @@ config enables them, a replica also holds a DReSD datastore for dense drafting a
 token datastore, and runs KNN-LM requests (:mod:`deployments.modes`).
 
 Batching. ``step`` is asynchronous: a plain step is handed to the engine's continuous
-batcher (:mod:`ralm.batching.scheduler`), so the steps of all requests in flight on a
+batcher (:mod:`ralm.batching.continuous_batcher`), so the steps of all requests in flight on a
 replica share one packed forward per iteration (n-gram drafted and FLARE steps too), and
 each still gets the tokens it gets alone. Dense-drafted steps and KNN-LM forward passes
 run one at a time on the batcher's thread between two iterations. ``info()['batching']`` reports the batcher's

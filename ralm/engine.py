@@ -30,11 +30,11 @@ from typing import TypedDict
 import torch
 
 from cache.doc_kv import DocPrefixTree
+from ralm.batching.continuous_batcher import ContinuousBatcher
 from ralm.batching.engine import BatchEngine, StepCall
 from ralm.batching.invariant import InvariantUnavailable, make_invariant
 from ralm.batching.packed import model_max_positions
 from ralm.batching.proof import InvarianceProof, prove_invariance
-from ralm.batching.scheduler import ContinuousBatcher
 from ralm.batching.sessions import SessionStore
 from ralm.config import GeneratorConfig
 from ralm.doc_kv import docs_past, last_logits_kwargs, segment_bytes

@@ -5,5 +5,5 @@
 :mod:`~ralm.batching.sessions` keeps each request's KV between steps,
 :mod:`~ralm.batching.engine` advances many steps together,
 :mod:`~ralm.batching.policy` picks what each batched forward feeds, and
-:mod:`~ralm.batching.scheduler` batches continuously on one model thread.
+:mod:`~ralm.batching.continuous_batcher` batches continuously on one model thread.
 """

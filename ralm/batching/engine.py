@@ -65,7 +65,7 @@ class FeedOutput:
 
 @dataclass
 class ActiveStep:
-    """A step in progress (engine-internal state, exposed for the scheduler, the policy and tests)."""
+    """A step in progress (engine-internal state, exposed for the continuous batcher, the policy and tests)."""
 
     call: StepCall
     session: Session
