@@ -63,6 +63,7 @@ from ralm.results import RalmResult
 from ralm.retrieval.base import Retriever
 from ralm.seq import run_seq
 from ralm.spec import run_spec
+from ralm.tokens import decode as decode_ids
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +310,8 @@ class CoordinatorHost:
         """Like :meth:`run`, yielding ``{"delta": text, "tokens": [...]}`` as tokens are verified,
         then ``{"done": True, "result": ...}``. Call with ``num_returns="streaming"``."""
         chunks: queue.Queue = queue.Queue()
-        dec = StreamDecoder(self.shared_decode)
+        tokenizer = self.shared.generator_parts()[0]
+        dec = StreamDecoder(lambda ids: decode_ids(tokenizer, ids))
         box: dict = {}
 
         def work():
@@ -331,11 +333,6 @@ class CoordinatorHost:
         if "error" in box:
             raise box["error"]
         yield {"delta": dec.push([], final=True), "tokens": [], "done": True, "result": box["result"]}
-
-    def shared_decode(self, tokens: list[int]) -> str:
-        """Text of ``tokens`` with the generator's tokenizer."""
-        tok, cfg, eos = self.shared.generator_parts()
-        return RemoteGenerator(self.shared.generator_handle, tok, cfg, eos).decode(tokens)
 
     def cancel(self, slot: int) -> bool:
         """Stop the request running on ``slot`` at its next step or KB call; whether one ran.

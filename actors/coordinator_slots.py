@@ -42,6 +42,7 @@ class HostRecord:
     live: int = 0  # handed-out slots not discarded
     dead: bool = False
     ready: asyncio.Future | None = None  # the host's ready() call, shared by its slots
+    pinging: asyncio.Future | None = None  # the host's ping in flight, shared by its slots
 
 
 @dataclass(eq=False)
@@ -114,8 +115,12 @@ class SlotFactory:
             raise
 
     async def ping(self, slot: CoordinatorSlot) -> None:
-        """The pool's ``probe``: the host answers at once, even while all its slots are busy."""
-        await slot.ping()
+        """The pool's ``probe``: the host answers at once, even while all its slots are busy.
+        Slots of one host pinged together share one call (a sweep pings every idle slot)."""
+        host = slot.host
+        if host.pinging is None or host.pinging.done():
+            host.pinging = asyncio.ensure_future(slot.ping())
+        await asyncio.shield(host.pinging)
 
     def discard(self, slot: CoordinatorSlot, dead: bool) -> None:
         """The pool dropped ``slot``; ``dead``: it was found dead, so its host is (killed now,
