@@ -83,6 +83,7 @@ class CoordinatorShared:
         self._lock = threading.Lock()
         self._gen_parts: tuple[Any, GeneratorConfig, int | None] | None = None
         self._scorers: dict[str, RemoteScorer] = {}
+        self._curves: dict[str, dict[int, float] | None] = {}
         self._store_obj: DegradingStore | None = None
 
     def generator_parts(self) -> tuple[Any, GeneratorConfig, int | None]:
@@ -108,6 +109,13 @@ class CoordinatorShared:
                 v = self.verifiers[kind]
                 self._scorers[kind] = RemoteScorer(v, remote_result(v.score_function.remote()))
             return self._scorers[kind]
+
+    def cost_curve(self, kind: str) -> dict[int, float] | None:
+        """The verifier's batch cost curve (its shards' start-up timings), fetched once."""
+        with self._lock:
+            if kind not in self._curves:
+                self._curves[kind] = remote_result(self.verifiers[kind].cost_curve.remote())
+            return self._curves[kind]
 
     def store(self) -> DegradingStore | None:
         """The state store (None when none is configured), behind a circuit breaker: while it
@@ -145,6 +153,7 @@ class CoordinatorShared:
             store.connect()
         for kind in self.verifiers:
             self.scorer(kind)
+            self.cost_curve(kind)
 
 
 class Coordinator:
@@ -161,7 +170,7 @@ class Coordinator:
 
     def _kb(self, kind: str) -> tuple[Retriever, VerifierKB, SpeculativeCache]:
         scorer = self.shared.scorer(kind)
-        vkb = VerifierKB(kind, self.shared.verifiers[kind], scorer, self.cancelled)
+        vkb = VerifierKB(kind, self.shared.verifiers[kind], scorer, self.cancelled, self.shared.cost_curve(kind))
         kb: Retriever = vkb
         version = (self.shared.state.get("kb_cache") or {}).get(kind)
         store = self.shared.store()

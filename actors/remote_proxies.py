@@ -148,10 +148,20 @@ class RemoteScorer:
 class VerifierKB:
     """:class:`~ralm.retrieval.base.Retriever` backed by a verifier actor."""
 
-    def __init__(self, name: str, verifier: Any, scorer: RemoteScorer, cancelled: threading.Event | None = None):
+    def __init__(
+        self,
+        name: str,
+        verifier: Any,
+        scorer: RemoteScorer,
+        cancelled: threading.Event | None = None,
+        batch_cost_curve: dict[int, float] | None = None,
+    ):
+        """``batch_cost_curve``: the shards' start-up timings of a batch against one query
+        (``Verifier.cost_curve``), for the stride scheduler."""
         self.name = name
         self.verifier = verifier
         self.scorer: ExactScorer = scorer
+        self.batch_cost_curve = batch_cost_curve
         self.requester: str | None = None  # the request in flight, announced to the verifier
         self._sharing = 0  # announced requests at the verifier's last answer
         self.cancelled = cancelled or threading.Event()  # set by Coordinator.cancel: the next call raises

@@ -257,7 +257,11 @@ class RetrievalShard:
         if not isinstance(self.local, DenseRetriever) or self.kind != "edr":
             return {}
         plan = self.local.plan
-        return {"dense_scan": self.local.scan_label, "dense_scan_timings_ms": plan.timings}
+        return {
+            "dense_scan": self.local.scan_label,
+            "dense_scan_timings_ms": plan.timings,
+            "dense_scan_batch_cost": self.local.batch_cost_curve,
+        }
 
     def ping(self) -> int:
         return self.pid

@@ -429,6 +429,14 @@ class Verifier:
     def shard_infos(self) -> list[dict]:
         return self.router.infos()
 
+    def cost_curve(self) -> dict[int, float] | None:
+        """A batch's cost relative to one query by batch size, as the shards timed it at
+        start-up (the first shard that timed one; shards of a kind are alike), else None."""
+        for info in self.router.infos():
+            if info.get("dense_scan_batch_cost"):
+                return dict(info["dense_scan_batch_cost"])
+        return None
+
     def ping(self) -> str:
         return self.kind
 

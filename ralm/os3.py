@@ -54,6 +54,10 @@ s times one query, the next decisions fall back to short strides. Worked example
 b(1) = 0.17, b(2) = 0.26 -> b(8) = 0.26 (flat), so s = 8 is tried; it measures 0.30, and
 now b(4) = 0.26 + (0.30 - 0.26) * 2/6 = 0.273.
 
+**Extension: b(s) from the KB's start-up timings.** Where a KB timed its batch sizes (exact
+dense, :mod:`ralm.batch_cost`), b(s) beyond the largest size measured follows that curve, not
+flat: b(1) = 0.17 s and {1: 1.0, 4: 1.3, 16: 3.4} give b(8) = 0.34 s before any batch ran.
+
 **Extension: gamma by position, and the request's end (the default, ``'positional'``).**
 Mismatches cluster in the middle of a request; each step of a window gets the gamma of
 its position bucket (:mod:`ralm.position_gamma`), and with the steps left known the first
@@ -73,10 +77,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from statistics import fmean
 
 from ralm import constants as C
+from ralm.batch_cost import monotone, scaled
 from ralm.beta_posterior import beta_quantile_int
 from ralm.config import SpecConfig
 from ralm.gamma_prior import GammaPrior
@@ -183,10 +188,12 @@ class StrideScheduler:
         history: int = 16,
         prior: GammaPrior | None = None,
         prior_key: Hashable = None,
+        cost_curve: Mapping[int, float] | None = None,
     ):
-        """``prior``: evidence of earlier requests under ``prior_key`` (bayes mode only; see
-        :mod:`ralm.gamma_prior`); :meth:`finish` adds this request's own evidence to it."""
+        """``prior``: earlier requests' evidence under ``prior_key`` (bayes mode; :mod:`ralm.gamma_prior`),
+        which :meth:`finish` extends; ``cost_curve``: the KB's start-up batch costs (bayes mode)."""
         self.cfg = cfg
+        self.cost_curve = monotone(cost_curve) if cost_curve else None
         self.bayes = cfg.gamma_estimate != "capped"  # 'bayes' and 'positional' share the Beta machinery
         self.positional = cfg.gamma_estimate == "positional"
         self._prior = prior if (self.bayes and cfg.adaptive_stride and cfg.gamma_prior) else None
@@ -360,8 +367,8 @@ class StrideScheduler:
             means.append(max(m, means[-1]) if means else m)
         if s <= sizes[0]:
             return means[0]
-        if s >= sizes[-1]:
-            return means[-1]  # flat beyond the largest size measured: optimistic, then measured
+        if s >= sizes[-1]:  # flat beyond the largest size measured (optimistic), or the KB's own curve
+            return means[-1] if self.cost_curve is None else scaled(self.cost_curve, sizes[-1], means[-1], s)
         i = next(j for j, size in enumerate(sizes) if size >= s)
         lo, hi = sizes[i - 1], sizes[i]
         return means[i - 1] + (means[i] - means[i - 1]) * (s - lo) / (hi - lo)

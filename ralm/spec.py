@@ -97,7 +97,10 @@ class _SpecRun:
         self.p = max(spec.prefetch_size if spec.prefetch else 1, self.depth)
         self.query = make_query_fn(gen, req, self.n_q)
         self.sched = StrideScheduler(
-            spec, prior=PROCESS_PRIOR if spec.gamma_prior else None, prior_key=("doc", kb.name, spec.model_dump_json())
+            spec,
+            prior=PROCESS_PRIOR if spec.gamma_prior else None,
+            prior_key=("doc", kb.name, spec.model_dump_json()),
+            cost_curve=getattr(kb, "batch_cost_curve", None),  # the KB's start-up batch timings
         )
         self.async_verify = spec.async_verify
         # direct steps while many requests share the KB (adaptive strides only: a fixed stride is

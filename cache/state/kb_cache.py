@@ -23,6 +23,7 @@ class StoreCachedRetriever:
         self.index_version = index_version
         self.name = getattr(kb, "name", "kb")
         self.scorer = kb.scorer
+        self.batch_cost_curve = getattr(kb, "batch_cost_curve", None)  # for the stride scheduler
         self.hits = 0
         self.misses = 0
 

@@ -7,9 +7,10 @@ decode. Medians over repeated runs with fresh queries, so no memo is hit.
 ``--scans faiss,int8,bf16`` also measures every exact-dense candidate scan side by side on
 the EDR index (padded with ``--pad-to``): search time of already encoded queries at batch
 1 and 16 (or ``--scan-batches``), and the last size's ratio to the first, the cost of a
-verification batch against one query. ``int8-own-widths`` is the int8 scan with each batch
-multiplied at its own width (:mod:`ralm.retrieval.int8_widths`), to show what the padding
-changes.
+verification batch against one query. ``int8:fbgemm`` and ``int8:int_mm`` force the int8
+scan's kernel (:mod:`ralm.retrieval.int8_kernels`); ``int8-own-widths`` is the ``int_mm``
+int8 scan with each batch multiplied at its own width (:mod:`ralm.retrieval.int8_widths`),
+to show what the padding changes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from cluster.config_args import load_config
 from cluster.report import machine_note, table, write_report
 from ralm.retrieval.dense import DenseRetriever
+from ralm.retrieval.int8_kernels import IntMM
 from ralm.retrieval.int8_scan import Int8Scan
 from ralm.retrieval.scan_choice import auto_timings
 
@@ -35,8 +37,8 @@ def add_costs_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scans",
         default="",
-        help="comma-separated EDR candidate scans to compare at batch 1 and 16 (faiss, int8, bf16, auto: the one picked here); "
-        "only the scans and the machine line are reported then; int8-own-widths: the int8 scan without its batch-width padding",
+        help="comma-separated EDR candidate scans to compare at batch 1 and 16 (faiss, int8, int8:fbgemm, int8:int_mm, bf16, auto: the one picked here); "
+        "only the scans and the machine line are reported then; int8-own-widths: the int_mm int8 scan without its batch-width padding",
     )
     p.add_argument(
         "--scan-batches",
@@ -88,13 +90,14 @@ def measure_scans(kb, corpus, scans: list[str], pad_to: int, reps: int, sizes: t
     for scan in scans:
         t0 = time.perf_counter()
         own_widths = scan == "int8-own-widths"
+        mode, _, kernel = ("int8:int_mm" if own_widths else scan).partition(":")
         r = DenseRetriever(
-            "edr", kb.encoder, kb.scorer.vectors, pad_to=pad_to, dense_scan="int8" if own_widths else scan
+            "edr", kb.encoder, kb.scorer.vectors, pad_to=pad_to, dense_scan=mode, int8_kernel=kernel or None
         )
         if own_widths:
-            if not isinstance(r.scan, Int8Scan):
-                raise SystemExit("int8-own-widths needs the int8 scan, which this machine cannot run exactly")
-            r.scan.pad_widths = False
+            if not isinstance(r.scan, Int8Scan) or not isinstance(r.scan.kernel, IntMM):
+                raise SystemExit("int8-own-widths needs the int_mm int8 scan, which this machine cannot run exactly")
+            r.scan.kernel.pad_widths = False
         row: dict = {"path": r.scan_label + (" own widths" if own_widths else ""), "build_s": time.perf_counter() - t0}
         row["rows"] = r.n_rows
         if scan == "auto":  # the kernel timings it chose by, when both low-precision scans run here
@@ -121,7 +124,7 @@ def scans_markdown(out: dict) -> str:
     sizes = out["sizes"]
     rows = [
         (
-            r["path"] if r["path"].split()[0] == scan.split("-")[0] else f"{scan} ({r['path']})",
+            r["path"] if r["path"].split()[0] == scan.split("-")[0].split(":")[0] else f"{scan} ({r['path']})",
             f"{r['rows']:,}",
             *(f"{r[f'batch{bs}_ms']:.1f}" for bs in sizes),
             f"{r['ratio_last_to_first']:.2f}x",

@@ -168,6 +168,8 @@ class DenseRetriever:
     ``pad_to`` (edr only): pad the flat index with random vectors of norm
     ``PAD_VECTOR_NORM`` up to that many rows, so each search scans as many rows as a
     Wikipedia-scale index; padding rows are never returned and results are identical.
+    ``int8_kernel``: the int8 scan's integer product ('fbgemm', 'int_mm'; None: the plan's),
+    for side-by-side measurements (``ralmspec costs --scans int8:fbgemm,int8:int_mm``).
     """
 
     def __init__(
@@ -184,6 +186,7 @@ class DenseRetriever:
         rerank_margin: int = C.RERANK_MARGIN,
         faiss_threads: int = C.FAISS_THREADS,
         dense_scan: str = "auto",
+        int8_kernel: str | None = None,
     ):
         import faiss
 
@@ -219,12 +222,17 @@ class DenseRetriever:
                 pad_to,
                 extra * self.scorer.dim * 4 / 2**30,
             )
-            self.plan = ScanPlan(self.plan.scan, (), self.plan.timings)
+            self.plan = ScanPlan(self.plan.scan, (), self.plan.int8_kernel, self.plan.timings)
         chosen = self.plan.scan
         if chosen == "bf16":
             self.scan = bf16_scan.Bf16Scan(self.scorer.vectors, padding_vectors(extra, self.scorer.dim), pad_rows=extra)
         elif chosen == "int8":
-            self.scan = int8_scan.Int8Scan(self.scorer.vectors, padding_vectors(extra, self.scorer.dim), pad_rows=extra)
+            self.scan = int8_scan.Int8Scan(
+                self.scorer.vectors,
+                padding_vectors(extra, self.scorer.dim),
+                pad_rows=extra,
+                kernel=int8_kernel or self.plan.int8_kernel,
+            )
         elif kind == "adr":
             # an adr index is an HNSW index (build_index, or the caller's own for this kind)
             cast("faiss.IndexHNSW", faiss.downcast_index(index)).hnsw.efSearch = int(ef_search)
@@ -258,11 +266,17 @@ class DenseRetriever:
         return "int8" if isinstance(self.scan, Int8Scan) else "bf16"
 
     @property
+    def batch_cost_curve(self) -> dict[int, float] | None:
+        """A batch's cost relative to one query by batch size, as timed at start-up (exact
+        dense with a timed plan only; see :meth:`ScanPlan.cost_curve`)."""
+        return self.plan.cost_curve() if self.kind == "edr" else None
+
+    @property
     def scan_label(self) -> str:
-        """The paths in use for report headers: :attr:`dense_scan` with the int8 code level
-        ('int8 +-63'), and the batch sizes FAISS answers when it answers some
+        """The paths in use for report headers: :attr:`dense_scan` with the int8 code levels
+        and kernel ('int8 +-127/63 fbgemm'), and the batch sizes FAISS answers when it answers some
         ('faiss at batch 1, int8 +-127 at 2-16')."""
-        name = f"int8 +-{self.scan.qmax}" if isinstance(self.scan, Int8Scan) else self.dense_scan
+        name = self.scan.label if isinstance(self.scan, Int8Scan) else self.dense_scan
         return self.plan.label(name)
 
     def __repr__(self) -> str:

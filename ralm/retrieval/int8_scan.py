@@ -24,12 +24,16 @@ accumulation: d 127^2 < 2^31 for d < 133,000; checked by :func:`probe_kernel`), 
 For unit vectors in 384 dims, ``s_x`` ~ 0.2/127 and ``r_x`` ~ s_x sqrt(d/12) ~ 0.009, so
 eps ~ 0.02: a candidate window about as wide as the bf16 one.
 
-The level Q. Without VNNI (AVX2 only), oneDNN multiplies int8 with ``vpmaddubsw``: one
-operand shifted to uint8 (+128), and pairs of u8 x s8 products added in int16 *with
-saturation*. At Q = 127 a pair reaches 2 * 255 * 127 = 64,770 > 32,767 and the product is
-silently wrong (measured here with ``ONEDNN_MAX_CPU_ISA=AVX2``); at Q = 63 a pair stays
-within 2 * 191 * 63 = 24,066, exact. :func:`probe_kernel` tries the levels on worst-case
-signs and keeps the largest exact one; the bound above holds for either (r_x doubles at 63).
+The levels and the kernel. The integer products come from one of the kernels of
+:mod:`ralm.retrieval.int8_kernels` (torch's ``_int_mm`` or FBGEMM), each checked at start-up
+against an int64 product on worst-case signs at the index's dimension. A kernel may be exact
+only at coarser codes: without VNNI (AVX2 only), oneDNN and FBGEMM multiply with
+``vpmaddubsw``, one operand as uint8, and add pairs of u8 x s8 products in int16 *with
+saturation*. ``_int_mm`` shifts an operand by +128, so at Q = 127 a pair reaches 2 * 255 *
+127 = 64,770 > 32,767 and the product is silently wrong (measured with
+``ONEDNN_MAX_CPU_ISA=AVX2``); at Q = 63 a pair stays within 2 * 191 * 63 = 24,066, exact.
+FBGEMM takes rows at 127 and queries at 63 (its input is 7-bit: 2 * 127 * 127 < 32,767). Rows
+and queries have their own levels; the bound above holds for any (r_x doubles at 63).
 
 Pruning a block without converting it. For query ``j`` with floor ``L`` and the block's
 largest bound ``E`` (from its largest ``r_x`` and ``|x^|``), a row can be a candidate
@@ -48,24 +52,19 @@ r_q = 0. n = 127 * 127 = 16129, s^ = 16129 / 127 * 0.5 / 127 = 0.5 = s; eps = |q
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from ralm.retrieval.int8_widths import padded_width
+from ralm.retrieval import int8_kernels
 from ralm.retrieval.scan_bounds import CandidateTracker, query_matrix, trivial_candidates
 
 log = logging.getLogger(__name__)
 
 QMAX = 127
-LEVELS = (QMAX, 63)  # code ranges tried by the probe, the finest first
 BLOCK_ROWS = 1 << 15  # rows per integer product: 32768 x 384 int8 = 12 MiB
 ABS_SLACK = 1e-12  # float64 arithmetic of s^ and of the bound
 ROUND_UP = 1 + 1e-9  # norms computed in float64, rounded up
-
-_probe_lock = threading.Lock()
-_probe_result: int | None = None
 
 
 def quantize(x: np.ndarray, qmax: int = QMAX) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -83,57 +82,14 @@ def quantize(x: np.ndarray, qmax: int = QMAX) -> tuple[np.ndarray, np.ndarray, n
     return codes.astype(np.int8), scale, xn, r
 
 
-def _int_scores(rows, queries_t):
-    """int8 (B, d) x int8 (d, b) -> int32 (B, b), exact (the one kernel used)."""
-    import torch
-
-    return torch._int_mm(rows, queries_t)
-
-
-def _worst_case(q: int, d: int = 384) -> tuple:
-    """int8 (64, d) and (d, 16) at the level ``q``: random codes plus rows and columns of
-    constant and alternating signs at +-q (the largest pair sums a kernel can meet)."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    a = torch.randint(-q, q + 1, (64, d), dtype=torch.int8, generator=g)
-    b = torch.randint(-q, q + 1, (d, 16), dtype=torch.int8, generator=g)
-    a[0], a[1] = q, -q  # d q^2: the largest sum the scan can meet
-    a[2, ::2], a[2, 1::2] = q, -q
-    b[:, 0], b[:, 1] = q, -q
-    b[::2, 2], b[1::2, 2] = q, -q
-    b[::2, 3], b[1::2, 3] = -q, q
-    return a, b
-
-
-def probe_kernel() -> int:
-    """The largest code level of :data:`LEVELS` at which torch's int8 matrix product is
-    exact on this machine (checked against an int64 product on worst-case signs); 0 when
-    none is (or torch has no int8 product)."""
-    global _probe_result
-    with _probe_lock:
-        if _probe_result is not None:
-            return _probe_result
-        level = 0
-        try:
-            for q in LEVELS:
-                a, b = _worst_case(q)
-                if bool((_int_scores(a, b).long() == a.long() @ b.long()).all()):
-                    level = q
-                    break
-                log.info("int8 products saturate at level %d on this machine", q)
-        except Exception as exc:  # no torch._int_mm on this build
-            log.info("int8 scan unavailable: %s", exc)
-        _probe_result = level
-        return level
-
-
 class Int8Scan:
     """An int8 copy of a flat inner-product KB (real rows, then padding rows) and its
     candidate search; the interface of :class:`~ralm.retrieval.bf16_scan.Bf16Scan`.
 
     ``rows``: (n_real, d) float32 in id order. ``pad_chunks``: float32 (m, d) chunks
-    appended after them (never returned; they only cost scan time).
+    appended after them (never returned; they only cost scan time). ``kernel``: the integer
+    product ('fbgemm', 'int_mm'; None: the first exact one here); ``levels``: its (row,
+    query) code levels (None: the finest at which it is exact here).
     """
 
     metric = "ip"
@@ -145,19 +101,26 @@ class Int8Scan:
         *,
         pad_rows: int = 0,
         block_rows: int = BLOCK_ROWS,
-        qmax: int | None = None,
+        kernel: str | None = None,
+        levels: tuple[int, int] | None = None,
     ):
         import torch
-
-        self.qmax = probe_kernel() if qmax is None else int(qmax)
-        if not 0 < self.qmax <= QMAX:
-            raise RuntimeError("no int8 code level gives exact products on this machine; use dense_scan='faiss'")
 
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         if rows.ndim != 2 or rows.shape[0] == 0:
             raise ValueError("rows must be a non-empty (n, d) array")
         self.n_real, self.dim = rows.shape
-        if self.dim * self.qmax * self.qmax >= 2**31:
+        name = kernel or int8_kernels.default_kernel(self.dim)
+        if name is None:
+            raise RuntimeError("no int8 kernel gives exact products on this machine; use dense_scan='faiss'")
+        self.kernel = int8_kernels.kernel(name)
+        levels = levels or int8_kernels.exact_levels(name, self.dim)
+        if levels is None:
+            raise RuntimeError(f"the {name} int8 kernel is not exact on this machine at any code level")
+        self.qmax, self.query_qmax = (int(v) for v in levels)  # row and query code levels
+        if not (0 < self.qmax <= QMAX and 0 < self.query_qmax <= QMAX):
+            raise ValueError(f"int8 code levels must be in 1..{QMAX}, not {levels}")
+        if self.dim * self.qmax * self.query_qmax >= 2**31:
             raise ValueError(f"{self.dim} dims could overflow the int32 accumulator")
         self.n_rows = self.n_real + int(pad_rows)
         self.block_rows = int(block_rows)
@@ -176,9 +139,10 @@ class Int8Scan:
             at += m
         if at != self.n_rows:
             raise ValueError(f"padding chunks gave {at - self.n_real} rows, expected {pad_rows}")
-        self.data = data
-        self.pad_widths = True  # False: each batch at its own width (``ralmspec costs --scans int8-own-widths``)
-        padded_width(2, self.dim)  # probe the kernel's batch widths now, not in the first verification
+        # the kernel's operand per block (the codes themselves, or FBGEMM's packed copy)
+        self._ops = [self.kernel.rows(data[s : s + self.block_rows]) for s in range(0, self.n_rows, self.block_rows)]
+        del data  # FBGEMM keeps its packed copy only
+        self.kernel.queries(np.zeros((2, self.dim), dtype=np.int8))  # probe int_mm's widths now
         # per block, over its real rows: scale range and largest |x^| and r_x (the block bound)
         self._blocks: list[tuple[float, float, float, float] | None] = []
         for s in range(0, self.n_rows, self.block_rows):
@@ -197,8 +161,14 @@ class Int8Scan:
                 self._blocks.append(None)
 
     @property
+    def label(self) -> str:
+        """For report headers: 'int8 +-127/63 fbgemm' (row / query levels when they differ)."""
+        levels = f"{self.qmax}" if self.qmax == self.query_qmax else f"{self.qmax}/{self.query_qmax}"
+        return f"int8 +-{levels} {self.kernel.name}"
+
+    @property
     def nbytes(self) -> int:
-        return int(self.data.numel())
+        return self.n_rows * self.dim
 
     def candidates(self, queries: np.ndarray | Sequence[np.ndarray], k: int) -> list[np.ndarray]:
         """Per query, sorted real row ids that contain its exact top-``k``.
@@ -212,22 +182,20 @@ class Int8Scan:
         done = trivial_candidates(b, k, self.n_real)
         if done is not None:
             return done
-        q_codes, q_scale, q_norm, q_resid = quantize(Q, self.qmax)  # (b, d) int8, (b,) x3
-        w = padded_width(b, self.dim) if self.pad_widths else b  # zero columns up to a cheaper width
-        Qt = torch.zeros((self.dim, w), dtype=torch.int8)  # (d, w) int8
-        Qt[:, :b] = torch.from_numpy(np.ascontiguousarray(q_codes.T))
+        q_codes, q_scale, q_norm, q_resid = quantize(Q, self.query_qmax)  # (b, d) int8, (b,) x3
+        q_op = self.kernel.queries(q_codes)
         track = CandidateTracker(b, k)
         for bi, start in enumerate(range(0, self.n_rows, self.block_rows)):
             blk = self._blocks[bi]
             if blk is None:
                 # padding only: scanned for its cost, never a candidate
-                _int_scores(self.data[start : start + self.block_rows], Qt)
+                self.kernel.scores(self._ops[bi], q_op, b)
                 continue
             s_min, s_max, xn_max, r_max = blk
             stop = min(start + self.block_rows, self.n_rows)
-            n = _int_scores(self.data[start:stop], Qt)  # (B, w) int32
+            n = self.kernel.scores(self._ops[bi], q_op, b)  # (B, b) int32
             real = min(stop, self.n_real) - start
-            n = n[:real, :b]
+            n = n[:real]
             eps_blk = q_norm * r_max + q_resid * xn_max + q_resid * r_max + ABS_SLACK  # (b,)
             L = track.L
             if np.isfinite(L).all():
@@ -257,13 +225,14 @@ class Int8Scan:
         return track.result()
 
 
-def available(mode: str = "int8") -> bool:
-    """Whether the int8 scan can run: 'int8' requires it (an error when no code level is
-    exact here), 'auto' asks (see :mod:`ralm.retrieval.scan_choice`), others never."""
+def available(mode: str = "int8", dim: int = 384) -> bool:
+    """Whether the int8 scan can run for ``dim`` dimensions: 'int8' requires it (an error
+    when no kernel is exact here), 'auto' asks (see :mod:`ralm.retrieval.scan_choice`),
+    others never."""
     if mode not in ("auto", "int8"):
         return False
-    if not probe_kernel():
+    if not int8_kernels.exact_kernels(dim):
         if mode == "int8":
-            raise RuntimeError("dense_scan='int8' but torch's int8 matrix product is not exact on this machine")
+            raise RuntimeError("dense_scan='int8' but no int8 matrix product is exact on this machine")
         return False
     return True

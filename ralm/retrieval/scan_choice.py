@@ -10,22 +10,28 @@ batch size:
 * ``bf16``: one bf16 pass for the whole batch. Fast where the CPU has bf16 instructions
   (AMX, AVX512-BF16); emulated and slow elsewhere, so ``auto`` only considers it there.
 * ``int8``: one int8 pass for the whole batch, exact integer products (VNNI or AVX2's
-  ``vpmaddubsw``).
+  ``vpmaddubsw``) from one of two kernels, torch's ``_int_mm`` or FBGEMM
+  (:mod:`ralm.retrieval.int8_kernels`), timed separately as ``int8:int_mm`` and
+  ``int8:fbgemm``.
 
 ``auto`` measures, once per process and dimension, every path that can run exactly here at
 batch 1 and at the verification batch sizes 4 and 16, each over a block of
 :data:`TIMING_ROWS` rows (larger than a CPU's last-level cache, so memory traffic counts as
-it does over a whole index; about a second). An index smaller than that block is not worth
-timing: it takes the int8 scan where it is exact, else bf16, else FAISS. It builds the low-precision scan that is cheaper summed over
-those sizes, and routes each batch size to whichever of that scan and FAISS measured
-faster at it. Measured on a 2-core AVX2-only AMD EPYC at 4M rows (docs/results): FAISS's
-single query beat the int8 scan, whose batch of 16 beat FAISS's: a plan that sends
-single queries to FAISS and verification batches to the scan beats either alone. Forced
-modes (``faiss``, ``bf16``, ``int8``) use one path for every batch and never fall back.
+it does over a whole index; a second or two). An index smaller than that block is not worth
+timing: it takes the int8 scan where it is exact, else bf16, else FAISS. It builds the
+low-precision scan (and int8 kernel) that is cheaper summed over those sizes, and routes
+each batch size to whichever of that scan and FAISS measured faster at it. Measured on a
+2-core AVX2-only AMD EPYC at 4M rows (docs/results): ``_int_mm``'s int8 scan lost to FAISS
+at every size, FBGEMM's beat FAISS at every size. Elsewhere FAISS's single query may beat
+a scan whose batches beat FAISS's: a plan that sends single queries to FAISS and
+verification batches to the scan then beats either alone. Forced modes (``faiss``,
+``bf16``, ``int8``) use one path for every batch and never fall back (``int8`` takes the
+first exact kernel of :data:`~ralm.retrieval.int8_kernels.KERNELS`).
 
-Worked example: timings (ms per block) faiss {1: 10, 4: 33, 16: 45}, int8 {1: 30, 4: 31,
-16: 34} -> the int8 scan is built, batch 1 goes to FAISS, and batches of 2 and more go to
-the scan (a size between two timed ones takes the larger one's route).
+Worked example: timings (ms per block) faiss {1: 10, 4: 33, 16: 45}, int8:fbgemm {1: 30, 4:
+31, 16: 34}, int8:int_mm {1: 40, 4: 90, 16: 300} -> the int8 scan is built on FBGEMM, batch
+1 goes to FAISS, and batches of 2 and more go to the scan (a size between two timed ones
+takes the larger one's route).
 """
 
 from __future__ import annotations
@@ -37,9 +43,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ralm.retrieval import bf16_scan, int8_scan
+from ralm.retrieval import bf16_scan, int8_kernels, int8_scan
 from ralm.retrieval.faiss_search import faiss_search
-from ralm.retrieval.int8_widths import padded_width
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +62,13 @@ _auto: dict[tuple[int, int], ScanPlan] = {}  # (dim, faiss threads) -> plan
 class ScanPlan:
     """``scan``: the low-precision scan to build ('bf16', 'int8'; 'faiss': none);
     ``faiss_batches``: timed batch sizes that go to FAISS although a scan is built;
-    ``timings``: ms per :data:`TIMING_ROWS` rows by path and batch size (None: not timed)."""
+    ``int8_kernel``: the int8 scan's kernel ('fbgemm', 'int_mm'; None: the first exact one);
+    ``timings``: ms per :data:`TIMING_ROWS` rows by path and batch size (None: not timed;
+    int8 paths are named 'int8:KERNEL')."""
 
     scan: str
     faiss_batches: tuple[int, ...] = ()
+    int8_kernel: str | None = None
     timings: dict[str, dict[int, float]] | None = field(default=None, compare=False)
 
     def route(self, batch: int) -> str:
@@ -70,6 +78,28 @@ class ScanPlan:
             return "faiss"
         timed = next((b for b in TIMING_BATCHES if b >= batch), TIMING_BATCHES[-1])
         return "faiss" if timed in self.faiss_batches else self.scan
+
+    def path_key(self, batch: int) -> str:
+        """The :attr:`timings` key of the path a batch of ``batch`` queries takes."""
+        path = self.route(batch)
+        return f"int8:{self.int8_kernel}" if path == "int8" and self.int8_kernel else path
+
+    def cost_curve(self) -> dict[int, float] | None:
+        """Measured cost of a batch of each timed size relative to one query, each on the path
+        it takes (None: not timed). The stride scheduler reads it before it has measured a
+        batch itself (:class:`~ralm.os3.StrideScheduler`).
+
+        >>> ScanPlan("int8", (1,), "fbgemm", {"faiss": {1: 5.0, 4: 20.0, 16: 30.0},
+        ...     "int8:fbgemm": {1: 8.0, 4: 9.0, 16: 12.0}}).cost_curve()
+        {1: 1.0, 4: 1.8, 16: 2.4}
+        """
+        if not self.timings:
+            return None
+        try:
+            one = self.timings[self.path_key(1)][1]
+            return {b: round(self.timings[self.path_key(b)][b] / one, 6) for b in TIMING_BATCHES}
+        except (KeyError, ZeroDivisionError):
+            return None
 
     def label(self, scan_label: str | None = None) -> str:
         """For report headers: 'int8 +-127', or 'faiss at 1, int8 +-127 at 2+'."""
@@ -93,7 +123,8 @@ class ScanPlan:
 
 def kernel_ms(path: str, dim: int, batch: int, faiss_threads: int = 1) -> float:
     """Milliseconds of one search of ``batch`` random queries over :data:`TIMING_ROWS` random
-    rows of ``dim`` on ``path`` (best of :data:`TIMING_REPS`, after a warm-up call)."""
+    rows of ``dim`` on ``path`` ('faiss', 'bf16', 'int8:KERNEL'; best of :data:`TIMING_REPS`,
+    after a warm-up call)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -113,12 +144,15 @@ def kernel_ms(path: str, dim: int, batch: int, faiss_threads: int = 1) -> float:
 
         def call():
             return torch.topk(bf16_scan._scores(rows, q), TIMING_K, dim=0)
-    else:
-        rows8 = torch.randint(-63, 64, (TIMING_ROWS, dim), dtype=torch.int8, generator=g)
-        q8 = torch.randint(-63, 64, (dim, padded_width(batch, dim)), dtype=torch.int8, generator=g)
+    elif path.startswith("int8:"):
+        k = int8_kernels.kernel(path.split(":", 1)[1])
+        op = k.rows(torch.randint(-63, 64, (TIMING_ROWS, dim), dtype=torch.int8, generator=g))
+        q_op = k.queries(torch.randint(-63, 64, (batch, dim), dtype=torch.int8, generator=g).numpy())
 
         def call():
-            return torch.topk(int8_scan._int_scores(rows8, q8), TIMING_K, dim=0)
+            return torch.topk(k.scores(op, q_op, batch), TIMING_K, dim=0)
+    else:
+        raise ValueError(f"unknown scan path {path!r}")
 
     call()
     best = np.inf
@@ -143,11 +177,11 @@ def plan_scan(mode: str, dim: int, faiss_threads: int = 1, n_rows: int | None = 
         bf16_scan.available("bf16")  # raises when unsound
         return ScanPlan("bf16")
     if mode == "int8":
-        int8_scan.available("int8")  # raises when no level is exact
+        int8_scan.available("int8", dim)  # raises when no kernel is exact
         return ScanPlan("int8")
-    usable = [s for s, ok in (("bf16", bf16_scan.available("auto")), ("int8", int8_scan.available("auto"))) if ok]
+    usable = (["bf16"] if bf16_scan.available("auto") else []) + [f"int8:{k}" for k in int8_kernels.exact_kernels(dim)]
     if n_rows is not None and n_rows < TIMING_ROWS:  # small: any path is fast, none is worth timing
-        return ScanPlan("int8" if "int8" in usable else usable[0] if usable else "faiss")
+        return ScanPlan(usable[-1].partition(":")[0] if usable else "faiss")  # int8 where exact, else bf16
     key = (int(dim), int(faiss_threads))
     with _lock:
         if key not in _auto:
@@ -158,11 +192,15 @@ def plan_scan(mode: str, dim: int, faiss_threads: int = 1, n_rows: int | None = 
 def _measure(usable: list[str], dim: int, faiss_threads: int) -> ScanPlan:
     t = {p: {b: kernel_ms(p, dim, b, faiss_threads) for b in TIMING_BATCHES} for p in ["faiss", *usable]}
     if not usable:
-        plan = ScanPlan("faiss", (), t)
+        plan = ScanPlan("faiss", (), None, t)
     else:
-        scan = min(usable, key=lambda s: sum(t[s].values()))
-        to_faiss = tuple(b for b in TIMING_BATCHES if t["faiss"][b] < t[scan][b])
-        plan = ScanPlan("faiss", (), t) if len(to_faiss) == len(TIMING_BATCHES) else ScanPlan(scan, to_faiss, t)
+        path = min(usable, key=lambda s: sum(t[s].values()))
+        scan, _, kernel = path.partition(":")
+        to_faiss = tuple(b for b in TIMING_BATCHES if t["faiss"][b] < t[path][b])
+        if len(to_faiss) == len(TIMING_BATCHES):
+            plan = ScanPlan("faiss", (), None, t)
+        else:
+            plan = ScanPlan(scan, to_faiss, kernel or None, t)
     log.info("dense scan auto: %s (ms per %d rows by batch size: %s)", plan.label(), TIMING_ROWS, t)
     return plan
 

@@ -175,6 +175,47 @@ def test_a_kb_whose_batches_cost_s_queries_falls_back_to_short_strides():
     assert sum(s > 2 for s in tried) <= 3 and tried[-3:] == [1, 1, 1], tried
 
 
+def test_a_start_up_cost_curve_shapes_b_beyond_the_sizes_measured():
+    """With the KB's start-up timings, b(s) beyond the largest measured size follows the
+    curve, scaled to the measured mean (the module docstring's example); measured sizes
+    keep their means, and a non-monotone curve is made non-decreasing."""
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True), cost_curve={1: 1.0, 4: 1.3, 16: 3.4})
+    sch.record_kb_latency(1, 0.17)
+    assert sch.verify_latency(1) == pytest.approx(0.17)
+    assert sch.verify_latency(8) == pytest.approx(0.34)
+    assert sch.verify_latency(16) == pytest.approx(0.578)
+    sch.record_verification(4, 4, 0.30)  # measured: b(4) is its own mean, the curve goes on from it
+    assert sch.verify_latency(4) == pytest.approx(0.30)
+    assert sch.verify_latency(16) == pytest.approx(0.30 * 3.4 / 1.3)
+    bumpy = StrideScheduler(SpecConfig(adaptive_stride=True), cost_curve={1: 1.0, 4: 0.9, 16: 2.0})
+    bumpy.record_kb_latency(1, 0.1)
+    assert bumpy.verify_latency(4) == pytest.approx(0.1) and bumpy.verify_latency(16) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("per_query", [1.0, 0.02])
+def test_the_first_decisions_follow_the_kbs_measured_batch_curve(per_query):
+    """A KB whose batch of s costs s queries (FAISS's per-query scan) against one whose batch
+    costs about one query (a shared pass): with the start-up curve, the first decisions after
+    the warm-up call are already short in the first case and longer in the second; without
+    it, both start by trying a longer stride (flat extrapolation)."""
+
+    def first_strides(curve):
+        sch = StrideScheduler(SpecConfig(adaptive_stride=True, max_stride=16, allow_direct=False), cost_curve=curve)
+        sch.record_generation(0.037)
+        sch.record_step(0.045)
+        for _ in range(4):
+            sch.record_verification(1, 1, 0.10)  # four matched windows of one step
+        return sch.next_stride()
+
+    curve = {b: 1.0 + per_query * (b - 1) for b in (1, 4, 16)}
+    seeded, flat = first_strides(curve), first_strides(None)
+    assert flat > 2
+    if per_query == 1.0:
+        assert seeded <= 2
+    else:
+        assert seeded > 2
+
+
 def test_async_objective_prefers_longer_or_equal_stride_when_b_is_hidden():
     a, b, g = 0.010, 0.012, 0.6
     sync = max(range(1, 9), key=lambda s: objective(s, g, a, b, False))

@@ -283,3 +283,26 @@ def test_a_crowded_shared_kb_makes_ralmspec_take_direct_steps(load, threshold, n
         assert st.kb_calls == base.stats.kb_calls
     else:
         assert st.load_direct_steps == 0 and st.verifications > 0
+
+
+def test_the_kbs_start_up_batch_curve_reaches_the_scheduler_and_changes_no_token(monkeypatch):
+    """A KB that timed its batch sizes at start-up (exact dense) hands the curve to the
+    stride scheduler; the output stays RaLMSeq's."""
+    import ralm.spec as spec_mod
+    from ralm.os3 import StrideScheduler
+
+    seen = []
+
+    class Recording(StrideScheduler):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            seen.append(self.cost_curve)
+
+    monkeypatch.setattr(spec_mod, "StrideScheduler", Recording)
+    curve = {1: 1.0, 4: 3.9, 16: 15.5}
+    gen, kb, req = pipeline({5: 3, 9: 2})
+    base = run_seq(Q, gen, kb, req)
+    gen2, kb2, req2 = pipeline({5: 3, 9: 2})
+    kb2.batch_cost_curve = curve
+    out = run_spec(Q, gen2, kb2, req2, SpecConfig(adaptive_stride=True))
+    assert seen == [curve] and out.tokens == base.tokens

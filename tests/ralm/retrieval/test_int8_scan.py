@@ -7,21 +7,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ralm.retrieval import int8_scan
+from ralm.retrieval import int8_kernels, int8_scan
 from ralm.retrieval.base import rank_hits
-from ralm.retrieval.dense import dense_scores, padding_vectors
+from ralm.retrieval.dense import DenseRetriever, dense_scores, padding_vectors
 from ralm.retrieval.factory import load_retriever
 from ralm.retrieval.int8_scan import Int8Scan, quantize
 from tests.ralm.retrieval.scan_rows import exact_top, unit_rows, with_ties
 
+HERE = int8_kernels.exact_kernels(64)  # the kernels exact on this machine (both, on x86 with FBGEMM)
 
-@pytest.fixture(scope="module")
-def scan():
+
+@pytest.fixture(scope="module", params=HERE)
+def scan(request):
     rng = np.random.default_rng(11)
     X = with_ties(unit_rows(rng, 6000, 64))
     X[200:260] *= np.float32(3.0)  # rows of other norms (and so other scales)
     X[300] = 0.0  # a zero row
-    return X, Int8Scan(X, padding_vectors(40000, 64), pad_rows=40000, block_rows=4096)
+    return X, Int8Scan(X, padding_vectors(40000, 64), pad_rows=40000, block_rows=4096, kernel=request.param)
 
 
 def test_quantize_matches_the_worked_example():
@@ -69,19 +71,18 @@ def test_candidate_sets_stay_small(scan):
     assert max(sizes) < 0.05 * X.shape[0], sizes
 
 
-@pytest.mark.parametrize("qmax", int8_scan.LEVELS)
-def test_the_error_bound_holds_for_every_row_and_query(qmax):
+@pytest.mark.parametrize("levels", [(127, 127), (63, 63), (127, 63)])
+def test_the_error_bound_holds_for_every_row_and_query(levels):
     """|s^ - s| <= |q^| r_x + r_q |x^| + r_q r_x, with rows and queries of very different
-    norms, in 384 dims; and s^ is not exact (the bound does work)."""
-    import torch
-
+    norms and their own code levels, in 384 dims; and s^ is not exact (the bound does work).
+    The integer scores are an int64 product: the kernels' own exactness is tested below."""
     rng = np.random.default_rng(9)
     d = 384
     X = (rng.standard_normal((3000, d)) * np.exp(2 * rng.standard_normal((3000, 1)))).astype(np.float32)
     Q = (rng.standard_normal((5, d)) * np.exp(rng.standard_normal((5, 1)))).astype(np.float32)
-    xc, xs, xn, xr = quantize(X, qmax)
-    qc, qs, qn, qr = quantize(Q, qmax)
-    n = int8_scan._int_scores(torch.from_numpy(xc), torch.from_numpy(np.ascontiguousarray(qc.T))).numpy()
+    xc, xs, xn, xr = quantize(X, levels[0])
+    qc, qs, qn, qr = quantize(Q, levels[1])
+    n = xc.astype(np.int64) @ qc.astype(np.int64).T
     est = n.astype(np.float64) * xs[:, None] * qs[None, :]
     exact = X.astype(np.float64) @ Q.astype(np.float64).T
     bound = np.outer(xr, qn) + np.outer(xn, qr) + np.outer(xr, qr)
@@ -90,73 +91,115 @@ def test_the_error_bound_holds_for_every_row_and_query(qmax):
     assert err.max() > 0
 
 
+@pytest.mark.parametrize("name", HERE)
+@pytest.mark.parametrize("d", [2, 64, 384, 1000])
+def test_each_kernel_here_is_exact_at_its_levels(name, d):
+    """Every kernel the probe accepts gives int64-equal products at its levels on random and
+    worst-case codes, at batch sizes the scan uses."""
+    import torch
+
+    levels = int8_kernels.exact_levels(name, d)
+    if levels is None:  # refused at this width on this machine: never used there
+        return
+    k = int8_kernels.kernel(name)
+    g = torch.Generator().manual_seed(d)
+    rows, _ = int8_kernels.worst_case(*levels, d=d)
+    for b in (1, 2, 3, 7, 16, 17):
+        q = torch.randint(-levels[1], levels[1] + 1, (b, d), dtype=torch.int8, generator=g)
+        q[0] = levels[1]
+        got = k.scores(k.rows(rows), k.queries(q.numpy()), b)
+        assert got.shape == (64, b) and got.dtype == torch.int32
+        assert torch.equal(got.long(), rows.long() @ q.long().T)
+
+
+def test_fbgemm_matches_the_worked_example():
+    if "fbgemm" not in HERE:
+        pytest.skip("FBGEMM is not exact or not built on this machine")  # ARM builds have no FBGEMM
+    import torch
+
+    k = int8_kernels.kernel("fbgemm")
+    got = k.scores(k.rows(torch.tensor([[127, -64]], dtype=torch.int8)), k.queries(np.array([[63, 1]], np.int8)), 1)
+    assert got.tolist() == [[7937]]
+
+
+def _saturating(self, rows, queries, b):
+    """A kernel that accumulates in int16: wrong at every level."""
+    import torch
+
+    if isinstance(queries, torch.Tensor) and queries.dtype == torch.float32:  # fbgemm's operand
+        q = queries[1 : b + 1].round().long()
+        r = torch.ops.quantized.linear_unpack(rows)[0].int_repr().long()
+        out = r @ q.T
+    else:
+        out = rows.long() @ queries.long()[:, :b]
+    return out.clamp(-(2**15), 2**15 - 1).int()
+
+
 def test_an_inexact_kernel_is_refused(monkeypatch):
-    """A kernel that accumulates in int16 is wrong at every level: the probe finds no exact
-    level and the scan is refused. (Emulated: no such CPU is available here.)"""
-
-    def saturating(rows, queries_t):
-        out = rows.long() @ queries_t.long()
-        return out.clamp(-(2**15), 2**15 - 1).int()
-
-    monkeypatch.setattr(int8_scan, "_probe_result", None)
-    monkeypatch.setattr(int8_scan, "_int_scores", saturating)
-    assert int8_scan.probe_kernel() == 0
-    assert int8_scan.available("auto") is False
-    with pytest.raises(RuntimeError, match="not exact"):
-        int8_scan.available("int8")
-    with pytest.raises(RuntimeError, match="no int8 code level"):
-        Int8Scan(np.ones((4, 8), dtype=np.float32))
-    monkeypatch.setattr(int8_scan, "_probe_result", None)
+    """Kernels that accumulate in int16 are wrong at every level: the probe finds no exact
+    level, and the scan is refused. (Emulated: no such CPU is available here.)"""
+    monkeypatch.setattr(int8_kernels, "_levels", {})
+    monkeypatch.setattr(int8_kernels.IntMM, "scores", _saturating)
+    monkeypatch.setattr(int8_kernels.Fbgemm, "scores", _saturating)
+    assert int8_kernels.exact_kernels(64) == []
+    assert int8_scan.available("auto", 64) is False
+    with pytest.raises(RuntimeError, match="no int8 matrix product is exact"):
+        int8_scan.available("int8", 64)
+    with pytest.raises(RuntimeError, match="no int8 kernel"):
+        Int8Scan(np.ones((4, 64), dtype=np.float32))
+    with pytest.raises(RuntimeError, match="not exact on this machine"):
+        Int8Scan(np.ones((4, 64), dtype=np.float32), kernel="int_mm")
 
 
-def _vpmaddubsw(rows, queries_t):
+def _vpmaddubsw(self, rows, queries_t, b):
     """An AVX2 int8 product without VNNI, as oneDNN computes it: ``rows`` shifted to uint8
     (+128), adjacent u8 x s8 products added in int16 with saturation, then the shift's
     contribution (128 x column sums) taken back out."""
     import torch
 
     a = rows.long() + 128  # (B, d) uint8 range
-    b = queries_t.long()  # (d, b)
-    prod = a[:, :, None] * b[None, :, :]  # (B, d, b)
+    q = queries_t.long()[:, :b]  # (d, b)
+    prod = a[:, :, None] * q[None, :, :]  # (B, d, b)
     pairs = (prod[:, 0::2] + prod[:, 1::2]).clamp(-(2**15), 2**15 - 1)  # (B, d/2, b) int16 sums
-    return (pairs.sum(dim=1) - 128 * b.sum(dim=0)[None, :]).to(torch.int32)
+    return (pairs.sum(dim=1) - 128 * q.sum(dim=0)[None, :]).to(torch.int32)
 
 
 def test_a_pair_saturating_kernel_gets_the_coarser_level_and_stays_exact(monkeypatch):
     """On an AVX2-only CPU, codes in [-127, 127] saturate oneDNN's pair sums; the probe must
     fall back to [-63, 63], and the scan at that level still contains the exact top-k.
     (The kernel is emulated; with ONEDNN_MAX_CPU_ISA=AVX2 the real one does the same.)"""
-    monkeypatch.setattr(int8_scan, "_probe_result", None)
-    monkeypatch.setattr(int8_scan, "_int_scores", _vpmaddubsw)
-    a, b = int8_scan._worst_case(127)
-    assert not bool((_vpmaddubsw(a, b).long() == a.long() @ b.long()).all())  # the emulation saturates
-    assert int8_scan.probe_kernel() == 63
-    assert int8_scan.available("int8") is True
+    monkeypatch.setattr(int8_kernels, "_levels", {})
+    monkeypatch.setattr(int8_kernels.IntMM, "scores", _vpmaddubsw)
+    a, q = int8_kernels.worst_case(127, 127, d=32)
+    assert not bool((_vpmaddubsw(None, a, q.T, 16).long() == a.long() @ q.long().T).all())  # it saturates
+    assert int8_kernels.exact_levels("int_mm", 32) == (63, 63)
     rng = np.random.default_rng(4)
     X = with_ties(unit_rows(rng, 1200, 32))
-    s = Int8Scan(X, padding_vectors(800, 32), pad_rows=800, block_rows=512)
-    assert s.qmax == 63
+    s = Int8Scan(X, padding_vectors(800, 32), pad_rows=800, block_rows=512, kernel="int_mm")
+    assert s.qmax == s.query_qmax == 63 and s.label == "int8 +-63 int_mm"
     for k in (1, 4, 20):
         Q = unit_rows(rng, 9, 32)
         Q[0] = X[5] + 0.02 * Q[0]
         for j, cand in enumerate(s.candidates(Q, k)):
             top = {d for d, _ in exact_top(X, Q[j], k)}
             assert top <= set(cand.tolist())
-    monkeypatch.setattr(int8_scan, "_probe_result", None)
 
 
 def test_probe_accepts_this_machines_kernel():
     from ralm.retrieval import bf16_scan
 
-    assert int8_scan.probe_kernel() in int8_scan.LEVELS
-    assert int8_scan.available("int8") is True and int8_scan.available("faiss") is False
+    assert HERE, "no exact int8 kernel on this machine"
+    assert int8_kernels.default_kernel(64) == HERE[0]
+    assert int8_scan.available("int8", 64) is True and int8_scan.available("faiss", 64) is False
     assert bf16_scan.available("int8") is False
+    with pytest.raises(ValueError, match="unknown int8 kernel"):
+        int8_kernels.kernel("vnni")
 
 
 @pytest.mark.parametrize("pad_to", [0, 30000])
 def test_edr_int8_equals_faiss(index_dirs, dense_encoder, retriever_configs, fixture_corpus, sample_queries, pad_to):
-    """The whole retriever on the fixture corpus: int8 scan and FAISS give the same hits,
-    single and batched."""
+    """The whole retriever on the fixture corpus: int8 scan (each kernel here) and FAISS
+    give the same hits, single and batched."""
     kbs = {
         scan: load_retriever(
             retriever_configs["edr"].model_copy(update={"dense_scan": scan, "pad_to": pad_to}),
@@ -167,6 +210,12 @@ def test_edr_int8_equals_faiss(index_dirs, dense_encoder, retriever_configs, fix
         for scan in ("faiss", "int8")
     }
     assert kbs["int8"].dense_scan == "int8" and kbs["faiss"].dense_scan == "faiss"
+    for name in HERE[1:]:  # the loader built the first; the others directly
+        other = DenseRetriever(
+            "edr", dense_encoder, kbs["faiss"].scorer.vectors, pad_to=pad_to, dense_scan="int8", int8_kernel=name
+        )
+        assert other.scan.kernel.name == name
+        assert other.batch_search(sample_queries[:48], 4) == kbs["faiss"].batch_search(sample_queries[:48], 4)
     assert kbs["int8"].n_rows == kbs["faiss"].n_rows == max(pad_to, len(fixture_corpus))
     queries = sample_queries[:48]
     for k in (1, 4, 20):
@@ -175,12 +224,13 @@ def test_edr_int8_equals_faiss(index_dirs, dense_encoder, retriever_configs, fix
 
 
 def test_padded_query_columns_change_no_candidate(scan, monkeypatch):
-    """A batch multiplied at a wider kernel width (zero query columns, int8_widths) gets
+    """A batch multiplied at a wider ``int_mm`` width (zero query columns, int8_widths) gets
     exactly the candidate sets it gets at its own width, for every batch size."""
-    X, s = scan
+    X, _ = scan
+    s = Int8Scan(X, padding_vectors(40000, 64), pad_rows=40000, block_rows=4096, kernel="int_mm")
     Q = unit_rows(np.random.default_rng(5), 13, 64)
     own = {b: s.candidates(Q[:b], 10) for b in (2, 3, 7, 13)}
-    monkeypatch.setattr(int8_scan, "padded_width", lambda b, dim: 64 if b > 1 else b)
+    monkeypatch.setattr(int8_kernels, "padded_width", lambda b, dim: 64 if b > 1 else b)
     for b, cands in own.items():
         wide = s.candidates(Q[:b], 10)
         assert len(wide) == b and all(np.array_equal(x, y) for x, y in zip(wide, cands))

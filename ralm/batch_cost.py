@@ -1,0 +1,43 @@
+"""Batch cost curves: what a KB call of ``s`` queries costs relative to one query.
+
+An exact dense KB times its batch sizes at start-up
+(:meth:`ralm.retrieval.scan_choice.ScanPlan.cost_curve`, e.g. ``{1: 1.0, 4: 1.3, 16: 3.4}``);
+the stride scheduler (:mod:`ralm.os3`) reads such a curve between and beyond the sizes it
+has measured itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+def monotone(curve: Mapping[int, float]) -> dict[int, float]:
+    """``curve`` by increasing size, made non-decreasing (a running maximum)."""
+    out: dict[int, float] = {}
+    for size in sorted(curve):
+        out[int(size)] = max(float(curve[size]), *out.values()) if out else float(curve[size])
+    return out
+
+
+def curve_at(curve: Mapping[int, float], s: int) -> float:
+    """A batch cost curve (size -> cost, non-decreasing) at ``s``: linear between its
+    sizes, its first value below them, and the last two sizes' slope beyond them.
+
+    >>> curve_at({1: 1.0, 4: 1.3, 16: 3.4}, 8), curve_at({1: 1.0, 4: 1.3, 16: 3.4}, 20)
+    (2.0, 4.1)
+    """
+    sizes = sorted(curve)
+    if s <= sizes[0] or len(sizes) == 1:
+        return curve[sizes[0]] if s <= sizes[0] else curve[sizes[-1]]
+    i = next((j for j, size in enumerate(sizes) if size >= s), len(sizes) - 1)
+    lo, hi = sizes[i - 1], sizes[i]
+    return round(curve[lo] + (curve[hi] - curve[lo]) * (s - lo) / (hi - lo), 9)
+
+
+def scaled(curve: Mapping[int, float], size: int, cost: float, s: int) -> float:
+    """The cost of a batch of ``s``, given ``cost`` measured at ``size`` and the curve's shape.
+
+    >>> scaled({1: 1.0, 4: 1.3, 16: 3.4}, 1, 0.17, 8)
+    0.34
+    """
+    return round(cost * curve_at(curve, s) / curve_at(curve, size), 12)
