@@ -359,3 +359,32 @@ def test_verifier_serves_the_kb_scorer(verifier, retrievers, sample_queries):
     assert all(np.array_equal(a, b) for a, b in zip(keys, full.scorer.doc_keys([3, 200, 150])))
     fn = ray.get(verifier.score_function.remote())
     assert np.array_equal(fn(reps[0], keys), full.scorer.score(reps[0], keys))
+
+
+def test_the_verifier_reports_its_shards_start_up_batch_curve(ray_local, index_dirs, fixture_corpus, retriever_configs):
+    """An exact-dense shard large enough to be timed (padded past the 64k-row timing block)
+    reports each batch size's cost relative to one query; the verifier hands it on (what
+    each request's stride scheduler reads), and an untimed KB reports none."""
+    import ray
+
+    from actors.shard import prepare_shards, start_shards
+    from actors.verifier import verifier_actor_class
+    from ralm.retrieval.scan_choice import TIMING_BATCHES, TIMING_ROWS
+
+    curves = {}
+    for pad in (0, TIMING_ROWS + 1000):
+        rcfg = retriever_configs["edr"].model_copy(update={"pad_to": pad})
+        specs = prepare_shards(rcfg, fixture_corpus, index_dirs["edr"], 1)
+        shards = start_shards(specs, num_cpus=0.05)
+        v = verifier_actor_class(0.05).remote(
+            "edr", shards, [(s.lo, s.hi) for s in specs], rcfg.model_dump(mode="json")
+        )
+        curves[pad] = ray.get(v.cost_curve.remote())
+        info = ray.get(v.shard_infos.remote())[0]
+        assert info["dense_scan_batch_cost"] == curves[pad]
+        for a in [v, *shards]:
+            ray.kill(a)
+    assert curves[0] is None  # a small index is not timed
+    timed = curves[TIMING_ROWS + 1000]
+    assert sorted(timed) == list(TIMING_BATCHES) and timed[1] == 1.0
+    assert all(c > 0 for c in timed.values())
