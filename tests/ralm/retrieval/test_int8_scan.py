@@ -151,6 +151,21 @@ def test_an_inexact_kernel_is_refused(monkeypatch):
         Int8Scan(np.ones((4, 64), dtype=np.float32), kernel="int_mm")
 
 
+def test_a_kernel_missing_from_this_torch_build_is_skipped(monkeypatch):
+    """A torch without the quantised ops (an ARM build, or a future release that drops them):
+    FBGEMM is reported unavailable, and the scan runs on the other kernel."""
+
+    def missing(self, codes):
+        raise AttributeError("no quantized ops in this build")
+
+    monkeypatch.setattr(int8_kernels, "_levels", {})
+    monkeypatch.setattr(int8_kernels.Fbgemm, "rows", missing)
+    assert int8_kernels.exact_levels("fbgemm", 64) is None
+    assert int8_kernels.exact_kernels(64) == ["int_mm"] and int8_kernels.default_kernel(64) == "int_mm"
+    s = Int8Scan(unit_rows(np.random.default_rng(2), 300, 64))
+    assert s.kernel.name == "int_mm"
+
+
 def _vpmaddubsw(self, rows, queries_t, b):
     """An AVX2 int8 product without VNNI, as oneDNN computes it: ``rows`` shifted to uint8
     (+128), adjacent u8 x s8 products added in int16 with saturation, then the shift's
@@ -249,3 +264,18 @@ def test_batch_widths_take_the_cheapest_width_at_or_above_and_prefer_the_smalles
     measured = width_table(64)  # this machine's, probed once per process
     assert len(measured) == 65 and all(b <= measured[b] <= 64 for b in range(1, 65))
     assert padded_width(1, 64) == 1 and padded_width(65, 64) == 96 and padded_width(100, 64) == 128
+
+
+def test_concurrent_batches_on_one_scan_get_the_serial_answers(scan):
+    """The served verifier may run several searches on one shard at once (threads): the
+    kernels' packed rows are shared read-only, so each thread gets the candidates it gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    X, s = scan
+    rng = np.random.default_rng(8)
+    batches = [unit_rows(rng, int(b), 64) for b in (1, 3, 16, 7, 2, 16, 5, 1)]
+    serial = [s.candidates(Q, 10) for Q in batches]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        together = list(pool.map(lambda Q: s.candidates(Q, 10), batches))
+    for a, b in zip(serial, together):
+        assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
