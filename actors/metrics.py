@@ -16,6 +16,7 @@ ray_ralmspec_shard_latency_seconds_*        histogram  retriever, shard         
 ray_ralmspec_generator_batch_size_*         histogram  (none)                    generator replica
 ray_ralmspec_generator_tokens_total         counter    (none)                    generator replica
 ray_ralmspec_generator_busy_seconds_total   counter    (none)                    generator replica
+ray_ralmspec_generator_host_seconds_total   counter    (none)                    generator replica
 ==========================================  =========  ========================  ==================
 
 ``method`` is ``seq`` or ``spec[...]`` (e.g. ``spec[PSA]``). The cache hit rate of a
@@ -107,6 +108,10 @@ def _get() -> SimpleNamespace | None:
                     PREFIX + "generator_busy_seconds",
                     description="Seconds a generator replica spent in batched forwards (tokens/s = rate(tokens) / rate(busy)).",
                 ),
+                gen_host=Counter(
+                    PREFIX + "generator_host_seconds",
+                    description="Seconds a generator replica's iteration loop spent outside the model's forward (host share = rate(host) / (rate(host) + rate(busy))).",
+                ),
                 state_skipped=Counter(
                     PREFIX + "state_store_skipped_total",
                     description="State-store calls skipped while the store was unreachable (requests served without checkpoints / KB cache).",
@@ -182,6 +187,17 @@ def record_shard_search(retriever: str, shard: int, seconds: float) -> None:
         return
     try:
         m.shard_latency.observe(float(seconds), tags={"retriever": str(retriever), "shard": str(shard)})
+    except Exception as e:
+        log.debug("metrics: %s", e)
+
+
+def record_generator_host(seconds: float) -> None:
+    """One iteration's host time (its loop time outside the model's forward)."""
+    m = _get()
+    if m is None or seconds <= 0:
+        return
+    try:
+        m.gen_host.inc(float(seconds))
     except Exception as e:
         log.debug("metrics: %s", e)
 

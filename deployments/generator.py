@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.metrics import record_generator_iteration
+from actors.metrics import record_generator_host, record_generator_iteration
 from deployments.modes import knn_server, load_dense_datastore
 from ralm.batching.invariant import invariant_kernels
 from ralm.config import GeneratorConfig
@@ -279,8 +279,10 @@ class GeneratorServer:
         self._probes, self.gpu_ids = claim_placement_group_gpus()
         self.cfg = GeneratorConfig.model_validate(generator)
         self.engine = load_engine(self.cfg)
-        if self.engine.batch is not None:  # batch-size histogram and tokens/s, exported by Ray
+        if self.engine.batch is not None:  # batch-size histogram, tokens/s and host time, exported by Ray
             self.engine.batch.on_iteration = record_generator_iteration
+        if self.engine.batcher is not None:
+            self.engine.batcher.on_host_time = record_generator_host
         self.corpus = Corpus.load(corpus)
         self.local = LocalGenerator(self.engine, self.corpus)
         self._lock: Any = threading.Lock() if serialize_steps else contextlib.nullcontext()

@@ -11,7 +11,11 @@ thread between iterations through :meth:`~ContinuousBatcher.call`, so the model 
 used by two threads at once.
 
 Metrics: histograms of sequences and tokens per iteration, generated tokens, busy time,
-and tokens/s (:meth:`~ContinuousBatcher.metrics`).
+tokens/s, and each iteration's *host time*: the loop's wall time per iteration (admitting
+steps, planning, packing, picking tokens, retiring steps) minus the model's forward, with
+its mean, median and 99th percentile over the last :data:`HOST_WINDOW` iterations
+(:meth:`~ContinuousBatcher.metrics`). On a GPU the host time is what keeps the device
+waiting between two forwards.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -31,6 +35,7 @@ log = logging.getLogger(__name__)
 
 #: sequences-per-iteration histogram buckets (upper bounds)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+HOST_WINDOW = 1024  # recent iterations kept for the host-time percentiles
 
 
 def _bucket(n: int) -> int:
@@ -56,6 +61,10 @@ class ContinuousBatcher:
         self.tokens_generated = 0
         self.steps_done = 0
         self.busy_s = 0.0
+        self.forward_s = 0.0  # of busy_s, in the model's forward
+        self.host_s = 0.0  # loop time outside the forward, over every iteration
+        self._host_recent: deque[float] = deque(maxlen=HOST_WINDOW)  # seconds per iteration
+        self.on_host_time: Callable[[float], None] | None = None  # e.g. a metrics counter
         self.max_batch = 0
         self._seq_total = 0
 
@@ -83,6 +92,11 @@ class ContinuousBatcher:
     def metrics(self) -> dict:
         """Batch-size histogram, token counts and throughput since start."""
         busy = self.busy_s
+        recent = sorted(self._host_recent)
+
+        def pct(q: float) -> float:
+            return recent[min(len(recent) - 1, int(q * len(recent)))] * 1e3 if recent else 0.0
+
         return {
             "iterations": self.iterations,
             "batch_size_histogram": {f"<={b}": self.batch_hist[b] for b in sorted(self.batch_hist)},
@@ -93,6 +107,12 @@ class ContinuousBatcher:
             "steps_done": self.steps_done,
             "busy_s": busy,
             "generated_tokens_per_s": self.tokens_generated / busy if busy > 0 else 0.0,
+            "forward_s": self.forward_s,
+            "host_s": self.host_s,
+            "host_share": self.host_s / (self.host_s + self.forward_s) if self.host_s + self.forward_s > 0 else 0.0,
+            "host_ms_per_iteration": self.host_s * 1e3 / self.iterations if self.iterations else 0.0,
+            "host_ms_p50": pct(0.5),
+            "host_ms_p99": pct(0.99),
         }
 
     def close(self) -> None:
@@ -131,6 +151,7 @@ class ContinuousBatcher:
         while not self._stop:
             if not active:
                 self._admit(self._inbox.get(), active)  # idle: block for work
+            t_loop = time.perf_counter()  # the iteration's host time starts here (not while idle)
             while True:  # admit everything that arrived since the last iteration
                 try:
                     self._admit(self._inbox.get_nowait(), active)
@@ -163,3 +184,12 @@ class ContinuousBatcher:
                 else:
                     still.append((a, fut))
             active = still
+            self._record_host(time.perf_counter() - t_loop - st.forward_s, st.forward_s)
+
+    def _record_host(self, host_s: float, forward_s: float) -> None:
+        host_s = max(0.0, host_s)
+        self.forward_s += forward_s
+        self.host_s += host_s
+        self._host_recent.append(host_s)
+        if self.on_host_time is not None:
+            self.on_host_time(host_s)

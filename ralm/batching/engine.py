@@ -100,6 +100,12 @@ class IterationStats:
     tokens: int  # tokens fed (prefill chunks, decode tokens, drafts)
     seconds: float  # wall time of the iteration
     generated: int = 0  # new tokens the iteration produced
+    forward_s: float = 0.0  # of ``seconds``, the model's forward (on a GPU: until its kernels finish)
+
+    @property
+    def host_s(self) -> float:
+        """The iteration's host work around the forward: planning, packing, picking tokens."""
+        return max(0.0, self.seconds - self.forward_s)
 
 
 class BatchEngine:
@@ -230,10 +236,14 @@ class BatchEngine:
                 emitting.append((a, len(rows), 1))
                 rows.append(off - 1)
         hidden = None
+        t_fwd = time.perf_counter()
         if any(a.is_feed for a, _, _ in emitting):
             logits, hidden = packed_forward(self.model, chunks, rows, with_hidden=True)
         else:
             logits = packed_forward(self.model, chunks, rows)
+        if logits.is_cuda:  # the kernels' time is the forward's, not the host's (the argmax syncs anyway)
+            torch.cuda.synchronize(logits.device)
+        forward_s = time.perf_counter() - t_fwd
         for a, n in plan:
             a.session.context.extend(a.pending[:n])
             a.pending = a.pending[n:]
@@ -248,7 +258,7 @@ class BatchEngine:
             else:
                 self._emit(a, logits[row])
         made = sum(len(a.tokens) for a, _, _ in emitting) - before
-        st = IterationStats(len(plan), off, time.perf_counter() - t0, made)
+        st = IterationStats(len(plan), off, time.perf_counter() - t0, made, forward_s)
         if self.on_iteration is not None:
             self.on_iteration(st)
         return st

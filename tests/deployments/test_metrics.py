@@ -29,6 +29,7 @@ EXPECTED = {  # exported family -> labels the dashboard uses
     "ray_ralmspec_generator_batch_size": set(),
     "ray_ralmspec_generator_tokens": set(),
     "ray_ralmspec_generator_busy_seconds": set(),
+    "ray_ralmspec_generator_host_seconds": set(),
 }
 
 
@@ -139,6 +140,7 @@ def test_generator_batch_size_and_tokens(metrics, served):
     tokens = sum(_values(metrics, "ray_ralmspec_generator_tokens", "_total"))
     assert tokens > 0  # (each process exports on its own schedule: the count may trail the requests)
     assert sum(_values(metrics, "ray_ralmspec_generator_busy_seconds", "_total")) > 0
+    assert sum(_values(metrics, "ray_ralmspec_generator_host_seconds", "_total")) > 0  # the loop around the forwards
 
 
 def test_dashboard_queries_only_exported_metrics():

@@ -43,6 +43,7 @@ METRICS = [
     "ralmspec_generator_batch_size",
     "ralmspec_generator_tokens_total",
     "ralmspec_generator_busy_seconds_total",
+    "ralmspec_generator_host_seconds_total",
 ]
 GENERATED = [
     "k8s/rayservice.yaml",

@@ -27,7 +27,10 @@ def test_bench_batching_runs_every_arm_and_checks_every_request(tmp_path):
         assert r["tokens"] == 6 * r["requests"] and r["tokens_per_s"] > 0
         if r["arm"] != "plain-serial":
             assert r["identical"] == r["requests"]
+            assert r["host_ms_per_iteration"] > 0 and 0 < r["host_share"] < 1  # the loop around the forwards
+        else:
+            assert "host_share" not in r  # the plain engine has no batching loop
     cost = data["forward_cost"]
     assert cost["batch1"]["plain_ms"] > 0 and cost["batch16"]["invariant_tokens_per_s"] > 0
     md = (tmp_path / "bench-batching.md").read_text()
-    assert "Machine:" in md and "(a) Forward cost" in md and "batching+sessions" in md
+    assert "Machine:" in md and "(a) Forward cost" in md and "batching+sessions" in md and "host share" in md

@@ -154,6 +154,23 @@ def test_concurrent_steps_from_threads_are_batched_and_exact(engines):
     assert m["max_batch"] > 1  # steps really shared forwards
     assert fast.batcher.iterations - before < 16 * 3 * 5  # fewer forwards than steps x tokens
     assert m["generated_tokens_per_s"] > 0 and sum(m["batch_size_histogram"].values()) == m["iterations"]
+    # each iteration's host time: the loop's time outside the forward, measured and reported
+    assert 0 < m["forward_s"] <= m["busy_s"] and m["host_s"] > 0
+    assert 0 < m["host_share"] < 1
+    assert m["host_ms_per_iteration"] == pytest.approx(m["host_s"] * 1e3 / m["iterations"])
+    assert 0 < m["host_ms_p50"] <= m["host_ms_p99"]
+
+
+def test_host_time_is_reported_per_iteration_to_a_hook(engines):
+    fast, _ = engines
+    seen: list[float] = []
+    fast.batcher.on_host_time = seen.append
+    try:
+        out = fast.step(None, fast.encode_question("how long does the host take?"), 4, ignore_eos=True)
+    finally:
+        fast.batcher.on_host_time = None
+    assert len(out.tokens) == 4
+    assert len(seen) >= 4 and all(h >= 0 for h in seen)  # one per iteration (prefill, then decodes)
 
 
 def test_a_bad_step_fails_alone_and_the_batcher_keeps_serving(engines):
