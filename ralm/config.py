@@ -54,7 +54,7 @@ class RetrieverConfig(_Strict):
     )
     dense_scan: Literal["auto", "faiss", "bf16", "int8"] = Field(
         "auto",
-        description="edr only: candidate scan of the flat index. 'bf16': a bfloat16 copy scanned with torch (one pass per verification batch, cost nearly flat in the batch size) and a proven error bound, so the exact re-scoring still returns exactly the float64 top-k; 'int8': the same with an int8 copy and integer products (for CPUs without bf16 instructions); 'faiss': FAISS's float32 kernels; 'auto': of bf16 (only when the CPU has bf16 instructions, AMX/AVX512-BF16, and the kernel passes its accumulation probe) and int8 (when its probe finds an exact code range), the one usable, or the faster kernel on this machine when both are (timed once per process); FAISS when neither is. Never changes results.",
+        description="edr only: candidate scan of the flat index. 'bf16': a bfloat16 copy scanned with torch and a proven error bound (for CPUs with bf16 instructions); 'int8': the same with an int8 copy and exact integer products, on FBGEMM or torch._int_mm, whichever is exact here (FBGEMM first); 'faiss': FAISS's float32 kernels; 'auto': times every exact path here (FAISS, bf16 where the CPU has bf16 instructions, the int8 scan on each exact kernel) at batch 1, 4 and 16 once per process, builds the cheapest scan and sends each batch size to whichever of it and FAISS was faster (an index under 65,536 rows is not timed: int8, else bf16, else FAISS). Candidates are always re-scored exactly: never changes results.",
     )
     faiss_threads: int = Field(
         C.FAISS_THREADS,
