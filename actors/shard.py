@@ -389,6 +389,7 @@ def start_shards(
     name_prefix: str | None = None,
     resources: dict[str, float] | None = None,
     spread: bool = False,
+    num_gpus: float = 0,
 ) -> list[Any]:
     """Start one actor per shard spec (each loads its slice in ``__init__``).
 
@@ -396,6 +397,7 @@ def start_shards(
     and tests: ``ray.get_actor(name, namespace="ralmspec")``). ``resources``: custom Ray
     resources per shard (pins shards to the nodes that offer them); ``spread``: Ray's SPREAD
     scheduling over those nodes. A shard whose node dies is restarted on another such node.
+    ``num_gpus``: GPUs per shard (an exact-dense scan with ``dense_scan: gpu`` runs there).
     """
     import ray
 
@@ -407,6 +409,8 @@ def start_shards(
             opts["resources"] = dict(resources)
         if spread:
             opts["scheduling_strategy"] = "SPREAD"
+        if num_gpus:
+            opts["num_gpus"] = float(num_gpus)
         actors.append(cls.options(**opts).remote(s))
     if wait:
         ray.get([a.ping.remote() for a in actors])

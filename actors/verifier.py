@@ -429,10 +429,11 @@ class Verifier:
     def shard_infos(self) -> list[dict]:
         return self.router.infos()
 
-    def cost_curve(self) -> dict[int, float] | None:
+    async def cost_curve(self) -> dict[int, float] | None:
         """A batch's cost relative to one query by batch size, as the shards timed it at
-        start-up (the first shard that timed one; shards of a kind are alike), else None."""
-        for info in self.router.infos():
+        start-up (the first shard that timed one; shards of a kind are alike), else None.
+        (The shards are asked off the event loop: batches keep flowing meanwhile.)"""
+        for info in await asyncio.to_thread(self.router.infos):
             if info.get("dense_scan_batch_cost"):
                 return dict(info["dense_scan_batch_cost"])
         return None

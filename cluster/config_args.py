@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from ralm.config import RalmConfig
+from ralm.retrieval.scan_choice import SCANS
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
@@ -21,8 +22,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pad-to", type=int, help="pad the EDR flat index to N rows (cost emulation; results unchanged)")
     p.add_argument(
         "--dense-scan",
-        choices=["auto", "faiss", "bf16", "int8"],
-        help="EDR candidate scan: bf16 (bounded, exact after re-scoring), faiss, or auto",
+        choices=list(SCANS),
+        help="EDR candidate scan: auto (timed here), faiss, bf16, int8 or gpu (bounded scans, exact after re-scoring)",
     )
     p.add_argument("-v", "--verbose", action="store_true")
 

@@ -28,6 +28,11 @@ class _Opts(BaseModel):
 class ShardingOptions(_Opts):
     n_shards: int = Field(2, ge=1, le=256, description="Contiguous corpus slices per retriever, one shard actor each.")
     num_cpus: float = Field(0.1, ge=0, description="CPUs reserved per shard actor (a scheduling reservation).")
+    num_gpus: float = Field(
+        0,
+        ge=0,
+        description="GPUs reserved per exact-dense (edr) shard actor; with retriever.dense_scan 'gpu' its scan runs on that GPU (a fraction lets several shards share one). 0: none.",
+    )
     max_restarts: int = Field(
         5, ge=-1, description="Restarts of a shard actor that died (-1: unlimited); it reloads its slice."
     )

@@ -151,6 +151,7 @@ class RayBackend:
             prefix,
             sh.resources,
             sh.spread,
+            sh.num_gpus if kind == "edr" else 0,
         )
         self.shards[kind] = actors
         self.shard_names[kind] = [f"{prefix}-{s.index}" for s in specs]

@@ -52,9 +52,9 @@ class RetrieverConfig(_Strict):
     rerank_margin: int = Field(
         C.RERANK_MARGIN, ge=1, description="Extra candidates fetched before exact float64 re-scoring."
     )
-    dense_scan: Literal["auto", "faiss", "bf16", "int8"] = Field(
+    dense_scan: Literal["auto", "faiss", "bf16", "int8", "gpu"] = Field(
         "auto",
-        description="edr only: candidate scan of the flat index. 'bf16': a bfloat16 copy scanned with torch and a proven error bound (for CPUs with bf16 instructions); 'int8': the same with an int8 copy and exact integer products, on FBGEMM or torch._int_mm, whichever is exact here (FBGEMM first); 'faiss': FAISS's float32 kernels; 'auto': times every exact path here (FAISS, bf16 where the CPU has bf16 instructions, the int8 scan on each exact kernel) at batch 1, 4 and 16 once per process, builds the cheapest scan and sends each batch size to whichever of it and FAISS was faster (an index under 65,536 rows is not timed: int8, else bf16, else FAISS). Candidates are always re-scored exactly: never changes results.",
+        description="edr only: candidate scan of the flat index. 'bf16': a bfloat16 copy scanned with torch and a proven error bound (for CPUs with bf16 instructions); 'int8': the same with an int8 copy and exact integer products, on FBGEMM or torch._int_mm, whichever is exact here (FBGEMM first); 'faiss': FAISS's float32 kernels; 'gpu': a float16 copy scanned on the process's CUDA device with a proven bound (shards get a GPU with sharding.num_gpus); 'auto': times every exact path here (FAISS, bf16 where the CPU has bf16 instructions, the int8 scan on each exact kernel) at batch 1, 4 and 16 once per process, builds the cheapest scan and sends each batch size to whichever of it and FAISS was faster (an index under 65,536 rows is not timed: int8, else bf16, else FAISS); auto never picks 'gpu'. Candidates are always re-scored exactly: never changes results.",
     )
     faiss_threads: int = Field(
         C.FAISS_THREADS,

@@ -19,6 +19,11 @@ they finish (a failing section is recorded and the next one runs):
     exact dense top-k on the device at 4M x 384 and 21M x 768 (float16 vectors and scores
     from one matrix product, top-20 of the scores), batch 1, 16 and 64: time, and whether
     each query's top-20 is the same alone as in the batch.
+``dense``
+    the exact dense scan a ``dense_scan: gpu`` retriever runs (:mod:`ralm.retrieval.device_scan`:
+    float16 rows, float32 products, a proven bound) at ``--dense`` (4M x 384), batch 1 and 16:
+    its candidate search's time, and whether every query's candidates contain its exact
+    float64 top-20 (computed on the host).
 
 By default the models are random ones built from a config (no download): the Llama-3.2-1B
 shape (16 layers, width 2048, 32/8 heads) with the demo tokenizer; ``--model`` takes any
@@ -40,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench.batch_bench import forward_cost, run_arm, workload_requests
+from cluster.bench.gpu_dense import dense_markdown, exact_dense_scans
 from cluster.bench.random_models import SHAPES, random_model
 from cluster.report import table, write_report
 from ralm import constants as C
@@ -67,8 +73,11 @@ def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
         "--scan", default=None, help="dense scans ROWSxDIM, comma-separated (default 4Mx384,21Mx768; CPU 20000x384)"
     )
     p.add_argument(
+        "--dense", default=None, help="exact device scans ROWSxDIM, comma-separated (default 4Mx384; CPU 20000x384)"
+    )
+    p.add_argument(
         "--sections",
-        default="env,proof,forward,scan,exact",
+        default="env,proof,forward,scan,dense,exact",
         help="which sections to run, in order (also: profile, where a batch-64 decode forward spends its time)",
     )
     p.add_argument("--budget-s", type=float, default=480.0, help="no section starts after this many seconds")
@@ -102,6 +111,11 @@ class GpuCheck:
         self.scans = [
             tuple(_rows(v) for v in s.split("x"))
             for s in (args.scan or ("20000x384" if self.small else "4Mx384,21Mx768")).split(",")
+            if s
+        ]
+        self.dense_sizes = [
+            tuple(_rows(v) for v in s.split("x"))
+            for s in (args.dense or ("20000x384" if self.small else "4Mx384")).split(",")
             if s
         ]
 
@@ -360,6 +374,9 @@ class GpuCheck:
             self.free()
         return out
 
+    def dense(self) -> dict:
+        return exact_dense_scans(self.dense_sizes, self.device, self.free)
+
 
 def _version(module: str) -> str | None:
     try:
@@ -433,6 +450,7 @@ def markdown(res: dict) -> str:
             for b, r in v.items()
         ]
         lines += [*table(("dense scan", "batch", "ms", "top-20 same as alone"), rows), ""]
+    lines += dense_markdown(_done(res, "dense"))
     prof = _done(res, "profile")
     if prof:
         lines += [

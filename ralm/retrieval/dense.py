@@ -23,7 +23,7 @@ from typing import Any, cast
 import numpy as np
 
 from ralm import constants as C
-from ralm.retrieval import bf16_scan, int8_scan
+from ralm.retrieval import bf16_scan, device_scan, int8_scan
 from ralm.retrieval.base import Hit, rank_hits
 from ralm.retrieval.faiss_search import faiss_search
 from ralm.retrieval.int8_scan import Int8Scan
@@ -208,7 +208,7 @@ class DenseRetriever:
                 f"FAISS index has {index.ntotal} rows of dim {index.d}, vectors are {self.n_docs} x {self.scorer.dim}"
             )
         self.padded_rows = 0
-        self.scan: bf16_scan.Bf16Scan | int8_scan.Int8Scan | None = None
+        self.scan: bf16_scan.Bf16Scan | int8_scan.Int8Scan | device_scan.DeviceScan | None = None
         extra = max(0, int(pad_to) - self.n_docs) if (pad_to and kind == "edr") else 0
         self.plan = (
             plan_scan(dense_scan, self.scorer.dim, self.faiss_threads, max(self.n_docs, int(pad_to or 0)))
@@ -224,7 +224,14 @@ class DenseRetriever:
             )
             self.plan = ScanPlan(self.plan.scan, (), self.plan.int8_kernel, self.plan.timings)
         chosen = self.plan.scan
-        if chosen == "bf16":
+        if chosen == "gpu":
+            self.scan = device_scan.DeviceScan(
+                self.scorer.vectors,
+                padding_vectors(extra, self.scorer.dim),
+                pad_rows=extra,
+                device=device_scan.default_device(),
+            )
+        elif chosen == "bf16":
             self.scan = bf16_scan.Bf16Scan(self.scorer.vectors, padding_vectors(extra, self.scorer.dim), pad_rows=extra)
         elif chosen == "int8":
             self.scan = int8_scan.Int8Scan(
@@ -260,9 +267,11 @@ class DenseRetriever:
 
     @property
     def dense_scan(self) -> str:
-        """The candidate scan in use: 'bf16', 'int8' or 'faiss'."""
+        """The candidate scan in use: 'bf16', 'int8', 'gpu' or 'faiss'."""
         if self.scan is None:
             return "faiss"
+        if isinstance(self.scan, device_scan.DeviceScan):
+            return "gpu"
         return "int8" if isinstance(self.scan, Int8Scan) else "bf16"
 
     @property
@@ -276,7 +285,7 @@ class DenseRetriever:
         """The paths in use for report headers: :attr:`dense_scan` with the int8 code levels
         and kernel ('int8 +-127/63 fbgemm'), and the batch sizes FAISS answers when it answers some
         ('faiss at batch 1, int8 +-127 at 2-16')."""
-        name = self.scan.label if isinstance(self.scan, Int8Scan) else self.dense_scan
+        name = self.scan.label if isinstance(self.scan, (Int8Scan, device_scan.DeviceScan)) else self.dense_scan
         return self.plan.label(name)
 
     def __repr__(self) -> str:

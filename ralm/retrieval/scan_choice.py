@@ -26,7 +26,9 @@ at every size, FBGEMM's beat FAISS at every size. Elsewhere FAISS's single query
 a scan whose batches beat FAISS's: a plan that sends single queries to FAISS and
 verification batches to the scan then beats either alone. Forced modes (``faiss``,
 ``bf16``, ``int8``) use one path for every batch and never fall back (``int8`` takes the
-first exact kernel of :data:`~ralm.retrieval.int8_kernels.KERNELS`).
+first exact kernel of :data:`~ralm.retrieval.int8_kernels.KERNELS`). ``gpu`` scans a float16
+copy on the process's CUDA device (:mod:`ralm.retrieval.device_scan`); ``auto`` never picks
+it, because the index then takes memory from whatever else runs on that GPU.
 
 Worked example: timings (ms per block) faiss {1: 10, 4: 33, 16: 45}, int8:fbgemm {1: 30, 4:
 31, 16: 34}, int8:int_mm {1: 40, 4: 90, 16: 300} -> the int8 scan is built on FBGEMM, batch
@@ -43,12 +45,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ralm.retrieval import bf16_scan, int8_kernels, int8_scan
+from ralm.retrieval import bf16_scan, device_scan, int8_kernels, int8_scan
 from ralm.retrieval.faiss_search import faiss_search
 
 log = logging.getLogger(__name__)
 
-SCANS = ("auto", "faiss", "bf16", "int8")
+SCANS = ("auto", "faiss", "bf16", "int8", "gpu")
 TIMING_ROWS = 1 << 16  # rows per timed call: 96 MiB of float32 at 384 dims, beyond a CPU's L3 cache
 TIMING_BATCHES = (1, 4, 16)  # a direct step and the verification batch sizes OS3 uses (2-16)
 TIMING_REPS = 2  # best of, per batch size (after a warm-up call)
@@ -173,6 +175,9 @@ def plan_scan(mode: str, dim: int, faiss_threads: int = 1, n_rows: int | None = 
         raise ValueError(f"dense_scan must be one of {', '.join(SCANS)}, not {mode!r}")
     if mode == "faiss":
         return ScanPlan("faiss")
+    if mode == "gpu":  # an explicit choice: the index then takes GPU memory (auto stays on the CPU)
+        device_scan.default_device()  # raises when this process sees no CUDA device
+        return ScanPlan("gpu")
     if mode == "bf16":
         bf16_scan.available("bf16")  # raises when unsound
         return ScanPlan("bf16")

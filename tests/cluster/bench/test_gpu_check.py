@@ -15,7 +15,7 @@ from ralm.batching.invariant import InvariantLinear
 pytestmark = pytest.mark.unit
 
 SMALL = ["--shapes", "llama-tiny", "--requests", "3", "--new-tokens", "8", "--forward-batches", "1,4"]
-SMALL += ["--scan", "5000x64"]
+SMALL += ["--scan", "5000x64", "--dense", "6000x64"]
 
 
 def test_gpu_check_runs_every_section_on_the_cpu_and_writes_json_and_markdown(tmp_path):
@@ -30,8 +30,12 @@ def test_gpu_check_runs_every_section_on_the_cpu_and_writes_json_and_markdown(tm
         fwd = res["forward"][f"llama-tiny/{dtype}"]
         assert fwd["batch1"]["plain_ms"] > 0 and fwd["batch4"]["invariant_ms"] > 0
     assert res["scan"]["5000x64"]["batch16"]["same_top20_as_alone"] == "16/16"
+    dense = res["dense"]["6000x64"]  # the exact device scan, on the CPU device here
+    assert dense["batch1"]["exact_top20_contained"] == "1/1" and dense["batch16"]["exact_top20_contained"] == "16/16"
+    assert 20 <= dense["batch16"]["candidates_per_query"] < 600 and dense["batch16"]["ms"] > 0
     md = (tmp_path / "gpu-check.md").read_text()
     assert "| llama-tiny/float32/n3 | 3/3 |" in md and "| llama-tiny/bfloat16 | on |" in md
+    assert "| 6000x64 | 16 |" in md
 
 
 def test_a_model_that_fails_the_proof_is_reported_off_with_its_reason_and_not_batched(tmp_path, monkeypatch):

@@ -152,4 +152,4 @@ def test_bad_scan_name_is_rejected():
     from ralm.config import RetrieverConfig
 
     with pytest.raises(ValidationError):
-        RetrieverConfig(dense_scan="gpu")
+        RetrieverConfig(dense_scan="tpu")

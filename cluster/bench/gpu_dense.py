@@ -1,0 +1,69 @@
+"""``ralmspec gpu-check``'s ``dense`` section: the exact dense scan of a ``dense_scan: gpu``
+retriever (:mod:`ralm.retrieval.device_scan`) on the device, timed, with its candidates
+checked against the exact float64 top-20 computed on the host."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from cluster.report import table
+
+CHUNK = 1 << 20  # rows per host float64 product when checking
+
+
+def exact_dense_scans(sizes: list[tuple[int, ...]], device: str, free: Callable[[], None]) -> dict:
+    """Per ``(rows, dim)``: build time, and at batch 1 and 16 the candidate search's median
+    time over 5 runs, candidates per query, and how many queries' candidates contain their
+    exact top-20. Rows are random unit vectors; queries are rows plus noise."""
+    # lazy: loads torch
+    from ralm.retrieval.device_scan import DeviceScan
+
+    out: dict[str, Any] = {}
+    for n, d in sizes:
+        rng = np.random.default_rng(0)
+        X = rng.standard_normal((n, d), dtype=np.float32)
+        X /= np.linalg.norm(X, axis=1, keepdims=True)
+        t = time.perf_counter()
+        scan = DeviceScan(X, device=device)
+        r: dict[str, Any] = {"build_s": round(time.perf_counter() - t, 1)}
+        Q = X[rng.integers(0, n, 16)] + 0.1 * rng.standard_normal((16, d), dtype=np.float32)
+        for b in (1, 16):
+            scan.candidates(Q[:b], 20)  # warm-up
+            ts: list[float] = []
+            cands: list[np.ndarray] = []
+            for _ in range(5):
+                t = time.perf_counter()
+                cands = scan.candidates(Q[:b], 20)
+                ts.append(time.perf_counter() - t)
+            exact = np.concatenate(
+                [X[a : a + CHUNK].astype(np.float64) @ Q[:b].astype(np.float64).T for a in range(0, n, CHUNK)]
+            )  # (n, b)
+            top = np.argsort(-exact, axis=0, kind="stable")[:20]
+            held = sum(set(top[:, j].tolist()) <= set(cands[j].tolist()) for j in range(b))
+            r[f"batch{b}"] = {
+                "ms": round(sorted(ts)[len(ts) // 2] * 1e3, 2),
+                "candidates_per_query": round(float(np.mean([c.size for c in cands])), 1),
+                "exact_top20_contained": f"{held}/{b}",
+            }
+        out[f"{n}x{d}"] = r
+        del scan, X
+        free()
+    return out
+
+
+def dense_markdown(dense: dict) -> list[str]:
+    """The section's table (no lines when it did not run)."""
+    if not dense:
+        return []
+    rows = [
+        (k, b.removeprefix("batch"), r["ms"], r["candidates_per_query"], r["exact_top20_contained"])
+        for k, v in dense.items()
+        for b, r in v.items()
+        if isinstance(r, dict)
+    ]
+    head = ("exact device scan", "batch", "ms", "candidates per query", "exact top-20 contained")
+    return [*table(head, rows), ""]

@@ -1,0 +1,131 @@
+"""The float16 device scan (``dense_scan: gpu``): candidate sets contain the exact top-k,
+the bound holds for every (row, query), results do not depend on the batch, padding is
+scanned but never returned, and a device without float32 accumulation is refused.
+
+No GPU is available here: the scan runs its own code on torch's CPU device (the same
+operations a CUDA device runs); only the speed, and the CUDA kernels' accumulation (checked
+by the probe at start-up there), are not tested here."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ralm.retrieval import device_scan, scan_choice
+from ralm.retrieval.base import rank_hits
+from ralm.retrieval.dense import DenseRetriever, dense_scores, padding_vectors
+from ralm.retrieval.device_scan import DeviceScan
+from tests.ralm.retrieval.scan_rows import exact_top, unit_rows, with_ties
+
+
+@pytest.fixture(scope="module")
+def scan():
+    rng = np.random.default_rng(21)
+    X = with_ties(unit_rows(rng, 6000, 64))
+    X[200:260] *= np.float32(3.0)  # rows of other norms
+    X[300] = 0.0  # a zero row
+    X[310, :8] = np.float32(1e-6)  # values in float16's subnormal range
+    return X, DeviceScan(X, padding_vectors(30000, 64), pad_rows=30000, device="cpu", block_rows=4096)
+
+
+@pytest.mark.parametrize("k", [1, 4, 20, 64])
+def test_candidates_contain_the_exact_top_k(scan, k):
+    X, s = scan
+    rng = np.random.default_rng(k)
+    for _trial in range(5):
+        b = int(rng.integers(1, 17))
+        Q = unit_rows(rng, b, 64)
+        Q[0] = X[5] + 0.02 * Q[0]  # lands among the planted ties
+        if b > 1:
+            Q[1] *= np.float32(7.5)
+        cands = s.candidates(Q, k)
+        assert len(cands) == b
+        for i in range(b):
+            got = rank_hits(cands[i], dense_scores(X[cands[i]], Q[i]), k)
+            assert got == exact_top(X, Q[i], k)
+            assert (cands[i] < X.shape[0]).all()  # padding is never a candidate
+
+
+def test_candidates_do_not_depend_on_the_batch_and_stay_small(scan):
+    X, s = scan
+    Q = unit_rows(np.random.default_rng(3), 16, 64)
+    together = s.candidates(Q, 10)
+    for i in range(16):
+        alone = s.candidates(Q[i : i + 1], 10)[0]
+        assert rank_hits(alone, dense_scores(X[alone], Q[i]), 10) == rank_hits(
+            together[i], dense_scores(X[together[i]], Q[i]), 10
+        )
+    assert max(c.size for c in together) < 0.01 * X.shape[0]  # a narrow window, not the index
+
+
+def test_the_error_bound_holds_for_every_row_and_query():
+    """|s^ - s| <= |q| (r_x + g |x~|) with rows and queries of very different norms, in 384
+    dims; and s^ is not exact (the bound does work)."""
+    import torch
+
+    rng = np.random.default_rng(9)
+    d = 384
+    X = (rng.standard_normal((3000, d)) * np.exp(rng.standard_normal((3000, 1)))).astype(np.float32)
+    Q = (rng.standard_normal((5, d)) * np.exp(rng.standard_normal((5, 1)))).astype(np.float32)
+    s = DeviceScan(X, device="cpu")
+    est = device_scan._scores(s.data, torch.from_numpy(Q)).double().numpy()  # (3000, 5)
+    exact = X.astype(np.float64) @ Q.astype(np.float64).T
+    qn = np.linalg.norm(Q.astype(np.float64), axis=1)
+    bound = np.outer(s.resid + s.gamma * s.xn, qn)
+    err = np.abs(est - exact)
+    assert (err <= bound + device_scan.ABS_SLACK).all()
+    assert err.max() > 0
+
+
+def test_the_worked_example():
+    x = np.array([[0.1, 0.3]], dtype=np.float32)
+    s = DeviceScan(x, device="cpu")
+    assert s.resid[0] == pytest.approx(5.46e-5, rel=1e-3)
+    assert device_scan.accumulation_gamma(2) == pytest.approx(1.8e-7, rel=1e-2)
+    with pytest.raises(ValueError, match="float16's range"):
+        DeviceScan(np.array([[1e5, 0.0]], dtype=np.float32), device="cpu")
+
+
+@pytest.mark.parametrize("how", ["tf32", "fp16-accumulator"])
+def test_a_device_without_float32_accumulation_is_refused(monkeypatch, how):
+    """Emulated (no such device here): TF32 inputs (10-bit mantissas) and a half-precision
+    accumulator each fail the probe, and the scan refuses the device."""
+    import torch
+
+    def tf32(rows, queries):
+        def cut(t):  # keep 10 mantissa bits
+            m, e = torch.frexp(t.float())
+            return torch.ldexp(torch.round(m * 2048) / 2048, e)
+
+        return torch.nn.functional.linear(cut(rows), cut(queries))
+
+    def fp16_acc(rows, queries):
+        prod = rows.float()[:, None, :] * queries[None, :, :]  # (B, b, d)
+        acc = torch.zeros(prod.shape[:2], dtype=torch.float16)
+        for i in range(prod.shape[2]):
+            acc = (acc.float() + prod[:, :, i]).half()
+        return acc.float()
+
+    monkeypatch.setattr(device_scan, "_probes", {})
+    monkeypatch.setattr(device_scan, "_scores", tf32 if how == "tf32" else fp16_acc)
+    assert device_scan.probe("cpu") is False
+    with pytest.raises(RuntimeError, match="does not accumulate in float32"):
+        DeviceScan(np.ones((4, 8), dtype=np.float32), device="cpu")
+
+
+def test_the_retriever_refuses_gpu_without_cuda_and_equals_faiss_on_a_device(monkeypatch):
+    import torch
+
+    rng = np.random.default_rng(0)
+    X = unit_rows(rng, 3000, 32)
+    Q = [X[i] + 0.05 * unit_rows(rng, 1, 32)[0] for i in range(6)]
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs a CUDA device"):
+            DenseRetriever("edr", None, X, dense_scan="gpu")
+    monkeypatch.setattr(device_scan, "default_device", lambda: "cpu")  # the device the code runs on here
+    gpu = DenseRetriever("edr", None, X, pad_to=20000, dense_scan="gpu")
+    faiss = DenseRetriever("edr", None, X, pad_to=20000, dense_scan="faiss")
+    assert gpu.dense_scan == "gpu" and gpu.scan_label == "fp16 on cpu" and gpu.n_rows == 20000
+    assert scan_choice.plan_scan("gpu", 32).scan == "gpu"
+    for batch in ([Q[0]], Q[:2], Q):
+        assert gpu.search_vectors(batch, 10) == faiss.search_vectors(batch, 10)
