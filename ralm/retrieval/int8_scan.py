@@ -217,11 +217,7 @@ class Int8Scan:
                 + q_resid[c_np] * self.resid[ids]
                 + ABS_SLACK
             )
-            if not np.isfinite(track.L).all() and real >= k:
-                lower = np.full((real, b), -np.inf)
-                lower[r_np, c_np] = vals - eps
-                track.raise_floor(np.partition(lower, real - k, axis=0)[real - k])
-            track.add(ids, c_np, vals, eps)
+            track.add_block(r_np, c_np, vals, eps, real, start)
         return track.result()
 
 

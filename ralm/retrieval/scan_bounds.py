@@ -74,6 +74,19 @@ class CandidateTracker:
             if lo.size == self.k:
                 self.L[j] = max(self.L[j], float(lo.min()))
 
+    def add_block(
+        self, rows: np.ndarray, cols: np.ndarray, vals: np.ndarray, eps: np.ndarray, real: int, offset: int
+    ) -> None:
+        """The entries one block of a scan kept: ``rows`` relative to the block, which holds
+        ``real`` real rows from row ``offset`` on. While the queries have no floor yet (the
+        first block, which keeps every entry), the block's k-th largest lower bound per query
+        becomes their floor."""
+        if not np.isfinite(self.L).all() and real >= self.k:
+            lower = np.full((real, len(self.L)), -np.inf)
+            lower[rows, cols] = vals - eps
+            self.raise_floor(np.partition(lower, real - self.k, axis=0)[real - self.k])
+        self.add(rows + offset, cols, vals, eps)
+
     def result(self) -> list[np.ndarray]:
         """Per query, the sorted candidate row ids (they contain its exact top-k)."""
         out = []

@@ -9,11 +9,15 @@ import numpy as np
 import pytest
 
 from ralm.retrieval import bf16_scan
-from ralm.retrieval.base import rank_hits
 from ralm.retrieval.bf16_scan import Bf16Scan, bound_constant
-from ralm.retrieval.dense import DenseRetriever, dense_scores, padding_vectors
+from ralm.retrieval.dense import DenseRetriever, padding_vectors
 from ralm.retrieval.factory import load_retriever
-from tests.ralm.retrieval.scan_rows import exact_top, unit_rows, with_ties
+from tests.ralm.retrieval.scan_rows import (
+    assert_batch_independent,
+    assert_candidates_hold_the_exact_top_k,
+    unit_rows,
+    with_ties,
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,24 +35,12 @@ def test_ip_candidates_contain_exact_top_k(ip_scan, k):
         b = int(rng.integers(1, 10))
         Q = unit_rows(rng, b, 64)
         Q[0] = X[5] + 0.02 * Q[0]  # lands among the planted ties
-        cands = scan.candidates(Q, k)
-        assert len(cands) == b
-        for i in range(b):
-            got = rank_hits(cands[i], dense_scores(X[cands[i]], Q[i]), k)
-            assert got == exact_top(X, Q[i], k)
-            assert (cands[i] < X.shape[0]).all()  # padding is never a candidate
+        assert_candidates_hold_the_exact_top_k(scan, X, Q, k)
 
 
 def test_candidates_do_not_depend_on_the_batch(ip_scan):
     X, scan = ip_scan
-    rng = np.random.default_rng(3)
-    Q = unit_rows(rng, 9, 64)
-    together = scan.candidates(Q, 10)
-    for i in range(9):
-        alone = scan.candidates(Q[i : i + 1], 10)[0]
-        ra = rank_hits(alone, dense_scores(X[alone], Q[i]), 10)
-        rt = rank_hits(together[i], dense_scores(X[together[i]], Q[i]), 10)
-        assert ra == rt
+    assert_batch_independent(scan, X, unit_rows(np.random.default_rng(3), 9, 64), 10)
 
 
 def test_candidate_sets_stay_small(ip_scan):

@@ -8,11 +8,16 @@ import numpy as np
 import pytest
 
 from ralm.retrieval import int8_kernels, int8_scan
-from ralm.retrieval.base import rank_hits
-from ralm.retrieval.dense import DenseRetriever, dense_scores, padding_vectors
+from ralm.retrieval.dense import DenseRetriever, padding_vectors
 from ralm.retrieval.factory import load_retriever
 from ralm.retrieval.int8_scan import Int8Scan, quantize
-from tests.ralm.retrieval.scan_rows import exact_top, unit_rows, with_ties
+from tests.ralm.retrieval.scan_rows import (
+    assert_batch_independent,
+    assert_candidates_hold_the_exact_top_k,
+    exact_top,
+    unit_rows,
+    with_ties,
+)
 
 HERE = int8_kernels.exact_kernels(64)  # the kernels exact on this machine (both, on x86 with FBGEMM)
 
@@ -45,23 +50,12 @@ def test_candidates_contain_the_exact_top_k(scan, k):
         Q[0] = X[5] + 0.02 * Q[0]  # lands among the planted ties
         if b > 1:
             Q[1] *= np.float32(7.5)  # a query of another norm
-        cands = s.candidates(Q, k)
-        assert len(cands) == b
-        for i in range(b):
-            got = rank_hits(cands[i], dense_scores(X[cands[i]], Q[i]), k)
-            assert got == exact_top(X, Q[i], k)
-            assert (cands[i] < X.shape[0]).all()  # padding is never a candidate
+        assert_candidates_hold_the_exact_top_k(s, X, Q, k)
 
 
 def test_candidates_do_not_depend_on_the_batch(scan):
     X, s = scan
-    Q = unit_rows(np.random.default_rng(3), 16, 64)
-    together = s.candidates(Q, 10)
-    for i in range(16):
-        alone = s.candidates(Q[i : i + 1], 10)[0]
-        assert rank_hits(alone, dense_scores(X[alone], Q[i]), 10) == rank_hits(
-            together[i], dense_scores(X[together[i]], Q[i]), 10
-        )
+    assert_batch_independent(s, X, unit_rows(np.random.default_rng(3), 16, 64), 10)
 
 
 def test_candidate_sets_stay_small(scan):
