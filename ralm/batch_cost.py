@@ -2,8 +2,8 @@
 
 An exact dense KB times its batch sizes at start-up
 (:meth:`ralm.retrieval.scan_choice.ScanPlan.cost_curve`, e.g. ``{1: 1.0, 4: 1.3, 16: 3.4}``);
-the stride scheduler (:mod:`ralm.os3`) reads such a curve between and beyond the sizes it
-has measured itself.
+the stride scheduler (:mod:`ralm.os3`) reads such a curve beyond the sizes it has measured
+itself, and interpolates its own measured means with the same functions.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from collections.abc import Mapping
 def monotone(curve: Mapping[int, float]) -> dict[int, float]:
     """``curve`` by increasing size, made non-decreasing (a running maximum)."""
     out: dict[int, float] = {}
+    top = -float("inf")
     for size in sorted(curve):
-        out[int(size)] = max(float(curve[size]), *out.values()) if out else float(curve[size])
+        top = max(top, float(curve[size]))
+        out[int(size)] = top
     return out
 
 
@@ -23,21 +25,21 @@ def curve_at(curve: Mapping[int, float], s: int) -> float:
     """A batch cost curve (size -> cost, non-decreasing) at ``s``: linear between its
     sizes, its first value below them, and the last two sizes' slope beyond them.
 
-    >>> curve_at({1: 1.0, 4: 1.3, 16: 3.4}, 8), curve_at({1: 1.0, 4: 1.3, 16: 3.4}, 20)
+    >>> round(curve_at({1: 1.0, 4: 1.3, 16: 3.4}, 8), 9), round(curve_at({1: 1.0, 4: 1.3, 16: 3.4}, 20), 9)
     (2.0, 4.1)
     """
     sizes = sorted(curve)
     if s <= sizes[0] or len(sizes) == 1:
-        return curve[sizes[0]] if s <= sizes[0] else curve[sizes[-1]]
+        return curve[sizes[0]]
     i = next((j for j, size in enumerate(sizes) if size >= s), len(sizes) - 1)
     lo, hi = sizes[i - 1], sizes[i]
-    return round(curve[lo] + (curve[hi] - curve[lo]) * (s - lo) / (hi - lo), 9)
+    return curve[lo] + (curve[hi] - curve[lo]) * (s - lo) / (hi - lo)
 
 
 def scaled(curve: Mapping[int, float], size: int, cost: float, s: int) -> float:
     """The cost of a batch of ``s``, given ``cost`` measured at ``size`` and the curve's shape.
 
-    >>> scaled({1: 1.0, 4: 1.3, 16: 3.4}, 1, 0.17, 8)
+    >>> round(scaled({1: 1.0, 4: 1.3, 16: 3.4}, 1, 0.17, 8), 12)
     0.34
     """
-    return round(cost * curve_at(curve, s) / curve_at(curve, size), 12)
+    return cost * curve_at(curve, s) / curve_at(curve, size)

@@ -81,7 +81,7 @@ from collections.abc import Hashable, Mapping
 from statistics import fmean
 
 from ralm import constants as C
-from ralm.batch_cost import monotone, scaled
+from ralm.batch_cost import curve_at, monotone, scaled
 from ralm.beta_posterior import beta_quantile_int
 from ralm.config import SpecConfig
 from ralm.gamma_prior import GammaPrior
@@ -360,18 +360,12 @@ class StrideScheduler:
         return intercept + slope * s
 
     def _interpolated_verify_latency(self, s: int) -> float:
-        sizes = sorted(self._verify_by_size)
-        means: list[float] = []
-        for size in sizes:  # non-decreasing in the batch size
-            m = fmean(self._verify_by_size[size])
-            means.append(max(m, means[-1]) if means else m)
-        if s <= sizes[0]:
-            return means[0]
-        if s >= sizes[-1]:  # flat beyond the largest size measured (optimistic), or the KB's own curve
-            return means[-1] if self.cost_curve is None else scaled(self.cost_curve, sizes[-1], means[-1], s)
-        i = next(j for j, size in enumerate(sizes) if size >= s)
-        lo, hi = sizes[i - 1], sizes[i]
-        return means[i - 1] + (means[i] - means[i - 1]) * (s - lo) / (hi - lo)
+        means = monotone({size: fmean(v) for size, v in self._verify_by_size.items()})  # non-decreasing
+        last = max(means)
+        if s < last:
+            return curve_at(means, s)  # linear between the sizes measured
+        # beyond them: flat (optimistic, then measured), or the KB's own start-up curve
+        return means[last] if self.cost_curve is None else scaled(self.cost_curve, last, means[last], s)
 
     def _known_verify_latency(self, s: int) -> float:
         """b(s) where a verification has been measured (the decision paths check that first)."""

@@ -146,8 +146,8 @@ def run_arm(engine, reqs, concurrency: int, new_tokens: int, stride: int, serial
 
     engine.sessions.clear()
     engine.doc_kv.clear()
-    batcher = getattr(engine, "batcher", None)
-    host0 = (batcher.host_s, batcher.forward_s, batcher.iterations) if batcher is not None else None
+    batcher = getattr(engine, "batcher", None)  # the batching loop (None: the plain engine)
+    host0 = (batcher.host_s, batcher.forward_s, batcher.iterations) if batcher is not None else (0.0, 0.0, 0)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(one, range(len(reqs))))
@@ -160,7 +160,7 @@ def run_arm(engine, reqs, concurrency: int, new_tokens: int, stride: int, serial
         "mean_request_s": sum(per_request_s) / len(per_request_s),
         "outputs": out,
     }
-    if batcher is not None and host0 is not None and batcher.iterations > host0[2]:  # the loop ran: its host time
+    if batcher is not None and batcher.iterations > host0[2]:  # the loop ran: its host time
         host, fwd, n = batcher.host_s - host0[0], batcher.forward_s - host0[1], batcher.iterations - host0[2]
         res["host_ms_per_iteration"] = host * 1e3 / n
         res["host_share"] = host / (host + fwd) if host + fwd > 0 else 0.0

@@ -102,11 +102,6 @@ class IterationStats:
     generated: int = 0  # new tokens the iteration produced
     forward_s: float = 0.0  # of ``seconds``, the model's forward (on a GPU: until its kernels finish)
 
-    @property
-    def host_s(self) -> float:
-        """The iteration's host work around the forward: planning, packing, picking tokens."""
-        return max(0.0, self.seconds - self.forward_s)
-
 
 class BatchEngine:
     """Advances :class:`StepCall` s together through packed, invariant forward passes.
