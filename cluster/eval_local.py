@@ -16,8 +16,7 @@ from ralm.errors import RalmInputError
 
 def _cold(pipe) -> None:
     """Empty doc-KV cache and KV sessions, as at the start of every benchmark request."""
-    pipe.engine.doc_kv.clear()
-    pipe.engine.sessions.clear()
+    pipe.engine.clear_kv_caches()
 
 
 def answer_item(pipe, item: EvalItem, executor=None, cold: bool = True) -> dict:

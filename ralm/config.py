@@ -115,6 +115,10 @@ class GeneratorConfig(_Strict):
         ge=0,
         description="Byte budget of the in-flight requests' KV sessions (LRU); 0 recomputes the context every step.",
     )
+    kv_pool: bool = Field(
+        True,
+        description="Keep the batched engine's KV (sessions and documents' KV) in one pool of fixed-size blocks with a block table per sequence: a document's KV is held once and shared by reference by every request on it, and every sequence of a forward is written and read in one operation per layer. false: a growing buffer per sequence (the same tokens).",
+    )
     batch_token_budget: int = Field(
         C.BATCH_TOKEN_BUDGET, ge=1, description="Most tokens (prefill chunks + decode tokens) in one batched forward."
     )

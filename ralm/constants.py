@@ -85,6 +85,9 @@ INVARIANT_ONEDNN_MIN_ROWS = 2
 INVARIANT_QUERY_TILE = 4  # attention: queries in tiles of this many rows ...
 INVARIANT_KEY_BLOCK = 64  # ... against keys in blocks of this many positions, summed block by block
 KV_SESSION_BYTES = 1024 * 1024 * 1024  # budget of the in-flight requests' KV sessions (LRU; docs/batching.md)
+KV_POOL_INITIAL_BLOCKS = (
+    64  # blocks the KV pool allocates on its first write (it doubles when sequences in flight need more)
+)
 BATCH_TOKEN_BUDGET = 512  # tokens one batched forward processes at most (prefill chunks + decode tokens)
 BATCH_MAX_SEQUENCES = 64  # sequences one batched forward holds at most
 # the whole-model invariance proof run before batching is turned on (ralm/batching/proof.py)

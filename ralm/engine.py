@@ -31,8 +31,10 @@ import torch
 
 from cache.doc_kv import DocPrefixTree
 from ralm.batching.continuous_batcher import ContinuousBatcher
+from ralm.batching.doc_blocks import DocBlockCache
 from ralm.batching.engine import BatchEngine, StepCall
 from ralm.batching.invariant import InvariantUnavailable, make_invariant
+from ralm.batching.kv_pool import KVPool
 from ralm.batching.packed import model_max_positions
 from ralm.batching.proof import InvarianceProof, prove_invariance
 from ralm.batching.sessions import SessionStore
@@ -102,7 +104,14 @@ class LMEngine:
                 # keep serving: one step at a time, context re-prefilled (exact as before), and say why
                 self.invariant_error = str(e)
                 log.warning("continuous batching and KV sessions are off: %s", e)
+        self.kv_pool: KVPool | None = None  # the batched engine's KV blocks (cfg.kv_pool)
+        self.doc_blocks: DocBlockCache | None = None
         if self.cfg.invariant and self.invariant_error is None:
+            if self.cfg.kv_pool:
+                self.kv_pool = KVPool(int(self.model.config.num_hidden_layers))
+                self.doc_blocks = DocBlockCache(self.cfg.doc_kv_cache_bytes)
+                # no block free: idle sessions go first, then cached documents, then the pool grows
+                self.kv_pool.reclaimers = [self.sessions.evict_one, self.doc_blocks.evict_one]
             self.batch = BatchEngine(
                 self.model,
                 self.eos_token_id,
@@ -110,6 +119,8 @@ class LMEngine:
                 self.sessions,
                 self.cfg.batch_token_budget,
                 self.cfg.batch_max_sequences,
+                pool=self.kv_pool,
+                doc_blocks=self.doc_blocks,
             )
             self.batcher = ContinuousBatcher(self.batch)
 
@@ -285,6 +296,13 @@ class LMEngine:
     def release(self, owner: str) -> int:
         """Free the KV sessions of a request that ended or was cancelled."""
         return self.sessions.release(owner)
+
+    def clear_kv_caches(self) -> None:
+        """Forget every cached KV: documents (both caches) and sessions (benchmarks start cold)."""
+        self.doc_kv.clear()
+        if self.doc_blocks is not None:
+            self.doc_blocks.clear()
+        self.sessions.clear()
 
     @torch.inference_mode()
     def _step_one(self, docs, context, k, ignore_eos, opts: StepOptions) -> StepOutput:

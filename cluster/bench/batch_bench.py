@@ -7,9 +7,11 @@ Three measurements, each side by side in one run (these machines are noisy):
     sequences in one forward: padded HF batch for the plain model, one packed forward for
     the invariant one);
 (b) **generator throughput**: ``--concurrency`` levels (default 1, 4, 16, 32) of requests,
-    each generating ``--new-tokens`` tokens in steps of ``--stride`` on one document, in four
+    each generating ``--new-tokens`` tokens in steps of ``--stride`` on one document, in five
     arms: the plain engine one step at a time (re-prefill, what a replica did before
-    batching), sessions only (one step at a time), batching only (sessions off) and both;
+    batching), sessions only (one step at a time), batching only (sessions off), both, and
+    both with each sequence's KV in its own buffers instead of the KV pool
+    (``generator.kv_pool=false``: the pool's cost or gain, side by side);
 (c) **per-request generation time** at ``--new-tokens`` with sessions against re-prefill:
     (b)'s concurrency-1 rows.
 
@@ -33,7 +35,7 @@ from ralm import constants as C
 from ralm.config import GeneratorConfig
 from ralm.corpus import Corpus, load_questions
 
-ARMS = ("plain-serial", "sessions", "batching", "batching+sessions")
+ARMS = ("plain-serial", "sessions", "batching", "batching+sessions", "batching+sessions/buffers")
 
 
 def add_batch_bench_args(p: argparse.ArgumentParser) -> None:
@@ -144,8 +146,7 @@ def run_arm(engine, reqs, concurrency: int, new_tokens: int, stride: int, serial
         engine.release(f"r{i}")
         out[i] = ctx[n0:]
 
-    engine.sessions.clear()
-    engine.doc_kv.clear()
+    engine.clear_kv_caches()
     batcher = getattr(engine, "batcher", None)  # the batching loop (None: the plain engine)
     host0 = (batcher.host_s, batcher.forward_s, batcher.iterations) if batcher is not None else (0.0, 0.0, 0)
     t0 = time.perf_counter()
@@ -184,6 +185,10 @@ def batch_bench_main(args) -> int:
         inv = LMEngine.from_config(base)
     nosess = LMEngine(inv.model, inv.tokenizer, inv.cfg.model_copy(update={"kv_session_bytes": 0}))
     engines = {"plain-serial": plain, "sessions": inv, "batching": nosess, "batching+sessions": inv}
+    if "batching+sessions/buffers" in arms:  # the same, each sequence in its own buffers (no KV pool)
+        engines["batching+sessions/buffers"] = LMEngine(
+            inv.model, inv.tokenizer, inv.cfg.model_copy(update={"kv_pool": False})
+        )
     what = f"randomly initialised {args.random_model}" if getattr(args, "random_model", None) else args.model
     notes = [
         f"# ralmspec bench-batching: generator {what}, {args.new_tokens} new tokens per request, stride {args.stride}",

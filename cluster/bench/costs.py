@@ -155,11 +155,11 @@ def measure_generator(engine, corpus, reps: int) -> dict:
     ctx = (ctx * 8)[:100]
     pre, dec = [], []
     for r in range(reps):
-        engine.doc_kv.clear()
+        engine.clear_kv_caches()
         out = engine.step(corpus.text(r + 1), ctx, 16, ignore_eos=True)
         pre.append(out.prefill_s)
         dec.append(out.decode_s / 15)
-    engine.doc_kv.clear()
+    engine.clear_kv_caches()
     engine.step(doc, ctx, 1)
     warm = [engine.step(doc, ctx, 1).prefill_s for _ in range(reps)]
     n_doc = len(engine.doc_tokens(corpus.text(1)))

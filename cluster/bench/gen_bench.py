@@ -203,7 +203,7 @@ def measure_prefill(gen, gen_nc, kb, questions, req, reps: int = 3, scope: str =
         raise ValueError(f"unknown scope {scope!r}: 'request' or 'run'")
     eng = gen.engine
     arms = [("with", StepLog(gen)), ("without", StepLog(gen_nc)), ("one", StepLog(gen_nc, one_forward=True))]
-    eng.doc_kv.clear()
+    eng.clear_kv_caches()
     for _, g in arms:  # warm-up, every arm, not recorded
         run_seq(questions[0], g, kb, req)
     steps: dict = {}  # (request, step) -> {arm: [records of the repetitions]}
@@ -211,13 +211,13 @@ def measure_prefill(gen, gen_nc, kb, questions, req, reps: int = 3, scope: str =
     t0 = time.perf_counter()
     for r in range(reps):
         if scope == "run":
-            eng.doc_kv.clear()
+            eng.clear_kv_caches()
         for qi, q in enumerate(questions):
             toks = {}
             for j in range(len(arms)):  # rotate the order of the arms
                 arm, g = arms[(r + qi + j) % len(arms)]
                 if arm == "with" and scope == "request":
-                    eng.doc_kv.clear()
+                    eng.clear_kv_caches()
                 g.steps = []
                 toks[arm] = run_seq(q, g, kb, req).tokens
                 for i, rec in enumerate(g.steps):
@@ -379,7 +379,7 @@ def gen_bench_main(args) -> int:
         req = req0.model_copy(update={"drafting": mode})
         ts, same = [], 0
         for q, bt in zip(evalq, base_tok):
-            eng.doc_kv.clear()
+            eng.clear_kv_caches()
             r = run_spec(q, gen, kb, req, spec)
             ts.append(r.stats.total_time_s)
             same += int(r.tokens == bt)

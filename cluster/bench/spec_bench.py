@@ -101,8 +101,7 @@ def run_retriever(
     def cold() -> None:
         # every request starts cold: no doc KV, no memoised query encodings or BM25
         # document vectors from an earlier configuration's run of the same question
-        pipe.engine.doc_kv.clear()
-        pipe.engine.sessions.clear()  # no request's KV session left by another configuration
+        pipe.engine.clear_kv_caches()  # no request's KV session left by another configuration
         getattr(kb.scorer, "clear_caches", lambda: None)()
 
     if concurrency > 1:

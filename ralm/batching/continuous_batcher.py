@@ -165,7 +165,8 @@ class ContinuousBatcher:
                 self.busy_s += time.perf_counter() - t0
             except BaseException as e:  # a failed forward fails the steps in it, not the loop
                 log.exception("batched forward failed")
-                for _, fut in active:
+                for a, fut in active:
+                    self.engine.abandon(a)
                     fut.set_exception(e)
                 active = []
                 continue

@@ -27,9 +27,13 @@ from typing import Any
 import torch
 
 from ralm import constants as C
+from ralm.batching.doc_blocks import DocBlockCache
+from ralm.batching.kv_pool import KVPool
 from ralm.batching.packed import SeqKV, packed_forward
+from ralm.batching.paged_kv import PagedKV
 from ralm.batching.policy import plan_iteration
 from ralm.batching.sessions import DocsKey, Session, SessionStore
+from ralm.doc_kv import DocsKVInfo
 from ralm.drafting import StepOptions, greedy_scores
 from ralm.drafting.ngram import NGramDrafter
 from ralm.errors import RalmInputError
@@ -108,7 +112,8 @@ class BatchEngine:
 
     ``model``: a model rewritten by :func:`ralm.batching.invariant.make_invariant`;
     ``docs_kv(docs) -> (hf_cache | None, info)``: the documents' KV (the doc-KV cache);
-    ``sessions``: the session store.
+    ``sessions``: the session store; ``pool``: the KV pool every step's sequence lives in
+    (None: per-sequence buffers), with ``doc_blocks``, the documents' KV kept in it.
     """
 
     def __init__(
@@ -119,8 +124,12 @@ class BatchEngine:
         sessions: SessionStore,
         token_budget: int = C.BATCH_TOKEN_BUDGET,
         max_sequences: int = C.BATCH_MAX_SEQUENCES,
+        pool: KVPool | None = None,
+        doc_blocks: DocBlockCache | None = None,
     ):
         self.model = model
+        self.pool = pool
+        self.doc_blocks = doc_blocks if doc_blocks is not None else DocBlockCache(0)
         self.eos_token_id = eos_token_id
         self.docs_kv = docs_kv
         self.sessions = sessions
@@ -149,8 +158,7 @@ class BatchEngine:
         hit = True
         reused = computed = bytes_reused = 0
         if sess is None:
-            past, info = self.docs_kv(call.docs)
-            kv = SeqKV.from_cache(past, self.n_layers)
+            kv, info = self._docs_kv(call.docs)
             sess = Session(call.docs, len(kv), [], kv, call.owner)
             hit = info.hit
             reused, computed, bytes_reused = info.docs_reused, info.docs_computed, info.bytes_reused
@@ -182,6 +190,27 @@ class BatchEngine:
             context_computed=len(ctx) - reuse,
             drafter=drafter,
         )
+
+    def _docs_kv(self, docs: DocsKey) -> tuple[SeqKV | PagedKV, DocsKVInfo]:
+        """A new sequence holding the documents' KV: in the pool, a fork of the cached blocks
+        (computed and cached first on a miss); otherwise a copy of the doc-KV cache's tensors."""
+        if self.pool is None:
+            past, info = self.docs_kv(docs)
+            return SeqKV.from_cache(past, self.n_layers), info
+        shared = self.doc_blocks.fork(docs) if docs else None
+        if shared is not None:
+            return shared, DocsKVInfo(True, len(docs), 0, len(shared) * shared.bytes_per_position())
+        past, info = self.docs_kv(docs)
+        kv = PagedKV.from_cache(self.pool, past)
+        if docs:
+            self.doc_blocks.put(docs, kv.fork())
+        return kv, info
+
+    def abandon(self, a: ActiveStep) -> None:
+        """Free the KV of a step that will not finish (its forward failed): a session's pool
+        blocks go back; a feed's sequence is the caller's."""
+        if not a.is_feed:
+            a.session.drop()
 
     def finish(self, a: ActiveStep):
         """Give the session back and build the step's :class:`~ralm.engine.StepOutput` (a feed:
@@ -217,7 +246,7 @@ class BatchEngine:
         if not plan:
             return IterationStats(0, 0, 0.0)
         t0 = time.perf_counter()
-        chunks: list[tuple[SeqKV, list[int]]] = []
+        chunks: list[tuple[SeqKV | PagedKV, list[int]]] = []
         rows: list[int] = []
         emitting: list[tuple[ActiveStep, int, int]] = []
         off = 0
@@ -244,35 +273,55 @@ class BatchEngine:
             a.pending = a.pending[n:]
             a.forward_passes += 1
         before = sum(len(a.tokens) for a, _, _ in emitting)
+        preds = self._greedy(logits, emitting)  # the iteration's one host synchronisation
         for a, row, n in emitting:
             if a.is_feed:
                 a.feed = FeedOutput(logits[row], hidden[row])  # type: ignore[index]
                 a.done = True
             elif a.verify is not None:
-                self._emit_verified(a, logits[row : row + n])
+                self._emit_verified(a, logits[row : row + n], preds[row : row + n])
             else:
-                self._emit(a, logits[row])
+                self._emit(a, logits[row], preds[row])
         made = sum(len(a.tokens) for a, _, _ in emitting) - before
         st = IterationStats(len(plan), off, time.perf_counter() - t0, made, forward_s)
         if self.on_iteration is not None:
             self.on_iteration(st)
         return st
 
+    def _greedy(self, logits: torch.Tensor, emitting: Sequence[tuple[ActiveStep, int, int]]) -> list[int]:
+        """The greedy token of every row of ``logits [R, vocab]``, computed on the logits'
+        device and brought to the host in one transfer: ``argmax`` of the float32 logits,
+        EOS masked in the rows of steps with ``ignore_eos`` (each row's argmax is the one
+        :func:`~ralm.drafting.greedy_scores` gives for it alone: max is exact and ties go to
+        the lowest id). Example: rows ``[a, b0, b1]`` (step a's decode row, step b's drafted
+        pair) give ``[t_a, t_b0, t_b1]`` with one synchronisation, not three."""
+        scores = logits.float()
+        if self.eos_token_id is not None:
+            rows = [r for a, row, n in emitting if a.call.ignore_eos and not a.is_feed for r in range(row, row + n)]
+            if rows:
+                scores = scores.clone()
+                scores[torch.tensor(rows, device=scores.device), self.eos_token_id] = float("-inf")
+        return scores.argmax(dim=-1).tolist()
+
     def _scores(self, a: ActiveStep, logits: torch.Tensor) -> torch.Tensor:
         return greedy_scores(logits, self.eos_token_id, a.call.ignore_eos)
 
-    def _emit(self, a: ActiveStep, logits: torch.Tensor) -> None:
-        """The next token from ``logits [vocab]``: EOS ends the step; with FLARE, so does a
-        low-probability token (after the first); with a drafter, the next chunk carries a draft."""
-        scores = self._scores(a, logits)
-        nxt = int(torch.argmax(scores))  # first index of the max: lowest id on ties
+    def _low_confidence(self, a: ActiveStep, logits: torch.Tensor, token: int) -> bool:
+        """FLARE's stop: the greedy token's probability (softmax of the row alone, as the
+        single-sequence decoder computes it) under the step's threshold."""
+        thr = a.call.options.flare_threshold if a.call.options is not None else None
+        return thr is not None and float(torch.softmax(self._scores(a, logits), dim=-1)[token]) < thr
+
+    def _emit(self, a: ActiveStep, logits: torch.Tensor, nxt: int) -> None:
+        """The next token ``nxt`` (the greedy choice of ``logits [vocab]``): EOS ends the step;
+        with FLARE, so does a low-probability token (after the first); with a drafter, the
+        next chunk carries a draft."""
         if a.t_first is None:
             a.t_first = time.perf_counter()
         if self.eos_token_id is not None and nxt == self.eos_token_id:
             a.eos = a.done = True
             return
-        thr = a.call.options.flare_threshold if a.call.options is not None else None
-        if thr is not None and a.tokens and float(torch.softmax(scores, dim=-1)[nxt]) < thr:
+        if a.tokens and self._low_confidence(a, logits, nxt):
             a.low_confidence = a.done = True
             return
         a.tokens.append(nxt)
@@ -287,18 +336,16 @@ class BatchEngine:
             if draft:
                 a.pending, a.verify = [nxt, *draft], draft
 
-    def _emit_verified(self, a: ActiveStep, logits: torch.Tensor) -> None:
-        """``logits [1 + len(draft), vocab]`` of ``[nxt, draft...]``: accept the draft while it
-        equals the argmax (and passes FLARE), drop the KV of the rest, then emit the token
-        after the last accepted one. With the invariant forward each row is the logit vector
-        one-token decoding would give, so the tokens are plain greedy decoding's."""
+    def _emit_verified(self, a: ActiveStep, logits: torch.Tensor, preds: list[int]) -> None:
+        """``logits [1 + len(draft), vocab]`` of ``[nxt, draft...]`` and their greedy tokens
+        ``preds``: accept the draft while it equals the argmax (and passes FLARE), drop the KV
+        of the rest, then emit the token after the last accepted one. With the invariant
+        forward each row is the logit vector one-token decoding would give, so the tokens are
+        plain greedy decoding's."""
         draft, a.verify = a.verify or [], None
-        scores = self._scores(a, logits)
-        preds = torch.argmax(scores, dim=-1).tolist()
-        thr = a.call.options.flare_threshold if a.call.options is not None else None
         acc = 0
         while acc < len(draft) and draft[acc] == preds[acc] and draft[acc] != self.eos_token_id:
-            if thr is not None and float(torch.softmax(scores[acc], dim=-1)[draft[acc]]) < thr:
+            if self._low_confidence(a, logits[acc], draft[acc]):
                 break
             acc += 1
         a.draft_rounds += 1
@@ -309,19 +356,26 @@ class BatchEngine:
             a.session.kv.crop(len(a.session.kv) - drop)
             del a.session.context[-drop:]
         a.tokens.extend(draft[:acc])
-        self._emit(a, logits[acc])
+        self._emit(a, logits[acc], preds[acc])
 
     # ------------------------------------------------------------------ a whole batch
     def step_batch(self, calls: Sequence[StepCall]) -> list:
         """Run ``calls`` together to completion; one :class:`~ralm.engine.StepOutput` each, in order.
         Each output is the one the step gives alone (the forward is batch-invariant)."""
-        active = [self.start(c) for c in calls]
+        active: list[ActiveStep] = []
+        try:
+            for c in calls:
+                active.append(self.start(c))
+            while True:
+                live = [a for a in active if not a.done]
+                if not live:
+                    break
+                self.iterate(live)
+        except BaseException:
+            for a in active:
+                self.abandon(a)
+            raise
         outs: list = [None] * len(active)
-        while True:
-            live = [a for a in active if not a.done]
-            if not live:
-                break
-            self.iterate(live)
         for i, a in enumerate(active):
             outs[i] = self.finish(a)
         return outs

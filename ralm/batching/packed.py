@@ -24,6 +24,7 @@ import torch
 
 from ralm import constants as C
 from ralm.batching.attention import attend, hidden_keys
+from ralm.batching.paged_kv import PagedKV, PagedPlan
 
 
 def model_max_positions(config) -> int:
@@ -121,7 +122,7 @@ class Segment:
 
     start: int
     n: int
-    kv: SeqKV
+    kv: SeqKV | PagedKV
 
 
 class _Group:
@@ -165,10 +166,25 @@ class PackedBatch:
     def __init__(self, segments: Sequence[Segment], device=None):
         self.segments = list(segments)
         self.n_tokens = sum(s.n for s in self.segments)
+        self.device = device
         by_tiles: dict[int, list[int]] = {}
         for i, seg in enumerate(self.segments):
             by_tiles.setdefault(-(-seg.n // C.INVARIANT_QUERY_TILE), []).append(i)
         self.groups = [_Group(self.segments, idx, device) for idx in by_tiles.values()]
+        # every sequence paged in one pool: one write per layer, keys read through block tables
+        pools = {id(s.kv.pool): s.kv.pool for s in self.segments if isinstance(s.kv, PagedKV)}
+        self.pool = (
+            next(iter(pools.values()))
+            if len(pools) == 1 and all(isinstance(s.kv, PagedKV) for s in self.segments)
+            else None
+        )
+        self._plan: PagedPlan | None = None
+
+    def finish(self) -> None:
+        """After the forward: the paged sequences hold their new positions."""
+        if self._plan is not None:
+            for seg in self.segments:
+                seg.kv.advance(seg.n)  # type: ignore[union-attr]
 
     def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
         """``query [1, H, N, D]``, ``key/value [1, Hkv, N, D]`` (this layer's new tokens) ->
@@ -179,8 +195,17 @@ class PackedBatch:
         Shorter sequences of a group are attended over the group's longest key range; their
         extra blocks are masked and add exact zeros."""
         layer = int(module.layer_idx)
-        for seg in self.segments:
-            seg.kv.append(layer, key[0, :, seg.start : seg.start + seg.n], value[0, :, seg.start : seg.start + seg.n])
+        if self.pool is not None:
+            if self._plan is None:  # the first layer: room for the new tokens in every sequence
+                self._plan = PagedPlan(self.pool, self.segments, key[0, :, :1], self.device)
+            self._plan.write(layer, key, value)
+            if getattr(module, "_ralm_triton", False):
+                return self._plan.triton_attention(layer, query, scaling)
+        else:
+            for seg in self.segments:
+                seg.kv.append(
+                    layer, key[0, :, seg.start : seg.start + seg.n], value[0, :, seg.start : seg.start + seg.n]
+                )
         H, D = query.shape[1], query.shape[3]
         if len(self.groups) == 1 and self.groups[0].in_order:  # e.g. every row a decode token
             g = self.groups[0]
@@ -199,10 +224,14 @@ class PackedBatch:
         ``[S, n_max, H, D]`` (on the Triton kernel where ``make_invariant`` flagged ``module``)."""
         KB = C.INVARIANT_KEY_BLOCK
         segs = [self.segments[i] for i in g.idx]
-        span = max(-(-s.kv.layer_len[layer] // KB) * KB for s in segs)
-        ks, vs = zip(*(s.kv.span(layer, span) for s in segs))
-        k_pad = ks[0].unsqueeze(0) if len(ks) == 1 else torch.stack(ks)
-        v_aug = vs[0].unsqueeze(0) if len(vs) == 1 else torch.stack(vs)
+        if self._plan is not None:
+            k_pad, v_aug = self._plan.gather(layer, g.idx)
+            span = k_pad.shape[2]
+        else:
+            span = max(-(-s.kv.layer_len[layer] // KB) * KB for s in segs)
+            ks, vs = zip(*(s.kv.span(layer, span) for s in segs))
+            k_pad = ks[0].unsqueeze(0) if len(ks) == 1 else torch.stack(ks)
+            v_aug = vs[0].unsqueeze(0) if len(vs) == 1 else torch.stack(vs)
         if getattr(module, "_ralm_triton", False):
             # lazy: keeps triton (optional, only the CUDA path uses it) out of CPU processes
             from ralm.batching import triton_kernels
@@ -215,7 +244,7 @@ class PackedBatch:
 @torch.inference_mode()
 def packed_forward(
     model,
-    chunks: Sequence[tuple[SeqKV, Sequence[int]]],
+    chunks: Sequence[tuple[SeqKV | PagedKV, Sequence[int]]],
     logits_rows: Sequence[int] | None = None,
     with_hidden: bool = False,
 ):
@@ -242,14 +271,16 @@ def packed_forward(
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     position_ids = torch.tensor([pos], dtype=torch.long, device=device)
     keep = torch.tensor(list(logits_rows), dtype=torch.long, device=device)
+    batch = PackedBatch(segs, device)
     out = model(
         input_ids=input_ids,
         position_ids=position_ids,
         use_cache=False,
         logits_to_keep=keep,
         output_hidden_states=with_hidden,
-        ralm_batch=PackedBatch(segs, device),
+        ralm_batch=batch,
     )
+    batch.finish()
     if with_hidden:
         return out.logits[0], out.hidden_states[-1][0].index_select(0, keep)
     return out.logits[0]

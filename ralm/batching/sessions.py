@@ -17,15 +17,22 @@ Sessions live under a byte budget (least recently used first out). A taken sessi
 of the store until it is put back, so two concurrent steps never share one; each request
 tags its sessions with an owner key so that :meth:`SessionStore.release` frees them when
 the request ends or is cancelled.
+
+With the KV pool (:mod:`ralm.batching.kv_pool`) a session's KV is a block table: it counts
+the blocks only it holds when it is stored (the documents' blocks it shares are the
+doc-block cache's), and a dropped session gives its blocks back to the pool (outside the
+store's lock: the pool may be asking the store to drop one, :meth:`SessionStore.evict_one`).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ralm.batching.packed import SeqKV
+from ralm.batching.paged_kv import PagedKV
 
 DocsKey = tuple  # tuple of documents, each a tuple of token ids
 
@@ -37,12 +44,23 @@ class Session:
     docs: DocsKey
     doc_len: int
     context: list[int]
-    kv: SeqKV
+    kv: SeqKV | PagedKV
     owner: str | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.kv.nbytes
+        """What keeping the session costs: its own blocks in the pool, its buffers otherwise."""
+        return self.kv.own_bytes() if isinstance(self.kv, PagedKV) else self.kv.nbytes
+
+    def drop(self) -> None:
+        """Give the session's pool blocks back (nothing to do for per-sequence buffers)."""
+        if isinstance(self.kv, PagedKV):
+            self.kv.free()
+
+
+def _drop(sessions: Iterable[Session]) -> None:
+    for s in sessions:
+        s.drop()
 
 
 @dataclass
@@ -72,7 +90,7 @@ class SessionStore:
 
     def __init__(self, capacity_bytes: int):
         self.capacity_bytes = int(capacity_bytes)
-        self._items: OrderedDict[int, Session] = OrderedDict()
+        self._items: OrderedDict[int, tuple[Session, int]] = OrderedDict()  # (session, bytes when stored)
         self._next = 0
         self._lock = threading.Lock()
         self.stats = SessionStats()
@@ -86,16 +104,16 @@ class SessionStore:
         with self._lock:
             self.stats.takes += 1
             best, best_n = None, -1
-            for key, s in self._items.items():
+            for key, (s, _) in self._items.items():
                 if s.docs == docs:
                     n = common_prefix(s.context, context)
                     if n > best_n:
                         best, best_n = key, n
             if best is None:
                 return None, 0
-            sess = self._items.pop(best)
+            sess, size = self._items.pop(best)
             self.stats.hits += 1
-            self.stats.bytes_used -= sess.nbytes
+            self.stats.bytes_used -= size
             self.stats.sessions = len(self._items)
             return sess, best_n
 
@@ -103,34 +121,56 @@ class SessionStore:
         """Store (or give back) a session; evicts the least recently used over budget."""
         size = sess.nbytes
         if size > self.capacity_bytes:
+            sess.drop()
             return
+        dropped = []
         with self._lock:
-            self._items[self._next] = sess
+            self._items[self._next] = (sess, size)
             self._next += 1
             self.stats.bytes_used += size
             while self.stats.bytes_used > self.capacity_bytes and self._items:
-                _, old = self._items.popitem(last=False)
-                self.stats.bytes_used -= old.nbytes
+                _, (old, old_size) = self._items.popitem(last=False)
+                self.stats.bytes_used -= old_size
                 self.stats.evictions += 1
+                dropped.append(old)
             self.stats.sessions = len(self._items)
+        _drop(dropped)
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used session (the pool needs blocks); False: none stored."""
+        with self._lock:
+            if not self._items:
+                return False
+            _, (old, size) = self._items.popitem(last=False)
+            self.stats.bytes_used -= size
+            self.stats.evictions += 1
+            self.stats.sessions = len(self._items)
+        old.drop()
+        return True
 
     def release(self, owner: str) -> int:
         """Free every stored session of ``owner`` (a request that ended); returns how many."""
         with self._lock:
-            keys = [k for k, s in self._items.items() if s.owner == owner]
+            keys = [k for k, (s, _) in self._items.items() if s.owner == owner]
+            dropped = []
             for k in keys:
-                self.stats.bytes_used -= self._items.pop(k).nbytes
+                sess, size = self._items.pop(k)
+                self.stats.bytes_used -= size
+                dropped.append(sess)
             self.stats.released += len(keys)
             self.stats.sessions = len(self._items)
-            return len(keys)
+        _drop(dropped)
+        return len(keys)
 
     def held(self, owner: str) -> int:
         """How many stored sessions ``owner`` has."""
         with self._lock:
-            return sum(1 for s in self._items.values() if s.owner == owner)
+            return sum(1 for s, _ in self._items.values() if s.owner == owner)
 
     def clear(self) -> None:
         with self._lock:
+            dropped = [s for s, _ in self._items.values()]
             self._items.clear()
             self.stats.bytes_used = 0
             self.stats.sessions = 0
+        _drop(dropped)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -77,22 +78,27 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-_BUILT: dict[bool, dict[str, Any]] = {}
+_BUILT: dict[tuple[str, bool], dict[str, Any]] = {}
+
+
+def built(family: str, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The jitted kernels ``build()`` returns, built once per ``family`` and interpreter
+    setting (see the module docstring)."""
+    if triton is None:
+        raise RuntimeError(f"triton is not available: {_TRITON_ERROR}")
+    key = (family, _interpret())
+    kernels = _BUILT.get(key)
+    if kernels is None:
+        kernels = _BUILT[key] = build()
+    return kernels
 
 
 def _kernels() -> dict[str, Any]:
-    """The jitted kernels, built once per interpreter setting (see the module docstring)."""
-    if triton is None:
-        raise RuntimeError(f"triton is not available: {_TRITON_ERROR}")
-    key = _interpret()
-    built = _BUILT.get(key)
-    if built is None:
-        built = _BUILT[key] = _build()
-    return built
+    return built("dense", _build)
 
 
 def _build() -> dict[str, Any]:  # noqa: C901 - the kernels' bodies
@@ -275,7 +281,7 @@ def _build() -> dict[str, Any]:  # noqa: C901 - the kernels' bodies
     }
 
 
-def _precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # the latter is ignored for 16-bit inputs
 
 
@@ -284,7 +290,7 @@ def matmul_config(dtype: torch.dtype, n: int, k: int) -> tuple[int, int, int, in
     of the dtype and the layer's shape, never of the row count."""
     block_n = 64 if n <= 64 else 128
     block_k = 32 if dtype == torch.float32 else 64
-    return 64, block_n, min(block_k, max(16, _next_pow2(k))), 4
+    return 64, block_n, min(block_k, max(16, next_pow2(k))), 4
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -299,7 +305,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return y
     bm, bn, bk, warps = matmul_config(x.dtype, N, K)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    with _on(x):
+    with on_device(x):
         _kernels()["matmul"][grid](
             x,
             weight,
@@ -318,13 +324,13 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             BLOCK_M=bm,
             BLOCK_N=bn,
             BLOCK_K=bk,
-            PRECISION=_precision(x.dtype),
+            PRECISION=dot_precision(x.dtype),
             num_warps=warps,
         )
     return y
 
 
-def _on(x: torch.Tensor):
+def on_device(x: torch.Tensor):
     """The device context of ``x`` for a launch (a model spread over several GPUs launches on
     each layer's own GPU); nothing on a CPU tensor (the interpreter)."""
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
@@ -344,8 +350,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     M, d = x.shape
     y = torch.empty(M, d, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if M:
-        block = _next_pow2(d)
-        with _on(x):
+        block = next_pow2(d)
+        with on_device(x):
             _kernels()["rms_norm"][(M,)](
                 x, weight, y, d, x.stride(0), y.stride(0), float(eps), BLOCK=block, num_warps=_norm_warps(block)
             )
@@ -359,8 +365,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     M, d = x.shape
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if M:
-        block = _next_pow2(d)
-        with _on(x):
+        block = next_pow2(d)
+        with on_device(x):
             _kernels()["layer_norm"][(M,)](
                 x,
                 weight if weight is not None else x,
@@ -403,9 +409,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     if S == 0 or nq == 0:
         return out
     q_pos = q_pos.to(device=q.device, dtype=torch.int64)
-    block_d = max(16, _next_pow2(D))
+    block_d = max(16, next_pow2(D))
     grid = (triton.cdiv(nq, ATTN_BLOCK_Q), H, S)
-    with _on(q):
+    with on_device(q):
         _kernels()["attention"][grid](
             q,
             k,
@@ -425,7 +431,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
             BLOCK_Q=ATTN_BLOCK_Q,
             BLOCK_N=ATTN_BLOCK_N,
             BLOCK_D=block_d,
-            PRECISION=_precision(q.dtype),
+            PRECISION=dot_precision(q.dtype),
             num_warps=4 if block_d <= 64 else 8,
         )
     return out

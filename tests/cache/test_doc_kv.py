@@ -67,7 +67,7 @@ def engine():
 def test_identical_tokens_with_and_without_cache(engine, n):
     ctx = engine.encode_question("how do I copy a tree of files?")
     nocache = type(engine)(engine.model, engine.tokenizer, engine.cfg.model_copy(update={"doc_kv_cache_bytes": 0}))
-    engine.doc_kv.clear()
+    engine.clear_kv_caches()
     docs = DOCS[:n]
     cold = engine.step(docs, ctx, 6)
     assert cold.docs_computed == n and cold.docs_reused == 0 and not cold.doc_kv_hit
@@ -90,7 +90,7 @@ def test_single_doc_api_unchanged(engine):
 
 def test_eviction_bounded_in_bytes_through_engine(engine):
     ctx = engine.encode_question("what does json do?")
-    engine.doc_kv.clear()
+    engine.clear_kv_caches()
     engine.step(DOCS[:2], ctx, 1)
     two = engine.doc_kv.stats.bytes_used
     small = type(engine)(
@@ -104,11 +104,11 @@ def test_eviction_bounded_in_bytes_through_engine(engine):
 
 def test_shifted_reuse_is_opt_in_and_counted(engine):
     ctx = engine.encode_question("what does json do?")
-    engine.doc_kv.clear()
+    engine.clear_kv_caches()
     engine.step(DOCS[1], ctx, 2)  # DOCS[1] alone is cached
     exact = engine.step([DOCS[0], DOCS[1]], ctx, 4)
     assert exact.docs_computed == 2  # default: never reused at another position
-    engine.doc_kv.clear()
+    engine.clear_kv_caches()
     engine.step(DOCS[1], ctx, 2)
     inexact = engine.step([DOCS[0], DOCS[1]], ctx, 4, options=StepOptions(allow_inexact_shifted_reuse=True))
     assert inexact.docs_computed == 1 and engine.doc_kv.stats.shifted_reuses == 1
@@ -181,7 +181,7 @@ def test_reused_kv_and_logits_are_bit_identical(engine, n):
             logits = eng.model(input_ids=ids, past_key_values=past, use_cache=True).logits
         return pre, logits, info
 
-    engine.doc_kv.clear()
+    engine.clear_kv_caches()
     ref_kv, ref_logits, _ = kv_and_logits(nocache)
     for expect_hit in (False, True):
         kv, logits, info = kv_and_logits(engine)
@@ -190,7 +190,7 @@ def test_reused_kv_and_logits_are_bit_identical(engine, n):
         for (k, v), (k0, v0) in zip(kv, ref_kv):
             assert torch.equal(k, k0) and torch.equal(v, v0)
     if n > 1:  # a prefix hit, the last doc computed
-        engine.doc_kv.clear()
+        engine.clear_kv_caches()
         docs_past(engine, docs[:-1])
         kv, logits, info = kv_and_logits(engine)
         assert info.docs_reused == n - 1 and info.docs_computed == 1

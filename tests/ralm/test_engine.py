@@ -29,7 +29,7 @@ def test_step_returns_k_tokens(engine):
 
 def test_identical_with_and_without_doc_kv_cache_and_after_other_calls(engine):
     ctx = engine.encode_question("how do I copy a tree of files?")
-    engine.doc_kv.clear()
+    engine.clear_kv_caches()
     cold = engine.step(DOCS[1], ctx, 8)
     assert not cold.doc_kv_hit
     # arbitrary other calls in between, which also fill and touch the cache

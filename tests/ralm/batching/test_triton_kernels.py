@@ -33,13 +33,18 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from ralm.batching import triton_kernels as T  # noqa: E402
+from ralm.batching import (
+    triton_kernels as T,  # noqa: E402
+    triton_paged as TP,  # noqa: E402
+)
 from ralm.batching.invariant import (  # noqa: E402
     InvariantLinear,
     invariant_kernels,
     make_invariant,
 )
+from ralm.batching.kv_pool import KVPool  # noqa: E402
 from ralm.batching.packed import SeqKV, packed_forward  # noqa: E402
+from ralm.batching.paged_kv import PagedKV  # noqa: E402
 from ralm.batching.triton_forward import TritonLayerNorm, TritonRMSNorm  # noqa: E402
 from tests.factories import tiny_causal_lm  # noqa: E402
 
@@ -86,6 +91,7 @@ def test_the_kernels_run_in_the_interpreter():
     from triton.runtime.interpreter import InterpretedFunction
 
     assert all(isinstance(k, InterpretedFunction) for k in T._kernels().values())
+    assert isinstance(T.built("paged", TP._build)["paged_attention"], InterpretedFunction)
 
 
 # ----------------------------------------------------------------------------- matmul
@@ -195,6 +201,48 @@ def test_attention_is_causal_softmax_and_a_query_is_the_same_wherever_it_runs(dt
     assert torch.equal(rep, full)
 
 
+# ----------------------------------------------------------------------------- paged attention
+@pytest.mark.parametrize("dtype,D", [(torch.float32, 16), (torch.float16, 32), (torch.bfloat16, 24)])
+def test_paged_attention_is_the_contiguous_kernel_in_one_launch(dtype, D):
+    """Three sequences (80, 33 and 7 positions; 20, 1 and 7 new rows: a prefill chunk that
+    straddles a block edge, a decode token, a whole short prefill) in one launch, their
+    blocks scattered through the pool: every row is the contiguous kernel's, bit for bit."""
+    B, H, Hkv, sc = T.ATTN_BLOCK_N, 4, 2, D**-0.5
+    lens, new = [80, 33, 7], [20, 1, 7]
+    tables = [[5, 2], [7], [1]]  # pool blocks of each sequence, out of order
+    k_pool = _randn(9, B, Hkv, D, seed=40, dtype=dtype) * 3
+    v_pool = torch.cat([_randn(9, B, Hkv, D, seed=41, dtype=dtype), torch.ones(9, B, Hkv, 1, dtype=dtype)], -1)
+    qs = [_randn(n, H, D, seed=42 + i, dtype=dtype) for i, n in enumerate(new)]
+    pos = torch.cat([torch.arange(n - m, n) for n, m in zip(lens, new)])
+    starts = [0, 20, 21]
+    tab = torch.tensor([t + [0] * (2 - len(t)) for t in tables], dtype=torch.int32)
+    out = TP.paged_attention(torch.cat(qs), k_pool, v_pool, tab, TP.query_tiles(starts, new, "cpu"), pos, sc)
+    assert out.shape == (28, H, D) and out.dtype == dtype
+    for s, (n, m) in enumerate(zip(lens, new)):
+        k = torch.cat([k_pool[b] for b in tables[s]])[:n].permute(1, 0, 2)[None]  # [1, Hkv, n, D]
+        v = torch.cat([v_pool[b] for b in tables[s]])[:n, :, :D].permute(1, 0, 2)[None]
+        q = qs[s].permute(1, 0, 2)[None]  # [1, H, m, D]
+        want = T.attention(q, k, v, torch.arange(n - m, n)[None], sc)[0]
+        assert torch.equal(out[starts[s] : starts[s] + m], want), s
+    # a row alone in its launch: the same bits
+    one = TP.paged_attention(qs[0][5:6], k_pool, v_pool, tab[:1], TP.query_tiles([0], [1], "cpu"), pos[5:6], sc)
+    assert torch.equal(one[0], out[5])
+
+
+def test_paged_attention_refuses_a_pool_of_other_blocks():
+    q = torch.zeros(1, 2, 16)
+    with pytest.raises(ValueError, match="blocks of 64"):
+        TP.paged_attention(
+            q,
+            torch.zeros(2, 32, 2, 16),
+            torch.zeros(2, 32, 2, 17),
+            torch.zeros(1, 1, dtype=torch.int32),
+            TP.query_tiles([0], [1], "cpu"),
+            torch.zeros(1, dtype=torch.long),
+            0.25,
+        )
+
+
 # ----------------------------------------------------------------------------- models
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
 def triton_model(request, interpreter):
@@ -246,3 +294,25 @@ def test_packed_and_chunked_forwards_equal_the_sequence_alone(triton_model):
         assert torch.equal(kvs[1].v[i][:, : len(seq)], kv.v[i][:, : len(seq)])
     step = packed_forward(model, [(kvs[0], [4]), (kvs[1], [9]), (kvs[2], [4])])[1]
     assert torch.equal(step, packed_forward(model, [(kv, [9])])[0])
+
+
+@torch.inference_mode()
+def test_paged_sequences_in_one_launch_equal_the_sequence_alone(triton_model):
+    """The pool path on the Triton kernels (one write and one attention launch per layer):
+    a prefill next to others, a fork sharing its blocks, and decode steps equal the sequence
+    alone in its own buffers."""
+    family, plain, model = triton_model
+    L = model.config.num_hidden_layers
+    seq = [(37 * i + 5) % 290 + 1 for i in range(70)]
+    kv = SeqKV(L)
+    alone = packed_forward(model, [(kv, seq)], range(len(seq)))
+    pool = KVPool(L, initial_blocks=2)  # it grows during the first forward
+    kvs = [PagedKV(pool) for _ in range(3)]
+    rows = range(3, 3 + len(seq))
+    packed = packed_forward(model, [(kvs[0], [11, 12, 13]), (kvs[1], seq), (kvs[2], [200, 201])], rows)
+    assert torch.equal(packed, alone)
+    twin = kvs[1].fork()  # shares both blocks; the decode step below copies the partial one
+    steps = packed_forward(model, [(kvs[0], [4]), (kvs[1], [9]), (twin, [9]), (kvs[2], [4])])
+    want = packed_forward(model, [(kv, [9])])[0]
+    assert torch.equal(steps[1], want) and torch.equal(steps[2], want)
+    assert pool.copies == 1 and pool.grows >= 1

@@ -1,0 +1,99 @@
+"""The documents' KV in the pool: one copy per document sequence, shared by every request on it.
+
+The batched engine starts a step that has no KV session from its documents' KV. With the
+KV pool (:mod:`ralm.batching.kv_pool`) that KV is a :class:`~ralm.batching.paged_kv.PagedKV`
+kept here, keyed by the document sequence (a tuple of token tuples), and a step *forks* it:
+the step's sequence references the same blocks (the partly filled last one is copied on
+its first write). So 64 requests on one document hold its KV once, plus one block each.
+
+Entries live under a byte budget, least recently used first out; a dropped entry gives its
+references back, and blocks still used by a sequence stay until that sequence lets go.
+A miss is computed again (:func:`ralm.doc_kv.docs_past`), never guessed: the same bits.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ralm.batching.paged_kv import PagedKV
+
+DocsKey = tuple
+
+
+@dataclass
+class DocBlockStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_used: int = 0
+    entries: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class DocBlockCache:
+    """Byte-bounded LRU of document sequences' pooled KV; ``capacity_bytes=0`` keeps none."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = int(capacity_bytes)
+        self._items: OrderedDict[DocsKey, tuple[PagedKV, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = DocBlockStats()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def fork(self, docs: DocsKey) -> PagedKV | None:
+        """A new sequence sharing the cached KV of ``docs`` (None on a miss)."""
+        with self._lock:
+            item = self._items.get(docs)
+            if item is None:
+                self.stats.misses += 1
+                return None
+            self._items.move_to_end(docs)
+            self.stats.hits += 1
+            return item[0].fork()
+
+    def put(self, docs: DocsKey, kv: PagedKV) -> None:
+        """Keep ``kv`` (the cache takes this reference; pass a fork to keep using the sequence)."""
+        size = kv.nbytes
+        dropped: list[PagedKV] = []
+        with self._lock:
+            if size > self.capacity_bytes or docs in self._items:
+                dropped.append(kv)
+            else:
+                self._items[docs] = (kv, size)
+                self.stats.bytes_used += size
+                while self.stats.bytes_used > self.capacity_bytes and self._items:
+                    dropped.append(self._pop_oldest())
+            self.stats.entries = len(self._items)
+        for d in dropped:
+            d.free()
+
+    def _pop_oldest(self) -> PagedKV:
+        _, (old, size) = self._items.popitem(last=False)
+        self.stats.bytes_used -= size
+        self.stats.evictions += 1
+        return old
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used entry (the pool needs blocks); False: none cached."""
+        with self._lock:
+            if not self._items:
+                return False
+            old = self._pop_oldest()
+            self.stats.entries = len(self._items)
+        old.free()
+        return True
+
+    def clear(self) -> None:
+        with self._lock:
+            dropped = [kv for kv, _ in self._items.values()]
+            self._items.clear()
+            self.stats.bytes_used = 0
+            self.stats.entries = 0
+        for d in dropped:
+            d.free()

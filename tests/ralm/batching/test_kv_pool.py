@@ -1,0 +1,206 @@
+"""The KV pool (ralm.batching.kv_pool), pooled sequences (paged_kv), the pooled documents'
+KV (doc_blocks) and the batched engine on them: blocks are counted, shared and copied on
+write; every forward's bits equal per-sequence buffers'; a document's KV is held once."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from ralm.batching.doc_blocks import DocBlockCache
+from ralm.batching.engine import StepCall
+from ralm.batching.kv_pool import ZERO_BLOCK, KVPool
+from ralm.batching.packed import SeqKV, packed_forward
+from ralm.batching.paged_kv import PagedKV
+from ralm.batching.sessions import Session, SessionStore
+from tests.factories import tiny_engine
+
+pytestmark = pytest.mark.unit
+
+
+def _filled(pool: KVPool, n: int, seed: int = 0) -> PagedKV:
+    """A pooled sequence of ``n`` random positions (1 layer, Hkv=2, D=4)."""
+    g = torch.Generator().manual_seed(seed)
+    kv = PagedKV(pool)
+    kv.append(0, torch.randn(2, n, 4, generator=g), torch.randn(2, n, 4, generator=g))
+    return kv
+
+
+def test_blocks_are_counted_handed_out_once_and_the_zero_block_never():
+    pool = KVPool(1, block_size=4, initial_blocks=4)
+    a = _filled(pool, 10)  # 3 blocks: the pool has exactly 3 besides the zero block
+    assert ZERO_BLOCK not in a.table and len(set(a.table)) == 3 and pool.grows == 0
+    b = _filled(pool, 1, seed=1)  # none free: the pool doubles, a's positions stay where they were
+    assert pool.grows == 1 and pool.n_blocks == 8 and not set(b.table) & set(a.table)
+    k0, _ = a.span(0, 12)
+    assert pool.stats()["blocks_used"] == 4
+    a.crop(5)  # a rollback releases the third block
+    assert len(a.table) == 2 and pool.stats()["blocks_used"] == 3
+    assert torch.equal(a.span(0, 8)[0][:, :5], k0[:, :5])
+    a.free()
+    a.free()  # once only
+    assert pool.stats()["blocks_used"] == 1
+    with pytest.raises(RuntimeError, match="freed twice"):
+        pool.decref(b.table * 2)
+    assert torch.equal(pool.k[:, ZERO_BLOCK], torch.zeros_like(pool.k[:, ZERO_BLOCK]))  # type: ignore[index]
+
+
+def test_a_fork_shares_blocks_and_a_write_copies_only_the_shared_partial_block():
+    pool = KVPool(1, block_size=4, initial_blocks=8)
+    doc = _filled(pool, 6)  # blocks [x, y], y half full
+    k_doc, v_doc = doc.span(0, 8)
+    twin = doc.fork()
+    assert twin.table == doc.table and pool.stats()["blocks_shared"] == 2
+    twin.append(0, torch.full((2, 3, 4), 7.0), torch.full((2, 3, 4), 7.0))  # positions 6-8
+    assert twin.table[0] == doc.table[0] and twin.table[1] != doc.table[1] and pool.copies == 1
+    k_d, v_d = doc.span(0, 8)
+    assert torch.equal(k_d, k_doc) and torch.equal(v_d, v_doc)  # the original's bits are untouched
+    k_t, _ = twin.span(0, 12)
+    assert torch.equal(k_t[:, :6], k_doc[:, :6]) and (k_t[:, 6:9] == 7).all()
+    assert torch.equal(v_d[..., 4], torch.ones(2, 8))  # the ones column of the values survives
+
+
+def test_no_free_block_reclaims_idle_blocks_before_growing():
+    pool = KVPool(1, block_size=4, initial_blocks=3)  # 2 usable blocks
+    store = SessionStore(capacity_bytes=1 << 20)
+    pool.reclaimers = [store.evict_one]
+    store.put(Session((), 0, [1], _filled(pool, 8), owner="idle"))  # both blocks, idle
+    fresh = _filled(pool, 4, seed=2)
+    assert pool.grows == 0 and store.stats.evictions == 1 and len(store) == 0
+    assert fresh.table and pool.stats()["blocks_used"] == 1
+
+
+def test_sessions_count_their_own_blocks_and_give_them_back():
+    pool = KVPool(1, block_size=4, initial_blocks=16)
+    doc = _filled(pool, 8)
+    sess_kv = doc.fork()
+    sess_kv.append(0, torch.ones(2, 4, 4), torch.ones(2, 4, 4))  # one block of its own
+    store = SessionStore(capacity_bytes=1 << 20)
+    store.put(Session((("d",),), 8, [1, 2, 3, 4], sess_kv, owner="r"))
+    assert store.stats.bytes_used == pool.block_bytes  # the shared document blocks are not its own
+    used = pool.stats()["blocks_used"]
+    assert store.release("r") == 1 and pool.stats()["blocks_used"] == used - 1
+    assert len(doc) == 8 and pool.refs[doc.table[0]] == 1
+    big = SessionStore(capacity_bytes=1)  # over budget: dropped at once, blocks back
+    big.put(Session((), 0, [1], _filled(pool, 4, seed=3)))
+    assert pool.stats()["blocks_used"] == used - 1
+
+
+def test_the_document_cache_holds_one_copy_and_evicts_by_bytes():
+    pool = KVPool(1, block_size=4, initial_blocks=16)
+    cache = DocBlockCache(capacity_bytes=3 * 4 * 2 * 2 * 4 * 4)  # three blocks of 1 layer, Hkv 2, D 4, fp32
+    assert cache.fork(("a",)) is None
+    cache.put(("a",), _filled(pool, 8))
+    forks = [cache.fork(("a",)) for _ in range(10)]
+    assert all(f is not None and len(f) == 8 for f in forks)
+    assert pool.stats()["blocks_used"] == 2 and cache.stats.hits == 10  # ten sequences, one copy
+    cache.put(("b",), _filled(pool, 8, seed=1))  # 4 blocks > 3: "a", the oldest, goes
+    assert cache.stats.evictions == 1 and cache.fork(("a",)) is None
+    assert pool.stats()["blocks_used"] == 4  # ... but its blocks stay while the forks hold them
+    for f in forks:
+        f.free()  # type: ignore[union-attr]
+    assert pool.stats()["blocks_used"] == 2
+    cache.clear()
+    assert pool.stats()["blocks_used"] == 0 and len(cache) == 0
+
+
+@torch.inference_mode()
+def test_pooled_forwards_equal_per_sequence_buffers_through_forks_and_rollbacks(family_model):
+    family, model = family_model
+    L = model.config.num_hidden_layers
+    rng = random.Random(3)
+    pool = KVPool(L, initial_blocks=2)
+    doc = [rng.randrange(1, 290) for _ in range(70)]
+    ref_doc, pooled_doc = SeqKV(L), PagedKV(pool)
+    assert torch.equal(packed_forward(model, [(ref_doc, doc)]), packed_forward(model, [(pooled_doc, doc)]))
+    refs = [SeqKV.from_cache(None, L) for _ in range(4)]
+    pooled = [pooled_doc.fork() for _ in range(4)]
+    for r in refs:
+        for i in range(L):
+            r.append(i, ref_doc.k[i][:, :70], ref_doc.v[i][:, :70, :-1])  # type: ignore[index]
+    for it in range(6):
+        chunks = [[rng.randrange(1, 290) for _ in range(rng.choice([1, 1, 3, 9]))] for _ in refs]
+        want = packed_forward(model, list(zip(refs, chunks)))
+        got = packed_forward(model, list(zip(pooled, chunks)))
+        assert torch.equal(got, want), (family, it)
+        j = rng.randrange(4)
+        cut = rng.randrange(60, len(refs[j]) + 1)  # a rollback, sometimes into the shared blocks
+        refs[j].crop(cut)
+        pooled[j].crop(cut)
+    # a mixed forward (a caller-owned buffer next to pooled sequences) takes the generic path
+    extra = [5, 6, 7]
+    mixed = packed_forward(model, [(SeqKV(L), extra), (pooled[0], [8])])
+    assert torch.equal(mixed[0], packed_forward(model, [(SeqKV(L), extra)])[0])
+    assert torch.equal(mixed[1], packed_forward(model, [(refs[0], [8])])[0])
+    assert pool.copies >= 4  # each fork copied the document's partial last block on its first write
+
+
+def _engine(pool: bool):
+    eng = tiny_engine("llama", seed=4)
+    if pool:
+        return eng
+    return type(eng)(eng.model, eng.tokenizer, eng.cfg.model_copy(update={"kv_pool": False}))
+
+
+def test_requests_on_one_document_share_its_kv_and_get_the_per_buffer_tokens():
+    pooled, buffers = _engine(True), _engine(False)
+    assert pooled.kv_pool is not None and buffers.kv_pool is None
+    doc = "shutil.copytree copies a whole directory tree, with its files and subdirectories, recursively. " * 2
+    questions = [pooled.encode_question(f"what does copytree do with file {i}?") for i in range(12)]
+    out: dict[int, list[int]] = {}
+    blocks_seen: list[int] = []
+
+    def run(i):
+        ctx = list(questions[i])
+        for _ in range(3):
+            ctx += pooled.step(doc, ctx, 4, ignore_eos=True, owner=f"q{i}").tokens
+            blocks_seen.append(pooled.kv_pool.stats()["blocks_shared"])  # type: ignore[union-attr]
+        out[i] = ctx
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(12):
+        ctx = list(questions[i])
+        for _ in range(3):
+            ctx += buffers.step(doc, ctx, 4, ignore_eos=True, owner=f"q{i}").tokens
+        assert out[i] == ctx, i
+    n_doc = len(pooled.doc_tokens(doc))
+    assert n_doc > 64  # the document fills at least one whole block, shared by every request
+    assert max(blocks_seen) >= 1 and pooled.doc_blocks.stats.hits >= 11  # type: ignore[union-attr]
+    used = pooled.kv_pool.stats()["blocks_used"]  # type: ignore[union-attr]
+    for i in range(12):
+        pooled.release(f"q{i}")
+    after = pooled.kv_pool.stats()  # type: ignore[union-attr]
+    assert after["blocks_used"] < used and after["blocks_used"] == -(-n_doc // 64)  # the cached document only
+    pooled.clear_kv_caches()
+    assert pooled.kv_pool.stats()["blocks_used"] == 0  # type: ignore[union-attr]
+
+
+def test_a_failed_forward_gives_its_blocks_back(monkeypatch):
+    eng = _engine(True)
+    ctx = eng.encode_question("will this forward fail?")
+    eng.step(None, ctx, 2, owner="warm")
+    eng.clear_kv_caches()
+    before = eng.kv_pool.stats()["blocks_used"]  # type: ignore[union-attr]
+    import ralm.batching.engine as batch_engine
+
+    real = batch_engine.packed_forward
+
+    def broken(*a, **k):  # the KV is written (blocks reserved), then the device fails
+        real(*a, **k)
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(batch_engine, "packed_forward", broken)
+    with pytest.raises(RuntimeError, match="device lost"):
+        eng.step(None, ctx, 2, owner="x")
+    with pytest.raises(RuntimeError, match="device lost"):
+        eng.step_batch([StepCall((), ctx, 2)])
+    assert eng.kv_pool.stats()["blocks_used"] == before  # type: ignore[union-attr]
+    monkeypatch.undo()
+    assert len(eng.step(None, ctx, 2).tokens) >= 1  # and the batcher keeps serving
