@@ -2,16 +2,17 @@
 
 Layout, for all layers at once (one tensor each, so growing or copying a block is one op):
 
-- ``k [n_layers, n_blocks, B, Hkv, D]``: keys, ``B`` positions per block;
-- ``v [n_layers, n_blocks, B, Hkv, D+1]``: values with a last column of ones (the CPU
+- ``k [n_layers, n_blocks, Hkv, B, D]``: keys, ``B`` positions per block, head-major inside
+  a block (a head's ``B`` positions are one contiguous ``[B, D]`` run, so a sequence's keys
+  are gathered into the attention's ``[S, Hkv, L, D]`` layout in one copy);
+- ``v [n_layers, n_blocks, Hkv, B, D+1]``: values with a last column of ones (the CPU
   attention's softmax denominator, :func:`ralm.batching.attention.attend`; the Triton
   kernels read the first ``D`` columns only).
 
 A sequence (:class:`~ralm.batching.paged_kv.PagedKV`) owns a *block table*: block ``j`` of
-its table holds its positions ``j*B .. j*B+B-1``. Position ``p`` of a sequence lives at
-flat slot ``table[p // B] * B + p % B`` of ``k[layer].view(-1, Hkv, D)``. Example with
-``B = 64``: a sequence whose table is ``[7, 2]`` keeps position 70 in block 2, row 6 (flat
-slot 134).
+its table holds its positions ``j*B .. j*B+B-1``. Position ``p`` of a sequence lives in
+block ``table[p // B]`` at offset ``p % B``. Example with ``B = 64``: a sequence whose table
+is ``[7, 2]`` keeps position 70 in block 2, offset 6.
 
 Blocks are reference counted: a document's KV is held by the doc-block cache and shared,
 block by block, by every sequence that starts from it (a fork increments the counts).
@@ -53,8 +54,8 @@ class KVPool:
         self.n_layers = int(n_layers)
         self.block_size = int(block_size)
         self.initial_blocks = int(initial_blocks)
-        self.k: torch.Tensor | None = None  # [n_layers, n_blocks, B, Hkv, D]
-        self.v: torch.Tensor | None = None  # [n_layers, n_blocks, B, Hkv, D+1]
+        self.k: torch.Tensor | None = None  # [n_layers, n_blocks, Hkv, B, D]
+        self.v: torch.Tensor | None = None  # [n_layers, n_blocks, Hkv, B, D+1]
         self.refs: list[int] = []
         self._free: list[int] = []
         self.lock = threading.RLock()
@@ -78,7 +79,7 @@ class KVPool:
         """Bytes of one block over all layers (keys and values, the ones column excluded)."""
         if self.k is None:
             return 0
-        _, _, B, hkv, D = self.k.shape
+        _, _, hkv, B, D = self.k.shape
         return self.n_layers * 2 * B * hkv * D * self.k.element_size()
 
     def ensure(self, like: torch.Tensor) -> None:
@@ -90,16 +91,17 @@ class KVPool:
                 if self.k is None:
                     self._allocate(self.initial_blocks, hkv, D, like.dtype, like.device)
             return
-        if self.k.shape[3:] != (hkv, D) or self.k.dtype != like.dtype or self.k.device != like.device:
+        if (self.k.shape[2], self.k.shape[4]) != (hkv, D) or self.k.dtype != like.dtype or self.k.device != like.device:
             raise ValueError(
                 f"KV of shape {tuple(like.shape)} ({like.dtype}, {like.device}) does not fit the pool "
-                f"(Hkv={self.k.shape[3]}, D={self.k.shape[4]}, {self.k.dtype}, {self.k.device})"
+                f"(Hkv={self.k.shape[2]}, D={self.k.shape[4]}, {self.k.dtype}, {self.k.device})"
             )
 
+    @torch.inference_mode()  # the pool's tensors are written in and out of inference mode alike
     def _allocate(self, n: int, hkv: int, D: int, dtype, device) -> None:
         B, L = self.block_size, self.n_layers
-        k = torch.zeros(L, n, B, hkv, D, dtype=dtype, device=device)
-        v = torch.zeros(L, n, B, hkv, D + 1, dtype=dtype, device=device)
+        k = torch.zeros(L, n, hkv, B, D, dtype=dtype, device=device)
+        v = torch.zeros(L, n, hkv, B, D + 1, dtype=dtype, device=device)
         v[..., D] = 1.0
         old = self.n_blocks
         if self.k is not None and self.v is not None:
@@ -121,7 +123,7 @@ class KVPool:
             while len(self._free) < n and any(r() for r in self.reclaimers):
                 pass
             if len(self._free) < n:
-                _, _, _, hkv, D = self.k.shape
+                _, _, hkv, _, D = self.k.shape
                 need = self.n_blocks - len(self._free) + n  # blocks in use after this allocation
                 size = self.n_blocks
                 while size < need + 1:
@@ -151,6 +153,7 @@ class KVPool:
                 if r == 0:
                     self._free.append(b)
 
+    @torch.inference_mode()
     def copy_block(self, src: int) -> int:
         """A private copy of block ``src`` (every layer); drops the caller's reference to ``src``."""
         with self.lock:
@@ -163,32 +166,33 @@ class KVPool:
             return dst
 
     # ------------------------------------------------------------------ access
-    def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k [n_blocks*B, Hkv, D], v [n_blocks*B, Hkv, D+1])``: views of one layer, one row per slot."""
+    @torch.inference_mode()
+    def write(
+        self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> None:
+        """Store ``k_new, v_new [n, Hkv, D]`` at ``(blocks[i], offsets[i])`` (long ``[n]``, on the
+        pool's device) of ``layer``: one copy each for every sequence of a forward."""
         assert self.k is not None and self.v is not None
-        k, v = self.k[layer], self.v[layer]
-        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
-
-    def write(self, layer: int, slots: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        """Store ``k_new, v_new [n, Hkv, D]`` at flat ``slots [n]`` (long, on the pool's device)
-        of ``layer``: one copy for every sequence of a forward."""
-        k, v = self.layer_slots(layer)
         D = k_new.shape[-1]
-        k.index_copy_(0, slots, k_new)
-        v[..., :D].index_copy_(0, slots, v_new)
+        self.k[layer][blocks, :, offsets] = k_new
+        self.v[layer][blocks, :, offsets, :D] = v_new
 
     def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks of ``tables [S, nb]`` (long) at ``layer`` as contiguous per-sequence keys
         and values: ``(k_pad [S, Hkv, nb*B, D], v_aug [S, Hkv, nb*B, D+1])``, the layout
-        :func:`ralm.batching.attention.attend` takes."""
+        :func:`ralm.batching.attention.attend` takes, each in one copy (element ``[s, h, j*B +
+        b]`` is block ``tables[s, j]``, head ``h``, offset ``b``)."""
         assert self.k is not None and self.v is not None
         S, nb = tables.shape
-        flat = tables.reshape(-1)
+        _, _, hkv, B, _ = self.k.shape
+        # rows of a layer viewed as [n_blocks * Hkv, B * Dx]: (block b, head h) is row b*Hkv + h;
+        # picked in [S, Hkv, nb] order, one contiguous row copy each
+        rows = (tables.view(S, 1, nb) * hkv + torch.arange(hkv, device=tables.device).view(1, hkv, 1)).view(-1)
         out = []
         for t in (self.k[layer], self.v[layer]):
-            g = t.index_select(0, flat)  # [S*nb, B, Hkv, Dx]
-            B, hkv, dx = g.shape[1:]
-            out.append(g.view(S, nb, B, hkv, dx).permute(0, 3, 1, 2, 4).reshape(S, hkv, nb * B, dx))
+            dx = t.shape[-1]
+            g = t.view(-1, B * dx).index_select(0, rows)  # [S*Hkv*nb, B*Dx]
+            out.append(g.view(S, hkv, nb * B, dx))
         return out[0], out[1]
 
     # ------------------------------------------------------------------ statistics

@@ -72,10 +72,10 @@ class PagedKV:
             if need > 0:
                 self.table.extend(self.pool.allocate(need))
 
-    def slots(self, start: int, n: int) -> list[int]:
-        """Flat pool slots of positions ``start .. start+n-1`` (reserved)."""
+    def slots(self, start: int, n: int) -> tuple[list[int], list[int]]:
+        """``(blocks, offsets)`` of positions ``start .. start+n-1`` (reserved)."""
         B, t = self.pool.block_size, self.table
-        return [t[p // B] * B + p % B for p in range(start, start + n)]
+        return [t[p // B] for p in range(start, start + n)], [p % B for p in range(start, start + n)]
 
     def advance(self, n: int) -> None:
         """The forward wrote ``n`` new positions at every layer."""
@@ -114,8 +114,8 @@ class PagedKV:
         a, n = self.layer_len[layer], k_new.shape[1]
         if layer == 0 or a + n > len(self.table) * self.pool.block_size:
             self.reserve(a + n - len(self), like=k_new)
-        slots = torch.tensor(self.slots(a, n), dtype=torch.long, device=k_new.device)
-        self.pool.write(layer, slots, k_new.transpose(0, 1), v_new.transpose(0, 1))
+        blocks, offsets = (torch.tensor(x, dtype=torch.long, device=k_new.device) for x in self.slots(a, n))
+        self.pool.write(layer, blocks, offsets, k_new.transpose(0, 1), v_new.transpose(0, 1))
         self.layer_len[layer] = a + n
 
     def span(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,9 +134,9 @@ class PagedKV:
         layers = list(cache.layers)
         n = int(layers[0].keys.shape[-2])
         kv.reserve(n, like=layers[0].keys[0])
-        slots = torch.tensor(kv.slots(0, n), dtype=torch.long, device=layers[0].keys.device)
+        blocks, offsets = (torch.tensor(x, dtype=torch.long, device=layers[0].keys.device) for x in kv.slots(0, n))
         for i, layer in enumerate(layers):
-            pool.write(i, slots, layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1))
+            pool.write(i, blocks, offsets, layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1))
         kv.advance(n)
         return kv
 
@@ -153,24 +153,28 @@ class PagedPlan:
     reserves room for every segment's new tokens, so the forward allocates nothing after.
 
     ``segments``: the forward's segments (``.kv`` a :class:`PagedKV`, ``.n`` new tokens, in
-    row order); ``slots [N]`` (long): the flat pool slot of each packed token."""
+    row order); ``blocks, offsets [N]`` (long): where each packed token's KV goes."""
 
     def __init__(self, pool: KVPool, segments: Sequence, like: torch.Tensor, device):
         self.pool = pool
         self.segments = list(segments)
         self.device = device
         pool.ensure(like)
-        flat: list[int] = []
+        blocks: list[int] = []
+        offsets: list[int] = []
         for seg in self.segments:
             seg.kv.reserve(seg.n)
-            flat.extend(seg.kv.slots(len(seg.kv), seg.n))
-        self.slots = torch.tensor(flat, dtype=torch.long, device=device)
+            b, o = seg.kv.slots(len(seg.kv), seg.n)
+            blocks += b
+            offsets += o
+        self.blocks = torch.tensor(blocks, dtype=torch.long, device=device)
+        self.offsets = torch.tensor(offsets, dtype=torch.long, device=device)
         self._tables: dict[tuple[int, ...], torch.Tensor] = {}
         self._triton: tuple | None = None
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """This layer's new ``key/value [1, Hkv, N, D]`` of every sequence, in one copy each."""
-        self.pool.write(layer, self.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        self.pool.write(layer, self.blocks, self.offsets, key[0].transpose(0, 1), value[0].transpose(0, 1))
 
     def tables(self, idx: Sequence[int], dtype=torch.long) -> torch.Tensor:
         """Block tables ``[len(idx), nb]`` of segments ``idx``, ``nb`` covering the longest one

@@ -35,8 +35,8 @@ def _build() -> dict[str, Any]:
     @triton.jit
     def paged_attention_kernel(
         q_ptr,  # [N, H, D] packed query rows
-        k_ptr,  # [n_blocks, BLOCK_N, Hkv, D] one layer of the pool
-        v_ptr,  # [n_blocks, BLOCK_N, Hkv, Dv], Dv >= D (the first D columns are read)
+        k_ptr,  # one layer of the pool: block b, offset n, kv head h at b*skb + n*skn + h*skh
+        v_ptr,  # the same for the values (Dv >= D columns, the first D are read)
         tab_ptr,  # [S, max_blocks] int32 block tables
         tile_seq_ptr,  # [T] int32: the tile's sequence
         tile_row_ptr,  # [T] int32: its first packed row
@@ -141,15 +141,15 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of packed query rows against their sequences' pooled KV.
 
-    ``q [N, H, D]``: every sequence's new rows, one after another; ``k_pool [n_blocks, B,
-    Hkv, D]`` and ``v_pool [n_blocks, B, Hkv, Dv]`` (``Dv >= D``): one layer of the pool,
+    ``q [N, H, D]``: every sequence's new rows, one after another; ``k_pool [n_blocks, Hkv,
+    B, D]`` and ``v_pool [n_blocks, Hkv, B, Dv]`` (``Dv >= D``): one layer of the pool,
     ``B == ATTN_BLOCK_N``; ``tables [S, max_blocks]`` (int32): each sequence's blocks
     (covering its last query's position); ``tiles``: :func:`query_tiles`; ``q_pos [N]``
     (int64): each row's position (row ``i`` sees its sequence's keys ``0 .. q_pos[i]``).
     Returns ``[N, H, D]`` in ``q.dtype``.
     """
     N, H, D = q.shape
-    nblk, B, hkv, Dk = k_pool.shape
+    nblk, hkv, B, Dk = k_pool.shape
     if B != T.ATTN_BLOCK_N or Dk != D or v_pool.shape[:3] != k_pool.shape[:3] or v_pool.shape[3] < D or H % hkv:
         raise ValueError(
             f"paged attention shapes: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}"
@@ -179,8 +179,8 @@ def paged_attention(
             H // hkv,
             float(scaling),
             *q.stride(),
-            *k_pool.stride(),
-            *v_pool.stride(),
+            *_block_offset_head_dim(k_pool),
+            *_block_offset_head_dim(v_pool),
             *tables.stride(),
             *out.stride(),
             BLOCK_Q=T.ATTN_BLOCK_Q,
@@ -190,3 +190,10 @@ def paged_attention(
             num_warps=4 if block_d <= 64 else 8,
         )
     return out
+
+
+def _block_offset_head_dim(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """The strides of a pool layer ``[n_blocks, Hkv, B, D]`` in the kernel's order (block,
+    offset, head, column)."""
+    sb, sh, sn, sd = t.stride()
+    return sb, sn, sh, sd
