@@ -2,10 +2,11 @@
 
 Layout, for all layers at once (one tensor each, so growing or copying a block is one op):
 
-- ``k [n_layers, n_blocks, Hkv, B, D]``: keys, ``B`` positions per block, head-major inside
-  a block (a head's ``B`` positions are one contiguous ``[B, D]`` run, so a sequence's keys
-  are gathered into the attention's ``[S, Hkv, L, D]`` layout in one copy);
-- ``v [n_layers, n_blocks, Hkv, B, D+1]``: values with a last column of ones (the CPU
+- ``k [n_layers, Hkv, n_blocks, B, D]``: keys, ``B`` positions per block, head-major (a
+  head's block is one contiguous ``[B, D]`` run, so a sequence's keys are gathered into the
+  attention's ``[S, Hkv, L, D]`` layout in one row copy per (head, block), and a sequence
+  whose blocks follow one another in the pool is read in place, without a copy);
+- ``v [n_layers, Hkv, n_blocks, B, D+1]``: values with a last column of ones (the CPU
   attention's softmax denominator, :func:`ralm.batching.attention.attend`; the Triton
   kernels read the first ``D`` columns only).
 
@@ -33,6 +34,7 @@ doc-block cache) to drop their least recently used ones. It never shrinks.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 
@@ -54,8 +56,8 @@ class KVPool:
         self.n_layers = int(n_layers)
         self.block_size = int(block_size)
         self.initial_blocks = int(initial_blocks)
-        self.k: torch.Tensor | None = None  # [n_layers, n_blocks, Hkv, B, D]
-        self.v: torch.Tensor | None = None  # [n_layers, n_blocks, Hkv, B, D+1]
+        self.k: torch.Tensor | None = None  # [n_layers, Hkv, n_blocks, B, D]
+        self.v: torch.Tensor | None = None  # [n_layers, Hkv, n_blocks, B, D+1]
         self.refs: list[int] = []
         self._free: list[int] = []
         self.lock = threading.RLock()
@@ -79,7 +81,7 @@ class KVPool:
         """Bytes of one block over all layers (keys and values, the ones column excluded)."""
         if self.k is None:
             return 0
-        _, _, hkv, B, D = self.k.shape
+        _, hkv, _, B, D = self.k.shape
         return self.n_layers * 2 * B * hkv * D * self.k.element_size()
 
     def ensure(self, like: torch.Tensor) -> None:
@@ -91,22 +93,22 @@ class KVPool:
                 if self.k is None:
                     self._allocate(self.initial_blocks, hkv, D, like.dtype, like.device)
             return
-        if (self.k.shape[2], self.k.shape[4]) != (hkv, D) or self.k.dtype != like.dtype or self.k.device != like.device:
+        if (self.k.shape[1], self.k.shape[4]) != (hkv, D) or self.k.dtype != like.dtype or self.k.device != like.device:
             raise ValueError(
                 f"KV of shape {tuple(like.shape)} ({like.dtype}, {like.device}) does not fit the pool "
-                f"(Hkv={self.k.shape[2]}, D={self.k.shape[4]}, {self.k.dtype}, {self.k.device})"
+                f"(Hkv={self.k.shape[1]}, D={self.k.shape[4]}, {self.k.dtype}, {self.k.device})"
             )
 
-    @torch.inference_mode()  # the pool's tensors are written in and out of inference mode alike
+    @torch.inference_mode()  # inference tensors: every write runs under inference mode (_writable)
     def _allocate(self, n: int, hkv: int, D: int, dtype, device) -> None:
         B, L = self.block_size, self.n_layers
-        k = torch.zeros(L, n, hkv, B, D, dtype=dtype, device=device)
-        v = torch.zeros(L, n, hkv, B, D + 1, dtype=dtype, device=device)
+        k = torch.zeros(L, hkv, n, B, D, dtype=dtype, device=device)
+        v = torch.zeros(L, hkv, n, B, D + 1, dtype=dtype, device=device)
         v[..., D] = 1.0
         old = self.n_blocks
         if self.k is not None and self.v is not None:
-            k[:, :old] = self.k
-            v[:, :old] = self.v
+            k[:, :, :old] = self.k
+            v[:, :, :old] = self.v
         self.k, self.v = k, v
         self.refs.extend([0] * (n - old))
         # low ids first out (a LIFO of free ids): recently used memory is reused first
@@ -123,7 +125,7 @@ class KVPool:
             while len(self._free) < n and any(r() for r in self.reclaimers):
                 pass
             if len(self._free) < n:
-                _, _, hkv, _, D = self.k.shape
+                _, hkv, _, _, D = self.k.shape
                 need = self.n_blocks - len(self._free) + n  # blocks in use after this allocation
                 size = self.n_blocks
                 while size < need + 1:
@@ -153,47 +155,74 @@ class KVPool:
                 if r == 0:
                     self._free.append(b)
 
-    @torch.inference_mode()
     def copy_block(self, src: int) -> int:
         """A private copy of block ``src`` (every layer); drops the caller's reference to ``src``."""
         with self.lock:
             (dst,) = self.allocate(1)
             assert self.k is not None and self.v is not None
-            self.k[:, dst] = self.k[:, src]
-            self.v[:, dst] = self.v[:, src]
+            with _writable():
+                self.k[:, :, dst] = self.k[:, :, src]
+                self.v[:, :, dst] = self.v[:, :, src]
             self.copies += 1
             self.decref([src])
             return dst
 
     # ------------------------------------------------------------------ access
-    @torch.inference_mode()
     def write(
         self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
     ) -> None:
-        """Store ``k_new, v_new [n, Hkv, D]`` at ``(blocks[i], offsets[i])`` (long ``[n]``, on the
+        """Store ``k_new, v_new [Hkv, n, D]`` at ``(blocks[i], offsets[i])`` (long ``[n]``, on the
         pool's device) of ``layer``: one copy each for every sequence of a forward."""
         assert self.k is not None and self.v is not None
         D = k_new.shape[-1]
-        self.k[layer][blocks, :, offsets] = k_new
-        self.v[layer][blocks, :, offsets, :D] = v_new
+        with _writable():
+            self.k[layer][:, blocks, offsets] = k_new
+            self.v[layer][:, blocks, offsets, :D] = v_new
 
-    def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The blocks of ``tables [S, nb]`` (long) at ``layer`` as contiguous per-sequence keys
-        and values: ``(k_pad [S, Hkv, nb*B, D], v_aug [S, Hkv, nb*B, D+1])``, the layout
-        :func:`ralm.batching.attention.attend` takes, each in one copy (element ``[s, h, j*B +
-        b]`` is block ``tables[s, j]``, head ``h``, offset ``b``)."""
+    def write_run(self, layer: int, block: int, offset: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Store ``k_new, v_new [Hkv, n, D]`` at offsets ``offset .. offset+n-1`` of one block
+        (a slice assignment: a lone sequence's decode token or short chunk)."""
         assert self.k is not None and self.v is not None
+        n, D = k_new.shape[1], k_new.shape[2]
+        with _writable():
+            self.k[layer][:, block, offset : offset + n] = k_new
+            self.v[layer][:, block, offset : offset + n, :D] = v_new
+
+    def read_run(self, layer: int, first: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks ``first .. first+nb-1`` (one sequence whose blocks follow one another) at
+        ``layer`` as ``(k [1, Hkv, nb*B, D], v_aug [1, Hkv, nb*B, D+1])``: views, no copy."""
+        assert self.k is not None and self.v is not None
+        _, hkv, _, B, _ = self.k.shape
+        k, v = (t[layer][:, first : first + nb].reshape(1, hkv, nb * B, t.shape[-1]) for t in (self.k, self.v))
+        return k, v
+
+    def rows_of(self, tables: torch.Tensor) -> torch.Tensor:
+        """The rows :meth:`read_rows` copies for ``tables [S, nb]`` (long): a layer viewed as
+        rows ``[Hkv * n_blocks, B * Dx]`` has (head h, block b) at row ``h * n_blocks + b``;
+        they are listed in ``[S, Hkv, nb]`` order (long ``[S*Hkv*nb]``)."""
+        assert self.k is not None
         S, nb = tables.shape
-        _, _, hkv, B, _ = self.k.shape
-        # rows of a layer viewed as [n_blocks * Hkv, B * Dx]: (block b, head h) is row b*Hkv + h;
-        # picked in [S, Hkv, nb] order, one contiguous row copy each
-        rows = (tables.view(S, 1, nb) * hkv + torch.arange(hkv, device=tables.device).view(1, hkv, 1)).view(-1)
+        _, hkv, n_blocks, _, _ = self.k.shape
+        heads = torch.arange(hkv, device=tables.device).view(1, hkv, 1) * n_blocks
+        return (tables.view(S, 1, nb) + heads).view(-1)
+
+    def read_rows(self, layer: int, rows: torch.Tensor, S: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_pad [S, Hkv, nb*B, D], v_aug [S, Hkv, nb*B, D+1])``, the layout
+        :func:`ralm.batching.attention.attend` takes, from :meth:`rows_of`'s ``rows``: one
+        contiguous row copy per (sequence, head, block); element ``[s, h, j*B + b]`` is head
+        ``h`` of the sequence's ``j``-th block, offset ``b``."""
+        assert self.k is not None and self.v is not None
+        _, hkv, _, B, _ = self.k.shape
         out = []
         for t in (self.k[layer], self.v[layer]):
             dx = t.shape[-1]
-            g = t.view(-1, B * dx).index_select(0, rows)  # [S*Hkv*nb, B*Dx]
+            g = t.reshape(-1, B * dx).index_select(0, rows)  # [S*Hkv*nb, B*Dx]
             out.append(g.view(S, hkv, nb * B, dx))
         return out[0], out[1]
+
+    def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`read_rows` of ``tables [S, nb]`` (long): copies."""
+        return self.read_rows(layer, self.rows_of(tables), *tables.shape)
 
     # ------------------------------------------------------------------ statistics
     def stats(self) -> dict:
@@ -211,3 +240,9 @@ class KVPool:
                 "grows": self.grows,
                 "copy_on_write": self.copies,
             }
+
+
+def _writable():
+    """Inference mode for a write, unless it is on already (the pool's tensors are made
+    under it, so every in-place write must run under it too)."""
+    return contextlib.nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode()

@@ -115,7 +115,7 @@ class PagedKV:
         if layer == 0 or a + n > len(self.table) * self.pool.block_size:
             self.reserve(a + n - len(self), like=k_new)
         blocks, offsets = (torch.tensor(x, dtype=torch.long, device=k_new.device) for x in self.slots(a, n))
-        self.pool.write(layer, blocks, offsets, k_new.transpose(0, 1), v_new.transpose(0, 1))
+        self.pool.write(layer, blocks, offsets, k_new, v_new)
         self.layer_len[layer] = a + n
 
     def span(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +136,7 @@ class PagedKV:
         kv.reserve(n, like=layers[0].keys[0])
         blocks, offsets = (torch.tensor(x, dtype=torch.long, device=layers[0].keys.device) for x in kv.slots(0, n))
         for i, layer in enumerate(layers):
-            pool.write(i, blocks, offsets, layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1))
+            pool.write(i, blocks, offsets, layer.keys[0], layer.values[0])
         kv.advance(n)
         return kv
 
@@ -167,31 +167,57 @@ class PagedPlan:
             b, o = seg.kv.slots(len(seg.kv), seg.n)
             blocks += b
             offsets += o
-        self.blocks = torch.tensor(blocks, dtype=torch.long, device=device)
-        self.offsets = torch.tensor(offsets, dtype=torch.long, device=device)
+        # the new tokens in one block, in order (a lone decode token or short chunk): a slice write
+        self.run = (
+            (blocks[0], offsets[0])
+            if len(set(blocks)) == 1 and offsets == list(range(offsets[0], offsets[0] + len(offsets)))
+            else None
+        )
+        if self.run is None:
+            self.blocks = torch.tensor(blocks, dtype=torch.long, device=device)
+            self.offsets = torch.tensor(offsets, dtype=torch.long, device=device)
         self._tables: dict[tuple[int, ...], torch.Tensor] = {}
+        self._reads: dict[tuple[int, ...], tuple] = {}
         self._triton: tuple | None = None
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """This layer's new ``key/value [1, Hkv, N, D]`` of every sequence, in one copy each."""
-        self.pool.write(layer, self.blocks, self.offsets, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        if self.run is not None:
+            self.pool.write_run(layer, self.run[0], self.run[1], key[0], value[0])
+        else:
+            self.pool.write(layer, self.blocks, self.offsets, key[0], value[0])
+
+    def _nb(self, idx: Sequence[int]) -> int:
+        """Blocks covering the longest of segments ``idx`` after this forward."""
+        B = self.pool.block_size
+        return max(-(-(len(self.segments[i].kv) + self.segments[i].n) // B) for i in idx)
 
     def tables(self, idx: Sequence[int], dtype=torch.long) -> torch.Tensor:
-        """Block tables ``[len(idx), nb]`` of segments ``idx``, ``nb`` covering the longest one
-        after this forward (the same for every layer: computed once)."""
+        """Block tables ``[len(idx), nb]`` of segments ``idx`` (the same for every layer: computed once)."""
         key = (*idx, -1 if dtype == torch.long else -2)
         t = self._tables.get(key)
         if t is None:
-            B = self.pool.block_size
             kvs = [self.segments[i].kv for i in idx]
-            nb = max(-(-(len(self.segments[i].kv) + self.segments[i].n) // B) for i in idx)
-            t = self._tables[key] = block_tables(kvs, nb, self.device, dtype)
+            t = self._tables[key] = block_tables(kvs, self._nb(idx), self.device, dtype)
         return t
 
     def gather(self, layer: int, idx: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_pad [S, Hkv, nb*B, D], v_aug [S, Hkv, nb*B, D+1])`` of segments ``idx`` at
-        ``layer`` (new tokens included): the CPU attention's input."""
-        return self.pool.gather(layer, self.tables(idx))
+        ``layer`` (new tokens included): the CPU attention's input. A lone sequence whose
+        blocks follow one another in the pool is read in place; otherwise one copy."""
+        key = tuple(idx)
+        how = self._reads.get(key)
+        if how is None:
+            nb = self._nb(idx)
+            table = self.segments[idx[0]].kv.table[:nb]
+            if len(idx) == 1 and len(table) == nb and table == list(range(table[0], table[0] + nb)):
+                how = ("run", table[0], nb)
+            else:
+                how = ("rows", self.pool.rows_of(self.tables(idx)), len(idx), nb)
+            self._reads[key] = how
+        if how[0] == "run":
+            return self.pool.read_run(layer, how[1], how[2])
+        return self.pool.read_rows(layer, how[1], how[2], how[3])
 
     def triton_attention(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Every segment's queries ``query [1, H, N, D]`` against its blocks in one Triton

@@ -141,15 +141,15 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of packed query rows against their sequences' pooled KV.
 
-    ``q [N, H, D]``: every sequence's new rows, one after another; ``k_pool [n_blocks, Hkv,
-    B, D]`` and ``v_pool [n_blocks, Hkv, B, Dv]`` (``Dv >= D``): one layer of the pool,
+    ``q [N, H, D]``: every sequence's new rows, one after another; ``k_pool [Hkv, n_blocks,
+    B, D]`` and ``v_pool [Hkv, n_blocks, B, Dv]`` (``Dv >= D``): one layer of the pool,
     ``B == ATTN_BLOCK_N``; ``tables [S, max_blocks]`` (int32): each sequence's blocks
     (covering its last query's position); ``tiles``: :func:`query_tiles`; ``q_pos [N]``
     (int64): each row's position (row ``i`` sees its sequence's keys ``0 .. q_pos[i]``).
     Returns ``[N, H, D]`` in ``q.dtype``.
     """
     N, H, D = q.shape
-    nblk, hkv, B, Dk = k_pool.shape
+    hkv, nblk, B, Dk = k_pool.shape
     if B != T.ATTN_BLOCK_N or Dk != D or v_pool.shape[:3] != k_pool.shape[:3] or v_pool.shape[3] < D or H % hkv:
         raise ValueError(
             f"paged attention shapes: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}"
@@ -193,7 +193,7 @@ def paged_attention(
 
 
 def _block_offset_head_dim(t: torch.Tensor) -> tuple[int, int, int, int]:
-    """The strides of a pool layer ``[n_blocks, Hkv, B, D]`` in the kernel's order (block,
+    """The strides of a pool layer ``[Hkv, n_blocks, B, D]`` in the kernel's order (block,
     offset, head, column)."""
-    sb, sh, sn, sd = t.stride()
+    sh, sb, sn, sd = t.stride()
     return sb, sn, sh, sd

@@ -45,7 +45,7 @@ def test_blocks_are_counted_handed_out_once_and_the_zero_block_never():
     assert pool.stats()["blocks_used"] == 1
     with pytest.raises(RuntimeError, match="freed twice"):
         pool.decref(b.table * 2)
-    assert torch.equal(pool.k[:, ZERO_BLOCK], torch.zeros_like(pool.k[:, ZERO_BLOCK]))  # type: ignore[index]
+    assert torch.equal(pool.k[:, :, ZERO_BLOCK], torch.zeros_like(pool.k[:, :, ZERO_BLOCK]))  # type: ignore[index]
 
 
 def test_a_fork_shares_blocks_and_a_write_copies_only_the_shared_partial_block():

@@ -210,8 +210,8 @@ def test_paged_attention_is_the_contiguous_kernel_in_one_launch(dtype, D):
     B, H, Hkv, sc = T.ATTN_BLOCK_N, 4, 2, D**-0.5
     lens, new = [80, 33, 7], [20, 1, 7]
     tables = [[5, 2], [7], [1]]  # pool blocks of each sequence, out of order
-    k_pool = _randn(9, Hkv, B, D, seed=40, dtype=dtype) * 3
-    v_pool = torch.cat([_randn(9, Hkv, B, D, seed=41, dtype=dtype), torch.ones(9, Hkv, B, 1, dtype=dtype)], -1)
+    k_pool = _randn(Hkv, 9, B, D, seed=40, dtype=dtype) * 3
+    v_pool = torch.cat([_randn(Hkv, 9, B, D, seed=41, dtype=dtype), torch.ones(Hkv, 9, B, 1, dtype=dtype)], -1)
     qs = [_randn(n, H, D, seed=42 + i, dtype=dtype) for i, n in enumerate(new)]
     pos = torch.cat([torch.arange(n - m, n) for n, m in zip(lens, new)])
     starts = [0, 20, 21]
@@ -219,8 +219,8 @@ def test_paged_attention_is_the_contiguous_kernel_in_one_launch(dtype, D):
     out = TP.paged_attention(torch.cat(qs), k_pool, v_pool, tab, TP.query_tiles(starts, new, "cpu"), pos, sc)
     assert out.shape == (28, H, D) and out.dtype == dtype
     for s, (n, m) in enumerate(zip(lens, new)):
-        k = torch.cat([k_pool[b] for b in tables[s]], dim=1)[:, :n][None]  # [1, Hkv, n, D]
-        v = torch.cat([v_pool[b] for b in tables[s]], dim=1)[:, :n, :D][None]
+        k = torch.cat([k_pool[:, b] for b in tables[s]], dim=1)[:, :n][None]  # [1, Hkv, n, D]
+        v = torch.cat([v_pool[:, b] for b in tables[s]], dim=1)[:, :n, :D][None]
         q = qs[s].permute(1, 0, 2)[None]  # [1, H, m, D]
         want = T.attention(q, k, v, torch.arange(n - m, n)[None], sc)[0]
         assert torch.equal(out[starts[s] : starts[s] + m], want), s
