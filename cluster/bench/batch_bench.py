@@ -4,8 +4,8 @@ Three measurements, each side by side in one run (these machines are noisy):
 
 (a) **forward cost**: the invariant forward against the plain one on the same weights, at
     batch 1 (one decode token after a ``--context``-token KV) and at batch 16 (16 such
-    sequences in one forward: padded HF batch for the plain model, one packed forward for
-    the invariant one);
+    sequences in one forward: padded HF batch for the plain model, one packed forward over
+    sequences in the KV pool for the invariant one);
 (b) **generator throughput**: ``--concurrency`` levels (default 1, 4, 16, 32) of requests,
     each generating ``--new-tokens`` tokens in steps of ``--stride`` on one document, in five
     arms: the plain engine one step at a time (re-prefill, what a replica did before
@@ -72,7 +72,9 @@ def forward_cost(plain_model, inv_model, context: int, reps: int, batches: tuple
     import torch
 
     # lazy: loads torch, and cli.build_parser imports this module for every command
-    from ralm.batching.packed import SeqKV, packed_forward
+    from ralm.batching.kv_pool import KVPool
+    from ralm.batching.packed import packed_forward
+    from ralm.batching.paged_kv import PagedKV
 
     g = torch.Generator().manual_seed(0)
     vocab = plain_model.config.vocab_size
@@ -85,8 +87,9 @@ def forward_cost(plain_model, inv_model, context: int, reps: int, batches: tuple
             past = plain_model(input_ids=ids[:, :context], use_cache=True).past_key_values
             lens = [len(layer.keys[0, 0]) for layer in past.layers]
             kvs = []
+            pool = KVPool(int(inv_model.config.num_hidden_layers))  # the engine's KV layout (generator.kv_pool)
             for b in range(batch):
-                kv = SeqKV(int(inv_model.config.num_hidden_layers))
+                kv = PagedKV(pool)
                 packed_forward(inv_model, [(kv, ids[b, :context].tolist())], [])
                 kvs.append(kv)
             plain_t, inv_t = [], []

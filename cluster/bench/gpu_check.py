@@ -10,7 +10,8 @@ they finish (a failing section is recorded and the next one runs):
     per model shape and dtype: does the generator pass the whole-model invariance proof
     (:mod:`ralm.batching.proof`) and so batch, or does it serve one step at a time, and why.
 ``exact``
-    per dtype that batches: the engine with ``--requests`` (16, 64) requests in flight against
+    per dtype that batches: the engine (its KV in the block pool, ``generator.kv_pool``) with
+    ``--requests`` (16, 64) requests in flight against
     each request alone (one at a time, no KV session): identical counts and tokens/s.
 ``forward``
     the invariant decode forward against the plain Hugging Face one at batch 1, 16 and 64
@@ -24,6 +25,10 @@ they finish (a failing section is recorded and the next one runs):
     float16 rows, float32 products, a proven bound) at ``--dense`` (4M x 384), batch 1 and 16:
     its candidate search's time, and whether every query's candidates contain its exact
     float64 top-20 (computed on the host).
+``e2e``
+    RaLMSeq against RaLMSpec (PSA) end to end with the ``proof`` section's generator on the
+    device, EDR padded to ``--e2e-pad-to`` rows (4M), retrieval on the host and on the device
+    (:mod:`cluster.bench.gpu_e2e`): speed-up, retrieval shares, identical outputs.
 
 By default the models are random ones built from a config (no download): the Llama-3.2-1B
 shape (16 layers, width 2048, 32/8 heads) with the demo tokenizer; ``--model`` takes any
@@ -45,7 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench.batch_bench import forward_cost, run_arm, workload_requests
-from cluster.bench.gpu_dense import dense_markdown, exact_dense_scans
+from cluster.bench.gpu_dense import dense_markdown, exact_dense_scans, plain_topk_scans, scan_markdown
+from cluster.bench.gpu_e2e import e2e_markdown, e2e_runs
 from cluster.bench.random_models import SHAPES, random_model
 from cluster.report import table, write_report
 from ralm import constants as C
@@ -77,9 +83,11 @@ def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--sections",
-        default="env,proof,forward,scan,dense,exact",
+        default="env,proof,forward,scan,dense,exact,e2e",
         help="which sections to run, in order (also: profile, where a batch-64 decode forward spends its time)",
     )
+    p.add_argument("--e2e-pad-to", type=int, help="e2e: EDR index rows (default 4M; CPU 20000)")
+    p.add_argument("--e2e-questions", type=int, help="e2e: timed questions (default 5; CPU 2)")
     p.add_argument("--budget-s", type=float, default=480.0, help="no section starts after this many seconds")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--out", type=Path, default=Path("gpu-check-out"))
@@ -283,14 +291,16 @@ class GpuCheck:
         return out
 
     def profile(self) -> dict:
-        """Where a decode forward of 64 sequences (300-token contexts) spends its time: wall
+        """Where a decode forward of 64 sequences (300-token contexts, in the KV pool) spends its time: wall
         time, the device's kernel time, kernel launches, and the top ops by self time
         (torch.profiler), for the first dtype that batches."""
         import torch
         from torch.profiler import ProfilerActivity, profile
 
         # lazy: loads torch, and cli.build_parser imports this module for every command
-        from ralm.batching.packed import SeqKV, packed_forward
+        from ralm.batching.kv_pool import KVPool
+        from ralm.batching.packed import packed_forward
+        from ralm.batching.paged_kv import PagedKV
 
         if not self.engines:
             return {"skipped": "no dtype batches"}
@@ -299,7 +309,8 @@ class GpuCheck:
         batch, ctx = (64, 300) if not self.small else (8, 40)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(1, int(m.config.vocab_size), (batch, ctx + 1), generator=g).tolist()
-        kvs = [SeqKV(layers) for _ in range(batch)]
+        pool = KVPool(layers)
+        kvs = [PagedKV(pool) for _ in range(batch)]
         with torch.inference_mode():
             for kv, row in zip(kvs, ids):
                 packed_forward(m, [(kv, row[:ctx])], [])
@@ -340,42 +351,19 @@ class GpuCheck:
             "top_by_self_cpu_ms": top("self_cpu_time_total"),
         }
 
-    def _topk(self, X, qs):
-        """Top-20 of ``qs [b, d] @ X [n, d]^T`` (float16 product on a GPU; float32 on a CPU)."""
-        import torch
-
-        s = (qs @ X.T).float() if self.device == "cuda" else (qs.float() @ X.float().T)
-        return torch.topk(s, 20, dim=1)
-
     def scan(self) -> dict:
-        import torch
-
-        out = {}
-        for n, d in self.scans:
-            g = torch.Generator(device=self.device).manual_seed(0)
-            if self.device == "cuda":
-                X = torch.randn(n, d, device=self.device, generator=g, dtype=torch.float16)
-            else:
-                X = torch.randn(n, d, generator=g).to(torch.float16)
-            r: dict[str, Any] = {}
-            q = torch.randn(64, d, device=self.device, generator=g).to(torch.float16)
-            alone = [self._topk(X, q[i : i + 1]).indices for i in range(64)]
-            for b in (1, 16, 64):
-                ts = []
-                for _ in range(5):
-                    self.sync()
-                    t = time.perf_counter()
-                    ix = self._topk(X, q[:b]).indices.cpu()
-                    ts.append(time.perf_counter() - t)
-                same = sum(torch.equal(ix[i], alone[i][0].cpu()) for i in range(b))
-                r[f"batch{b}"] = {"ms": round(sorted(ts)[len(ts) // 2] * 1e3, 2), "same_top20_as_alone": f"{same}/{b}"}
-            out[f"{n}x{d}"] = r
-            del X
-            self.free()
-        return out
+        return plain_topk_scans(self.scans, self.device, self.sync, self.free)
 
     def dense(self) -> dict:
         return exact_dense_scans(self.dense_sizes, self.device, self.free)
+
+    def e2e(self) -> dict:
+        if not self.engines:
+            return {"skipped": "no generator batches here (the proof section did not pass or did not run)"}
+        key, engine = next(iter(self.engines.items()))
+        pad = self.args.e2e_pad_to if self.args.e2e_pad_to is not None else (20_000 if self.small else 4_000_000)
+        n = self.args.e2e_questions or (2 if self.small else 5)
+        return {"generator": key, **e2e_runs(engine, self.device, pad, n, self.new_tokens, self.free)}
 
 
 def _version(module: str) -> str | None:
@@ -442,15 +430,9 @@ def markdown(res: dict) -> str:
             if isinstance(r, dict)
         ]
         lines += [*table(("model/dtype", "batch", "plain ms", "invariant ms", "invariant/plain"), rows), ""]
-    scan = _done(res, "scan")
-    if scan:
-        rows = [
-            (k, b.removeprefix("batch"), r["ms"], r["same_top20_as_alone"])
-            for k, v in scan.items()
-            for b, r in v.items()
-        ]
-        lines += [*table(("dense scan", "batch", "ms", "top-20 same as alone"), rows), ""]
+    lines += scan_markdown(_done(res, "scan"))
     lines += dense_markdown(_done(res, "dense"))
+    lines += e2e_markdown(_done(res, "e2e"))
     prof = _done(res, "profile")
     if prof:
         lines += [
@@ -479,8 +461,10 @@ def gpu_check_main(args) -> int:
     bad = [k for k, v in _done(res, "exact").items() if v.get("identical", 0) != v.get("requests", 0)]
     if bad:
         print(f"FAIL: batched answers differ from the same requests alone: {', '.join(bad)}")
-        return 1
-    return 0
+    spec = [k for k, v in _done(res, "e2e").items() if isinstance(v, dict) and v.get("differing")]
+    if spec:
+        print(f"FAIL: RaLMSpec outputs differ from RaLMSeq's end to end: {', '.join(spec)}")
+    return 1 if bad or spec else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
-"""``ralmspec gpu-check``'s ``dense`` section: the exact dense scan of a ``dense_scan: gpu``
-retriever (:mod:`ralm.retrieval.device_scan`) on the device, timed, with its candidates
-checked against the exact float64 top-20 computed on the host."""
+"""``ralmspec gpu-check``'s dense retrieval sections: ``scan``, a plain float16 top-20 (one
+matrix product) timed on the device, and ``dense``, the exact dense scan of a
+``dense_scan: gpu`` retriever (:mod:`ralm.retrieval.device_scan`) on the device, timed, with
+its candidates checked against the exact float64 top-20 computed on the host."""
 
 from __future__ import annotations
 
@@ -67,3 +68,54 @@ def dense_markdown(dense: dict) -> list[str]:
     ]
     head = ("exact device scan", "batch", "ms", "candidates per query", "exact top-20 contained")
     return [*table(head, rows), ""]
+
+
+def _topk(X, qs, device: str):
+    """Top-20 of ``qs [b, d] @ X [n, d]^T`` (float16 product on a GPU; float32 on a CPU)."""
+    import torch
+
+    s = (qs @ X.T).float() if device == "cuda" else (qs.float() @ X.float().T)
+    return torch.topk(s, 20, dim=1)
+
+
+def plain_topk_scans(
+    sizes: list[tuple[int, ...]], device: str, sync: Callable[[], None], free: Callable[[], None]
+) -> dict:
+    """Per ``(rows, dim)`` of random float16 vectors, at batch 1, 16 and 64: the median of 5
+    top-20 searches (one product, then ``topk``) and whether each query's top-20 is the same
+    alone as in the batch."""
+    import torch
+
+    out = {}
+    for n, d in sizes:
+        g = torch.Generator(device=device).manual_seed(0)
+        if device == "cuda":
+            X = torch.randn(n, d, device=device, generator=g, dtype=torch.float16)
+        else:
+            X = torch.randn(n, d, generator=g).to(torch.float16)
+        r: dict[str, Any] = {}
+        q = torch.randn(64, d, device=device, generator=g).to(torch.float16)
+        alone = [_topk(X, q[i : i + 1], device).indices for i in range(64)]
+        for b in (1, 16, 64):
+            ts = []
+            for _ in range(5):
+                sync()
+                t = time.perf_counter()
+                ix = _topk(X, q[:b], device).indices.cpu()
+                ts.append(time.perf_counter() - t)
+            same = sum(torch.equal(ix[i], alone[i][0].cpu()) for i in range(b))
+            r[f"batch{b}"] = {"ms": round(sorted(ts)[len(ts) // 2] * 1e3, 2), "same_top20_as_alone": f"{same}/{b}"}
+        out[f"{n}x{d}"] = r
+        del X
+        free()
+    return out
+
+
+def scan_markdown(scan: dict) -> list[str]:
+    """The ``scan`` section's table (no lines when it did not run)."""
+    if not scan:
+        return []
+    rows = [
+        (k, b.removeprefix("batch"), r["ms"], r["same_top20_as_alone"]) for k, v in scan.items() for b, r in v.items()
+    ]
+    return [*table(("dense scan", "batch", "ms", "top-20 same as alone"), rows), ""]

@@ -15,7 +15,7 @@ from ralm.batching.invariant import InvariantLinear
 pytestmark = pytest.mark.unit
 
 SMALL = ["--shapes", "llama-tiny", "--requests", "3", "--new-tokens", "8", "--forward-batches", "1,4"]
-SMALL += ["--scan", "5000x64", "--dense", "6000x64"]
+SMALL += ["--scan", "5000x64", "--dense", "6000x64", "--e2e-pad-to", "0", "--e2e-questions", "1"]
 
 
 def test_gpu_check_runs_every_section_on_the_cpu_and_writes_json_and_markdown(tmp_path):
@@ -33,9 +33,16 @@ def test_gpu_check_runs_every_section_on_the_cpu_and_writes_json_and_markdown(tm
     dense = res["dense"]["6000x64"]  # the exact device scan, on the CPU device here
     assert dense["batch1"]["exact_top20_contained"] == "1/1" and dense["batch16"]["exact_top20_contained"] == "16/16"
     assert 20 <= dense["batch16"]["candidates_per_query"] < 600 and dense["batch16"]["ms"] > 0
+    # end to end: RaLMSeq and PSA on the proof's first batching generator, retrieval on the host
+    # (the device arm needs CUDA); PSA's tokens equal RaLMSeq's
+    e2e = res["e2e"]
+    assert e2e["generator"] == "llama-tiny/float32" and e2e["device"] == {"skipped": "no CUDA device"}
+    host = e2e["host"]
+    assert host["identical"] == "1/1" and host["differing"] == 0 and host["ralmseq_s"] > 0 and host["psa_s"] > 0
+    assert host["psa_kb_calls"] <= host["ralmseq_kb_calls"] and 0 < host["ralmseq_retrieval_share"] < 1
     md = (tmp_path / "gpu-check.md").read_text()
     assert "| llama-tiny/float32/n3 | 3/3 |" in md and "| llama-tiny/bfloat16 | on |" in md
-    assert "| 6000x64 | 16 |" in md
+    assert "| 6000x64 | 16 |" in md and "| host |" in md and "| device | no CUDA device |" in md
 
 
 def test_a_model_that_fails_the_proof_is_reported_off_with_its_reason_and_not_batched(tmp_path, monkeypatch):
@@ -61,4 +68,4 @@ def test_a_model_that_fails_the_proof_is_reported_off_with_its_reason_and_not_ba
 def test_a_spent_budget_skips_the_remaining_sections(tmp_path):
     assert main([*SMALL, "--dtypes", "float32", "--budget-s", "0", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "gpu-check.json").read_text())
-    assert all("skipped" in res[s] for s in ("env", "proof", "exact", "forward", "scan"))
+    assert all("skipped" in res[s] for s in ("env", "proof", "exact", "forward", "scan", "e2e"))
