@@ -119,6 +119,12 @@ class GeneratorConfig(_Strict):
         True,
         description="Keep the batched engine's KV (sessions and documents' KV) in one pool of fixed-size blocks with a block table per sequence: a document's KV is held once and shared by reference by every request on it, and every sequence of a forward is written and read in one operation per layer. false: a growing buffer per sequence (the same tokens).",
     )
+    fast_draft: int = Field(
+        0,
+        ge=0,
+        le=32,
+        description="Decode fast, verify exactly: before each batched iteration, draft up to this many tokens for every decoding step with the linear layers on torch's own (fast, not batch-invariant) kernels, then verify the window with one invariant forward, keeping the draft while it equals the invariant argmax. The tokens are the invariant forward's either way (exact by construction); it pays only where the plain kernels are faster and a forward's cost barely grows with its rows. 0: off.",
+    )
     batch_token_budget: int = Field(
         C.BATCH_TOKEN_BUDGET, ge=1, description="Most tokens (prefill chunks + decode tokens) in one batched forward."
     )

@@ -121,6 +121,7 @@ class LMEngine:
                 self.cfg.batch_max_sequences,
                 pool=self.kv_pool,
                 doc_blocks=self.doc_blocks,
+                fast_draft=self.cfg.fast_draft,
             )
             self.batcher = ContinuousBatcher(self.batch)
 

@@ -7,11 +7,13 @@ Three measurements, each side by side in one run (these machines are noisy):
     sequences in one forward: padded HF batch for the plain model, one packed forward over
     sequences in the KV pool for the invariant one);
 (b) **generator throughput**: ``--concurrency`` levels (default 1, 4, 16, 32) of requests,
-    each generating ``--new-tokens`` tokens in steps of ``--stride`` on one document, in five
+    each generating ``--new-tokens`` tokens in steps of ``--stride`` on one document, in six
     arms: the plain engine one step at a time (re-prefill, what a replica did before
-    batching), sessions only (one step at a time), batching only (sessions off), both, and
-    both with each sequence's KV in its own buffers instead of the KV pool
-    (``generator.kv_pool=false``: the pool's cost or gain, side by side);
+    batching), sessions only (one step at a time), batching only (sessions off), both, both
+    with each sequence's KV in its own buffers instead of the KV pool
+    (``generator.kv_pool=false``: the pool's cost or gain, side by side), and both with
+    ``--fast-draft`` windows drafted on the plain kernels and verified
+    (``generator.fast_draft``);
 (c) **per-request generation time** at ``--new-tokens`` with sessions against re-prefill:
     (b)'s concurrency-1 rows.
 
@@ -35,7 +37,14 @@ from ralm import constants as C
 from ralm.config import GeneratorConfig
 from ralm.corpus import Corpus, load_questions
 
-ARMS = ("plain-serial", "sessions", "batching", "batching+sessions", "batching+sessions/buffers")
+ARMS = (
+    "plain-serial",
+    "sessions",
+    "batching",
+    "batching+sessions",
+    "batching+sessions/buffers",
+    "batching+sessions/fast-draft",
+)
 
 
 def add_batch_bench_args(p: argparse.ArgumentParser) -> None:
@@ -48,6 +57,7 @@ def add_batch_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=300, help="(a): KV length before the measured decode token")
     p.add_argument("--reps", type=int, default=20, help="(a): timed repetitions (median)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"(b) arms to run, of {', '.join(ARMS)}")
+    p.add_argument("--fast-draft", type=int, default=4, help="(b) the fast-draft arm's generator.fast_draft")
     p.add_argument(
         "--random-model",
         choices=sorted(SHAPES),
@@ -188,10 +198,13 @@ def batch_bench_main(args) -> int:
         inv = LMEngine.from_config(base)
     nosess = LMEngine(inv.model, inv.tokenizer, inv.cfg.model_copy(update={"kv_session_bytes": 0}))
     engines = {"plain-serial": plain, "sessions": inv, "batching": nosess, "batching+sessions": inv}
-    if "batching+sessions/buffers" in arms:  # the same, each sequence in its own buffers (no KV pool)
-        engines["batching+sessions/buffers"] = LMEngine(
-            inv.model, inv.tokenizer, inv.cfg.model_copy(update={"kv_pool": False})
-        )
+    variants = {  # batching+sessions with one generator option changed
+        "batching+sessions/buffers": {"kv_pool": False},  # each sequence in its own buffers
+        "batching+sessions/fast-draft": {"fast_draft": args.fast_draft},  # drafts on the plain kernels
+    }
+    for arm, update in variants.items():
+        if arm in arms:
+            engines[arm] = LMEngine(inv.model, inv.tokenizer, inv.cfg.model_copy(update=update))
     what = f"randomly initialised {args.random_model}" if getattr(args, "random_model", None) else args.model
     notes = [
         f"# ralmspec bench-batching: generator {what}, {args.new_tokens} new tokens per request, stride {args.stride}",

@@ -10,8 +10,9 @@ they finish (a failing section is recorded and the next one runs):
     per model shape and dtype: does the generator pass the whole-model invariance proof
     (:mod:`ralm.batching.proof`) and so batch, or does it serve one step at a time, and why.
 ``exact``
-    per dtype that batches: the engine (its KV in the block pool, ``generator.kv_pool``) with
-    ``--requests`` (16, 64) requests in flight against
+    per dtype that batches: the engine (its KV in the block pool, ``generator.kv_pool``), and
+    the same with ``--fast-draft`` (``generator.fast_draft``: windows drafted on the plain
+    kernels, verified by the invariant forward), with ``--requests`` (16, 64) requests in flight against
     each request alone (one at a time, no KV session): identical counts and tokens/s.
 ``forward``
     the invariant decode forward against the plain Hugging Face one at batch 1, 16 and 64
@@ -74,6 +75,12 @@ def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", default=None, help="requests in flight for the exactness check (default 16,64; CPU 4)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 64; CPU 16)")
     p.add_argument("--stride", type=int, default=4, help="tokens per step")
+    p.add_argument(
+        "--fast-draft",
+        type=int,
+        default=4,
+        help="exact: also run the engine with generator.fast_draft=N (drafts on the plain kernels, verified); 0: no",
+    )
     p.add_argument("--forward-batches", default="1,16,64", help="decode forward batch sizes")
     p.add_argument(
         "--scan", default=None, help="dense scans ROWSxDIM, comma-separated (default 4Mx384,21Mx768; CPU 20000x384)"
@@ -249,6 +256,7 @@ class GpuCheck:
         alone: dict[str, list[list[int]]] = {key: [] for key in self.engines}
         alone_s: dict[str, float] = {key: 0.0 for key in self.engines}
         alone_engines: dict[str, Any] = {}
+        drafting: dict[str, Any] = {}  # engines with generator.fast_draft
         for n in sorted(self.requests):
             for key, e in self.engines.items():
                 if time.perf_counter() - self.t0 > self.args.budget_s:
@@ -274,6 +282,18 @@ class GpuCheck:
                     "batched_tok_s": round(bat["tokens_per_s"], 1),
                     "batched_over_alone": round(bat["tokens_per_s"] / alone_tok_s, 2),
                 }
+                if self.args.fast_draft:  # decode fast, verify exactly: the same requests, drafted
+                    if key not in drafting:
+                        drafting[key] = self.engine(e.model, e.tokenizer, e.cfg.dtype, fast_draft=self.args.fast_draft)
+                    fd = run_arm(drafting[key], reqs, n, self.new_tokens, self.args.stride, serial=False)
+                    out[f"{key}/n{n}/fast-draft{self.args.fast_draft}"] = {
+                        "requests": n,
+                        "new_tokens": self.new_tokens,
+                        "identical": sum(a == b for a, b in zip(alone[key][:n], fd["outputs"])),
+                        "alone_tok_s": round(alone_tok_s, 1),
+                        "batched_tok_s": round(fd["tokens_per_s"], 1),
+                        "batched_over_alone": round(fd["tokens_per_s"] / alone_tok_s, 2),
+                    }
                 self.res["exact"] = out
                 self.save()
         return out

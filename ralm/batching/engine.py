@@ -28,6 +28,7 @@ import torch
 
 from ralm import constants as C
 from ralm.batching.doc_blocks import DocBlockCache
+from ralm.batching.fast_draft import draft_round, draftable
 from ralm.batching.kv_pool import KVPool
 from ralm.batching.packed import SeqKV, packed_forward
 from ralm.batching.paged_kv import PagedKV
@@ -113,7 +114,9 @@ class BatchEngine:
     ``model``: a model rewritten by :func:`ralm.batching.invariant.make_invariant`;
     ``docs_kv(docs) -> (hf_cache | None, info)``: the documents' KV (the doc-KV cache);
     ``sessions``: the session store; ``pool``: the KV pool every step's sequence lives in
-    (None: per-sequence buffers), with ``doc_blocks``, the documents' KV kept in it.
+    (None: per-sequence buffers), with ``doc_blocks``, the documents' KV kept in it;
+    ``fast_draft``: tokens drafted per decode round on the plain kernels and verified by the
+    invariant forward (:mod:`ralm.batching.fast_draft`; 0: off).
     """
 
     def __init__(
@@ -126,8 +129,10 @@ class BatchEngine:
         max_sequences: int = C.BATCH_MAX_SEQUENCES,
         pool: KVPool | None = None,
         doc_blocks: DocBlockCache | None = None,
+        fast_draft: int = 0,
     ):
         self.model = model
+        self.fast_draft = int(fast_draft)
         self.pool = pool
         self.doc_blocks = doc_blocks if doc_blocks is not None else DocBlockCache(0)
         self.eos_token_id = eos_token_id
@@ -242,10 +247,15 @@ class BatchEngine:
     @torch.inference_mode()
     def iterate(self, active: Sequence[ActiveStep]) -> IterationStats:
         """One packed forward over (some of) ``active``; marks the steps that finish ``done``."""
+        t0 = time.perf_counter()
+        draft_s = 0.0
+        if self.fast_draft > 0:  # decode fast, verify exactly (ralm.batching.fast_draft)
+            ready = [a for a in active if draftable(a)][: self.max_sequences]
+            if ready:
+                draft_s = draft_round(self.model, ready, self.fast_draft, self.eos_token_id)
         plan = plan_iteration(active, self.token_budget, self.max_sequences)
         if not plan:
             return IterationStats(0, 0, 0.0)
-        t0 = time.perf_counter()
         chunks: list[tuple[SeqKV | PagedKV, list[int]]] = []
         rows: list[int] = []
         emitting: list[tuple[ActiveStep, int, int]] = []
@@ -267,7 +277,7 @@ class BatchEngine:
             logits = packed_forward(self.model, chunks, rows)
         if logits.is_cuda:  # the kernels' time is the forward's, not the host's (the argmax syncs anyway)
             torch.cuda.synchronize(logits.device)
-        forward_s = time.perf_counter() - t_fwd
+        forward_s = time.perf_counter() - t_fwd + draft_s
         for a, n in plan:
             a.session.context.extend(a.pending[:n])
             a.pending = a.pending[n:]
