@@ -15,23 +15,11 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 
+from cache.doc_kv import DocKVStats
 from ralm.batching.paged_kv import PagedKV
 
 DocsKey = tuple
-
-
-@dataclass
-class DocBlockStats:
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    bytes_used: int = 0
-    entries: int = 0
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 class DocBlockCache:
@@ -41,7 +29,7 @@ class DocBlockCache:
         self.capacity_bytes = int(capacity_bytes)
         self._items: OrderedDict[DocsKey, tuple[PagedKV, int]] = OrderedDict()
         self._lock = threading.Lock()
-        self.stats = DocBlockStats()
+        self.stats = DocKVStats()  # hits and misses count document sequences
 
     def __len__(self) -> int:
         return len(self._items)
