@@ -68,12 +68,19 @@ class DocBlockCache:
         return old
 
     def evict_one(self) -> bool:
-        """Drop the least recently used entry (the pool needs blocks); False: none cached."""
-        with self._lock:
+        """Drop the least recently used entry (the pool needs blocks); False: none cached, or
+        the cache is busy. The pool calls this holding its own lock, and :meth:`fork` takes
+        the pool's lock inside this cache's: so this never waits for the cache's lock (a busy
+        cache frees nothing this time and the pool grows instead of deadlocking)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
             if not self._items:
                 return False
             old = self._pop_oldest()
             self.stats.entries = len(self._items)
+        finally:
+            self._lock.release()
         old.free()
         return True
 

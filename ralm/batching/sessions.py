@@ -137,14 +137,19 @@ class SessionStore:
         _drop(dropped)
 
     def evict_one(self) -> bool:
-        """Drop the least recently used session (the pool needs blocks); False: none stored."""
-        with self._lock:
+        """Drop the least recently used session (the pool needs blocks); False: none stored,
+        or the store is busy (the pool calls this holding its own lock: it never waits here)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
             if not self._items:
                 return False
             _, (old, size) = self._items.popitem(last=False)
             self.stats.bytes_used -= size
             self.stats.evictions += 1
             self.stats.sessions = len(self._items)
+        finally:
+            self._lock.release()
         old.drop()
         return True
 

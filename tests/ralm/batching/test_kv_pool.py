@@ -223,3 +223,30 @@ def test_the_pool_is_written_in_and_out_of_inference_mode():
     twin.append(0, k[:, :1], v[:, :1])
     got_k, got_v = second.span(0, 8)
     assert torch.equal(got_k[:, :6], k) and torch.equal(got_v[:, :6, :4], v) and pool.copies == 1
+
+
+def test_a_busy_owner_of_idle_blocks_makes_the_pool_grow_instead_of_waiting():
+    """The pool asks for blocks holding its lock; a store or cache busy in another thread
+    (whose own operations take the pool's lock) frees nothing this time: no deadlock."""
+    pool = KVPool(1, block_size=4, initial_blocks=3)
+    store, docs = SessionStore(capacity_bytes=1 << 20), DocBlockCache(capacity_bytes=1 << 20)
+    pool.reclaimers = [store.evict_one, docs.evict_one]
+    store.put(Session((), 0, [1], _filled(pool, 8)))  # both usable blocks, idle
+    busy = threading.Event()
+    done = threading.Event()
+
+    def hold():
+        with store._lock, docs._lock:
+            busy.set()
+            done.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    busy.wait(10)
+    try:
+        fresh = _filled(pool, 4, seed=4)  # returns at once: the pool grows
+        assert pool.grows == 1 and len(store) == 1 and fresh.table
+    finally:
+        done.set()
+        t.join()
+    assert store.evict_one() and pool.stats()["blocks_used"] == 1  # free again: it evicts
