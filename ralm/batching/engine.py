@@ -105,7 +105,7 @@ class IterationStats:
     tokens: int  # tokens fed (prefill chunks, decode tokens, drafts)
     seconds: float  # wall time of the iteration
     generated: int = 0  # new tokens the iteration produced
-    forward_s: float = 0.0  # of ``seconds``, the model's forward (on a GPU: until its kernels finish)
+    forward_s: float = 0.0  # of ``seconds``, the model's forward (on a GPU: its kernels' span on the stream)
 
 
 class BatchEngine:
@@ -132,6 +132,7 @@ class BatchEngine:
         fast_draft: int = 0,
     ):
         self.model = model
+        self.device = next(model.parameters()).device
         self.fast_draft = int(fast_draft)
         self.pool = pool
         self.doc_blocks = doc_blocks if doc_blocks is not None else DocBlockCache(0)
@@ -270,20 +271,29 @@ class BatchEngine:
                 emitting.append((a, len(rows), 1))
                 rows.append(off - 1)
         hidden = None
+        # on a GPU the forward's time is its kernels' span on the stream, read from two events
+        # after the iteration's one synchronisation (the greedy tokens' transfer); on a CPU it
+        # is the call's wall time
+        events = _cuda_events(self.device)
         t_fwd = time.perf_counter()
+        if events is not None:
+            events[0].record()
         if any(a.is_feed for a, _, _ in emitting):
             logits, hidden = packed_forward(self.model, chunks, rows, with_hidden=True)
         else:
             logits = packed_forward(self.model, chunks, rows)
-        if logits.is_cuda:  # the kernels' time is the forward's, not the host's (the argmax syncs anyway)
-            torch.cuda.synchronize(logits.device)
-        forward_s = time.perf_counter() - t_fwd + draft_s
+        if events is not None:
+            events[1].record()
+        forward_s = time.perf_counter() - t_fwd
         for a, n in plan:
             a.session.context.extend(a.pending[:n])
             a.pending = a.pending[n:]
             a.forward_passes += 1
         before = sum(len(a.tokens) for a, _, _ in emitting)
         preds = self._greedy(logits, emitting)  # the iteration's one host synchronisation
+        if events is not None:
+            forward_s = events[0].elapsed_time(events[1]) / 1e3
+        forward_s += draft_s
         for a, row, n in emitting:
             if a.is_feed:
                 a.feed = FeedOutput(logits[row], hidden[row])  # type: ignore[index]
@@ -389,3 +399,11 @@ class BatchEngine:
         for i, a in enumerate(active):
             outs[i] = self.finish(a)
         return outs
+
+
+def _cuda_events(device: torch.device) -> tuple | None:
+    """Two timing events on a CUDA ``device`` (None on a CPU)."""
+    if device.type != "cuda":
+        return None
+    with torch.cuda.device(device):
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
