@@ -15,7 +15,8 @@ first, as ``ralmspec bench`` does:
 Per arm: the scan's label, RaLMSeq's and PSA's mean latency, the speed-up, each one's
 retrieval share (the fraction of its latency outside the generator), the KB calls, and how
 many PSA outputs equal RaLMSeq's (they must all). Retrieval here is in-process, not in
-retrieval actors: the served split adds the actors' round trips to both methods.
+retrieval actors: the served split adds the actors' round trips to both methods. It needs
+what the pipeline needs (FAISS, the dense encoder): a machine where the project installed.
 """
 
 from __future__ import annotations
