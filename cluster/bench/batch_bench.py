@@ -82,9 +82,7 @@ def forward_cost(plain_model, inv_model, context: int, reps: int, batches: tuple
     import torch
 
     # lazy: loads torch, and cli.build_parser imports this module for every command
-    from ralm.batching.kv_pool import KVPool
-    from ralm.batching.packed import packed_forward
-    from ralm.batching.paged_kv import PagedKV
+    from ralm.batching import kv_pool, packed, paged_kv
 
     g = torch.Generator().manual_seed(0)
     vocab = plain_model.config.vocab_size
@@ -97,10 +95,10 @@ def forward_cost(plain_model, inv_model, context: int, reps: int, batches: tuple
             past = plain_model(input_ids=ids[:, :context], use_cache=True).past_key_values
             lens = [len(layer.keys[0, 0]) for layer in past.layers]
             kvs = []
-            pool = KVPool(int(inv_model.config.num_hidden_layers))  # the engine's KV layout (generator.kv_pool)
+            pool = kv_pool.KVPool(int(inv_model.config.num_hidden_layers))  # the engine's layout (generator.kv_pool)
             for b in range(batch):
-                kv = PagedKV(pool)
-                packed_forward(inv_model, [(kv, ids[b, :context].tolist())], [])
+                kv = paged_kv.PagedKV(pool)
+                packed.packed_forward(inv_model, [(kv, ids[b, :context].tolist())], [])
                 kvs.append(kv)
             plain_t, inv_t = [], []
             for _ in range(reps + 2):  # the first two of each are warm-up
@@ -116,7 +114,7 @@ def forward_cost(plain_model, inv_model, context: int, reps: int, batches: tuple
                 last = ids[:, context].tolist()
                 sync()
                 t0 = time.perf_counter()
-                packed_forward(inv_model, [(kv, [last[b]]) for b, kv in enumerate(kvs)])
+                packed.packed_forward(inv_model, [(kv, [last[b]]) for b, kv in enumerate(kvs)])
                 sync()
                 inv_t.append(time.perf_counter() - t0)
             plain_s, inv_s = _median(plain_t[2:]), _median(inv_t[2:])

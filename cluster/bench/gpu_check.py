@@ -318,9 +318,7 @@ class GpuCheck:
         from torch.profiler import ProfilerActivity, profile
 
         # lazy: loads torch, and cli.build_parser imports this module for every command
-        from ralm.batching.kv_pool import KVPool
-        from ralm.batching.packed import packed_forward
-        from ralm.batching.paged_kv import PagedKV
+        from ralm.batching import kv_pool, packed, paged_kv
 
         if not self.engines:
             return {"skipped": "no dtype batches"}
@@ -329,16 +327,16 @@ class GpuCheck:
         batch, ctx = (64, 300) if not self.small else (8, 40)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(1, int(m.config.vocab_size), (batch, ctx + 1), generator=g).tolist()
-        pool = KVPool(layers)
-        kvs = [PagedKV(pool) for _ in range(batch)]
+        pool = kv_pool.KVPool(layers)
+        kvs = [paged_kv.PagedKV(pool) for _ in range(batch)]
         with torch.inference_mode():
             for kv, row in zip(kvs, ids):
-                packed_forward(m, [(kv, row[:ctx])], [])
+                packed.packed_forward(m, [(kv, row[:ctx])], [])
 
             def step():
                 for kv in kvs:
                     kv.crop(ctx)
-                packed_forward(m, [(kv, [row[ctx]]) for kv, row in zip(kvs, ids)])
+                packed.packed_forward(m, [(kv, [row[ctx]]) for kv, row in zip(kvs, ids)])
 
             for _ in range(3):
                 step()

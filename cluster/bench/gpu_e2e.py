@@ -24,17 +24,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from cluster.bench.spec_bench import run_retriever
 from cluster.report import table
 from ralm import constants as C
+from ralm.config import RalmConfig
+from ralm.corpus import load_questions
 
 
 def e2e_runs(engine, device: str, pad_to: int, n_questions: int, new_tokens: int, free: Callable[[], None]) -> dict:
     """The two arms (``host``, ``device``), each a dict of the numbers above (``skipped``
     with the reason where an arm cannot run)."""
     # lazy: loads torch, transformers, faiss
-    from cluster.bench.spec_bench import run_retriever
-    from ralm.config import RalmConfig
-    from ralm.corpus import load_questions
     from ralm.pipeline import Pipeline
 
     questions = load_questions(C.DEMO_QUESTIONS, limit=n_questions + 1)
