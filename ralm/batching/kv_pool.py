@@ -69,10 +69,6 @@ class KVPool:
 
     # ------------------------------------------------------------------ allocation
     @property
-    def allocated(self) -> bool:
-        return self.k is not None
-
-    @property
     def n_blocks(self) -> int:
         return len(self.refs)
 

@@ -38,10 +38,6 @@ class PagedKV:
         return self.layer_len[0]
 
     @property
-    def key_block(self) -> int:
-        return self.pool.block_size
-
-    @property
     def nbytes(self) -> int:
         """Bytes of the blocks this sequence references (shared ones included)."""
         return len(self.table) * self.pool.block_bytes
