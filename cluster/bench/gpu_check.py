@@ -273,30 +273,29 @@ class GpuCheck:
                     alone_s[key] += time.perf_counter() - t
                 alone_tok_s = sum(len(o) for o in alone[key]) / alone_s[key]
                 bat = run_arm(e, reqs, n, self.new_tokens, self.args.stride, serial=False)
-                same = sum(a == b for a, b in zip(alone[key][:n], bat["outputs"]))
-                out[f"{key}/n{n}"] = {
-                    "requests": n,
-                    "new_tokens": self.new_tokens,
-                    "identical": same,
-                    "alone_tok_s": round(alone_tok_s, 1),
-                    "batched_tok_s": round(bat["tokens_per_s"], 1),
-                    "batched_over_alone": round(bat["tokens_per_s"] / alone_tok_s, 2),
-                }
+                out[f"{key}/n{n}"] = self._against_alone(alone[key][:n], alone_tok_s, bat)
                 if self.args.fast_draft:  # decode fast, verify exactly: the same requests, drafted
                     if key not in drafting:
                         drafting[key] = self.engine(e.model, e.tokenizer, e.cfg.dtype, fast_draft=self.args.fast_draft)
                     fd = run_arm(drafting[key], reqs, n, self.new_tokens, self.args.stride, serial=False)
-                    out[f"{key}/n{n}/fast-draft{self.args.fast_draft}"] = {
-                        "requests": n,
-                        "new_tokens": self.new_tokens,
-                        "identical": sum(a == b for a, b in zip(alone[key][:n], fd["outputs"])),
-                        "alone_tok_s": round(alone_tok_s, 1),
-                        "batched_tok_s": round(fd["tokens_per_s"], 1),
-                        "batched_over_alone": round(fd["tokens_per_s"] / alone_tok_s, 2),
-                    }
+                    out[f"{key}/n{n}/fast-draft{self.args.fast_draft}"] = self._against_alone(
+                        alone[key][:n], alone_tok_s, fd
+                    )
                 self.res["exact"] = out
                 self.save()
         return out
+
+    def _against_alone(self, alone: list[list[int]], alone_tok_s: float, arm: dict) -> dict:
+        """An ``exact`` row: how many of ``arm``'s outputs (``run_arm``) equal each request
+        alone, and its tokens/s against the requests run one at a time."""
+        return {
+            "requests": len(alone),
+            "new_tokens": self.new_tokens,
+            "identical": sum(a == b for a, b in zip(alone, arm["outputs"])),
+            "alone_tok_s": round(alone_tok_s, 1),
+            "batched_tok_s": round(arm["tokens_per_s"], 1),
+            "batched_over_alone": round(arm["tokens_per_s"] / alone_tok_s, 2),
+        }
 
     def forward(self) -> dict:
         out = {}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,18 @@ import numpy as np
 from cluster.report import table
 
 CHUNK = 1 << 20  # rows per host float64 product when checking
+
+
+def median_ms(run: Callable[[], Any], sync: Callable[[], None] = lambda: None, reps: int = 5) -> tuple[float, Any]:
+    """``(median wall ms of reps calls of run, the last call's result)``; ``sync`` (a device
+    synchronisation) before each call, so a call's time is its own."""
+    ts, out = [], None
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        out = run()
+        ts.append(time.perf_counter() - t)
+    return round(sorted(ts)[len(ts) // 2] * 1e3, 2), out
 
 
 def exact_dense_scans(sizes: list[tuple[int, ...]], device: str, free: Callable[[], None]) -> dict:
@@ -34,19 +47,14 @@ def exact_dense_scans(sizes: list[tuple[int, ...]], device: str, free: Callable[
         Q = X[rng.integers(0, n, 16)] + 0.1 * rng.standard_normal((16, d), dtype=np.float32)
         for b in (1, 16):
             scan.candidates(Q[:b], 20)  # warm-up
-            ts: list[float] = []
-            cands: list[np.ndarray] = []
-            for _ in range(5):
-                t = time.perf_counter()
-                cands = scan.candidates(Q[:b], 20)
-                ts.append(time.perf_counter() - t)
+            ms, cands = median_ms(partial(scan.candidates, Q[:b], 20))
             exact = np.concatenate(
                 [X[a : a + CHUNK].astype(np.float64) @ Q[:b].astype(np.float64).T for a in range(0, n, CHUNK)]
             )  # (n, b)
             top = np.argsort(-exact, axis=0, kind="stable")[:20]
             held = sum(set(top[:, j].tolist()) <= set(cands[j].tolist()) for j in range(b))
             r[f"batch{b}"] = {
-                "ms": round(sorted(ts)[len(ts) // 2] * 1e3, 2),
+                "ms": ms,
                 "candidates_per_query": round(float(np.mean([c.size for c in cands])), 1),
                 "exact_top20_contained": f"{held}/{b}",
             }
@@ -78,6 +86,11 @@ def _topk(X, qs, device: str):
     return torch.topk(s, 20, dim=1)
 
 
+def _top_ids(X, qs, device: str):
+    """:func:`_topk`'s indices, on the host (the transfer ends the timed call)."""
+    return _topk(X, qs, device).indices.cpu()
+
+
 def plain_topk_scans(
     sizes: list[tuple[int, ...]], device: str, sync: Callable[[], None], free: Callable[[], None]
 ) -> dict:
@@ -97,14 +110,9 @@ def plain_topk_scans(
         q = torch.randn(64, d, device=device, generator=g).to(torch.float16)
         alone = [_topk(X, q[i : i + 1], device).indices for i in range(64)]
         for b in (1, 16, 64):
-            ts = []
-            for _ in range(5):
-                sync()
-                t = time.perf_counter()
-                ix = _topk(X, q[:b], device).indices.cpu()
-                ts.append(time.perf_counter() - t)
+            ms, ix = median_ms(partial(_top_ids, X, q[:b], device), sync)
             same = sum(torch.equal(ix[i], alone[i][0].cpu()) for i in range(b))
-            r[f"batch{b}"] = {"ms": round(sorted(ts)[len(ts) // 2] * 1e3, 2), "same_top20_as_alone": f"{same}/{b}"}
+            r[f"batch{b}"] = {"ms": ms, "same_top20_as_alone": f"{same}/{b}"}
         out[f"{n}x{d}"] = r
         del X
         free()

@@ -35,7 +35,7 @@ from ralm.batching.paged_kv import PagedKV
 from ralm.batching.policy import plan_iteration
 from ralm.batching.sessions import DocsKey, Session, SessionStore
 from ralm.doc_kv import DocsKVInfo
-from ralm.drafting import StepOptions, greedy_scores
+from ralm.drafting import StepOptions, greedy_scores, greedy_tokens
 from ralm.drafting.ngram import NGramDrafter
 from ralm.errors import RalmInputError
 from ralm.step_output import StepOutput
@@ -309,19 +309,10 @@ class BatchEngine:
         return st
 
     def _greedy(self, logits: torch.Tensor, emitting: Sequence[tuple[ActiveStep, int, int]]) -> list[int]:
-        """The greedy token of every row of ``logits [R, vocab]``, computed on the logits'
-        device and brought to the host in one transfer: ``argmax`` of the float32 logits,
-        EOS masked in the rows of steps with ``ignore_eos`` (each row's argmax is the one
-        :func:`~ralm.drafting.greedy_scores` gives for it alone: max is exact and ties go to
-        the lowest id). Example: rows ``[a, b0, b1]`` (step a's decode row, step b's drafted
-        pair) give ``[t_a, t_b0, t_b1]`` with one synchronisation, not three."""
-        scores = logits.float()
-        if self.eos_token_id is not None:
-            rows = [r for a, row, n in emitting if a.call.ignore_eos and not a.is_feed for r in range(row, row + n)]
-            if rows:
-                scores = scores.clone()
-                scores[torch.tensor(rows, device=scores.device), self.eos_token_id] = float("-inf")
-        return scores.argmax(dim=-1).tolist()
+        """The greedy token of every emitting row of ``logits [R, vocab]``, in one transfer
+        (:func:`~ralm.drafting.greedy_tokens`; EOS masked in the rows of ``ignore_eos`` steps)."""
+        rows = [r for a, row, n in emitting if a.call.ignore_eos and not a.is_feed for r in range(row, row + n)]
+        return greedy_tokens(logits, self.eos_token_id, rows)
 
     def _scores(self, a: ActiveStep, logits: torch.Tensor) -> torch.Tensor:
         return greedy_scores(logits, self.eos_token_id, a.call.ignore_eos)

@@ -33,6 +33,7 @@ import torch
 
 from ralm.batching.invariant import InvariantLinear
 from ralm.batching.packed import packed_forward
+from ralm.drafting import greedy_tokens
 
 
 @contextlib.contextmanager
@@ -75,11 +76,9 @@ def draft_round(model, steps: Sequence[Any], m: int, eos_token_id: int | None) -
     t0 = time.perf_counter()
     with plain_kernels(model):
         while live:
-            logits = packed_forward(model, [(steps[i].session.kv, [cur[i]]) for i in live]).float()
-            for j, i in enumerate(live):
-                if steps[i].call.ignore_eos and eos_token_id is not None:
-                    logits[j, eos_token_id] = float("-inf")
-            preds = logits.argmax(dim=-1).tolist()  # one transfer per draft forward
+            logits = packed_forward(model, [(steps[i].session.kv, [cur[i]]) for i in live])
+            masked = [j for j, i in enumerate(live) if steps[i].call.ignore_eos]
+            preds = greedy_tokens(logits, eos_token_id, masked)  # one transfer per draft forward
             nxt = []
             for j, i in enumerate(live):
                 steps[i].forward_passes += 1

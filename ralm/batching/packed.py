@@ -172,12 +172,9 @@ class PackedBatch:
             by_tiles.setdefault(-(-seg.n // C.INVARIANT_QUERY_TILE), []).append(i)
         self.groups = [_Group(self.segments, idx, device) for idx in by_tiles.values()]
         # every sequence paged in one pool: one write per layer, keys read through block tables
-        pools = {id(s.kv.pool): s.kv.pool for s in self.segments if isinstance(s.kv, PagedKV)}
-        self.pool = (
-            next(iter(pools.values()))
-            if len(pools) == 1 and all(isinstance(s.kv, PagedKV) for s in self.segments)
-            else None
-        )
+        paged = [seg.kv for seg in self.segments if isinstance(seg.kv, PagedKV)]
+        pools = {id(kv.pool) for kv in paged}
+        self.pool = paged[0].pool if len(paged) == len(self.segments) and len(pools) == 1 else None
         self._plan: PagedPlan | None = None
 
     def finish(self) -> None:

@@ -172,7 +172,7 @@ class PagedPlan:
         if self.run is None:
             self.blocks = torch.tensor(blocks, dtype=torch.long, device=device)
             self.offsets = torch.tensor(offsets, dtype=torch.long, device=device)
-        self._tables: dict[tuple[int, ...], torch.Tensor] = {}
+        self._tables: dict[tuple, torch.Tensor] = {}  # (segment indices, dtype) -> tables
         self._reads: dict[tuple[int, ...], tuple] = {}
         self._triton: tuple | None = None
 
@@ -190,7 +190,7 @@ class PagedPlan:
 
     def tables(self, idx: Sequence[int], dtype=torch.long) -> torch.Tensor:
         """Block tables ``[len(idx), nb]`` of segments ``idx`` (the same for every layer: computed once)."""
-        key = (*idx, -1 if dtype == torch.long else -2)
+        key = (tuple(idx), dtype)
         t = self._tables.get(key)
         if t is None:
             kvs = [self.segments[i].kv for i in idx]

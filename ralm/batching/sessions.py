@@ -129,12 +129,16 @@ class SessionStore:
             self._next += 1
             self.stats.bytes_used += size
             while self.stats.bytes_used > self.capacity_bytes and self._items:
-                _, (old, old_size) = self._items.popitem(last=False)
-                self.stats.bytes_used -= old_size
-                self.stats.evictions += 1
-                dropped.append(old)
+                dropped.append(self._pop_oldest())
             self.stats.sessions = len(self._items)
         _drop(dropped)
+
+    def _pop_oldest(self) -> Session:
+        """Remove the least recently used session (the caller holds the lock and drops it)."""
+        _, (old, size) = self._items.popitem(last=False)
+        self.stats.bytes_used -= size
+        self.stats.evictions += 1
+        return old
 
     def evict_one(self) -> bool:
         """Drop the least recently used session (the pool needs blocks); False: none stored,
@@ -144,9 +148,7 @@ class SessionStore:
         try:
             if not self._items:
                 return False
-            _, (old, size) = self._items.popitem(last=False)
-            self.stats.bytes_used -= size
-            self.stats.evictions += 1
+            old = self._pop_oldest()
             self.stats.sessions = len(self._items)
         finally:
             self._lock.release()
