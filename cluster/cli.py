@@ -216,6 +216,14 @@ _PLUGGED_COMMANDS = [
         "resumable batch evaluation, RaLMSeq vs RaLMSpec (also under `ray job submit`)",
     ),
     (
+        "report",
+        "cluster.results_page",
+        "add_report_args",
+        "report_main",
+        False,
+        "regenerate docs/results/README.md from docs/results/manifest.toml (--check: fail if it is out of date)",
+    ),
+    (
         "k8s",
         "cluster.k8s_gen",
         "add_k8s_args",
