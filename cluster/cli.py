@@ -221,7 +221,7 @@ _PLUGGED_COMMANDS = [
         "add_report_args",
         "report_main",
         False,
-        "regenerate docs/results/README.md from docs/results/manifest.toml (--check: fail if it is out of date)",
+        "regenerate docs/results/README.md from docs/results/manifest.yaml (--check: fail if it is out of date)",
     ),
     (
         "k8s",
