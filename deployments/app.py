@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
-from deployments.config import AppConfig, VerifierOptions
-from deployments.generator import PRESETS
+from deployments.config import PRESETS, AppConfig, VerifierOptions
 
 if TYPE_CHECKING:
     from ray.serve import Deployment

@@ -1,31 +1,214 @@
 """The served application's configuration: :class:`AppConfig`, the ``args:`` block of the
 Serve config (``serve_config.yaml``), with every option of the deployments it starts.
 
-Pure pydantic (no Ray): :mod:`cluster.serve` validates a config with it before anything
-starts, and :func:`deployments.app.build_app` builds the application from it.
+Pure pydantic, a leaf of the import graph: no Ray, torch, engine or actor is imported here
+(a lint-imports contract in pyproject.toml keeps it so). :mod:`cluster.serve` validates a
+config with it before anything starts, and :func:`deployments.app.build_app` builds the
+application from it. The generator deployment's placement (:class:`GeneratorDeploymentOptions`,
+the presets) and the two generator-side modes' options (:class:`DenseDraftingOptions`,
+:class:`KnnServeOptions`) live here too; :mod:`deployments.generator` and
+:mod:`deployments.modes` run them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from actors.verifier import DEFAULT_MAX_INFLIGHT, DEFAULT_WINDOW_MS
 from cache.state.config import StateStoreConfig
-from deployments.generator import GeneratorDeploymentOptions, preset, resources_field
-from deployments.modes import DenseDraftingOptions, KnnServeOptions
 from ralm import constants as C
-from ralm.config import GeneratorConfig, RalmConfig, RetrieverKind
+from ralm.config import GeneratorConfig, KnnLMConfig, RalmConfig, RetrieverKind, StrictModel
 from ralm.methods import MethodName, is_knn
 
+NOSET_CUDA_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+LLAMA2_70B = "meta-llama/Llama-2-70b-hf"
 
-class _Opts(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+class AutoscalingOptions(StrictModel):
+    """Serve autoscaling of the generator deployment."""
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas kept running.")
+    max_replicas: int = Field(2, ge=1, description="Most replicas started under load.")
+    target_ongoing_requests: float = Field(4.0, gt=0, description="Ongoing step calls per replica that Serve aims for.")
+    upscale_delay_s: float = Field(5.0, ge=0, description="Load must stay high this long before a replica is added.")
+    downscale_delay_s: float = Field(
+        60.0, ge=0, description="Load must stay low this long before a replica is removed."
+    )
 
 
-class ShardingOptions(_Opts):
+def resources_field(what: str, example: str) -> Any:
+    """The ``resources`` option of one Ray part of the app (shards, verifiers, coordinators,
+    ingress, generator replicas): custom Ray resources that pin it to chosen nodes."""
+    return Field(
+        default_factory=dict,
+        description=f"Custom Ray resources each {what} reserves, e.g. {{'{example}': 1}}: it then runs only on "
+        "nodes started with that resource (ray start --resources), which pins it to chosen nodes.",
+    )
+
+
+class GeneratorDeploymentOptions(StrictModel):
+    """How the generator deployment is placed and scaled (Serve deployment options)."""
+
+    preset: str | None = Field(None, description="Name of the preset these options came from (informational).")
+    num_replicas: int = Field(1, ge=1, description="Replicas when autoscaling is off.")
+    num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per replica (a scheduling reservation).")
+    num_gpus: float = Field(
+        0.0, ge=0, description="GPUs reserved per replica actor (with a placement group: in bundle 0)."
+    )
+    resources: dict[str, float] = resources_field("replica", "ralmspec_generator")
+    max_ongoing_requests: int = Field(
+        64,
+        ge=1,
+        description="Concurrent step calls a replica accepts. With the continuous batcher (generator.invariant, "
+        "the default) the steps in flight share forward passes, so this bounds the batch: keep it at least "
+        "the number of requests in flight (pool.max_size).",
+    )
+    autoscaling: AutoscalingOptions | None = Field(None, description="Autoscaling instead of a fixed replica count.")
+    placement_group_bundles: list[dict[str, float]] | None = Field(
+        None, description="Per-replica placement group; the replica actor runs in the first bundle."
+    )
+    placement_group_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = Field(
+        None, description="Placement group strategy (STRICT_PACK: every bundle on one node)."
+    )
+    serialize_steps: bool = Field(
+        True,
+        description="Only with generator.invariant=false (no continuous batcher): run one step at a time per "
+        "replica. With the batcher (the default) steps of concurrent requests always share forward passes "
+        "and this setting is ignored.",
+    )
+    env_vars: dict[str, str] = Field(
+        default_factory=dict, description="Environment variables of the replica processes."
+    )
+    session_keys_per_replica: int = Field(
+        4096,
+        ge=1,
+        description="Session keys (one per request a coordinator runs) a replica keeps in Serve's multiplexed "
+        "LRU, which routes every step of a request to the replica holding its KV sessions. A key is a few "
+        "bytes (the sessions themselves are bounded by generator.kv_session_bytes); an evicted key's sessions "
+        "are released. Keep it well above the requests in flight per replica.",
+    )
+
+    def deployment_options(self, name: str = "Generator") -> dict:
+        """Keyword arguments for ``Deployment.options``."""
+        actor: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.num_gpus:
+            actor["num_gpus"] = self.num_gpus
+        if self.resources:
+            actor["resources"] = dict(self.resources)
+        if self.env_vars:
+            actor["runtime_env"] = {"env_vars": dict(self.env_vars)}
+        opts: dict[str, Any] = {
+            "name": name,
+            "ray_actor_options": actor,
+            "max_ongoing_requests": self.max_ongoing_requests,
+        }
+        if self.autoscaling is not None:
+            a = self.autoscaling
+            opts["autoscaling_config"] = {
+                "min_replicas": a.min_replicas,
+                "max_replicas": a.max_replicas,
+                "target_ongoing_requests": a.target_ongoing_requests,
+                "upscale_delay_s": a.upscale_delay_s,
+                "downscale_delay_s": a.downscale_delay_s,
+            }
+        else:
+            opts["num_replicas"] = self.num_replicas
+        opts["request_router_config"] = {
+            "request_router_class": "deployments.affinity.SessionAffinityRouter",
+            "request_router_kwargs": {"max_keys": max(65536, 16 * self.session_keys_per_replica)},
+        }
+        if self.placement_group_bundles:
+            opts["placement_group_bundles"] = [dict(b) for b in self.placement_group_bundles]
+            opts["placement_group_strategy"] = self.placement_group_strategy or "PACK"
+        return opts
+
+    @property
+    def gpus_per_replica(self) -> float:
+        if self.placement_group_bundles:
+            return sum(b.get("GPU", 0.0) for b in self.placement_group_bundles)
+        return self.num_gpus
+
+
+def preset(name: str, model: str | None = None) -> tuple[dict, GeneratorDeploymentOptions]:
+    """(GeneratorConfig overrides, deployment options) of a named preset.
+
+    - ``cpu``: one CPU replica (the embedded default).
+    - ``gpu``: one replica per GPU, fp16.
+    - ``llama2-70b-4gpu``: LLaMA-2-70B in fp16, one replica spanning 4 GPUs of one node
+      (placement group of 4 one-GPU bundles, ``STRICT_PACK``, ``device_map="auto"``).
+    """
+    if name == "cpu":
+        gen, opts = {}, GeneratorDeploymentOptions(preset=name)
+    elif name == "gpu":
+        gen = {"device": "cuda", "dtype": "float16"}
+        opts = GeneratorDeploymentOptions(preset=name, num_cpus=1, num_gpus=1)
+    elif name == "llama2-70b-4gpu":
+        gen = {"model": LLAMA2_70B, "device": "auto", "dtype": "float16"}
+        opts = GeneratorDeploymentOptions(
+            preset=name,
+            num_replicas=1,
+            num_cpus=1,
+            num_gpus=1,
+            placement_group_bundles=[{"CPU": 1, "GPU": 1}, {"GPU": 1}, {"GPU": 1}, {"GPU": 1}],
+            placement_group_strategy="STRICT_PACK",
+            env_vars={NOSET_CUDA_ENV: "1"},
+        )
+    else:
+        raise ValueError(f"unknown generator preset {name!r}: choose one of {', '.join(PRESETS)}")
+    if model:
+        gen = {**gen, "model": model}
+    return gen, opts
+
+
+PRESETS = ("cpu", "gpu", "llama2-70b-4gpu")
+
+
+class DenseDraftingOptions(StrictModel):
+    datastore: Path | None = Field(
+        None,
+        description="DReSD datastore file (.npz written by ralm.drafting.dense.DenseDatastore.save), loaded "
+        "by every generator replica. None: dense drafting is off and requests with drafting='dense' get 400.",
+    )
+    build_passages: int = Field(
+        0,
+        ge=0,
+        description="When the datastore file is missing: build one at replica start from the first N "
+        "corpus passages (teacher-forced hidden states) and save it there. 0: a missing file is a start-up error.",
+    )
+
+    @field_validator("datastore")
+    @classmethod
+    def _npz(cls, v: Path | None) -> Path | None:
+        if v is not None and Path(v).suffix != ".npz":
+            raise ValueError("dense_drafting.datastore must be a .npz file")
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        return self.datastore is not None
+
+
+class KnnServeOptions(StrictModel):
+    enabled: bool = Field(
+        False, description="Serve KNN-LM requests (method 'knnlm-seq' or 'knnlm-spec'). Off: they get 400."
+    )
+    config: KnnLMConfig = Field(
+        default_factory=KnnLMConfig,
+        description="The token datastore, its index and the "
+        "request defaults (k, temperature, lmbda, spatial_next); datastore_dir None: "
+        "<work_dir>/knn-datastore.",
+    )
+    build: bool = Field(
+        True,
+        description="Build a missing (or stale) datastore when a generator replica starts "
+        "(else that is a start-up error).",
+    )
+    n_passages: int | None = Field(None, ge=1, description="Corpus passages in a datastore built at start (None: all).")
+
+
+class ShardingOptions(StrictModel):
     n_shards: int = Field(2, ge=1, le=256, description="Contiguous corpus slices per retriever, one shard actor each.")
     num_cpus: float = Field(0.1, ge=0, description="CPUs reserved per shard actor (a scheduling reservation).")
     num_gpus: float = Field(
@@ -47,18 +230,18 @@ class ShardingOptions(_Opts):
     )
 
 
-class VerifierOptions(_Opts):
+class VerifierOptions(StrictModel):
     batching: bool = Field(
         True, description="Batch KB calls across in-flight requests (off: each call is searched on its own)."
     )
     window_ms: float = Field(
-        DEFAULT_WINDOW_MS,
+        1000.0,
         ge=0,
         le=5000,
         description="Longest wait to fill a batch after its first query (a batch leaves earlier when every request in flight is waiting, see flush_when_all_waiting).",
     )
     max_batch: int = Field(64, ge=1, description="A batch is sent as soon as this many queries wait.")
-    max_inflight: int = Field(DEFAULT_MAX_INFLIGHT, ge=1, description="Batches in flight at once per retriever.")
+    max_inflight: int = Field(1, ge=1, description="Batches in flight at once per retriever.")
     flush_when_all_waiting: bool = Field(
         True,
         description="Send a batch before the window ends as soon as every request in flight is waiting on the verifier (one request alone never waits for the window).",
@@ -71,7 +254,7 @@ class VerifierOptions(_Opts):
     resources: dict[str, float] = resources_field("verifier actor", "ralmspec_head")
 
 
-class PoolOptions(_Opts):
+class PoolOptions(StrictModel):
     size: int = Field(
         C.POOL_SIZE,
         ge=1,
@@ -105,7 +288,7 @@ class PoolOptions(_Opts):
         return self
 
 
-class IngressOptions(_Opts):
+class IngressOptions(StrictModel):
     served_model_name: str | None = Field(
         None, description="Model id in the OpenAI API (default: the generator's directory or hub name)."
     )
@@ -145,9 +328,9 @@ class IngressOptions(_Opts):
     )
 
 
-class StateOptions(_Opts):
+class StateOptions(StrictModel):
     # a rejected store config may hold a password: never echo it in errors
-    model_config = ConfigDict(extra="forbid", protected_namespaces=(), hide_input_in_errors=True)
+    model_config = ConfigDict(hide_input_in_errors=True)  # and StrictModel's
 
     store: StateStoreConfig | None = Field(
         None,
@@ -171,11 +354,11 @@ def _all_retrievers() -> list[RetrieverKind]:
     return ["edr", "adr", "sr"]
 
 
-class AppConfig(_Opts):
+class AppConfig(StrictModel):
     """Everything the served application needs. Every field has a default: ``{}`` is the demo."""
 
     # state.store may hold a (rejected) password: errors name fields, never echo input values
-    model_config = ConfigDict(extra="forbid", protected_namespaces=(), hide_input_in_errors=True)
+    model_config = ConfigDict(hide_input_in_errors=True)  # and StrictModel's
 
     ralm: RalmConfig = Field(
         default_factory=RalmConfig,
@@ -191,7 +374,7 @@ class AppConfig(_Opts):
     )
     generator_preset: Literal["cpu", "gpu", "llama2-70b-4gpu"] | None = Field(
         None,
-        description="Generator preset; fills generator settings not given explicitly (see deployments.generator.preset).",
+        description="Generator preset; fills generator settings not given explicitly (see deployments.config.preset).",
     )
     generator_deployment: GeneratorDeploymentOptions = Field(
         default_factory=GeneratorDeploymentOptions,
@@ -303,4 +486,17 @@ def _looks_local(model: str) -> bool:
     return m.startswith((".", "/", "~")) or Path(m).expanduser().exists() or (C.PACKAGE_ROOT / m).exists()
 
 
-__all__ = ["AppConfig", "IngressOptions", "PoolOptions", "ShardingOptions", "StateOptions", "VerifierOptions"]
+__all__ = [
+    "PRESETS",
+    "AppConfig",
+    "AutoscalingOptions",
+    "DenseDraftingOptions",
+    "GeneratorDeploymentOptions",
+    "IngressOptions",
+    "KnnServeOptions",
+    "PoolOptions",
+    "ShardingOptions",
+    "StateOptions",
+    "VerifierOptions",
+    "preset",
+]

@@ -44,11 +44,10 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, cast
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import TYPE_CHECKING, Any, cast
 
 from actors.metrics import record_generator_host, record_generator_iteration
+from deployments.config import GeneratorDeploymentOptions
 from deployments.modes import knn_server, load_dense_datastore
 from ralm.batching.invariant import invariant_kernels
 from ralm.config import GeneratorConfig
@@ -62,148 +61,6 @@ if TYPE_CHECKING:
     from ray.serve import Deployment
 
 log = logging.getLogger(__name__)
-
-NOSET_CUDA_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
-LLAMA2_70B = "meta-llama/Llama-2-70b-hf"
-
-
-class AutoscalingOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    min_replicas: int = Field(1, ge=0, description="Fewest replicas kept running.")
-    max_replicas: int = Field(2, ge=1, description="Most replicas started under load.")
-    target_ongoing_requests: float = Field(4.0, gt=0, description="Ongoing step calls per replica that Serve aims for.")
-    upscale_delay_s: float = Field(5.0, ge=0, description="Load must stay high this long before a replica is added.")
-    downscale_delay_s: float = Field(
-        60.0, ge=0, description="Load must stay low this long before a replica is removed."
-    )
-
-
-def resources_field(what: str, example: str) -> Any:
-    """The ``resources`` option of one Ray part of the app (shards, verifiers, coordinators,
-    ingress, generator replicas): custom Ray resources that pin it to chosen nodes."""
-    return Field(
-        default_factory=dict,
-        description=f"Custom Ray resources each {what} reserves, e.g. {{'{example}': 1}}: it then runs only on "
-        "nodes started with that resource (ray start --resources), which pins it to chosen nodes.",
-    )
-
-
-class GeneratorDeploymentOptions(BaseModel):
-    """How the generator deployment is placed and scaled (Serve deployment options)."""
-
-    model_config = ConfigDict(extra="forbid")
-    preset: str | None = Field(None, description="Name of the preset these options came from (informational).")
-    num_replicas: int = Field(1, ge=1, description="Replicas when autoscaling is off.")
-    num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per replica (a scheduling reservation).")
-    num_gpus: float = Field(
-        0.0, ge=0, description="GPUs reserved per replica actor (with a placement group: in bundle 0)."
-    )
-    resources: dict[str, float] = resources_field("replica", "ralmspec_generator")
-    max_ongoing_requests: int = Field(
-        64,
-        ge=1,
-        description="Concurrent step calls a replica accepts. With the continuous batcher (generator.invariant, "
-        "the default) the steps in flight share forward passes, so this bounds the batch: keep it at least "
-        "the number of requests in flight (pool.max_size).",
-    )
-    autoscaling: AutoscalingOptions | None = Field(None, description="Autoscaling instead of a fixed replica count.")
-    placement_group_bundles: list[dict[str, float]] | None = Field(
-        None, description="Per-replica placement group; the replica actor runs in the first bundle."
-    )
-    placement_group_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = Field(
-        None, description="Placement group strategy (STRICT_PACK: every bundle on one node)."
-    )
-    serialize_steps: bool = Field(
-        True,
-        description="Only with generator.invariant=false (no continuous batcher): run one step at a time per "
-        "replica. With the batcher (the default) steps of concurrent requests always share forward passes "
-        "and this setting is ignored.",
-    )
-    env_vars: dict[str, str] = Field(
-        default_factory=dict, description="Environment variables of the replica processes."
-    )
-    session_keys_per_replica: int = Field(
-        4096,
-        ge=1,
-        description="Session keys (one per request a coordinator runs) a replica keeps in Serve's multiplexed "
-        "LRU, which routes every step of a request to the replica holding its KV sessions. A key is a few "
-        "bytes (the sessions themselves are bounded by generator.kv_session_bytes); an evicted key's sessions "
-        "are released. Keep it well above the requests in flight per replica.",
-    )
-
-    def deployment_options(self, name: str = "Generator") -> dict:
-        """Keyword arguments for ``Deployment.options``."""
-        actor: dict[str, Any] = {"num_cpus": self.num_cpus}
-        if self.num_gpus:
-            actor["num_gpus"] = self.num_gpus
-        if self.resources:
-            actor["resources"] = dict(self.resources)
-        if self.env_vars:
-            actor["runtime_env"] = {"env_vars": dict(self.env_vars)}
-        opts: dict[str, Any] = {
-            "name": name,
-            "ray_actor_options": actor,
-            "max_ongoing_requests": self.max_ongoing_requests,
-        }
-        if self.autoscaling is not None:
-            a = self.autoscaling
-            opts["autoscaling_config"] = {
-                "min_replicas": a.min_replicas,
-                "max_replicas": a.max_replicas,
-                "target_ongoing_requests": a.target_ongoing_requests,
-                "upscale_delay_s": a.upscale_delay_s,
-                "downscale_delay_s": a.downscale_delay_s,
-            }
-        else:
-            opts["num_replicas"] = self.num_replicas
-        opts["request_router_config"] = {
-            "request_router_class": "deployments.affinity.SessionAffinityRouter",
-            "request_router_kwargs": {"max_keys": max(65536, 16 * self.session_keys_per_replica)},
-        }
-        if self.placement_group_bundles:
-            opts["placement_group_bundles"] = [dict(b) for b in self.placement_group_bundles]
-            opts["placement_group_strategy"] = self.placement_group_strategy or "PACK"
-        return opts
-
-    @property
-    def gpus_per_replica(self) -> float:
-        if self.placement_group_bundles:
-            return sum(b.get("GPU", 0.0) for b in self.placement_group_bundles)
-        return self.num_gpus
-
-
-def preset(name: str, model: str | None = None) -> tuple[dict, GeneratorDeploymentOptions]:
-    """(GeneratorConfig overrides, deployment options) of a named preset.
-
-    - ``cpu``: one CPU replica (the embedded default).
-    - ``gpu``: one replica per GPU, fp16.
-    - ``llama2-70b-4gpu``: LLaMA-2-70B in fp16, one replica spanning 4 GPUs of one node
-      (placement group of 4 one-GPU bundles, ``STRICT_PACK``, ``device_map="auto"``).
-    """
-    if name == "cpu":
-        gen, opts = {}, GeneratorDeploymentOptions(preset=name)
-    elif name == "gpu":
-        gen = {"device": "cuda", "dtype": "float16"}
-        opts = GeneratorDeploymentOptions(preset=name, num_cpus=1, num_gpus=1)
-    elif name == "llama2-70b-4gpu":
-        gen = {"model": LLAMA2_70B, "device": "auto", "dtype": "float16"}
-        opts = GeneratorDeploymentOptions(
-            preset=name,
-            num_replicas=1,
-            num_cpus=1,
-            num_gpus=1,
-            placement_group_bundles=[{"CPU": 1, "GPU": 1}, {"GPU": 1}, {"GPU": 1}, {"GPU": 1}],
-            placement_group_strategy="STRICT_PACK",
-            env_vars={NOSET_CUDA_ENV: "1"},
-        )
-    else:
-        raise ValueError(f"unknown generator preset {name!r}: choose one of {', '.join(PRESETS)}")
-    if model:
-        gen = {**gen, "model": model}
-    return gen, opts
-
-
-PRESETS = ("cpu", "gpu", "llama2-70b-4gpu")
 
 
 # ------------------------------------------------------------------ multi-GPU replicas

@@ -27,8 +27,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
+from deployments.config import DenseDraftingOptions, KnnServeOptions
 from ralm.config import KnnLMConfig
 from ralm.drafting.dense import DenseDatastore, build_datastore, collect_corpus
 from ralm.errors import RalmInputError
@@ -46,53 +45,6 @@ from ralm.knnlm.projection import projection_for
 from ralm.methods import KNN_METHODS
 
 log = logging.getLogger(__name__)
-
-
-class _Opts(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-
-class DenseDraftingOptions(_Opts):
-    datastore: Path | None = Field(
-        None,
-        description="DReSD datastore file (.npz written by ralm.drafting.dense.DenseDatastore.save), loaded "
-        "by every generator replica. None: dense drafting is off and requests with drafting='dense' get 400.",
-    )
-    build_passages: int = Field(
-        0,
-        ge=0,
-        description="When the datastore file is missing: build one at replica start from the first N "
-        "corpus passages (teacher-forced hidden states) and save it there. 0: a missing file is a start-up error.",
-    )
-
-    @field_validator("datastore")
-    @classmethod
-    def _npz(cls, v: Path | None) -> Path | None:
-        if v is not None and Path(v).suffix != ".npz":
-            raise ValueError("dense_drafting.datastore must be a .npz file")
-        return v
-
-    @property
-    def enabled(self) -> bool:
-        return self.datastore is not None
-
-
-class KnnServeOptions(_Opts):
-    enabled: bool = Field(
-        False, description="Serve KNN-LM requests (method 'knnlm-seq' or 'knnlm-spec'). Off: they get 400."
-    )
-    config: KnnLMConfig = Field(
-        default_factory=KnnLMConfig,
-        description="The token datastore, its index and the "
-        "request defaults (k, temperature, lmbda, spatial_next); datastore_dir None: "
-        "<work_dir>/knn-datastore.",
-    )
-    build: bool = Field(
-        True,
-        description="Build a missing (or stale) datastore when a generator replica starts "
-        "(else that is a start-up error).",
-    )
-    n_passages: int | None = Field(None, ge=1, description="Corpus passages in a datastore built at start (None: all).")
 
 
 # ------------------------------------------------------------------ dense drafting
@@ -264,8 +216,6 @@ def knn_server(opts: dict | None, engine, corpus, lock) -> KnnServer | None:
 
 
 __all__ = [
-    "DenseDraftingOptions",
-    "KnnServeOptions",
     "KnnServer",
     "KNN_REQUEST_FIELDS",
     "knn_server",

@@ -16,7 +16,11 @@ from ralm import constants as C
 RetrieverKind = Literal["edr", "adr", "sr"]
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """The base of every configuration model: unknown keys are errors (a misspelt option in a
+    YAML file fails validation instead of being ignored), and field names may start with
+    ``model_`` (``model_sha256``)."""
+
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
@@ -26,7 +30,7 @@ def _expand_user(p: Path | None) -> Path | None:
     return None if p is None else Path(p).expanduser()
 
 
-class RetrieverConfig(_Strict):
+class RetrieverConfig(StrictModel):
     kind: RetrieverKind = Field(
         "edr",
         description="edr: exact dense (FAISS flat IP); adr: approximate dense (FAISS HNSW); sr: sparse BM25 (pyserini Lucene).",
@@ -65,7 +69,7 @@ class RetrieverConfig(_Strict):
     _expand_index_dir = field_validator("index_dir", mode="after")(_expand_user)
 
 
-class GeneratorConfig(_Strict):
+class GeneratorConfig(StrictModel):
     model: str = Field(
         str(C.DEMO_MODEL_DIR),
         description="Causal LM: a local path, a Hugging Face hub name, a .gguf file, or a preset of a real pretrained model that installs offline (smollm2-135m; see docs/models.md).",
@@ -131,7 +135,7 @@ class GeneratorConfig(_Strict):
     batch_max_sequences: int = Field(C.BATCH_MAX_SEQUENCES, ge=1, description="Most sequences in one batched forward.")
 
 
-class SpecConfig(_Strict):
+class SpecConfig(StrictModel):
     prefetch: bool = Field(
         False, description="P: insert the KB's top-p documents into the cache at start and at every verification."
     )
@@ -285,7 +289,7 @@ class SpecConfig(_Strict):
             ) from None
 
 
-class RequestConfig(_Strict):
+class RequestConfig(StrictModel):
     max_new_tokens: int = Field(C.MAX_NEW_TOKENS, ge=1, description="Tokens to generate at most.")
     generation_stride: int = Field(C.GENERATION_STRIDE, ge=1, description="k: tokens generated per retrieval.")
     query_window: int = Field(
@@ -365,7 +369,7 @@ class RequestConfig(_Strict):
         return not self.inexact_options
 
 
-class KnnLMConfig(_Strict):
+class KnnLMConfig(StrictModel):
     """KNN-LM (token-level iterative RaLM): datastore, retrieval and interpolation."""
 
     k: int = Field(
@@ -433,7 +437,7 @@ class KnnLMConfig(_Strict):
     )
 
 
-class RalmConfig(_Strict):
+class RalmConfig(StrictModel):
     corpus: Path = Field(C.DEMO_CORPUS, description="Corpus in pyserini JsonCollection JSONL (optionally .gz).")
     work_dir: Path = Field(C.DEFAULT_WORK_DIR, description="Where indexes and outputs are written.")
     retriever: RetrieverConfig = Field(default_factory=RetrieverConfig, description="Knowledge-base retriever.")

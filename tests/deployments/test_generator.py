@@ -10,14 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.generator import (
-    GeneratorDeploymentOptions,
-    GeneratorServer,
-    claim_placement_group_gpus,
-    generator_deployment,
-    load_engine,
-    preset,
-)
+from deployments.config import GeneratorDeploymentOptions, preset
+from deployments.generator import GeneratorServer, claim_placement_group_gpus, generator_deployment, load_engine
 from ralm.config import GeneratorConfig
 
 
