@@ -256,12 +256,12 @@ class VerifierOptions(StrictModel):
 
 class PoolOptions(StrictModel):
     size: int = Field(
-        C.POOL_SIZE,
+        32,
         ge=1,
         description="Coordinators (request slots) ready when the server starts: a burst of this many runs at once without starting anything.",
     )
     max_size: int = Field(
-        C.POOL_MAX_SIZE, ge=1, description="Most coordinators (= most requests in flight); further requests queue."
+        256, ge=1, description="Most coordinators (= most requests in flight); further requests queue."
     )
     slots_per_host: int = Field(
         C.POOL_SLOTS_PER_HOST,
@@ -269,7 +269,7 @@ class PoolOptions(StrictModel):
         description="Coordinators per coordinator host actor (one process; each request still has its own coordinator, cache and checkpoints). A new host starts only when every host is full.",
     )
     headroom: int = Field(
-        C.POOL_HEADROOM,
+        16,
         ge=0,
         description="Coordinators kept idle or starting ahead of demand: when a request leaves fewer free, more are started in the background (up to max_size).",
     )

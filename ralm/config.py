@@ -88,18 +88,18 @@ class GeneratorConfig(StrictModel):
     dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="Weights/activation dtype.")
     max_doc_tokens: int = Field(C.MAX_DOC_TOKENS, ge=1, description="Retrieved document truncated to this many tokens.")
     max_prompt_tokens: int = Field(
-        C.MAX_PROMPT_TOKENS, ge=1, description="Longest accepted question, in tokens; longer input is rejected."
+        512, ge=1, description="Longest accepted question, in tokens; longer input is rejected."
     )
     max_new_tokens_limit: int = Field(
-        C.MAX_NEW_TOKENS,
+        128,
         ge=1,
         description="Most tokens a request may ask for (a request's own count is RequestConfig.max_new_tokens).",
     )
     doc_kv_cache_bytes: int = Field(
-        C.DOC_KV_CACHE_BYTES, ge=0, description="Byte budget of the per-engine doc-KV LRU (0 disables it)."
+        256 * 2**20, ge=0, description="Byte budget of the per-engine doc-KV LRU (0 disables it)."
     )
     torch_threads: int = Field(
-        C.TORCH_THREADS, ge=1, description="torch intra-op threads; fixed so numerics are the same in every process."
+        1, ge=1, description="torch intra-op threads; fixed so numerics are the same in every process."
     )
     invariant: bool = Field(
         True,
@@ -115,7 +115,7 @@ class GeneratorConfig(StrictModel):
         description="Kernels of the invariant forward: 'torch' (BLAS tiles / oneDNN linear layers and torch attention: the CPU path), 'triton' (batch-invariant Triton kernels for linear layers, norms and attention: fixed tiles, no split-K), 'auto' (triton for a model on a CUDA device, else torch). Either way the whole model must pass the invariance proof before batching turns on.",
     )
     kv_session_bytes: int = Field(
-        C.KV_SESSION_BYTES,
+        2**30,
         ge=0,
         description="Byte budget of the in-flight requests' KV sessions (LRU); 0 recomputes the context every step.",
     )
@@ -139,18 +139,16 @@ class SpecConfig(StrictModel):
     prefetch: bool = Field(
         False, description="P: insert the KB's top-p documents into the cache at start and at every verification."
     )
-    prefetch_size: int = Field(C.PREFETCH_SIZE, ge=1, description="p, documents inserted per query when prefetching.")
+    prefetch_size: int = Field(20, ge=1, description="p, documents inserted per query when prefetching.")
     adaptive_stride: bool = Field(False, description="S: choose the speculation stride with OS3.")
     async_verify: bool = Field(False, description="A: run the next speculative step while a verification is in flight.")
-    stride: int = Field(
-        C.DEFAULT_SPEC_STRIDE, ge=1, le=256, description="Fixed speculation stride s when adaptive_stride is off."
-    )
+    stride: int = Field(3, ge=1, le=256, description="Fixed speculation stride s when adaptive_stride is off.")
     gamma_estimate: Literal["positional", "bayes", "capped"] = Field(
-        C.GAMMA_ESTIMATE,
+        "positional",
         description="How S estimates the speculation accuracy gamma. 'positional' (default): a gamma per step of the window, from the step's position in the request (committed steps 0, 1, 2-3, 4-7, ... doubling): the gamma_quantile quantile of a Beta posterior over that position bucket's matches and mismatches, started from the pooled accuracy (docs/design.md). 'bayes': one gamma for every step, the gamma_quantile quantile of a Beta(1 + matched steps, 1 + mismatches) posterior over the last 32 verifications, no cap. 'capped': the paper's OS3, the maximum-likelihood estimate over the last os3_window verifications capped at gamma_max.",
     )
     gamma_quantile: float = Field(
-        C.GAMMA_QUANTILE,
+        0.3,
         gt=0,
         lt=1,
         description="With gamma_estimate 'positional' or 'bayes': the posterior quantile used as gamma.",
@@ -159,9 +157,7 @@ class SpecConfig(StrictModel):
         True,
         description="With gamma_estimate 'positional' or 'bayes': start each request's posterior from the evidence of this process's recent requests with the same knowledge base and settings (at most 32 pseudo-observations, from the last 8 requests), instead of from nothing. Changes strides, never outputs.",
     )
-    os3_window: int = Field(
-        C.OS3_WINDOW, ge=1, description="w: verifications used to estimate gamma (gamma_estimate 'capped')."
-    )
+    os3_window: int = Field(5, ge=1, description="w: verifications used to estimate gamma (gamma_estimate 'capped').")
     gamma_max: float = Field(
         C.OS3_GAMMA_MAX, gt=0, lt=1, description="Cap on the gamma estimate (gamma_estimate 'capped')."
     )
@@ -172,7 +168,7 @@ class SpecConfig(StrictModel):
     )
 
     shared_kb_direct_at: int = Field(
-        C.SHARED_KB_DIRECT_AT,
+        8,
         ge=0,
         description="On a knowledge base that batches several requests' calls (the served verifier): take direct steps, as RaLMSeq does, while at least this many requests share it (this one included; 0: never). Under such load RaLMSeq's requests step together and share every search, so speculation saves no KB work and only adds its own. Changes strides, never outputs.",
     )
@@ -290,18 +286,16 @@ class SpecConfig(StrictModel):
 
 
 class RequestConfig(StrictModel):
-    max_new_tokens: int = Field(C.MAX_NEW_TOKENS, ge=1, description="Tokens to generate at most.")
-    generation_stride: int = Field(C.GENERATION_STRIDE, ge=1, description="k: tokens generated per retrieval.")
-    query_window: int = Field(
-        C.QUERY_WINDOW_TOKENS, ge=1, description="Query = decoded last N tokens of question + generated text."
-    )
+    max_new_tokens: int = Field(128, ge=1, description="Tokens to generate at most.")
+    generation_stride: int = Field(4, ge=1, description="k: tokens generated per retrieval.")
+    query_window: int = Field(32, ge=1, description="Query = decoded last N tokens of question + generated text.")
     ignore_eos: bool = Field(
         False,
         description="Never stop at EOS: the EOS logit is masked, so every request generates max_new_tokens (fixed-length workloads for benchmarks, as in the RaLMSpec paper).",
     )
     # ---- generation-side acceleration (docs/design.md, "Generation-side acceleration": IDR2, DReSD); exact unless stated ----
     num_docs: int = Field(
-        C.NUM_DOCS,
+        1,
         ge=1,
         le=8,
         description="Documents per prompt: [doc1]..[docn][context] with the KB's top-n in rank order. Their KV is reused through the doc-KV prefix tree (longest cached prefix of the document sequence); exact.",
@@ -333,13 +327,13 @@ class RequestConfig(StrictModel):
         description="Retrieval trigger/query: 'fixed' (every generation_stride tokens, query = last query_window tokens), 'flare' (a step ends before the first low-confidence token, then re-retrieve; generation_stride caps a step), 'iter_retgen' (iter_retgen_iterations iterations; query = question + the previous iteration's whole generation). All exact under RaLMSpec.",
     )
     flare_threshold: float = Field(
-        C.FLARE_THRESHOLD,
+        0.4,
         gt=0,
         lt=1,
         description="FLARE: a token whose greedy probability is below this ends the step (it is regenerated after a new retrieval).",
     )
     iter_retgen_iterations: int = Field(
-        C.ITER_RETGEN_ITERATIONS,
+        4,
         ge=1,
         le=1024,
         description="Iter-RetGen: number of iterations; each generates ceil(max_new_tokens / iterations) tokens.",
@@ -348,9 +342,7 @@ class RequestConfig(StrictModel):
         False,
         description="IDGR instruction block (IDR2) listing related and unrelated doc ids and their relevance rank before the context. CHANGES OUTPUTS (a different prompt); off by default.",
     )
-    idgr_unrelated: int = Field(
-        C.IDGR_UNRELATED, ge=0, le=64, description="IDGR: lower-ranked retrieved doc ids listed as unrelated."
-    )
+    idgr_unrelated: int = Field(2, ge=0, le=64, description="IDGR: lower-ranked retrieved doc ids listed as unrelated.")
     allow_inexact_shifted_reuse: bool = Field(
         False,
         description="IDR2 position-shifted doc-KV reuse: reuse a document's stand-alone KV at a later position in a multi-document prompt without recomputation. INEXACT: CHANGES OUTPUTS; off by default.",

@@ -1,33 +1,23 @@
-"""Every tunable default of ralmspec, in one place.
+"""Constants shared by several modules: paths and checksums of the shipped assets, hard
+limits, and the internal tunables of the algorithms that no configuration exposes.
 
-Config models (``ralm.config``) read their defaults from here, so the Python API,
-the CLI and ``serve_config.yaml`` agree.
+A default of a configuration field lives next to its field in :mod:`ralm.config` or
+:mod:`deployments.config` (all listed in docs/config.md), not here; the values below that a
+field also starts from (``HNSW_M``, ``BATCH_TOKEN_BUDGET``, ...) are the ones other modules
+use as well, outside any configuration.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 # ---- layout of a request (docs/design.md, "What it is"; RaLMSpec paper, section 5) ----
 MAX_DOC_TOKENS = 256  # retrieved document is truncated to this many tokens
-MAX_PROMPT_TOKENS = 512  # question (prompt) limit; longer input is rejected
-MAX_NEW_TOKENS = 128  # default and maximum generation length
-GENERATION_STRIDE = 4  # k: tokens generated per retrieval
-QUERY_WINDOW_TOKENS = 32  # query = last 32 tokens of question + generated text
 
 # ---- speculation (RaLMSpec paper, section 5 and appendix A.2) ----
-DEFAULT_SPEC_STRIDE = 3  # constant s when OS3 is off
-PREFETCH_SIZE = 20  # p: top-p inserted into the cache with prefetching
-OS3_WINDOW = 5  # w: verifications used to estimate gamma
 OS3_GAMMA_MAX = 0.6  # cap on the gamma estimate
 OS3_MAX_STRIDE = 16  # upper bound on s chosen by OS3
-OS3_INITIAL_STRIDE = 1
 OS3_HORIZON = 256  # OS3 ('positional'): plans the strides to the request's end when at most this many steps are left
-GAMMA_ESTIMATE: Literal["positional", "bayes", "capped"] = (
-    "positional"  # default gamma estimate: Beta posteriors' lower quantile per position bucket  # ("bayes": one posterior for every step; "capped": the paper's)
-)
-GAMMA_QUANTILE = 0.3  # the quantile of the Beta(1 + matched, 1 + mismatches) posterior used as gamma
 POSITION_SHRINK = (
     32  # ... each position bucket's posterior starts from the pooled rate as at most this many observations
 )
@@ -37,10 +27,6 @@ GAMMA_PRIOR_WEIGHT = 32  # ... scaled to at most this many pseudo-observations (
 RATE_CHECK_MIN_STEPS = 8  # OS3: committed steps of speculation measured before its realized rate can veto it
 RATE_CHECK_MARGIN = 0.03  # ... veto when a committed step of speculation costs this much more than a direct step
 RATE_CHECK_EXPLORE = 16  # ... and, once vetoed, let the model choose again after this many direct steps
-# RaLMSpec takes direct steps while at least this many requests share the KB's batches (the served
-# verifier): their direct steps then ride in lock-step batches, and speculation, which does not
-# reduce the number of KB queries, only adds work on a saturated machine (ralm/load_gate.py)
-SHARED_KB_DIRECT_AT = 8
 SHADOW_BUDGET = 0.05  # cache work (probes) in direct steps: at most this share of their KB time (ralm/shadow_budget.py)
 VERIFY_HISTORY_PER_SIZE = 8  # OS3 (bayes mode): recent KB-call latencies kept per batch size for b(s)
 
@@ -60,9 +46,7 @@ FAISS_THREADS = 1  # OpenMP threads for FAISS; more oversubscribes a 2-core box 
 PAD_VECTOR_NORM = 1e-3  # norm of padding vectors: they cost a scan but (almost) never rank
 
 # ---- engine ----
-DOC_KV_CACHE_BYTES = 256 * 2**20
 # ---- generation-side acceleration (docs/design.md, "Generation-side acceleration") ----
-NUM_DOCS = 1  # documents per prompt ([doc1]..[docn][context]); prefix-reused KV
 NGRAM_N = 5  # IGPG: match the last N tokens (IDR2's best N=5) ...
 NGRAM_MIN_N = 2  # ... backing off to shorter matches down to this length
 NGRAM_M = 7  # ... and propose the M tokens that follow (IDR2's best M=7)
@@ -70,11 +54,7 @@ DENSE_NUM_DRAFTS = 3  # DReSD: drafts verified in one batched forward (paper's b
 DENSE_DRAFT_LEN = 20
 DENSE_CANDIDATES = 16  # neighbours fetched from the datastore before the first-token filter
 DENSE_PCA_DIM = 64  # keys: z-score, PCA to this many dims, L2 norm
-FLARE_THRESHOLD = 0.4  # FLARE: re-retrieve when a token's probability falls below this
-ITER_RETGEN_ITERATIONS = 4  # Iter-RetGen: fixed number of retrieval-generation iterations
-IDGR_UNRELATED = 2  # IDGR: lower-ranked doc ids listed as unrelated
 DIVERGENCE_GAP = 1e-3  # a drafted/plain divergence is a float near-tie below this top-2 logit gap
-TORCH_THREADS = 1  # 1 avoids oversubscription (FAISS/Lucene/other requests share the cores)
 
 # ---- batch- and chunk-invariant forward, KV sessions, continuous batching (docs/batching.md) ----
 INVARIANT_TILE_ROWS = 4  # linear layers run on row counts padded to a multiple of this (fixed GEMM path)
@@ -84,7 +64,6 @@ INVARIANT_ONEDNN_MIN_WEIGHTS = 1 << 19
 INVARIANT_ONEDNN_MIN_ROWS = 2
 INVARIANT_QUERY_TILE = 4  # attention: queries in tiles of this many rows ...
 INVARIANT_KEY_BLOCK = 64  # ... against keys in blocks of this many positions, summed block by block
-KV_SESSION_BYTES = 1024 * 1024 * 1024  # budget of the in-flight requests' KV sessions (LRU; docs/batching.md)
 KV_POOL_INITIAL_BLOCKS = (
     64  # blocks the KV pool allocates on its first write (it doubles when sequences in flight need more)
 )
@@ -115,10 +94,7 @@ MAX_EMBEDDING_INPUTS = 256  # texts per /v1/embeddings request
 EVAL_STATE_WAIT_S = 600.0  # an eval job waits this long for an unreachable state store before stopping
 
 # ---- coordinator pool (actors/pool.py) ----
-POOL_SIZE = 32  # request coordinators ready at start (one host process)
-POOL_MAX_SIZE = 256  # most requests in flight per server
 POOL_SLOTS_PER_HOST = 128  # request coordinators per coordinator host process
-POOL_HEADROOM = 16  # free coordinators kept ahead of demand
 COORDINATOR_READY_TIMEOUT_S = 60.0  # a new coordinator not ready by then is given up (its node is gone?)
 COORDINATOR_PROBE_INTERVAL_S = 10.0  # a leased coordinator is pinged this often while its request runs
 COORDINATOR_PROBE_TIMEOUT_S = 30.0  # a ping unanswered this long: the coordinator is lost (node gone)

@@ -125,7 +125,7 @@ def test_planning_to_the_end_avoids_a_short_last_window():
 
 
 def test_names_choose_the_estimate():
-    assert SpecConfig.parse("PSA").gamma_estimate == "positional" == C.GAMMA_ESTIMATE
+    assert SpecConfig.parse("PSA").gamma_estimate == "positional" == SpecConfig().gamma_estimate
     assert SpecConfig.parse("PSA@bayes").gamma_estimate == "bayes"
     assert SpecConfig.parse("S@Positional").gamma_estimate == "positional"
     assert SpecConfig.parse("PSA@0.6").gamma_estimate == "capped"
