@@ -11,25 +11,44 @@ pretrained SmolLM2-135M-Instruct, where the file names the 4.5M-parameter demo m
     ralmspec serve --preset llama2-70b-4gpu --model /models/Llama-2-70b-hf
 
 The file is validated as a Serve deploy config (``ServeDeploySchema``) and its ralmspec
-application's ``args`` as :class:`deployments.app.AppConfig` before anything starts.
+application's ``args`` as :class:`deployments.config.AppConfig` before anything starts, and
+what would otherwise fail deep inside Ray is checked first, each with one line that says what
+to run (exit code 2, no traceback): the HTTP port already in use, a generator preset whose
+pip package is missing, a missing local model or corpus, a missing index with
+``build_indexes: false``.
+
+Stopping. Ctrl-C or SIGTERM stops the server within :data:`STOP_BUDGET_S` seconds, whatever
+the model, with exit code 0: Serve is shut down (requests in flight are answered by the
+ingress's drain, :func:`stop_server`) and the process leaves with ``os._exit(0)`` once
+Ray is down or the budget is spent, skipping an interpreter teardown that Ray's threads
+abort (SIGABRT, exit 134). A local Ray's processes run in a process group of their own, so
+a signal to the terminal's group (``make serve``, Ctrl-C) reaches this process, which stops
+them in order, instead of killing them under the controller (which then waited 30 s).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
 
 from actors.signals import preserve_fatal_signal_handlers
+from deployments.config import AppConfig
 from ralm import constants as C
 from ralm.config import RalmConfig
+from ralm.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +142,6 @@ def app_entry(data: dict, name: str = APP_NAME) -> dict:
 
 def apply_overrides(data: dict, args: argparse.Namespace) -> dict:
     """The serve config with the CLI flags applied (validated as AppConfig)."""
-    from deployments.app import AppConfig  # lazy: the app config pulls in the generator (torch)
-
     data = copy.deepcopy(data)
     http = data.setdefault("http_options", {})
     if getattr(args, "host", None):
@@ -201,7 +218,7 @@ def start_local_app(data: dict, address: str | None = None, num_cpus: int | None
         else:
             # "local": a Ray of its own, as documented, even where another one was started on this
             # machine (without an address ray.init joins the last cluster `ray start` began there)
-            with preserve_fatal_signal_handlers():  # keep the JVM's handlers (actors/signals.py)
+            with preserve_fatal_signal_handlers(), ray_processes_in_own_group():
                 ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
     http = dict(data.get("http_options") or {})
     serve.start(
@@ -221,37 +238,187 @@ def start_local_app(data: dict, address: str | None = None, num_cpus: int | None
     return f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
 
 
+#: Seconds from Ctrl-C or SIGTERM to the process's exit, whatever the model and the load.
+STOP_BUDGET_S = 4.5
+#: Of which requests in flight get this many to finish before the ingress answers them 503.
+DRAIN_GRACE_S = 1.5
+
+
+@contextlib.contextmanager
+def ray_processes_in_own_group() -> Iterator[None]:
+    """Start the processes of a local Ray (GCS, raylet, and through the raylet every worker)
+    in a session of their own.
+
+    A terminal's Ctrl-C and ``kill -- -PGID`` signal the whole foreground process group:
+    ``make``, this driver and, without this, every Ray process, whose workers exit on SIGTERM
+    at once, so the driver's Serve shutdown waits on a controller that is gone. In their own
+    session only the driver gets the signal and stops them in order; they still die with it
+    (Ray's kernel fate sharing, PR_SET_PDEATHSIG). Only ``ray.init`` runs under this.
+    """
+    from ray._private import services
+
+    popen = services.ConsolePopen
+
+    class _OwnSession(popen):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("start_new_session", True)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = _OwnSession
+    try:
+        yield
+    finally:
+        services.ConsolePopen = popen
+
+
+def _flush_and_exit(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def _bounded(fn, timeout_s: float) -> bool:
+    """Run ``fn`` in a daemon thread for at most ``timeout_s``; True if it returned."""
+    done = threading.Event()
+
+    def run():
+        with contextlib.suppress(BaseException):
+            fn()
+        done.set()
+
+    threading.Thread(target=run, name=f"stop-{fn.__name__}", daemon=True).start()
+    return done.wait(max(0.0, timeout_s))
+
+
+def _drain_ingress(grace_s: float) -> None:
+    from ray import serve
+
+    counts = serve.get_app_handle(APP_NAME).drain.remote(grace_s).result(timeout_s=grace_s + 2.0)
+    log.info("ingress drained: %s", counts)
+
+
+def stop_server(deadline: float, local_ray: bool) -> None:
+    """Stop the server by ``deadline`` (``time.monotonic()``), then leave with exit code 0.
+
+    First the ingress drains (:mod:`deployments.drain`): new requests get 503, requests in
+    flight :data:`DRAIN_GRACE_S` seconds to finish, then 503. Then a local Ray is shut down
+    (its processes, replicas and actors with it); on a cluster given by ``--address`` Serve's
+    applications are deleted and the cluster keeps running. Whatever has not stopped by the
+    deadline dies with this process (a local Ray's processes share its fate)."""
+    import ray
+    from ray import serve
+
+    _bounded(lambda: _drain_ingress(DRAIN_GRACE_S), min(DRAIN_GRACE_S + 1.5, deadline - time.monotonic()))
+    _bounded(ray.shutdown if local_ray else serve.shutdown, deadline - time.monotonic())
+    _flush_and_exit(0)
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the proxy binds: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def preflight(data: dict) -> None:
+    """What would fail deep inside Ray, checked before anything starts: raises ConfigError
+    with one line that says what to run."""
+    from ralm.models import PRESETS, resolve
+
+    http = data.get("http_options") or {}
+    host, port = str(http.get("host", "127.0.0.1")), int(http.get("port", 8000))
+    if _port_in_use(host, port):
+        raise ConfigError(
+            f"port {port} on {host} is in use (another ralmspec serve?): stop it, or serve on another port with --port"
+        )
+    cfg = AppConfig.model_validate(app_entry(data).get("args") or {}).resolved()
+    gen = cfg.ralm.generator
+    if gen.model in PRESETS or gen.model.endswith(".gguf"):
+        resolve(gen.model, gen.gguf_file, gen.model_sha256)  # RalmInputError: the package to install
+    elif Path(gen.model).is_absolute() and not Path(gen.model).exists():
+        raise ConfigError(
+            f"generator model {gen.model} does not exist: give --model a model directory, or --model demo"
+        )
+    if not Path(cfg.ralm.corpus).is_file():
+        raise ConfigError(f"corpus {cfg.ralm.corpus} does not exist: give --corpus a JSONL corpus")
+    if not cfg.build_indexes:
+        for kind in cfg.retrievers:
+            index = cfg.ralm.index_dir(kind)
+            if not (index / "manifest.json").is_file():
+                raise ConfigError(
+                    f"no {kind} index at {index} (build_indexes is false): run `ralmspec index --retriever {kind}`"
+                )
+
+
 def serve_main(args: argparse.Namespace) -> int:
-    """Entry point of ``ralmspec serve``: validate, start, and serve until interrupted."""
+    """Entry point of ``ralmspec serve``: validate, check, start, and serve until Ctrl-C or
+    SIGTERM, which stop the server within :data:`STOP_BUDGET_S` seconds with exit code 0."""
     data = apply_overrides(load_serve_config(args.serve_config), args)
     if getattr(args, "check", False):
         print(yaml.safe_dump(data, sort_keys=False))
         return 0
-    t0 = time.time()
-    print("starting ralmspec (missing indexes are built on first start; this can take minutes)...", file=sys.stderr)
-    url = start_local_app(data, getattr(args, "address", None), getattr(args, "num_cpus", None))
-    print(
-        f"ralmspec is serving on {url} (ready in {time.time() - t0:.0f} s)\n"
-        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-        f'-d \'{{"messages": [{{"role": "user", "content": "What does json.dumps do?"}}], "max_tokens": 64}}\'\n'
-        f"  OpenAI client: base_url={url}/v1   (Ctrl-C stops the server)",
-        file=sys.stderr,
-    )
+    preflight(data)
+    local_ray = not (getattr(args, "address", None) or os.environ.get("RAY_ADDRESS"))
+    stopping = threading.Event()
+
+    def _begin_stop() -> None:
+        if not stopping.is_set():
+            stopping.set()
+            # the watchdog: whatever hangs, the process is gone within the budget
+            watchdog = threading.Timer(STOP_BUDGET_S, _flush_and_exit, args=(0,))
+            watchdog.daemon = True
+            watchdog.start()
 
     def _stop(signum, _frame):
-        raise KeyboardInterrupt  # SIGTERM (systemd, docker stop, kill) shuts down like Ctrl-C
+        if stopping.is_set():  # a second Ctrl-C: leave now
+            _flush_and_exit(0)
+        _begin_stop()
+        raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _stop)
+    def _install() -> None:
+        signal.signal(signal.SIGINT, _stop)
+        signal.signal(signal.SIGTERM, _stop)  # systemd, docker stop, kill: as Ctrl-C
+
+    t0 = time.time()
+    _install()
     try:
+        print("starting ralmspec (missing indexes are built on first start; this can take minutes)...", file=sys.stderr)
+        url = start_local_app(data, getattr(args, "address", None), getattr(args, "num_cpus", None))
+        _install()  # ray.init installs a SIGTERM handler of its own
+        print(
+            f"ralmspec is serving on {url} (ready in {time.time() - t0:.0f} s)\n"
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"messages": [{{"role": "user", "content": "What does json.dumps do?"}}], "max_tokens": 64}}\'\n'
+            f"  OpenAI client: base_url={url}/v1   (Ctrl-C stops the server)",
+            file=sys.stderr,
+        )
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
-        print("stopping ralmspec...", file=sys.stderr)
-    finally:
-        from ray import serve
+    except (KeyboardInterrupt, SystemExit):  # SystemExit: Ray's own SIGTERM handler, before ours is back
+        _begin_stop()
+    except Exception as e:
+        if not stopping.is_set():  # Ray's "Deploying application failed": its last line is the cause
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            print(f"error: the server did not start: {lines[-1] if lines else type(e).__name__}", file=sys.stderr)
+            print("  (the whole error and the replicas' logs: /tmp/ray/session_latest/logs)", file=sys.stderr)
+            _bounded(_shutdown_quietly, 3.0)
+            _flush_and_exit(1)
+    print("stopping ralmspec...", file=sys.stderr)
+    deadline = time.monotonic() + STOP_BUDGET_S - 0.5
+    stop_server(deadline, local_ray)
+    return 0  # not reached: stop_server leaves the process
 
-        serve.shutdown()
-    return 0
+
+def _shutdown_quietly() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

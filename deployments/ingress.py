@@ -68,6 +68,7 @@ from deployments.api import (
     error_body,
 )
 from deployments.backend import RalmBackend
+from deployments.drain import Drain, DrainMiddleware
 from deployments.endpoints import Endpoints, IngressSettings
 
 log = logging.getLogger(__name__)
@@ -254,8 +255,9 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body(msg, param=param), status_code=400)
 
 
-def build_http_app(backend: RalmBackend, settings: IngressSettings) -> FastAPI:
-    """The FastAPI app of the ralmspec HTTP API over ``backend`` (no Ray needed)."""
+def build_http_app(backend: RalmBackend, settings: IngressSettings, drain: Drain | None = None) -> FastAPI:
+    """The FastAPI app of the ralmspec HTTP API over ``backend`` (no Ray needed); with
+    ``drain``, the app answers 503 once it drains (:mod:`deployments.drain`)."""
     app = FastAPI(
         title="ralmspec",
         version="0.1.0",
@@ -270,6 +272,8 @@ def build_http_app(backend: RalmBackend, settings: IngressSettings) -> FastAPI:
         max_body_bytes=settings.max_body_bytes,
         body_timeout_s=settings.body_timeout_s,
     )
+    if drain is not None:  # added last: the outermost layer, before auth and body limits
+        app.add_middleware(DrainMiddleware, drain=drain)
     ep = Endpoints(backend, settings)
     app.state.endpoints = ep
     app.get("/healthz")(ep.healthz)

