@@ -49,6 +49,7 @@ from deployments.config import AppConfig
 from ralm import constants as C
 from ralm.config import RalmConfig
 from ralm.errors import ConfigError
+from ralm.models import PRESETS as MODEL_PRESETS, resolve
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +328,6 @@ def _port_in_use(host: str, port: int) -> bool:
 def preflight(data: dict) -> None:
     """What would fail deep inside Ray, checked before anything starts: raises ConfigError
     with one line that says what to run."""
-    from ralm.models import PRESETS, resolve
 
     http = data.get("http_options") or {}
     host, port = str(http.get("host", "127.0.0.1")), int(http.get("port", 8000))
@@ -337,7 +337,7 @@ def preflight(data: dict) -> None:
         )
     cfg = AppConfig.model_validate(app_entry(data).get("args") or {}).resolved()
     gen = cfg.ralm.generator
-    if gen.model in PRESETS or gen.model.endswith(".gguf"):
+    if gen.model in MODEL_PRESETS or gen.model.endswith(".gguf"):
         resolve(gen.model, gen.gguf_file, gen.model_sha256)  # RalmInputError: the package to install
     elif Path(gen.model).is_absolute() and not Path(gen.model).exists():
         raise ConfigError(
