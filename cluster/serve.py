@@ -265,11 +265,11 @@ def ray_processes_in_own_group() -> Iterator[None]:
             kwargs.setdefault("start_new_session", True)
             super().__init__(*args, **kwargs)
 
-    services.ConsolePopen = _OwnSession
+    setattr(services, "ConsolePopen", _OwnSession)  # noqa: B010 (mypy: a class attribute of Ray's)
     try:
         yield
     finally:
-        services.ConsolePopen = popen
+        setattr(services, "ConsolePopen", popen)  # noqa: B010
 
 
 def _flush_and_exit(code: int) -> None:
