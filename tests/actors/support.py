@@ -10,6 +10,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def start_ray(num_cpus: int = 2, metrics_export_port: int | None = None) -> None:
     """One local Ray for a test module: 2 CPUs, no dashboard; workers import from the repo.
+    Always a new Ray of this process's own (``address="local"``), never one found on the
+    machine: under pytest-xdist each worker process starts its own.
     ``metrics_export_port``: where Ray serves its Prometheus metrics (default: Ray picks)."""
     import ray
 
@@ -24,7 +26,14 @@ def start_ray(num_cpus: int = 2, metrics_export_port: int | None = None) -> None
     from actors.signals import preserve_fatal_signal_handlers
 
     with preserve_fatal_signal_handlers():
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False, **extra)
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            **extra,
+        )
 
 
 def stop_ray() -> None:

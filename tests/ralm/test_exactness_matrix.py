@@ -1,9 +1,12 @@
 """The exactness contract on real parts: RaLMSpec tokens == RaLMSeq tokens.
 
-Real FAISS (flat, HNSW) and Lucene BM25 indexes over the fixture corpus, the project's
-own generator, at least 20 questions, every configuration {base, P, S, A, PS, PA, SA,
-PSA} and fixed strides {1, 3, 8}. (With S the stride is chosen by OS3, so the fixed
-stride only applies to the configurations without S.)
+Real FAISS (flat, HNSW) and Lucene BM25 indexes over the fixture corpus, at least 20
+questions, every configuration {base, P, S, A, PS, PA, SA, PSA} and fixed strides {1, 3, 8}.
+(With S the stride is chosen by OS3, so the fixed stride only applies to the configurations
+without S.) The matrix runs on a tiny random GPT-2 with the project's tokenizer on the
+default engine (``tiny_generator``): the contract holds for any generator, and its drifting
+text changes the retrieved documents often (checked below); the EOS requests run on the
+project's own generator, whose stops are real.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ def questions(fixture_questions):
 
 
 @pytest.fixture(scope="module")
-def baselines(retrievers, fixture_generator, questions):
-    return {kind: [run_seq(q, fixture_generator, retrievers[kind], REQ) for q in questions] for kind in KINDS}
+def baselines(retrievers, tiny_generator, questions):
+    return {kind: [run_seq(q, tiny_generator, retrievers[kind], REQ) for q in questions] for kind in KINDS}
 
 
 def test_baselines_use_several_documents(baselines):
@@ -44,20 +47,22 @@ def test_baselines_use_several_documents(baselines):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name,stride", CONFIGS, ids=[f"{n}-s{s}" if s else n for n, s in CONFIGS])
-def test_spec_equals_seq(kind, name, stride, retrievers, fixture_generator, questions, baselines):
+def test_spec_equals_seq(kind, name, stride, retrievers, tiny_generator, questions, baselines):
     spec = SpecConfig.named(name, **({"stride": stride} if stride else {}))
     mismatched = []
-    kb_calls = spec_calls = 0
+    kb_calls = spec_calls = rollbacks = 0
     for q, base in zip(questions, baselines[kind]):
-        out = run_spec(q, fixture_generator, retrievers[kind], REQ, spec)
+        out = run_spec(q, tiny_generator, retrievers[kind], REQ, spec)
         if out.tokens != base.tokens or out.stats.doc_ids != base.stats.doc_ids:
             mismatched.append(q)
         kb_calls += base.stats.kb_calls
         spec_calls += out.stats.kb_calls
+        rollbacks += out.stats.rollbacks
     assert not mismatched, f"{len(mismatched)} outputs differ, e.g. {mismatched[0]!r}"
     if stride and stride > 1:
-        # with a fixed stride > 1 speculation must actually save KB calls on this workload
-        assert spec_calls < kb_calls
+        # with a fixed stride > 1 speculation must actually save KB calls on this workload,
+        # and some speculations must fail: both outcomes of a verification are exercised
+        assert spec_calls < kb_calls and rollbacks > 0
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -72,14 +77,14 @@ def test_eos_requests(kind, retrievers, fixture_generator, questions):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_concurrent_requests_through_the_batcher_equal_seq_alone(
-    kind, retrievers, fixture_generator, questions, baselines
+    kind, retrievers, tiny_generator, questions, baselines
 ):
     """Continuous batching on: 20 requests at once (RaLMSeq, PSA, P with stride 3 mixed)
     share the generator's batched forwards and KV sessions; each returns the tokens
     RaLMSeq returned for it alone, one request at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
-    batcher = fixture_generator.engine.batcher
+    batcher = tiny_generator.engine.batcher
     assert batcher is not None  # the default engine batches
 
     def shared() -> int:  # iterations that held more than one sequence
@@ -91,8 +96,8 @@ def test_concurrent_requests_through_the_batcher_equal_seq_alone(
     def one(i):
         q, spec = questions[i], specs[i % len(specs)]
         if spec is None:
-            return run_seq(q, fixture_generator, retrievers[kind], REQ)
-        return run_spec(q, fixture_generator, retrievers[kind], REQ, spec)
+            return run_seq(q, tiny_generator, retrievers[kind], REQ)
+        return run_spec(q, tiny_generator, retrievers[kind], REQ, spec)
 
     with ThreadPoolExecutor(10) as pool:
         outs = list(pool.map(one, range(len(questions))))

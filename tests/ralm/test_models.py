@@ -32,7 +32,9 @@ def smollm2(tmp_path_factory):
     mp.setenv("RALMSPEC_MODEL_CACHE", str(tmp_path_factory.mktemp("models")))
     try:
         fresh = LMEngine.from_config(GeneratorConfig(model=PRESET, invariant=False))
-        cached = LMEngine.from_config(GeneratorConfig(model=PRESET))
+        # the batching shapes `ralmspec serve` gives SmolLM2 on a CPU (cluster/serve.py): the
+        # load-time invariance proof runs at these shapes, a third of the library's cost
+        cached = LMEngine.from_config(GeneratorConfig(model=PRESET, batch_token_budget=256, batch_max_sequences=16))
     finally:
         mp.undo()
     return fresh, cached
