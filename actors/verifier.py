@@ -338,7 +338,7 @@ class Verifier:
         self, queries: Sequence[str], k: int, requester: str | None = None
     ) -> tuple[list[list[Hit]], int]:
         """:meth:`verify`, plus how many announced requests share the batches now (RaLMSpec takes
-        direct steps when many do, :mod:`ralm.load_gate`)."""
+        direct steps when many do, :mod:`ralm.stride.load_gate`)."""
         return await self.verify(queries, k, requester), self.batcher.active_requests
 
     async def begin(self, requester: str) -> None:

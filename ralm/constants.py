@@ -23,11 +23,11 @@ POSITION_SHRINK = (
 )
 BAYES_WINDOWS = 32  # verifications the posterior counts (the paper's capped estimate uses OS3_WINDOW)
 GAMMA_PRIOR_REQUESTS = 8  # OS3 (bayes mode): recent requests whose evidence forms a new request's prior
-GAMMA_PRIOR_WEIGHT = 32  # ... scaled to at most this many pseudo-observations (ralm/gamma_prior.py)
+GAMMA_PRIOR_WEIGHT = 32  # ... scaled to at most this many pseudo-observations (ralm/stride/gamma_prior.py)
 RATE_CHECK_MIN_STEPS = 8  # OS3: committed steps of speculation measured before its realized rate can veto it
 RATE_CHECK_MARGIN = 0.03  # ... veto when a committed step of speculation costs this much more than a direct step
 RATE_CHECK_EXPLORE = 16  # ... and, once vetoed, let the model choose again after this many direct steps
-SHADOW_BUDGET = 0.05  # cache work (probes) in direct steps: at most this share of their KB time (ralm/shadow_budget.py)
+SHADOW_BUDGET = 0.05  # cache work (probes) in direct steps: at most this share of their KB time (ralm/stride/shadow_budget.py)
 VERIFY_HISTORY_PER_SIZE = 8  # OS3 (bayes mode): recent KB-call latencies kept per batch size for b(s)
 
 # ---- retrieval ----

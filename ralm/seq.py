@@ -12,7 +12,7 @@ from ralm.config import RequestConfig
 from ralm.generator import Generator
 from ralm.results import RalmResult, RequestStats, VerifiedPrefix
 from ralm.retrieval.base import Retriever
-from ralm.workloads import call_step, doc_from_hits, make_query_fn, retrieval_depth, step_budget
+from ralm.stride.workloads import call_step, doc_from_hits, make_query_fn, retrieval_depth, step_budget
 
 
 def finish(

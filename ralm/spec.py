@@ -7,7 +7,7 @@ rolled back and regenerated with the KB's document. The cycle itself is
 (:class:`_SpecRun`: a step is ``f(doc, X, k)``). Options, independent of each other:
 
 - P (prefetch): insert the KB's top-p documents into the cache, not only the top-1;
-- S (OS3): choose ``s`` adaptively (:mod:`ralm.os3`);
+- S (OS3): choose ``s`` adaptively (:mod:`ralm.stride.os3`);
 - A (async): while a verification is in flight (a real thread: FAISS, Lucene and torch
   release the GIL), run the next speculative step. If the window verifies, that step
   becomes the first step of the next window; otherwise it is discarded.
@@ -30,16 +30,16 @@ from typing import cast
 
 from cache.speculative import SpeculativeCache
 from ralm.config import RequestConfig, SpecConfig
-from ralm.gamma_prior import PROCESS_PRIOR
 from ralm.generator import Generator
-from ralm.load_gate import SharedLoadGate
-from ralm.os3 import StrideScheduler
 from ralm.results import RalmResult, RequestStats, VerifiedPrefix
 from ralm.retrieval.base import Hit, Retriever, SharedKB
 from ralm.seq import apply_resume, finish
-from ralm.shadow_budget import ShadowBudget
 from ralm.speculation_cycle import speculate
-from ralm.workloads import call_step, doc_from_hits, make_query_fn, retrieval_depth, step_budget, steps_left
+from ralm.stride.gamma_prior import PROCESS_PRIOR
+from ralm.stride.load_gate import SharedLoadGate
+from ralm.stride.os3 import StrideScheduler
+from ralm.stride.shadow_budget import ShadowBudget
+from ralm.stride.workloads import call_step, doc_from_hits, make_query_fn, retrieval_depth, step_budget, steps_left
 
 _POOL: ThreadPoolExecutor | None = None
 
@@ -211,9 +211,9 @@ class _SpecRun:
         guess encodes the query (memoised by both scorers, so the KB search that follows
         reuses it) and looks it up in the cache; the lookup is overhead RaLMSeq does not
         pay, so probes are rationed by the shadow budget
-        (:class:`~ralm.shadow_budget.ShadowBudget`, lookups within 5% of the direct steps'
+        (:class:`~ralm.stride.shadow_budget.ShadowBudget`, lookups within 5% of the direct steps'
         KB time). The KB's answer always joins the cache (an insertion costs ~15 us). A direct
-        step the load gate chose (:mod:`ralm.load_gate`) is RaLMSeq's alone: no probe, no
+        step the load gate chose (:mod:`ralm.stride.load_gate`) is RaLMSeq's alone: no probe, no
         insertion."""
         st = self.stats
         q = self.query(self.X)

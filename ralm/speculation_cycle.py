@@ -60,8 +60,8 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import Any, Protocol, TypeVar
 
-from ralm.os3 import StrideScheduler
 from ralm.results import RequestStats
+from ralm.stride.os3 import StrideScheduler
 
 StepT = TypeVar("StepT")
 TruthT = TypeVar("TruthT")

@@ -195,11 +195,11 @@ def local_generator(gen_model_dir, fixture_corpus):
 
 @pytest.fixture(autouse=True)
 def _no_gamma_prior_between_tests():
-    """Each test starts with an empty process-wide gamma prior (ralm/gamma_prior.py), so
+    """Each test starts with an empty process-wide gamma prior (ralm/stride/gamma_prior.py), so
     strides never depend on which tests ran before; tests of the prior set it up themselves."""
-    from ralm.gamma_prior import PROCESS_PRIOR
-    from ralm.shadow_budget import LAST_PROBE_COST
+    from ralm.stride.gamma_prior import PROCESS_PRIOR
+    from ralm.stride.shadow_budget import LAST_PROBE_COST
 
     PROCESS_PRIOR.clear()
-    LAST_PROBE_COST.clear()  # nor which probe costs earlier tests measured (ralm/shadow_budget.py)
+    LAST_PROBE_COST.clear()  # nor which probe costs earlier tests measured (ralm/stride/shadow_budget.py)
     yield

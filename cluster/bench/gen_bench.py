@@ -65,7 +65,7 @@ def add_gen_bench_args(p: argparse.ArgumentParser) -> None:
         "--workload",
         default="fixed",
         choices=["fixed", "flare", "iter_retgen"],
-        help="(a): retrieval trigger of the measured loop (ralm.workloads; stride = --stride)",
+        help="(a): retrieval trigger of the measured loop (ralm.stride.workloads; stride = --stride)",
     )
     p.add_argument("--decode-stride", type=int, default=16, help="k for the decode / end-to-end measurement")
     p.add_argument(

@@ -42,8 +42,8 @@ from cluster.report import (
 from ralm import constants as C
 from ralm.config import SpecConfig
 from ralm.corpus import load_questions
-from ralm.gamma_prior import PROCESS_PRIOR
 from ralm.seq import run_seq
+from ralm.stride.gamma_prior import PROCESS_PRIOR
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ continues from the cropped cache exactly as the baseline would. The KB results o
 committed steps (up to and including the first mismatch; the rest were on a discarded
 path) and the ``n`` entries after each go into the cache (with prefetching, P: the KB's
 top-p, p > k, of which the top-k is the prefix on the exact index; HNSW is asked for both). ``s`` is fixed or chosen by OS3
-(:class:`ralm.os3.StrideScheduler`: a = speculative step latency, b = verification
+(:class:`ralm.stride.os3.StrideScheduler`: a = speculative step latency, b = verification
 latency, fed per batch size; s = 0 is a direct KB step, with the cache's guess recorded
 on some of them, within a budget: :meth:`_KnnSpecRun.direct_step`).
 
@@ -47,16 +47,16 @@ import numpy as np
 from ralm import constants as C
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 from ralm.errors import RalmInputError
-from ralm.gamma_prior import PROCESS_PRIOR
 from ralm.knnlm.cache import KnnEntryCache, default_capacity
 from ralm.knnlm.metric import Hit
 from ralm.knnlm.retriever import KnnRetriever
 from ralm.knnlm.stepper import stepper_for
-from ralm.os3 import StrideScheduler
 from ralm.results import RalmResult, RequestStats
 from ralm.seq import finish
-from ralm.shadow_budget import ShadowBudget
 from ralm.speculation_cycle import speculate
+from ralm.stride.gamma_prior import PROCESS_PRIOR
+from ralm.stride.os3 import StrideScheduler
+from ralm.stride.shadow_budget import ShadowBudget
 
 if TYPE_CHECKING:
     pass
@@ -303,7 +303,7 @@ class _KnnSpecRun:
         or by a *probe*: a direct step on which the cache guesses first (filled with the
         previous step's answer), the guess and the KB latency going to OS3 so that gamma
         stays current. Probes happen only while their cost fits the shadow budget
-        (:class:`~ralm.shadow_budget.ShadowBudget`). So on a KB cheaper than the cache (a
+        (:class:`~ralm.stride.shadow_budget.ShadowBudget`). So on a KB cheaper than the cache (a
         small HNSW index at k = 1024: 5 ms a call, a probe (a fill of 11k entries and a guess)
         about 20 ms: probes average one per 20 / 0.05 = 400 ms of KB time, 80 steps) direct steps cost what
         RaLMSeq's do, and on an expensive KB (a flat one at 225 ms a call) every direct

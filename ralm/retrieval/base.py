@@ -46,7 +46,7 @@ class SharedKB(Protocol):
     :meth:`speculating` is a scheduling hint, never a change of result: the caller's request
     has opened a speculation window and makes no KB call until that window's verification,
     so a batch forming now need not wait for it. :meth:`sharing` says how many requests share
-    the KB (RaLMSpec takes direct steps under heavy sharing, :mod:`ralm.load_gate`).
+    the KB (RaLMSpec takes direct steps under heavy sharing, :mod:`ralm.stride.load_gate`).
     """
 
     def speculating(self) -> None:

@@ -89,7 +89,7 @@ class ScanPlan:
     def cost_curve(self) -> dict[int, float] | None:
         """Measured cost of a batch of each timed size relative to one query, each on the path
         it takes (None: not timed). The stride scheduler reads it before it has measured a
-        batch itself (:class:`~ralm.os3.StrideScheduler`).
+        batch itself (:class:`~ralm.stride.os3.StrideScheduler`).
 
         >>> ScanPlan("int8", (1,), "fbgemm", {"faiss": {1: 5.0, 4: 20.0, 16: 30.0},
         ...     "int8:fbgemm": {1: 8.0, 4: 9.0, 16: 12.0}}).cost_curve()

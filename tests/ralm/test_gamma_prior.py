@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from ralm.beta_posterior import beta_quantile_int
 from ralm.config import SpecConfig
-from ralm.gamma_prior import GammaPrior
-from ralm.os3 import StrideScheduler
+from ralm.stride.beta_posterior import beta_quantile_int
+from ralm.stride.gamma_prior import GammaPrior
+from ralm.stride.os3 import StrideScheduler
 
 
 def test_evidence_is_scaled_to_the_weight_as_in_the_docstring():

@@ -7,9 +7,9 @@ import math
 import pytest
 
 from ralm import constants as C
-from ralm.beta_posterior import beta_cdf_int, beta_quantile_int
 from ralm.config import SpecConfig
-from ralm.os3 import StrideScheduler, expected_verified, objective
+from ralm.stride.beta_posterior import beta_cdf_int, beta_quantile_int
+from ralm.stride.os3 import StrideScheduler, expected_verified, objective
 
 CAPPED = {"gamma_estimate": "capped"}  # the paper's OS3 estimate
 
@@ -365,7 +365,7 @@ def test_the_papers_capped_estimate_has_no_rate_check():
 
 
 def test_realized_costs_carry_to_the_next_request_through_the_prior():
-    from ralm.gamma_prior import GammaPrior
+    from ralm.stride.gamma_prior import GammaPrior
 
     prior = GammaPrior()
     first = StrideScheduler(SpecConfig(adaptive_stride=True), prior=prior, prior_key="kb")

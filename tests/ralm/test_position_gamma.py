@@ -1,16 +1,17 @@
 """The positional gamma estimate: evidence per position bucket, per-step gammas, and the
-strides OS3 picks from them (ralm/position_gamma.py, ralm/os3.py)."""
+strides OS3 picks from them (ralm/stride/position_gamma.py, ralm/stride/os3.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ralm import constants as C, os3
-from ralm.beta_posterior import beta_quantile_int
+from ralm import constants as C
 from ralm.config import SpecConfig
-from ralm.gamma_prior import GammaPrior
-from ralm.os3 import StrideScheduler, objective, window_rates
-from ralm.position_gamma import BUCKETS, PositionEvidence, bucket, scaled
+from ralm.stride import os3
+from ralm.stride.beta_posterior import beta_quantile_int
+from ralm.stride.gamma_prior import GammaPrior
+from ralm.stride.os3 import StrideScheduler, objective, window_rates
+from ralm.stride.position_gamma import BUCKETS, PositionEvidence, bucket, scaled
 
 
 def test_buckets_double_and_the_last_is_open_ended():

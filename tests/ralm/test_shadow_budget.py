@@ -1,4 +1,4 @@
-"""The shadow budget (ralm/shadow_budget.py) and the document-level direct steps that use it
+"""The shadow budget (ralm/stride/shadow_budget.py) and the document-level direct steps that use it
 (``ralm.spec._SpecRun.direct_step``): a probe (the cache's guess on a direct step) runs
 only while the lookups stay within ``SHADOW_BUDGET`` of the direct steps' KB time.
 
@@ -16,10 +16,10 @@ import pytest
 from cache.speculative import SpeculativeCache
 from ralm import constants as C
 from ralm.config import RequestConfig, SpecConfig
-from ralm.os3 import StrideScheduler
 from ralm.seq import run_seq
-from ralm.shadow_budget import LAST_PROBE_COST, ShadowBudget
 from ralm.spec import run_spec
+from ralm.stride.os3 import StrideScheduler
+from ralm.stride.shadow_budget import LAST_PROBE_COST, ShadowBudget
 
 REQ = RequestConfig(max_new_tokens=40, generation_stride=4, ignore_eos=True)  # 10 steps
 STEPS = 10

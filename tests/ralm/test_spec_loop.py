@@ -177,7 +177,7 @@ def test_direct_steps_count_their_shadow_guess_as_a_lookup(monkeypatch):
     # and a right guess a shadow hit, so the hit rate exists for all-direct requests too. The
     # KB takes 20 ms, so the probe budget (5% of it: 1 ms) affords a guess on every step;
     # every step is made direct (OS3 would speculate on so dear a KB)
-    from ralm.os3 import StrideScheduler
+    from ralm.stride.os3 import StrideScheduler
 
     real = StrideScheduler.next_stride
 
@@ -289,7 +289,7 @@ def test_the_kbs_start_up_batch_curve_reaches_the_scheduler_and_changes_no_token
     """A KB that timed its batch sizes at start-up (exact dense) hands the curve to the
     stride scheduler; the output stays RaLMSeq's."""
     import ralm.spec as spec_mod
-    from ralm.os3 import StrideScheduler
+    from ralm.stride.os3 import StrideScheduler
 
     seen = []
 

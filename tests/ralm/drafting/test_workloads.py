@@ -7,7 +7,7 @@ import pytest
 from ralm.config import RequestConfig, SpecConfig
 from ralm.seq import run_seq
 from ralm.spec import run_spec
-from ralm.workloads import make_query_fn, step_budget
+from ralm.stride.workloads import make_query_fn, step_budget
 
 CASES = [
     ("edr", dict(workload="flare", flare_threshold=0.3, generation_stride=8)),

@@ -1,5 +1,5 @@
 """Direct (s = 0) steps of KNN-LM speculation: the cache's shadow work (fills and probes)
-stays within its budget of the KB time (ralm/knnlm/loop.py, ``_KnnSpecRun.direct_step``; ralm/shadow_budget.py).
+stays within its budget of the KB time (ralm/knnlm/loop.py, ``_KnnSpecRun.direct_step``; ralm/stride/shadow_budget.py).
 
 The stride is forced to 0 by patching the scheduler's decision, and the KB or the cache is
 slowed by a fixed sleep, so the budget's outcome does not depend on this machine's speed.
@@ -11,12 +11,13 @@ import time
 
 import pytest
 
-from ralm import constants as C, shadow_budget
+from ralm import constants as C
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 from ralm.knnlm import run_knn_seq, run_knn_spec
 from ralm.knnlm.loop import new_cache
-from ralm.os3 import StrideScheduler
-from ralm.shadow_budget import ShadowBudget
+from ralm.stride import shadow_budget
+from ralm.stride.os3 import StrideScheduler
+from ralm.stride.shadow_budget import ShadowBudget
 
 MAX_NEW = 24
 KNN = KnnLMConfig(k=16, lmbda=0.5, index="hnsw")

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ralm.beta_posterior import beta_quantile_int, pseudo_observations
+from ralm.stride.beta_posterior import beta_quantile_int, pseudo_observations
 
 BUCKETS = 9  # positions 0, 1, 2-3, 4-7, 8-15, 16-31, 32-63, 64-127, 128 and over
 

@@ -1,7 +1,7 @@
 """Speculation accuracy carried over between requests: the prior of OS3's Beta posterior.
 
 A request of 128 tokens verifies about 32 documents, and the Beta posterior of the
-``bayes`` estimate (:mod:`ralm.os3`) starts each request from Beta(1, 1): its cautious
+``bayes`` estimate (:mod:`ralm.stride.os3`) starts each request from Beta(1, 1): its cautious
 quantile stays low for most of the request, so the stride stays short. Measured at 4M rows
 (int8 scan): the posterior reached 0.88 only after 17 windows, while the accuracy with
 prefetching was 0.97, and PSA ran 1.40x where a fixed stride of 16 ran 2.14x.
@@ -24,7 +24,7 @@ from its first generation step (which includes the question's prefill: 67 ms whe
 steps took 40 ms) and knowing b(s) for s = 1 only. Its own measurements join them and,
 being more recent, soon dominate (the scheduler keeps at most 8 per size and 16 steps).
 
-With the ``positional`` estimate (:mod:`ralm.position_gamma`), the same evidence is also kept
+With the ``positional`` estimate (:mod:`ralm.stride.position_gamma`), the same evidence is also kept
 per position bucket, each bucket scaled to at most the same weight.
 
 Only strides depend on it; outputs never do (every speculated step is still verified).
@@ -38,8 +38,8 @@ from collections import deque
 from collections.abc import Hashable
 
 from ralm import constants as C
-from ralm.beta_posterior import pseudo_observations
-from ralm.position_gamma import scaled
+from ralm.stride.beta_posterior import pseudo_observations
+from ralm.stride.position_gamma import scaled
 
 
 class GammaPrior:
@@ -68,7 +68,7 @@ class GammaPrior:
 
     def position_evidence(self, key: Hashable) -> dict[int, tuple[int, int]]:
         """{position bucket: (matched, missed)} of the recent requests under ``key``, each
-        bucket scaled to at most ``weight`` (see :func:`ralm.position_gamma.scaled`)."""
+        bucket scaled to at most ``weight`` (see :func:`ralm.stride.position_gamma.scaled`)."""
         with self._lock:
             recent = list(self._by_position.get(key, ()))
         return scaled(((b, m, f) for counts in recent for b, (m, f) in counts.items()), self.weight)

@@ -1,7 +1,7 @@
 """The Beta posterior of the speculation accuracy: CDF and quantiles for integer parameters,
 and the scaling of borrowed evidence into pseudo-observations.
 
-OS3's default estimates (:mod:`ralm.os3`, :mod:`ralm.position_gamma`) read verified windows
+OS3's default estimates (:mod:`ralm.stride.os3`, :mod:`ralm.stride.position_gamma`) read verified windows
 as Bernoulli evidence and use a lower quantile of Beta(1 + matches, 1 + mismatches).
 """
 

@@ -2,7 +2,7 @@
 
 An exact dense KB times its batch sizes at start-up
 (:meth:`ralm.retrieval.scan_choice.ScanPlan.cost_curve`, e.g. ``{1: 1.0, 4: 1.3, 16: 3.4}``);
-the stride scheduler (:mod:`ralm.os3`) reads such a curve beyond the sizes it has measured
+the stride scheduler (:mod:`ralm.stride.os3`) reads such a curve beyond the sizes it has measured
 itself, and interpolates its own measured means with the same functions.
 """
 

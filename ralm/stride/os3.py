@@ -55,12 +55,12 @@ b(1) = 0.17, b(2) = 0.26 -> b(8) = 0.26 (flat), so s = 8 is tried; it measures 0
 now b(4) = 0.26 + (0.30 - 0.26) * 2/6 = 0.273.
 
 **Extension: b(s) from the KB's start-up timings.** Where a KB timed its batch sizes (exact
-dense, :mod:`ralm.batch_cost`), b(s) beyond the largest size measured follows that curve, not
+dense, :mod:`ralm.stride.batch_cost`), b(s) beyond the largest size measured follows that curve, not
 flat: b(1) = 0.17 s and {1: 1.0, 4: 1.3, 16: 3.4} give b(8) = 0.34 s before any batch ran.
 
 **Extension: gamma by position, and the request's end (the default, ``'positional'``).**
 Mismatches cluster in the middle of a request; each step of a window gets the gamma of
-its position bucket (:mod:`ralm.position_gamma`), and with the steps left known the first
+its position bucket (:mod:`ralm.stride.position_gamma`), and with the steps left known the first
 stride is the one that finishes the request soonest (:func:`finish_time_stride`).
 
 **Start.** The paper starts at s = 1. Here the loop's step 0 runs on the warm-up KB call
@@ -81,11 +81,11 @@ from collections.abc import Hashable, Mapping
 from statistics import fmean
 
 from ralm import constants as C
-from ralm.batch_cost import curve_at, monotone, scaled
-from ralm.beta_posterior import beta_quantile_int
 from ralm.config import SpecConfig
-from ralm.gamma_prior import GammaPrior
-from ralm.position_gamma import PositionEvidence
+from ralm.stride.batch_cost import curve_at, monotone, scaled
+from ralm.stride.beta_posterior import beta_quantile_int
+from ralm.stride.gamma_prior import GammaPrior
+from ralm.stride.position_gamma import PositionEvidence
 
 
 def expected_verified(gamma: float, s: int) -> float:
@@ -190,7 +190,7 @@ class StrideScheduler:
         prior_key: Hashable = None,
         cost_curve: Mapping[int, float] | None = None,
     ):
-        """``prior``: earlier requests' evidence under ``prior_key`` (bayes mode; :mod:`ralm.gamma_prior`),
+        """``prior``: earlier requests' evidence under ``prior_key`` (bayes mode; :mod:`ralm.stride.gamma_prior`),
         which :meth:`finish` extends; ``cost_curve``: the KB's start-up batch costs (bayes mode)."""
         self.cfg = cfg
         self.cost_curve = monotone(cost_curve) if cost_curve else None
@@ -221,7 +221,7 @@ class StrideScheduler:
         self._prior_realized = (0.0, 0.0, 0.0, 0.0)
         self._vetoed_direct = 0  # direct steps taken since the rate check last vetoed speculation
         self.vetoes = 0
-        if self._prior is not None:  # what recent requests measured on this KB (ralm/gamma_prior.py)
+        if self._prior is not None:  # what recent requests measured on this KB (ralm/stride/gamma_prior.py)
             ws, wn, ds, dn = self._prior.realized(prior_key)
             fw = min(1.0, C.GAMMA_PRIOR_WEIGHT / wn) if wn else 0.0  # at most that many steps each
             fd = min(1.0, C.GAMMA_PRIOR_WEIGHT / dn) if dn else 0.0
@@ -382,7 +382,7 @@ class StrideScheduler:
     def step_gammas(self, g: float, n: int, pooled: bool = False) -> list[float]:
         """gamma of each of the next ``n`` steps from the current position: per position
         bucket ('positional', once there is evidence, unless ``pooled``;
-        :mod:`ralm.position_gamma`), else ``g`` for every step."""
+        :mod:`ralm.stride.position_gamma`), else ``g`` for every step."""
         if self.positional and not pooled and any(self._pos.totals()):
             return self._pos.step_gammas(self._position, n, self.cfg.gamma_quantile, C.POSITION_SHRINK)
         return [g] * n
