@@ -27,7 +27,7 @@ GAMMA_PRIOR_WEIGHT = 32  # ... scaled to at most this many pseudo-observations (
 RATE_CHECK_MIN_STEPS = 8  # OS3: committed steps of speculation measured before its realized rate can veto it
 RATE_CHECK_MARGIN = 0.03  # ... veto when a committed step of speculation costs this much more than a direct step
 RATE_CHECK_EXPLORE = 16  # ... and, once vetoed, let the model choose again after this many direct steps
-SHADOW_BUDGET = 0.05  # cache work (probes) in direct steps: at most this share of their KB time (ralm/stride/shadow_budget.py)
+SHADOW_BUDGET = 0.05  # direct steps: probes within this share of their KB time (ralm/stride/shadow_budget.py)
 VERIFY_HISTORY_PER_SIZE = 8  # OS3 (bayes mode): recent KB-call latencies kept per batch size for b(s)
 
 # ---- retrieval ----
