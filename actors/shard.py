@@ -4,10 +4,13 @@ The corpus is split into ``N`` contiguous slices ``[lo, hi)``; doc ids stay glob
 shard adds ``lo`` to its local row numbers). Each :class:`RetrievalShard` - run as a Ray
 actor by :func:`start_shards` - holds the index of its slice, loaded from disk:
 
-- **edr / adr**: the slice's rows of the full index's ``vectors.npy`` (never re-encoded:
-  passage encoding is batch-dependent, slicing keeps the very same float32 keys) with
-  a FAISS flat or HNSW index over them, built once by :func:`prepare_shards`;
-- **sr**: a Lucene index of the slice's passages.
+- **dense** (edr / adr): the slice's rows of the full index's ``vectors.npy`` (never
+  re-encoded: passage encoding is batch-dependent, slicing keeps the very same float32 keys)
+  with the kind's FAISS index over them, built once by :func:`prepare_shards`;
+- **sparse** (sr): a Lucene index of the slice's passages.
+
+How a kind's slice is built and opened is its family's (:mod:`ralm.retrievers`,
+:mod:`ralm.retrieval.kinds`).
 
 The router, :class:`~actors.shard_router.ShardedRetriever`, implements the
 :class:`~ralm.retrieval.base.Retriever` protocol over the shards: every shard returns its
@@ -63,13 +66,13 @@ from ralm.retrieval.base import Hit
 from ralm.retrieval.bm25 import SparseRetriever, bm25_scores
 from ralm.retrieval.dense import DenseRetriever
 from ralm.retrieval.factory import ensure_index
-from ralm.retrieval.index_build import LUCENE_SUBDIR, MANIFEST, build_index, validate_index
+from ralm.retrieval.index_build import MANIFEST, validate_index
 from ralm.retrieval.rerank import Candidates, exact_top_k, tolerance
+from ralm.retrievers import entry
 
 log = logging.getLogger(__name__)
 
 SHARD_INFO = "shard.json"
-DENSE = ("edr", "adr")
 
 
 # ---------------------------------------------------------------------------- layout
@@ -117,15 +120,6 @@ class ShardSpec:
         return RetrieverConfig.model_validate(self.retriever)
 
 
-class _EncoderInfo:
-    """Stands in for the encoder when writing a shard's manifest (vectors are given)."""
-
-    def __init__(self, info: dict):
-        self.name = info["name"]
-        self.fingerprint = info["fingerprint"]
-        self.dim = int(info["dim"])
-
-
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -144,14 +138,14 @@ def prepare_shards(
     directory is rebuilt when it was made from another full index (``shard.json`` records its
     manifest's sha256).
     """
-    kind = rcfg.kind
+    e = entry(rcfg.kind)
+    kind = e.kind
     index_dir = Path(index_dir)
     ensure_index(rcfg, corpus, index_dir, progress=progress)
     manifest = validate_index(index_dir, rcfg, corpus, checksums=False)
     source = _sha256(index_dir / MANIFEST)
     root = shard_root(index_dir, n_shards)
     specs = []
-    vectors = None
     build_cfg = rcfg.model_copy(update={"pad_to": 0})
     for i, (lo, hi) in enumerate(shard_bounds(len(corpus), n_shards)):
         d = root / f"shard-{i:03d}"
@@ -168,21 +162,7 @@ def prepare_shards(
                 info_path.unlink()
             sub = sub_corpus(corpus, lo, hi)
             log.info("building %s shard %d/%d (passages %d..%d) in %s", kind, i + 1, n_shards, lo, hi - 1, d)
-            if kind in DENSE:
-                if vectors is None:
-                    vectors = np.load(index_dir / "vectors.npy", mmap_mode="r")
-                build_index(
-                    kind,
-                    sub,
-                    d,
-                    build_cfg,
-                    progress=progress,
-                    encoder=_EncoderInfo(manifest["encoder"]),
-                    vectors=np.asarray(vectors[lo:hi]),
-                )
-            else:
-                build_index(kind, sub, d, build_cfg, progress=progress)
-                (d / "ids.json").write_text(json.dumps(sub.ids))
+            e.family.build_slice(e, build_cfg, index_dir, manifest, sub, lo, hi, d, progress)
             info_path.write_text(json.dumps(info, indent=2, sort_keys=True))
         specs.append(ShardSpec(kind, i, n_shards, lo, hi, str(d), rcfg.model_dump(mode="json")))
     return specs
@@ -201,41 +181,8 @@ class RetrievalShard:
         self.pid = os.getpid()
         self.calls = 0
         rcfg = spec.rcfg
-        d = Path(spec.shard_dir)
-        self.local: DenseRetriever | SparseRetriever
-        if self.kind in DENSE:
-            import faiss
-
-            vectors = np.load(d / "vectors.npy", allow_pickle=False)
-            index = faiss.read_index(str(d / "index.faiss"))
-            if vectors.shape[0] != self.n_docs or int(index.ntotal) != self.n_docs:
-                raise ValueError(
-                    f"shard {spec.index} at {d}: {vectors.shape[0]} vectors / {index.ntotal} rows, "
-                    f"expected {self.n_docs}; delete {d.parent} to rebuild the shards"
-                )
-            pad = -(-rcfg.pad_to // spec.n_shards) if (self.kind == "edr" and rcfg.pad_to) else 0
-            self.local = DenseRetriever(
-                self.kind,
-                None,
-                vectors,
-                index,
-                ef_search=rcfg.hnsw_ef_search,
-                pad_to=pad,
-                rerank_margin=rcfg.rerank_margin,
-                faiss_threads=rcfg.faiss_threads,
-                dense_scan=rcfg.dense_scan,
-            )
-        else:
-            ids = json.loads((d / "ids.json").read_text()) if (d / "ids.json").is_file() else None
-            if ids is None:
-                ids = _lucene_ids(d / LUCENE_SUBDIR, self.n_docs)
-            sparse = SparseRetriever(
-                d / LUCENE_SUBDIR, ids, k1=rcfg.bm25_k1, b=rcfg.bm25_b, rerank_margin=rcfg.rerank_margin
-            )
-            self.local = sparse
-            sc = sparse.scorer
-            if sc.max_doc != self.n_docs:
-                raise ValueError(f"shard {spec.index}: Lucene index has {sc.max_doc} documents, expected {self.n_docs}")
+        self.entry = entry(spec.kind)
+        self.local = self.entry.family.open_slice(self.entry, rcfg, Path(spec.shard_dir), self.n_docs, spec.n_shards)
         self.stats = {"searches": 0, "queries": 0, "expansions": 0}
 
     # ---- identity / health
@@ -254,7 +201,7 @@ class RetrievalShard:
 
     def _scan_info(self) -> dict:
         """An exact dense shard's candidate paths and the timings ``auto`` chose them by."""
-        if not isinstance(self.local, DenseRetriever) or self.kind != "edr":
+        if not isinstance(self.local, DenseRetriever) or not self.entry.scan:
             return {}
         plan = self.local.plan
         return {
@@ -267,13 +214,13 @@ class RetrievalShard:
         return self.pid
 
     def _dense(self) -> DenseRetriever:
-        """The slice's dense retriever (edr / adr shards only)."""
+        """The slice's dense retriever (dense-family shards only)."""
         if not isinstance(self.local, DenseRetriever):
             raise TypeError(f"shard {self.spec.index} is a {self.kind!r} shard: no dense index to search")
         return self.local
 
     def _sparse(self) -> SparseRetriever:
-        """The slice's Lucene retriever (sr shards only)."""
+        """The slice's Lucene retriever (sparse-family shards only)."""
         if not isinstance(self.local, SparseRetriever):
             raise TypeError(f"shard {self.spec.index} is a {self.kind!r} shard: no Lucene index to search")
         return self.local
@@ -346,16 +293,8 @@ class RetrievalShard:
         if any(d < 0 or d >= self.n_docs for d in local):
             raise ValueError(f"doc ids outside shard {self.spec.index} [{self.lo}, {self.hi})")
         keys = self.local.scorer.doc_keys(local)
-        if self.kind in DENSE:
-            return [np.array(k) for k in keys]  # copies: not views of the whole matrix
-        return keys
-
-
-def _lucene_ids(lucene_dir: Path, n: int) -> list[str]:
-    from pyserini.index.lucene import LuceneIndexReader
-
-    r = LuceneIndexReader(str(lucene_dir))
-    return [r.convert_internal_docid_to_collection_docid(i) for i in range(n)]
+        # vector keys are copied: a view would send the whole matrix
+        return [np.array(k) if isinstance(k, np.ndarray) else k for k in keys]
 
 
 def _bound_ratio(global_q, local_q, avgdl_g: float, avgdl_l: float) -> float:

@@ -6,7 +6,8 @@ every shard, each returns its exact top-k (global doc ids), and the router merge
 answer, since every shard scores with the unsharded scores (why, for dense and for BM25:
 :mod:`actors.shard`). The router encodes each query once: the dense encoder's vector, or the
 BM25 query built from the *global* term statistics it collects from the shards
-(:mod:`actors.shard_scoring`).
+(:mod:`ralm.retrieval.shard_scoring`); the kind's family makes that scorer
+(:mod:`ralm.retrievers`).
 
 Fault tolerance: a call whose shard died is resubmitted (:meth:`ShardedRetriever._call`)
 until the shard is back (restarted by Ray) or ``retry_timeout_s`` has passed.
@@ -21,11 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from actors.shard import DENSE
-from actors.shard_scoring import ShardedBM25Scorer, ShardedDenseScorer
 from ralm.config import RetrieverConfig
 from ralm.retrieval.base import Hit, rank_hits
-from ralm.retrieval.factory import get_encoder
+from ralm.retrievers import entry
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +64,8 @@ class ShardedRetriever:
         self.retries = 0
         self.calls = 0
 
-        if kind in DENSE:
-            if encoder is None:
-                encoder = get_encoder(self.rcfg.encoder)
-            self.scorer: Any = ShardedDenseScorer(self, encoder)
-        else:
-            self.scorer = ShardedBM25Scorer(self, self.rcfg.bm25_k1, self.rcfg.bm25_b)
+        self.entry = entry(kind)
+        self.scorer: Any = self.entry.family.router_scorer(self, self.rcfg, encoder)
 
     # ---- fan-out with retries
     def _call(
@@ -125,11 +120,8 @@ class ShardedRetriever:
         if k <= 0:
             return [[] for _ in queries]
         reps = self.scorer.encode(queries)
-        n = len(self.shards)
-        if self.kind in DENSE:
-            per_shard = self._call("search_vectors", [(reps, k)] * n)
-        else:
-            per_shard = self._call("search_bm25", [(queries, reps, self.scorer.avgdl, k)] * n)
+        method, args = self.scorer.shard_call(queries, reps, k)
+        per_shard = self._call(method, [args] * len(self.shards))
         out = []
         for qi in range(len(queries)):
             ids = [d for res in per_shard for d, _ in res[qi]]

@@ -52,6 +52,7 @@ from actors.shard_router import ShardedRetriever
 from ralm.config import RetrieverConfig
 from ralm.errors import RalmInputError
 from ralm.retrieval.base import Hit
+from ralm.retrievers import entry
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +315,7 @@ class Verifier:
             max_inflight,
             flush_when_all_waiting,
             wait_for_speculating,
-            merge_k=kind == "edr",  # exact dense: a top-k is a prefix of any larger top-K
+            merge_k=entry(kind).merge_k,  # an exact scan: a top-k is a prefix of any larger top-K
         )
         self.batcher.on_batch = self._observe_batch
         self.kb_time_s = 0.0

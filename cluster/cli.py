@@ -39,7 +39,7 @@ from ralm.config import SpecConfig
 from ralm.corpus import Corpus, CorpusError
 from ralm.errors import ConfigError, RalmInputError
 from ralm.methods import DOCUMENT_METHODS
-from ralm.retrieval.index_build import KINDS as RETRIEVER_KINDS, build_index, check_kind, validate_index
+from ralm.retrieval.index_build import build_index, check_kind, kinds as retriever_kinds, validate_index
 
 # what `generate` runs: the document-level methods of the method table (the same tuple as
 # ralm.pipeline.PIPELINE_METHODS; ralm.pipeline is not imported here because it loads torch)
@@ -48,7 +48,7 @@ GENERATE_METHODS: tuple[str, ...] = DOCUMENT_METHODS
 
 def cmd_index(args) -> int:
     cfg = load_config(args)
-    kinds = RETRIEVER_KINDS if args.retriever == "all" else (check_kind(args.retriever),)
+    kinds = retriever_kinds() if args.retriever == "all" else (check_kind(args.retriever),)
     if args.index_dir and len(kinds) != 1:
         raise ConfigError("--index-dir needs a single --retriever (edr, adr or sr)")
     corpus = Corpus.load(cfg.corpus)

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 
 from ralm.config import RalmConfig
-from ralm.retrieval.scan_choice import SCANS
+from ralm.retrieval.scan_choice import SCAN_MODES
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
@@ -22,7 +22,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pad-to", type=int, help="pad the EDR flat index to N rows (cost emulation; results unchanged)")
     p.add_argument(
         "--dense-scan",
-        choices=list(SCANS),
+        choices=list(SCAN_MODES),
         help="EDR candidate scan: auto (timed here), faiss, bf16, int8 or gpu (bounded scans, exact after re-scoring)",
     )
     p.add_argument("-v", "--verbose", action="store_true")

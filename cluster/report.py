@@ -22,6 +22,7 @@ from typing import Any
 
 from ralm.results import RalmResult
 from ralm.retrieval.bf16_scan import hardware_bf16
+from ralm.retrievers import entry
 
 
 @dataclass
@@ -258,9 +259,10 @@ def bench_header(
         f"# ralmspec {tool}: {n_questions} questions, corpus {corpus_desc}, generator {cfg.generator.model}, "
         f"k={cfg.request.generation_stride}, max_new_tokens={cfg.request.max_new_tokens}"
     ]
-    if "edr" in kinds and cfg.retriever.pad_to:
+    scanned = [k for k in kinds if entry(k).scan]
+    if scanned and cfg.retriever.pad_to:
         notes.append(
-            f"Note: the EDR flat index is padded to {cfg.retriever.pad_to:,} rows with random "
+            f"Note: the {'/'.join(k.upper() for k in scanned)} flat index is padded to {cfg.retriever.pad_to:,} rows with random "
             f"vectors that never outrank a real passage, to emulate Wikipedia-scale search cost; "
             f"results are unchanged."
         )

@@ -19,8 +19,9 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from cache.state.config import StateStoreConfig
 from ralm import constants as C
-from ralm.config import GeneratorConfig, KnnLMConfig, RalmConfig, RetrieverKind, StrictModel
+from ralm.config import GeneratorConfig, KnnLMConfig, RalmConfig, StrictModel
 from ralm.methods import MethodName, is_knn
+from ralm.retrievers import RetrieverKind, kinds
 
 NOSET_CUDA_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 LLAMA2_70B = "meta-llama/Llama-2-70b-hf"
@@ -350,8 +351,8 @@ class StateOptions(StrictModel):
     )
 
 
-def _all_retrievers() -> list[RetrieverKind]:
-    return ["edr", "adr", "sr"]
+def _all_retrievers() -> list[str]:
+    return list(kinds())
 
 
 class AppConfig(StrictModel):

@@ -39,6 +39,7 @@ from ralm import constants as C
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 from ralm.errors import ConfigError, Overloaded, RalmInputError, RequestCancelled
 from ralm.job import RalmJob
+from ralm.retrievers import entry
 
 if TYPE_CHECKING:  # the config module pulls in the generator's (torch); the HTTP layer needs none of it
     from deployments.config import AppConfig
@@ -94,7 +95,7 @@ class IngressSettings:
 def _embedding_names(cfg: "AppConfig") -> dict:
     """``embedding_model`` (the encoder's short name) and the ids that name it, when a dense
     retriever is served: ``local:all-MiniLM-L6-v2`` answers to itself and ``all-MiniLM-L6-v2``."""
-    if not {"edr", "adr"} & set(cfg.retrievers):
+    if not any(entry(k).family.encodes for k in cfg.retrievers):
         return {}
     name = str(cfg.ralm.retriever.encoder)
     short = name.split(":", 1)[1] if name.startswith("local:") else name

@@ -39,11 +39,9 @@ from ralm.errors import Overloaded, RalmInputError
 from ralm.job import RalmJob
 from ralm.retrieval.errors import IndexNotFoundError
 from ralm.retrieval.index_build import MANIFEST
+from ralm.retrievers import entry
 
 log = logging.getLogger(__name__)
-
-# edr first: its build caches the passage vectors that adr's build then reuses
-_BUILD_ORDER = {"edr": 0, "sr": 1, "adr": 2}
 
 
 def _prepare_shards_task(rcfg: dict, corpus_path: str, index_dir: str, n_shards: int, build: bool):
@@ -91,17 +89,19 @@ class RayBackend:
         """Start the topology: shards and a verifier per retriever, then the coordinator pool.
 
         The retrievers start while the generator replica loads its model (and proves its
-        batching exact), not after it: the dense ones in build order (EDR's build caches the
-        passage vectors ADR's then reuses), BM25 beside them."""
+        batching exact), not after it: one chain per retriever family, in its kinds' build
+        order (EDR's build caches the passage vectors ADR's then reuses), the families beside
+        each other."""
         cfg = self.cfg
-        dense: list[str] = [k for k in sorted(self.kinds, key=_BUILD_ORDER.__getitem__) if k != "sr"]
-        chains: list[list[str]] = [dense, ["sr"] if "sr" in self.kinds else []]
+        chains: dict[str, list[str]] = {}
+        for kind in sorted(self.kinds, key=lambda k: entry(k).build_order):
+            chains.setdefault(entry(kind).family.name, []).append(kind)
 
         async def start_chain(kinds: list[str]) -> None:
             for kind in kinds:
                 await self._start_retriever(kind)
 
-        retrievers = asyncio.gather(*(start_chain(c) for c in chains if c))
+        retrievers = asyncio.gather(*(start_chain(c) for c in chains.values()))
         try:
             info = await self.generator.info.remote()
             tok = await self.generator.tokenizer.remote()
@@ -129,9 +129,10 @@ class RayBackend:
     async def _start_retriever(self, kind: str) -> None:
         """Index and shard slices (a one-off task), the shard actors and the verifier of ``kind``."""
         cfg, sh, v = self.cfg, self.cfg.sharding, self.cfg.verifier
+        e = entry(kind)
         prep = ray.remote(num_cpus=sh.build_num_cpus, max_calls=1)(_prepare_shards_task)
         rcfg = cfg.ralm.retriever.model_copy(update={"kind": kind})
-        if kind != "edr":
+        if not e.scan:  # padding emulates a larger flat index: scanned kinds only
             rcfg = rcfg.model_copy(update={"pad_to": 0})
         specs, self.index_versions[kind] = await prep.remote(
             rcfg.model_dump(mode="json"),
@@ -151,7 +152,7 @@ class RayBackend:
             prefix,
             sh.resources,
             sh.spread,
-            sh.num_gpus if kind == "edr" else 0,
+            sh.num_gpus if e.gpu else 0,
         )
         self.shards[kind] = actors
         self.shard_names[kind] = [f"{prefix}-{s.index}" for s in specs]
@@ -246,9 +247,9 @@ class RayBackend:
 
     async def embed(self, texts: list[str]) -> tuple[Any, list[int]]:
         """On the first served dense retriever's verifier (it holds the encoder)."""
-        kind = next((k for k in ("edr", "adr") if k in self.verifiers), None)
+        kind = next((k for k in self.kinds if entry(k).family.encodes and k in self.verifiers), None)
         if kind is None:
-            raise RalmInputError("embeddings need a dense retriever (edr or adr); this server serves only sr")
+            raise RalmInputError(f"embeddings need a dense retriever; this server serves only {', '.join(self.kinds)}")
         return await self.verifiers[kind].embed.remote(texts)
 
     async def run(self, job: RalmJob) -> dict:

@@ -12,8 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ralm import constants as C
-
-RetrieverKind = Literal["edr", "adr", "sr"]
+from ralm.retrievers import RetrieverKind
 
 
 class StrictModel(BaseModel):
@@ -33,7 +32,7 @@ def _expand_user(p: Path | None) -> Path | None:
 class RetrieverConfig(StrictModel):
     kind: RetrieverKind = Field(
         "edr",
-        description="edr: exact dense (FAISS flat IP); adr: approximate dense (FAISS HNSW); sr: sparse BM25 (pyserini Lucene).",
+        description="A registered retriever kind (ralm.retrievers): edr: exact dense (FAISS flat IP); adr: approximate dense (FAISS HNSW); sr: sparse BM25 (pyserini Lucene).",
     )
     index_dir: Path | None = Field(
         None, description="Directory of a built index (with manifest.json). None: <work_dir>/indexes/<kind>."

@@ -31,8 +31,9 @@ import hashlib
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ralm.config import KnnLMConfig, RequestConfig, RetrieverKind, SpecConfig
+from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 from ralm.methods import MethodInfo, MethodName, method_info
+from ralm.retrievers import RetrieverKind
 
 # KnnLMConfig fields a request may set (the rest - datastore, index, scan - are the server's)
 KNN_REQUEST_FIELDS = ("k", "temperature", "lmbda", "spatial_next", "cache_max_entries")

@@ -19,13 +19,13 @@ from ralm.methods import DOCUMENT_METHODS
 from ralm.results import RalmResult
 from ralm.retrieval.base import Retriever
 from ralm.retrieval.factory import ensure_index, load_retriever
-from ralm.retrieval.index_build import KINDS as RETRIEVER_KINDS, check_kind
+from ralm.retrievers import check_kind, entry
 from ralm.seq import run_seq
 from ralm.spec import run_spec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PIPELINE_METHODS", "Pipeline", "RETRIEVER_KINDS", "check_kind"]
+__all__ = ["PIPELINE_METHODS", "Pipeline", "check_kind"]
 
 # the methods :meth:`Pipeline.answer` runs: the document-level ones of the method table
 # (the KNN-LM methods need a token datastore and run in ralm.knnlm)
@@ -60,7 +60,7 @@ class Pipeline:
         retrievers = {}
         for kind in kinds:
             rcfg = cfg.retriever.model_copy(update={"kind": kind})
-            if kind != "edr":
+            if not entry(kind).scan:  # padding emulates a larger flat index: scanned kinds only
                 rcfg = rcfg.model_copy(update={"pad_to": 0})
             index_dir = cfg.index_dir(kind)
             if build_missing:

@@ -95,9 +95,10 @@ def measure_scans(kb, corpus, scans: list[str], pad_to: int, reps: int, sizes: t
             "edr", kb.encoder, kb.scorer.vectors, pad_to=pad_to, dense_scan=mode, int8_kernel=kernel or None
         )
         if own_widths:
-            if not isinstance(r.scan, Int8Scan) or not isinstance(r.scan.kernel, IntMM):
+            low = r.scan.low
+            if not isinstance(low, Int8Scan) or not isinstance(low.kernel, IntMM):
                 raise SystemExit("int8-own-widths needs the int_mm int8 scan, which this machine cannot run exactly")
-            r.scan.kernel.pad_widths = False
+            low.kernel.pad_widths = False
         row: dict = {"path": r.scan_label + (" own widths" if own_widths else ""), "build_s": time.perf_counter() - t0}
         row["rows"] = r.n_rows
         if scan == "auto":  # the kernel timings it chose by, when both low-precision scans run here

@@ -52,7 +52,7 @@ def add_gen_bench_args(p: argparse.ArgumentParser) -> None:
         default=12,
         help="questions (disjoint from the evaluation ones) whose generations build the dense datastore",
     )
-    p.add_argument("--retriever", default="edr", choices=["edr", "adr", "sr"])
+    p.add_argument("--retriever", default="edr", help="a retriever kind (edr, adr, sr)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--stride", type=int, default=4, help="k for the prefill measurement")
     p.add_argument(
@@ -91,11 +91,12 @@ def add_gen_bench_args(p: argparse.ArgumentParser) -> None:
 def _setup(args):
     # lazy: loads torch, and cli.build_parser imports this module for every command
     from ralm.engine import LMEngine
+    from ralm.retrievers import entry
 
     corpus = Corpus.load(args.corpus)
     questions = load_questions(args.questions)
     rcfg = RetrieverConfig(kind=args.retriever)
-    enc = get_encoder(rcfg.encoder) if args.retriever != "sr" else None
+    enc = get_encoder(rcfg.encoder) if entry(rcfg.kind).family.encodes else None
     idx = getattr(args, "index_dir", None)
     if idx is None:
         idx = Path(tempfile.mkdtemp(prefix="gen-bench-idx-"))

@@ -48,7 +48,7 @@ import numpy as np
 from ralm import constants as C
 from ralm.knnlm.datastore import Datastore
 from ralm.knnlm.metric import Hit, l2_distances, rank_by_distance, tolerance
-from ralm.retrieval import bf16_scan
+from ralm.retrieval import scans
 from ralm.retrieval.bf16_scan import U_FP32
 from ralm.retrieval.rerank import Candidates, exact_top_k
 
@@ -56,11 +56,9 @@ if TYPE_CHECKING:
     import faiss
     import torch
 
-    from ralm.retrieval.bf16_scan import Bf16Scan
-
 log = logging.getLogger(__name__)
 _GEMM_BLOCK = 1 << 16
-SCANS = ("auto", "faiss", "bf16")
+SCANS = ("auto", "faiss", *scans.scans_for("l2"))  # the candidate scans that rank by squared distance
 
 
 def narrow_candidates(keys: np.ndarray, ids: np.ndarray, q: np.ndarray, k: int) -> np.ndarray:
@@ -156,12 +154,15 @@ class KnnRetriever:
         self.blas_min_batch = int(blas_min_batch)
         self.n_entries = len(datastore)
         self.padded_rows = 0
-        self.scan: Bf16Scan | None = None  # flat, bf16; None: FAISS
+        self.scan: scans.CandidateScan | None = None  # flat, a registered scan; None: FAISS
         self.index: faiss.Index | None = None
         if index == "flat":
             extra = max(0, int(pad_to) - self.n_entries) if pad_to else 0
-            if bf16_scan.available(scan):
-                self.scan = bf16_scan.Bf16Scan(datastore.keys, datastore.pad_chunks(extra), metric="l2", pad_rows=extra)
+            name = scans.first_available(scan, "l2", datastore.dim)
+            if name is not None:  # the scan factory of document retrieval, with this metric
+                self.scan = scans.make_scan(
+                    name, datastore.keys, datastore.pad_chunks(extra), pad_rows=extra, metric="l2"
+                )
             else:
                 self.index = datastore.flat_index(pad_to)
             if extra:
@@ -191,7 +192,7 @@ class KnnRetriever:
         self.n_rows = self.scan.n_rows if self.scan is not None else int(self._faiss_index().ntotal)
         self.name = (
             f"knn-{index}"
-            + ("/bf16" if self.scan is not None else "")
+            + (f"/{self.scan.label}" if self.scan is not None else "")
             + (f"(padded to {self.padded_rows:,})" if self.padded_rows else "")
         )
         self.stats = {"searches": 0, "batches": 0, "expansions": 0, "exhaustive": 0, "candidates": 0, "rescored": 0}
@@ -203,7 +204,7 @@ class KnnRetriever:
     @property
     def scan_kind(self) -> str:
         """The candidate scan in use: 'bf16' or 'faiss' (FAISS also for HNSW)."""
-        return "bf16" if self.scan is not None else "faiss"
+        return self.scan.label if self.scan is not None else "faiss"
 
     def __repr__(self) -> str:
         return f"KnnRetriever({self.kind!r}, scan={self.scan_kind!r}, entries={self.n_entries}, rows={self.n_rows})"

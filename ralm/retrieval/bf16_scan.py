@@ -202,6 +202,11 @@ class Bf16Scan:
     def nbytes(self) -> int:
         return int(self.data.numel() * 2)
 
+    @property
+    def label(self) -> str:
+        """For report headers."""
+        return "bf16"
+
     def _eps(self, qn: np.ndarray, xn: np.ndarray | float) -> np.ndarray:
         """Error bound(s) of the transformed score for query norms ``qn``, row norms ``xn``."""
         if self.metric == "ip":

@@ -18,22 +18,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, cast
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 
 from ralm import constants as C
-from ralm.retrieval import bf16_scan, device_scan, int8_scan
 from ralm.retrieval.base import Hit, rank_hits
-from ralm.retrieval.faiss_search import faiss_search
-from ralm.retrieval.int8_scan import Int8Scan
-from ralm.retrieval.rerank import Candidates, exact_top_k
-from ralm.retrieval.scan_choice import SCANS, ScanPlan, plan_scan
+from ralm.retrieval.scan_choice import SCAN_MODES, plan_scan
+from ralm.retrievers import RetrieverEntry, entry
 
 log = logging.getLogger(__name__)
 
 PAD_SEED = 20240917
-DENSE_SCANS = SCANS  # the candidate scans of a flat (edr) index (ralm.retrieval.scan_choice)
 _PAD_CHUNK = 1 << 16
 
 
@@ -129,43 +126,31 @@ def padding_vectors(
         done += m
 
 
-def build_faiss_index(
-    kind: str,
-    vectors: np.ndarray,
-    hnsw_m: int = C.HNSW_M,
-    ef_construction: int = C.HNSW_EF_CONSTRUCTION,
-    progress: bool = False,
-):
-    """A FAISS index over ``vectors``: IndexFlatIP (edr) or IndexHNSWFlat/IP (adr)."""
-    import faiss
-
+def build_faiss_index(e: RetrieverEntry, vectors: np.ndarray, cfg: Any, progress: bool = False):
+    """The FAISS index of kind ``e`` (its :attr:`~ralm.retrievers.RetrieverEntry.new_index`, with
+    ``cfg``'s build parameters) over ``vectors``, added in chunks of 10,000 rows."""
+    if e.new_index is None:
+        raise ValueError(f"not a dense retriever kind: {e.kind!r}")
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
     n, dim = vectors.shape
-    index: faiss.Index
-    if kind == "edr":
-        index = faiss.IndexFlatIP(dim)
-    elif kind == "adr":
-        hnsw = faiss.IndexHNSWFlat(dim, int(hnsw_m), faiss.METRIC_INNER_PRODUCT)
-        hnsw.hnsw.efConstruction = int(ef_construction)
-        index = hnsw
-    else:
-        raise ValueError(f"not a dense retriever kind: {kind!r}")
-    step = max(1, min(n, 10000)) if kind == "adr" else max(1, n)
+    index = e.new_index(dim, cfg)
+    step = max(1, min(n, 10000))
     it = range(0, n, step)
-    if progress and kind == "adr":
+    if progress and n > step:
         from tqdm.auto import tqdm
 
-        it = tqdm(it, total=(n + step - 1) // step, desc="building HNSW", unit="chunk")
+        it = tqdm(it, total=(n + step - 1) // step, desc=f"building the {e.kind} index", unit="chunk")
     for s in it:
         index.add(vectors[s : s + step])
     return index
 
 
 class DenseRetriever:
-    """EDR (``kind="edr"``, flat IP) or ADR (``kind="adr"``, HNSW IP) with exact re-scoring.
+    """A dense retriever of kind ``kind`` (its :class:`~ralm.retrievers.RetrieverEntry`: EDR, a
+    flat inner-product index scanned whole, or ADR, an HNSW graph) with exact re-scoring.
 
-    ``index``: a FAISS index over exactly ``vectors`` (built here when ``None``).
-    ``pad_to`` (edr only): pad the flat index with random vectors of norm
+    ``index``: a FAISS index over exactly ``vectors`` (built here when ``None``, with the
+    entry's index factory). ``pad_to`` (scanned kinds only: edr): pad the flat index with random vectors of norm
     ``PAD_VECTOR_NORM`` up to that many rows, so each search scans as many rows as a
     Wikipedia-scale index; padding rows are never returned and results are identical.
     ``int8_kernel``: the int8 scan's integer product ('fbgemm', 'int_mm'; None: the plan's),
@@ -190,168 +175,97 @@ class DenseRetriever:
     ):
         import faiss
 
-        if kind not in ("edr", "adr"):
+        e = entry(kind)
+        if e.new_index is None:
             raise ValueError(f"not a dense retriever kind: {kind!r}")
-        if dense_scan not in DENSE_SCANS:
-            raise ValueError(f"dense_scan must be one of {', '.join(DENSE_SCANS)}, not {dense_scan!r}")
+        if dense_scan not in SCAN_MODES:
+            raise ValueError(f"dense_scan must be one of {', '.join(SCAN_MODES)}, not {dense_scan!r}")
         self.name = kind
         self.kind = kind
+        self.entry = e
         self.scorer = DenseScorer(encoder, vectors)
         self.encoder = encoder
         self.rerank_margin = int(rerank_margin)
         self.faiss_threads = int(faiss_threads)
         self.n_docs = len(self.scorer)
         if index is None:
-            index = build_faiss_index(kind, self.scorer.vectors, hnsw_m, ef_construction)
+            params = SimpleNamespace(hnsw_m=hnsw_m, hnsw_ef_construction=ef_construction)
+            index = build_faiss_index(e, self.scorer.vectors, params)
         if index.ntotal != self.n_docs or index.d != self.scorer.dim:
             raise ValueError(
                 f"FAISS index has {index.ntotal} rows of dim {index.d}, vectors are {self.n_docs} x {self.scorer.dim}"
             )
-        self.padded_rows = 0
-        self.scan: bf16_scan.Bf16Scan | int8_scan.Int8Scan | device_scan.DeviceScan | None = None
-        extra = max(0, int(pad_to) - self.n_docs) if (pad_to and kind == "edr") else 0
-        self.plan = (
-            plan_scan(dense_scan, self.scorer.dim, self.faiss_threads, max(self.n_docs, int(pad_to or 0)))
-            if kind == "edr"
-            else ScanPlan("faiss")
-        )
-        if self.plan.faiss_batches and extra * self.scorer.dim * 4 > C.FAISS_PAD_MAX_BYTES:
-            # padding the FAISS index as well would not fit: every batch goes to the scan
-            log.warning(
-                "dense scan: FAISS routes dropped (padding its index to %d rows would take %.1f GiB)",
-                pad_to,
-                extra * self.scorer.dim * 4 / 2**30,
-            )
-            self.plan = ScanPlan(self.plan.scan, (), self.plan.int8_kernel, self.plan.timings)
-        chosen = self.plan.scan
-        if chosen == "gpu":
-            self.scan = device_scan.DeviceScan(
-                self.scorer.vectors,
-                padding_vectors(extra, self.scorer.dim),
-                pad_rows=extra,
-                device=device_scan.default_device(),
-            )
-        elif chosen == "bf16":
-            self.scan = bf16_scan.Bf16Scan(self.scorer.vectors, padding_vectors(extra, self.scorer.dim), pad_rows=extra)
-        elif chosen == "int8":
-            self.scan = int8_scan.Int8Scan(
-                self.scorer.vectors,
-                padding_vectors(extra, self.scorer.dim),
-                pad_rows=extra,
-                kernel=int8_kernel or self.plan.int8_kernel,
-            )
-        elif kind == "adr":
-            # an adr index is an HNSW index (build_index, or the caller's own for this kind)
-            cast("faiss.IndexHNSW", faiss.downcast_index(index)).hnsw.efSearch = int(ef_search)
+        hnsw = getattr(faiss.downcast_index(index), "hnsw", None)
+        if hnsw is not None:  # a graph index: its search breadth
+            hnsw.efSearch = int(ef_search)
             self.ef_search = int(ef_search)
-            if pad_to:
-                log.warning("pad_to=%d ignored: padding only applies to the edr retriever", pad_to)
-        if extra and (chosen == "faiss" or self.plan.faiss_batches):
-            # FAISS answers some batches: its index is padded too, so it costs what the scan does
-            for chunk in padding_vectors(extra, self.scorer.dim):
-                index.add(chunk)
+        if pad_to and not e.scan:
+            log.warning("pad_to=%d ignored: padding only applies to a scanned (flat) retriever", pad_to)
+        extra = max(0, int(pad_to) - self.n_docs) if (pad_to and e.scan) else 0
+        self.stats: dict[str, int] = {"searches": 0, "expansions": 0}
+        # the one candidate scan: its plan routes each batch size to FAISS or the chosen scan
+        self.scan = plan_scan(
+            dense_scan if e.scan else "faiss",
+            self.scorer.vectors,
+            index,
+            self.scorer.score_ids,
+            flat=e.scan,
+            pad_rows=extra,
+            pad_chunks=lambda n: padding_vectors(n, self.scorer.dim),
+            rerank_margin=self.rerank_margin,
+            faiss_threads=self.faiss_threads,
+            int8_kernel=int8_kernel,
+            stats=self.stats,
+        )
+        self.plan = self.scan.plan
+        self.padded_rows = int(pad_to) if extra else 0
         if extra:
-            self.padded_rows = int(pad_to)
             log.warning(
-                "EDR %s padded to %d rows to emulate a larger knowledge base "
+                "%s %s padded to %d rows to emulate a larger knowledge base "
                 "(%d real passages + %d random vectors of norm %g; results unchanged)",
-                f"{self.dense_scan} scan" if self.scan is not None else "index",
+                kind.upper(),
+                f"{self.dense_scan} scan" if self.scan.low is not None else "index",
                 pad_to,
                 self.n_docs,
                 extra,
                 C.PAD_VECTOR_NORM,
             )
         self.index = index
-        self.n_rows = self.scan.n_rows if self.scan is not None else int(index.ntotal)
-        self.stats = {"searches": 0, "expansions": 0}
+        self.n_rows = self.scan.n_rows
 
     @property
     def dense_scan(self) -> str:
-        """The candidate scan in use: 'bf16', 'int8', 'gpu' or 'faiss'."""
-        if self.scan is None:
-            return "faiss"
-        if isinstance(self.scan, device_scan.DeviceScan):
-            return "gpu"
-        return "int8" if isinstance(self.scan, Int8Scan) else "bf16"
+        """The candidate scan in use: 'faiss' or a registered scan ('bf16', 'int8', 'gpu')."""
+        return self.scan.name
 
     @property
     def batch_cost_curve(self) -> dict[int, float] | None:
-        """A batch's cost relative to one query by batch size, as timed at start-up (exact
-        dense with a timed plan only; see :meth:`ScanPlan.cost_curve`)."""
-        return self.plan.cost_curve() if self.kind == "edr" else None
+        """A batch's cost relative to one query by batch size, as timed at start-up (a scanned
+        kind with a timed plan only; see :meth:`ScanPlan.cost_curve`)."""
+        return self.plan.cost_curve() if self.entry.scan else None
 
     @property
     def scan_label(self) -> str:
-        """The paths in use for report headers: :attr:`dense_scan` with the int8 code levels
+        """The paths in use for report headers: the scan's label with the int8 code levels
         and kernel ('int8 +-127/63 fbgemm'), and the batch sizes FAISS answers when it answers some
         ('faiss at batch 1, int8 +-127 at 2-16')."""
-        name = self.scan.label if isinstance(self.scan, (Int8Scan, device_scan.DeviceScan)) else self.dense_scan
-        return self.plan.label(name)
+        return self.scan.label
 
     def __repr__(self) -> str:
         pad = f", padded_rows={self.padded_rows}" if self.padded_rows else ""
         return f"DenseRetriever({self.name!r}, n_docs={self.n_docs}{pad})"
 
     # ------------------------------------------------------------------ search
-    def _faiss_search(self, Q: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        if self.faiss_threads:
-            # OpenMP's thread count is per calling thread: set it in *this* thread, which
-            # may be an asynchronous-verification worker (else it would use one thread per
-            # core next to the generator, and oversubscribed spin-waiting made searches ~6x
-            # slower in our measurements).
-            import faiss
-
-            faiss.omp_set_num_threads(self.faiss_threads)
-        if self.kind == "edr":
-            return faiss_search(self.index, Q, n)  # batches on FAISS's BLAS path
-        return self.index.search(np.ascontiguousarray(Q, dtype=np.float32), int(n))
-
-    def _candidates(self, D: np.ndarray, I: np.ndarray, n: int) -> Candidates:
-        valid = I >= 0
-        bound = float(D[valid][-1]) if valid.any() else None
-        real = valid & (I < self.n_docs)
-        complete = n >= self.n_rows or int(valid.sum()) < n
-        return Candidates(ids=I[real].astype(np.int64), bound=bound, complete=complete)
-
-    def _resolve(self, q: np.ndarray, k: int, first: tuple[np.ndarray, np.ndarray] | None) -> list[Hit]:
-        n_first = min(k + self.rerank_margin, self.n_rows)
-
-        def candidates(n: int) -> Candidates:
-            nonlocal first
-            if first is not None and n == n_first:
-                D, I = first
-                first = None
-            else:
-                D, I = self._faiss_search(q[None, :], n)
-                D, I = D[0], I[0]
-            return self._candidates(D, I, n)
-
-        hits, _ = exact_top_k(
-            k, n_first, self.n_rows, candidates, lambda ids: self.scorer.score_ids(q, ids), self.stats
-        )
-        if len(hits) < min(k, self.n_docs):
-            # HNSW ran out of candidates (it returns fewer than asked for very large k):
-            # rank every document exactly instead
-            self.stats["exhaustive"] = self.stats.get("exhaustive", 0) + 1
-            hits = rank_hits(np.arange(self.n_docs), self.scorer.score(q, self.scorer.vectors), k)
-        return hits
-
     def search_vectors(self, query_reps: Sequence[np.ndarray], k: int) -> list[list[Hit]]:
-        """Top-``k`` for already encoded queries (one batched FAISS call + exact re-scoring)."""
+        """Top-``k`` for already encoded queries: one candidate scan for the batch (its
+        candidate sets provably contain the exact top-k), then exact float64 re-scoring."""
         if k <= 0 or len(query_reps) == 0:
             return [[] for _ in query_reps]
         Q = np.stack([np.asarray(q, dtype=np.float32) for q in query_reps])
-        if self.scan is not None and self.plan.route(len(Q)) != "faiss":
-            # one bf16 or int8 pass for the whole batch; its candidate sets provably contain
-            # the exact top-k, which the float64 re-scoring then ranks (see bf16_scan, int8_scan)
-            cands = self.scan.candidates(Q, k)
-            self.stats["searches"] += len(query_reps)
-            self.stats["candidates"] = self.stats.get("candidates", 0) + int(sum(c.size for c in cands))
-            return [rank_hits(ids, self.scorer.score_ids(Q[i], ids), k) for i, ids in enumerate(cands)]
-        n_first = min(k + self.rerank_margin, self.n_rows)
-        D, I = self._faiss_search(Q, n_first)
+        cands = self.scan.candidates(Q, k)
         self.stats["searches"] += len(query_reps)
-        return [self._resolve(Q[i], k, (D[i], I[i])) for i in range(len(query_reps))]
+        self.stats["candidates"] = self.stats.get("candidates", 0) + int(sum(c.size for c in cands))
+        return [rank_hits(ids, self.scorer.score_ids(Q[i], ids), k) for i, ids in enumerate(cands)]
 
     def search(self, query: str, k: int) -> list[Hit]:
         return self.batch_search([query], k)[0]

@@ -5,9 +5,15 @@ All derive from :class:`ValueError`, and every message says what to do about it.
 
 from __future__ import annotations
 
+from ralm.retrievers import UnknownRetrieverError
 
-class UnknownRetrieverError(ValueError):
-    """The retriever kind is not one of edr, adr, sr."""
+__all__ = [
+    "CorruptIndexError",
+    "IndexMismatchError",
+    "IndexNotFoundError",
+    "RetrieverIndexError",
+    "UnknownRetrieverError",
+]
 
 
 class RetrieverIndexError(ValueError):

@@ -1,8 +1,9 @@
 """Loading KB retrievers from validated index directories.
 
-``load_retriever(cfg, corpus, index_dir)`` returns a :class:`~ralm.retrieval.dense.DenseRetriever`
-(edr, adr) or :class:`~ralm.retrieval.bm25.SparseRetriever` (sr) after checking the
-index's manifest (:func:`~ralm.retrieval.index_build.validate_index`).
+``load_retriever(cfg, corpus, index_dir)`` returns the retriever of ``cfg.kind`` (its family's
+loader, :mod:`ralm.retrievers`: a :class:`~ralm.retrieval.dense.DenseRetriever` for edr and adr, a
+:class:`~ralm.retrieval.bm25.SparseRetriever` for sr) after checking the index's manifest
+(:func:`~ralm.retrieval.index_build.validate_index`).
 ``ensure_index`` builds the index first when there is none.
 """
 
@@ -12,29 +13,16 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ralm.config import RetrieverConfig
 from ralm.corpus import Corpus
-from ralm.retrieval.bm25 import SparseRetriever
-from ralm.retrieval.dense import DenseRetriever
-from ralm.retrieval.errors import CorruptIndexError, IndexNotFoundError
-from ralm.retrieval.index_build import (
-    DENSE_KINDS,
-    KINDS,
-    LUCENE_SUBDIR,
-    MANIFEST,
-    build_hint,
-    build_index,
-    check_encoder,
-    check_kind,
-    validate_index,
-)
+from ralm.retrieval.errors import IndexNotFoundError
+from ralm.retrieval.index_build import MANIFEST, build_hint, build_index, validate_index
 from ralm.retrieval.shared_encoder import get_encoder
+from ralm.retrievers import check_kind, entry, kinds
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KINDS", "check_kind", "get_encoder", "load_retriever", "ensure_index", "build_index"]
+__all__ = ["kinds", "check_kind", "get_encoder", "load_retriever", "ensure_index", "build_index"]
 
 
 def _resolve_dir(cfg: RetrieverConfig, corpus: Corpus, index_dir: str | Path | None) -> Path:
@@ -64,51 +52,11 @@ def load_retriever(
     for ``cfg.encoder``). ``checksums=False`` skips the sha256 of the index files (sizes
     are still checked).
     """
-    kind = check_kind(cfg.kind)
+    e = entry(cfg.kind)
     index_dir = _resolve_dir(cfg, corpus, index_dir)
     manifest = validate_index(index_dir, cfg, corpus, checksums=checksums, check_params=check_params)
-    hint = f"rebuild it with `{build_hint(kind, corpus, index_dir)}`"
-    if kind in DENSE_KINDS:
-        import faiss
-
-        enc = encoder if encoder is not None else get_encoder(cfg.encoder)
-        check_encoder(manifest, enc, index_dir)
-        try:
-            vectors = np.load(index_dir / "vectors.npy", allow_pickle=False)
-            index = faiss.read_index(str(index_dir / "index.faiss"))
-        except Exception as e:
-            raise CorruptIndexError(f"index at {index_dir} is unreadable ({type(e).__name__}: {e}); {hint}") from None
-        if vectors.shape != (len(corpus), manifest["encoder"]["dim"]) or vectors.dtype != np.float32:
-            raise CorruptIndexError(
-                f"index at {index_dir}: vectors.npy has shape {vectors.shape} "
-                f"{vectors.dtype}, expected ({len(corpus)}, {manifest['encoder']['dim']}) float32; {hint}"
-            )
-        if int(index.ntotal) != len(corpus):
-            raise CorruptIndexError(
-                f"index at {index_dir}: index.faiss has {index.ntotal} rows, expected {len(corpus)}; {hint}"
-            )
-        return DenseRetriever(
-            kind,
-            enc,
-            vectors,
-            index,
-            hnsw_m=cfg.hnsw_m,
-            ef_construction=cfg.hnsw_ef_construction,
-            ef_search=cfg.hnsw_ef_search,
-            pad_to=cfg.pad_to if kind == "edr" else 0,
-            rerank_margin=cfg.rerank_margin,
-            faiss_threads=cfg.faiss_threads,
-            dense_scan=cfg.dense_scan,
-        )
-
-    if cfg.pad_to:
-        log.warning("pad_to=%d ignored: padding only applies to the edr retriever", cfg.pad_to)
-    try:
-        return SparseRetriever(
-            index_dir / LUCENE_SUBDIR, corpus.ids, k1=cfg.bm25_k1, b=cfg.bm25_b, rerank_margin=cfg.rerank_margin
-        )
-    except Exception as e:
-        raise CorruptIndexError(f"index at {index_dir} is unreadable ({type(e).__name__}: {e}); {hint}") from None
+    hint = f"rebuild it with `{build_hint(e.kind, corpus, index_dir)}`"
+    return e.family.load(e, cfg, corpus, index_dir, manifest, encoder, hint)
 
 
 def ensure_index(

@@ -35,34 +35,17 @@ import numpy as np
 from ralm.checksums import sha256_file  # noqa: F401  (re-exported for callers)
 from ralm.config import RetrieverConfig
 from ralm.corpus import Corpus
-from ralm.retrieval.dense import build_faiss_index
-from ralm.retrieval.errors import CorruptIndexError, IndexMismatchError, IndexNotFoundError, UnknownRetrieverError
-from ralm.retrieval.lucene_env import JVM_LOCK, ensure_lucene
-from ralm.retrieval.passage_vectors import cache_file, passage_vectors
-from ralm.retrieval.shared_encoder import get_encoder
+from ralm.retrieval.errors import CorruptIndexError, IndexMismatchError, IndexNotFoundError
+from ralm.retrieval.lucene_env import ensure_lucene
+from ralm.retrievers import RetrieverEntry, check_kind, entry, kinds
+
+__all__ = ["build_index", "check_kind", "kinds", "validate_index", "read_manifest", "check_encoder", "sha256_file"]
 
 log = logging.getLogger(__name__)
 
-KINDS = ("edr", "adr", "sr")
-DENSE_KINDS = ("edr", "adr")
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 LUCENE_SUBDIR = "lucene"
-_SKIP_FILES = {"write.lock"}
-
-# build-time parameters per kind: a mismatch with the config means another index
-BUILD_PARAMS = {
-    "edr": ("encoder",),
-    "adr": ("encoder", "hnsw_m", "hnsw_ef_construction"),
-    "sr": (),
-}
-
-
-def check_kind(kind: str) -> str:
-    """Return ``kind`` if it is a known retriever kind, else raise :class:`UnknownRetrieverError`."""
-    if kind not in KINDS:
-        raise UnknownRetrieverError(f"unknown retriever {kind!r}: choose one of {', '.join(KINDS)}")
-    return kind
 
 
 def build_hint(kind: str, corpus: Corpus | None = None, out_dir: str | Path | None = None) -> str:
@@ -74,59 +57,14 @@ def build_hint(kind: str, corpus: Corpus | None = None, out_dir: str | Path | No
     return " ".join(parts)
 
 
-def _index_files(out_dir: Path, kind: str) -> list[Path]:
-    if kind in DENSE_KINDS:
-        return [out_dir / "vectors.npy", out_dir / "index.faiss"]
-    root = out_dir / LUCENE_SUBDIR
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.name not in _SKIP_FILES)
-
-
-def _versions(kind: str) -> dict[str, str]:
+def _versions(e: RetrieverEntry) -> dict[str, str]:
     out = {"python": platform.python_version()}
-    pkgs = ["ralmspec", "numpy"] + (["faiss-cpu", "torch", "transformers"] if kind in DENSE_KINDS else ["pyserini"])
-    for p in pkgs:
+    for p in ("ralmspec", "numpy"):
         try:
             out[p] = metadata.version(p)
         except metadata.PackageNotFoundError:
-            if p == "faiss-cpu":
-                try:
-                    import faiss
-
-                    out["faiss"] = faiss.__version__
-                except Exception:  # pragma: no cover
-                    pass
-    if kind == "sr":
-        try:
-            from jnius import autoclass
-
-            with JVM_LOCK:
-                out["lucene"] = str(autoclass("org.apache.lucene.util.Version").LATEST.toString())
-        except Exception:  # pragma: no cover
             pass
-    return out
-
-
-def _params(kind: str, cfg: RetrieverConfig) -> dict[str, Any]:
-    if kind == "edr":
-        return {"metric": "inner_product", "faiss_index": "IndexFlatIP"}
-    if kind == "adr":
-        return {
-            "metric": "inner_product",
-            "faiss_index": "IndexHNSWFlat",
-            "hnsw_m": cfg.hnsw_m,
-            "hnsw_ef_construction": cfg.hnsw_ef_construction,
-        }
-    return {
-        "analyzer": "DefaultEnglishAnalyzer",
-        "language": "en",
-        "stemmer": "porter",
-        "stopwords": True,
-        "field": "contents",
-        "contents": "title + '\\n' + contents",
-        "store_positions": True,
-        "store_docvectors": True,
-        "store_raw": True,
-    }
+    return {**out, **e.family.versions()}
 
 
 def _write_json_collection(corpus: Corpus, coll_dir: Path, progress: bool) -> None:
@@ -153,7 +91,7 @@ def _quiet_lucene_logs() -> None:
         pass
 
 
-def _build_lucene(corpus: Corpus, index_dir: Path, threads: int, progress: bool) -> None:
+def build_lucene(corpus: Corpus, index_dir: Path, threads: int, progress: bool) -> None:
     ensure_lucene()
     from jnius import autoclass
 
@@ -194,7 +132,7 @@ def _build_lucene(corpus: Corpus, index_dir: Path, threads: int, progress: bool)
         raise RuntimeError(f"Lucene indexed {n} documents out of {len(corpus)}: duplicate or invalid ids?")
 
 
-def _write_vectors(vectors: np.ndarray, dst: Path, cached: Path | None) -> None:
+def write_vectors(vectors: np.ndarray, dst: Path, cached: Path | None) -> None:
     """``vectors.npy`` of an index: a hard link to the embedding cache's file when there is
     one on the same file system (the same bytes: both are ``np.save`` of this float32 array),
     else written. A large corpus' vectors then take their disk space once."""
@@ -229,7 +167,7 @@ def build_index(
     embedding cache at ``vectors_cache``, the shipped demo embeddings, or encoding), so the
     edr and adr indexes of one corpus encode it once.
     """
-    check_kind(kind)
+    e = entry(kind)
     cfg = cfg or RetrieverConfig(kind=kind)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -242,43 +180,27 @@ def build_index(
         "kind": kind,
         "corpus": {"sha256": corpus.sha256, "n_docs": len(corpus), "path": corpus.path},
         "n_docs": len(corpus),
-        "params": _params(kind, cfg),
+        "params": e.index_params(cfg),
         "config": cfg.model_dump(mode="json"),
     }
-    if kind in DENSE_KINDS:
-        import faiss
-
-        enc = encoder if encoder is not None else get_encoder(cfg.encoder)
-        if vectors is None:
-            vectors, source = passage_vectors(
-                corpus, enc, cache_dir=vectors_cache, progress=progress, batch_size=batch_size
-            )
-        else:
-            source = {"source": "given"}
-        manifest["vectors"] = source
-        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
-        if vectors.shape != (len(corpus), enc.dim):
-            raise ValueError(f"vectors have shape {vectors.shape}, expected ({len(corpus)}, {enc.dim})")
-        for p in (out_dir / "vectors.npy", out_dir / "index.faiss"):
-            if p.exists():
-                p.unlink()
-        _write_vectors(
-            vectors,
-            out_dir / "vectors.npy",
-            None if source["source"] == "given" else cache_file(corpus, enc, vectors_cache),
-        )
-        index = build_faiss_index(kind, vectors, cfg.hnsw_m, cfg.hnsw_ef_construction, progress=progress)
-        faiss.write_index(index, str(out_dir / "index.faiss"))
-        manifest["encoder"] = {"name": enc.name, "fingerprint": enc.fingerprint, "dim": int(vectors.shape[1])}
-    else:
-        with JVM_LOCK:
-            _build_lucene(corpus, out_dir / LUCENE_SUBDIR, threads, progress)
-        manifest["encoder"] = None
-    files = _index_files(out_dir, kind)
+    e.family.build(
+        e,
+        corpus,
+        out_dir,
+        cfg,
+        manifest,
+        progress=progress,
+        encoder=encoder,
+        threads=threads,
+        batch_size=batch_size,
+        vectors=vectors,
+        vectors_cache=vectors_cache,
+    )
+    files = e.family.index_files(out_dir)
     manifest["files"] = {
         str(p.relative_to(out_dir)): {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files
     }
-    manifest["versions"] = _versions(kind)
+    manifest["versions"] = _versions(e)
     manifest["created"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     manifest["build_seconds"] = round(time.time() - t0, 3)
     tmp = manifest_path.with_suffix(".json.tmp")
@@ -291,7 +213,7 @@ def build_index(
 # ---------------------------------------------------------------------- validation
 
 
-def read_manifest(index_dir: str | Path, kind: str = "edr", corpus: Corpus | None = None) -> dict:
+def read_manifest(index_dir: str | Path, kind: str, corpus: Corpus | None = None) -> dict:
     """The manifest of ``index_dir``; :class:`IndexNotFoundError` / :class:`CorruptIndexError` if unusable."""
     index_dir = Path(index_dir)
     path = index_dir / MANIFEST
@@ -317,7 +239,7 @@ def read_manifest(index_dir: str | Path, kind: str = "edr", corpus: Corpus | Non
 def verify_files(index_dir: str | Path, manifest: dict, checksums: bool = True, corpus: Corpus | None = None) -> None:
     """Check every index file's size (and sha256 unless ``checksums=False``) against the manifest."""
     index_dir = Path(index_dir)
-    kind = manifest.get("kind", "edr")
+    kind = manifest["kind"]
     hint = f"rebuild it with `{build_hint(kind, corpus, index_dir)}`"
     for rel, info in sorted(manifest["files"].items()):
         p = index_dir / rel
@@ -348,7 +270,8 @@ def validate_index(
     efConstruction), then the size and sha256 of every file. The encoder's weights
     fingerprint is checked once the encoder is loaded (:func:`check_encoder`).
     """
-    kind = check_kind(cfg.kind)
+    e = entry(cfg.kind)
+    kind = e.kind
     index_dir = Path(index_dir)
     manifest = read_manifest(index_dir, kind, corpus)
     hint = f"rebuild it with `{build_hint(kind, corpus, index_dir)}`"
@@ -364,7 +287,7 @@ def validate_index(
             f"{c.get('n_docs')} passages, {c.get('path') or 'unknown path'}), not this one "
             f"(sha256 {corpus.sha256[:12]}..., {len(corpus)} passages, {corpus.path or 'in memory'}); {hint}"
         )
-    if kind in DENSE_KINDS:
+    if e.family.encodes:
         enc = manifest.get("encoder") or {}
         if enc.get("name") != cfg.encoder:
             raise IndexMismatchError(
@@ -373,7 +296,7 @@ def validate_index(
                 f"use the same encoder or {hint}"
             )
     if check_params:
-        for name in BUILD_PARAMS[kind]:
+        for name in e.build_params:
             if name == "encoder":
                 continue
             built = manifest.get("params", {}).get(name)
@@ -393,7 +316,7 @@ def check_encoder(manifest: dict, encoder: Any, index_dir: str | Path) -> None:
         raise IndexMismatchError(
             f"index at {index_dir} was built with encoder {enc.get('fingerprint')!r}, but the loaded encoder "
             f"is {encoder.fingerprint!r} (different weights); rebuild the index with "
-            f"`{build_hint(manifest.get('kind', 'edr'), None, index_dir)}`"
+            f"`{build_hint(manifest['kind'], None, index_dir)}`"
         )
     if enc.get("dim") is not None and int(enc["dim"]) != int(encoder.dim):
         raise IndexMismatchError(

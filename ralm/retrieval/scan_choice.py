@@ -41,16 +41,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from ralm.retrieval import bf16_scan, device_scan, int8_kernels, int8_scan
-from ralm.retrieval.faiss_search import faiss_search
+from ralm import constants as C
+from ralm.retrieval import bf16_scan, int8_kernels, scans
+from ralm.retrieval.faiss_search import FaissScan, faiss_search
 
 log = logging.getLogger(__name__)
 
-SCANS = ("auto", "faiss", "bf16", "int8", "gpu")
+SCAN_MODES = ("auto", "faiss", *scans.SCANS)  # retriever.dense_scan: a registered scan, FAISS, or timed
 TIMING_ROWS = 1 << 16  # rows per timed call: 96 MiB of float32 at 384 dims, beyond a CPU's L3 cache
 TIMING_BATCHES = (1, 4, 16)  # a direct step and the verification batch sizes OS3 uses (2-16)
 TIMING_REPS = 2  # best of, per batch size (after a warm-up call)
@@ -165,25 +168,19 @@ def kernel_ms(path: str, dim: int, batch: int, faiss_threads: int = 1) -> float:
     return float(best * 1e3)
 
 
-def plan_scan(mode: str, dim: int, faiss_threads: int = 1, n_rows: int | None = None) -> ScanPlan:
-    """The :class:`ScanPlan` for ``mode`` ('auto', 'faiss', 'bf16', 'int8') over ``n_rows``
-    rows of ``dim`` (None: a large index).
+def choose_plan(mode: str, dim: int, faiss_threads: int = 1, n_rows: int | None = None) -> ScanPlan:
+    """The :class:`ScanPlan` for ``mode`` ('auto', 'faiss', or a registered scan: 'bf16', 'int8',
+    'gpu') over ``n_rows`` rows of ``dim`` (None: a large index).
 
     A forced mode that cannot run exactly here raises ``RuntimeError`` (from the scan's own
     probe) instead of silently falling back."""
-    if mode not in SCANS:
-        raise ValueError(f"dense_scan must be one of {', '.join(SCANS)}, not {mode!r}")
+    if mode not in SCAN_MODES:
+        raise ValueError(f"dense_scan must be one of {', '.join(SCAN_MODES)}, not {mode!r}")
     if mode == "faiss":
         return ScanPlan("faiss")
-    if mode == "gpu":  # an explicit choice: the index then takes GPU memory (auto stays on the CPU)
-        device_scan.default_device()  # raises when this process sees no CUDA device
-        return ScanPlan("gpu")
-    if mode == "bf16":
-        bf16_scan.available("bf16")  # raises when unsound
-        return ScanPlan("bf16")
-    if mode == "int8":
-        int8_scan.available("int8", dim)  # raises when no kernel is exact
-        return ScanPlan("int8")
+    if mode != "auto":
+        scans.scan_kind(mode).available(mode, dim)  # raises when it cannot run exactly here
+        return ScanPlan(mode)
     usable = (["bf16"] if bf16_scan.available("auto") else []) + [f"int8:{k}" for k in int8_kernels.exact_kernels(dim)]
     if n_rows is not None and n_rows < TIMING_ROWS:  # small: any path is fast, none is worth timing
         return ScanPlan(usable[-1].partition(":")[0] if usable else "faiss")  # int8 where exact, else bf16
@@ -212,7 +209,84 @@ def _measure(usable: list[str], dim: int, faiss_threads: int) -> ScanPlan:
 
 def choose_scan(mode: str, dim: int, faiss_threads: int = 1) -> str:
     """The low-precision scan ``mode`` builds ('bf16', 'int8'), or 'faiss' for none."""
-    return plan_scan(mode, dim, faiss_threads).scan
+    return choose_plan(mode, dim, faiss_threads).scan
+
+
+class RoutedScan:
+    """One candidate scan (:class:`~ralm.retrieval.scans.CandidateScan`) that sends each batch,
+    by its size, to the plan's low-precision scan or to FAISS (:meth:`ScanPlan.route`).
+
+    ``low``: the built scan of ``plan.scan`` (None for 'faiss'); ``faiss``: FAISS's candidate
+    stage (:class:`~ralm.retrieval.faiss_search.FaissScan`; None when the plan never routes
+    to it)."""
+
+    def __init__(self, plan: ScanPlan, low: scans.CandidateScan | None, faiss: FaissScan | None):
+        if (low is None) != (plan.scan == "faiss") or (faiss is None and (plan.scan == "faiss" or plan.faiss_batches)):
+            raise ValueError(f"the scans built do not match the plan {plan}")
+        self.plan = plan
+        self.low = low
+        self.faiss = faiss
+        self.n_real = (low or faiss).n_real  # type: ignore[union-attr]
+        self.n_rows = (low or faiss).n_rows  # type: ignore[union-attr]
+
+    @property
+    def name(self) -> str:
+        """The scan in use: 'faiss' or the registered scan's name ('bf16', 'int8', 'gpu')."""
+        return self.plan.scan
+
+    @property
+    def label(self) -> str:
+        """The paths in use for report headers: the scan's own label ('int8 +-127/63 fbgemm'),
+        and the batch sizes FAISS answers when it answers some ('faiss at 1, int8 +-127 at 2+')."""
+        return self.plan.label(self.low.label if self.low is not None else None)
+
+    def candidates(self, queries: np.ndarray | Sequence[np.ndarray], k: int) -> list[np.ndarray]:
+        path = self.faiss if self.plan.route(len(queries)) == "faiss" else self.low
+        return path.candidates(queries, k)  # type: ignore[union-attr]
+
+
+def plan_scan(
+    mode: str,
+    rows: np.ndarray,
+    index: Any,
+    score_ids: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    *,
+    flat: bool = True,
+    pad_rows: int = 0,
+    pad_chunks: Callable[[int], Iterable[np.ndarray]] = lambda n: (),
+    rerank_margin: int = C.RERANK_MARGIN,
+    faiss_threads: int = C.FAISS_THREADS,
+    int8_kernel: str | None = None,
+    stats: dict | None = None,
+) -> RoutedScan:
+    """The built candidate scan of a dense index for ``mode``: its plan (:func:`choose_plan`;
+    an index that is not ``flat`` always takes FAISS), the plan's scan over ``rows`` and
+    ``pad_rows`` padding rows (``pad_chunks(n)`` yields them), and FAISS's stage over ``index``
+    when the plan routes batches to it (its index padded to match, when that fits in
+    :data:`~ralm.constants.FAISS_PAD_MAX_BYTES`; else every batch goes to the scan).
+    ``score_ids(query, ids)``: the exact scores FAISS's candidates are re-scored with."""
+    n_real, dim = rows.shape
+    plan = choose_plan(mode if flat else "faiss", dim, faiss_threads, n_real + int(pad_rows))
+    if plan.faiss_batches and pad_rows * dim * 4 > C.FAISS_PAD_MAX_BYTES:
+        # padding the FAISS index as well would not fit: every batch goes to the scan
+        log.warning(
+            "dense scan: FAISS routes dropped (padding its index to %d rows would take %.1f GiB)",
+            n_real + pad_rows,
+            pad_rows * dim * 4 / 2**30,
+        )
+        plan = ScanPlan(plan.scan, (), plan.int8_kernel, plan.timings)
+    low = None
+    if plan.scan != "faiss":
+        kernel = int8_kernel or plan.int8_kernel
+        low = scans.make_scan(plan.scan, rows, pad_chunks(pad_rows), pad_rows=pad_rows, int8_kernel=kernel)
+    faiss = None
+    if plan.scan == "faiss" or plan.faiss_batches:
+        for chunk in pad_chunks(pad_rows):  # FAISS answers some batches: it costs what the scan does
+            index.add(chunk)
+        faiss = FaissScan(
+            index, n_real, score_ids, rerank_margin=rerank_margin, flat=flat, faiss_threads=faiss_threads, stats=stats
+        )
+    return RoutedScan(plan, low, faiss)
 
 
 def auto_timings(dim: int, faiss_threads: int = 1) -> dict[str, dict[int, float]] | None:

@@ -120,6 +120,6 @@ def test_the_retriever_refuses_gpu_without_cuda_and_equals_faiss_on_a_device(mon
     gpu = DenseRetriever("edr", None, X, pad_to=20000, dense_scan="gpu")
     faiss = DenseRetriever("edr", None, X, pad_to=20000, dense_scan="faiss")
     assert gpu.dense_scan == "gpu" and gpu.scan_label == "fp16 on cpu" and gpu.n_rows == 20000
-    assert scan_choice.plan_scan("gpu", 32).scan == "gpu"
+    assert scan_choice.choose_plan("gpu", 32).scan == "gpu"
     for batch in ([Q[0]], Q[:2], Q):
         assert gpu.search_vectors(batch, 10) == faiss.search_vectors(batch, 10)

@@ -225,7 +225,7 @@ def test_edr_int8_equals_faiss(index_dirs, dense_encoder, retriever_configs, fix
         other = DenseRetriever(
             "edr", dense_encoder, kbs["faiss"].scorer.vectors, pad_to=pad_to, dense_scan="int8", int8_kernel=name
         )
-        assert other.scan.kernel.name == name
+        assert other.scan.low.kernel.name == name
         assert other.batch_search(sample_queries[:48], 4) == kbs["faiss"].batch_search(sample_queries[:48], 4)
     assert kbs["int8"].n_rows == kbs["faiss"].n_rows == max(pad_to, len(fixture_corpus))
     queries = sample_queries[:48]

@@ -47,27 +47,27 @@ AVX2 = {"faiss": {1: 10.0, 4: 42.0, 16: 50.0}, "int8:int_mm": _curve(30.0, 0.2)}
 
 def test_each_batch_size_goes_to_the_path_that_is_faster_there(fresh):
     timed = _machine(fresh, bf16_hw=False, int8=("int_mm",), ms=AVX2)
-    plan = scan_choice.plan_scan("auto", 384)
+    plan = scan_choice.choose_plan("auto", 384)
     assert plan == ScanPlan("int8", (1,), "int_mm") and plan.timings == AVX2
     assert [plan.route(b) for b in (1, 2, 3, 5, 16, 40)] == ["faiss"] + ["int8"] * 5
     # a small index is not timed: the exact int8 scan
-    assert scan_choice.plan_scan("auto", 384, n_rows=scan_choice.TIMING_ROWS - 1) == ScanPlan("int8")
+    assert scan_choice.choose_plan("auto", 384, n_rows=scan_choice.TIMING_ROWS - 1) == ScanPlan("int8")
     assert plan.label("int8 +-127") == "faiss at 1, int8 +-127 at 2+"
     assert ScanPlan("int8", (1, 4)).label() == "faiss at 1-4, int8 at 5+"
-    assert scan_choice.plan_scan("auto", 384) is plan and len(timed) == 2 * len(TIMING_BATCHES)  # timed once
+    assert scan_choice.choose_plan("auto", 384) is plan and len(timed) == 2 * len(TIMING_BATCHES)  # timed once
     assert scan_choice.auto_timings(384) == AVX2
 
 
 def test_faiss_wins_everywhere_and_no_scan_is_built(fresh):
     _machine(fresh, bf16_hw=False, int8=("int_mm",), ms={"faiss": _curve(5.0, 0.1), "int8:int_mm": _curve(30.0, 0.2)})
-    plan = scan_choice.plan_scan("auto", 384)
+    plan = scan_choice.choose_plan("auto", 384)
     assert plan.scan == "faiss" and scan_choice.choose_scan("auto", 384) == "faiss"
     assert {plan.route(b) for b in (1, 4, 16)} == {"faiss"} and plan.label() == "faiss"
 
 
 def test_the_scan_wins_everywhere(fresh):
     _machine(fresh, bf16_hw=False, int8=("int_mm",), ms={"faiss": _curve(50.0, 5.0), "int8:int_mm": _curve(30.0, 0.2)})
-    plan = scan_choice.plan_scan("auto", 384)
+    plan = scan_choice.choose_plan("auto", 384)
     assert plan == ScanPlan("int8", (), "int_mm") and {plan.route(b) for b in (1, 4, 16)} == {"int8"}
 
 
@@ -77,30 +77,30 @@ def test_the_faster_int8_kernel_is_built(fresh):
     on the AVX2-only EPYC, _int_mm's wins on a machine where it is the faster."""
     ms = {"faiss": _curve(6.8, 1.5), "int8:fbgemm": _curve(2.8, 0.5), "int8:int_mm": _curve(19.0, 20.0)}
     timed = _machine(fresh, bf16_hw=False, int8=("fbgemm", "int_mm"), ms=ms)
-    plan = scan_choice.plan_scan("auto", 384)
+    plan = scan_choice.choose_plan("auto", 384)
     assert plan == ScanPlan("int8", (), "fbgemm") and {p for p, _ in timed} == set(ms)
     assert plan.label("int8 +-127/63 fbgemm") == "int8 +-127/63 fbgemm"
     fresh.setattr(scan_choice, "_auto", {})
     _machine(fresh, bf16_hw=False, int8=("fbgemm", "int_mm"), ms={**ms, "int8:int_mm": _curve(0.2, 0.07)})
-    assert scan_choice.plan_scan("auto", 384) == ScanPlan("int8", (), "int_mm")
+    assert scan_choice.choose_plan("auto", 384) == ScanPlan("int8", (), "int_mm")
 
 
 def test_bf16_wins_where_it_is_faster_than_int8(fresh):
     ms = {"faiss": _curve(40.0, 3.0), "int8:int_mm": _curve(30.0, 0.2), "bf16": _curve(12.0, 0.5)}
     fresh.setattr(bf16_scan, "_probe_result", True)  # a sound bf16 kernel
     _machine(fresh, bf16_hw=True, int8=("int_mm",), ms=ms)
-    plan = scan_choice.plan_scan("auto", 768)
+    plan = scan_choice.choose_plan("auto", 768)
     assert plan == ScanPlan("bf16", ()) and set(plan.timings or {}) == {"faiss", "int8:int_mm", "bf16"}
 
 
 def test_with_no_low_precision_scan_auto_is_faiss_and_forced_modes_raise(fresh):
     timed = _machine(fresh, bf16_hw=False, int8=(), ms={"faiss": _curve(5.0, 1.0)})
-    assert scan_choice.plan_scan("auto", 384) == ScanPlan("faiss") and {p for p, _ in timed} == {"faiss"}
-    assert scan_choice.plan_scan("faiss", 384) == ScanPlan("faiss")
+    assert scan_choice.choose_plan("auto", 384) == ScanPlan("faiss") and {p for p, _ in timed} == {"faiss"}
+    assert scan_choice.choose_plan("faiss", 384) == ScanPlan("faiss")
     with pytest.raises(RuntimeError, match="no int8 matrix product is exact"):
-        scan_choice.plan_scan("int8", 384)
+        scan_choice.choose_plan("int8", 384)
     with pytest.raises(ValueError, match="dense_scan must be one of"):
-        scan_choice.plan_scan("fp8", 384)
+        scan_choice.choose_plan("fp8", 384)
 
 
 def test_a_split_plan_gives_the_same_hits_as_every_single_path(fresh):

@@ -4,7 +4,11 @@ A speculative cache scores its cached documents with the KB's own scoring functi
 the router exposes one: queries are encoded here (the dense encoder, or BM25 analysis over
 the *global* term statistics summed over the shards) and document keys are fetched from
 the shards that own them and kept in an LRU. With these, the coordinator's cache ranks
-documents bit for bit as the unsharded KB would.
+documents bit for bit as the unsharded KB would. A scorer also says which shard method
+answers a batch of encoded queries (:meth:`shard_call`); a retriever family makes its
+scorer (:attr:`ralm.retrievers.Family.router_scorer`).
+
+Pure Python over the router's two calls (:class:`ShardRouter`): no Ray here.
 """
 
 from __future__ import annotations
@@ -61,6 +65,11 @@ class _ShardScorer(ABC):
     def score_function(self) -> Callable[[Any, Sequence[Any]], np.ndarray]:
         """The KB's pure scoring function, ``(query_rep, keys) -> float64 scores``."""
 
+    @abstractmethod
+    def shard_call(self, queries: Sequence[str], reps: Sequence[Any], k: int) -> tuple[str, tuple]:
+        """The shard method (of :class:`actors.shard.RetrievalShard`) and its arguments that
+        return each shard's exact top-``k`` of ``queries`` (``reps``: their :meth:`encode`)."""
+
 
 def dense_score_fn(query_rep: np.ndarray, keys) -> np.ndarray:
     """The dense KB's pure scoring function, in the ``(query_rep, keys)`` order of a scorer."""
@@ -77,6 +86,9 @@ class ShardedDenseScorer(_ShardScorer):
 
     def score_function(self):
         return dense_score_fn
+
+    def shard_call(self, queries: Sequence[str], reps: Sequence[Any], k: int) -> tuple[str, tuple]:
+        return "search_vectors", (reps, k)
 
 
 class ShardedBM25Scorer(_ShardScorer):
@@ -145,3 +157,6 @@ class ShardedBM25Scorer(_ShardScorer):
 
     def score_function(self):
         return self._fn
+
+    def shard_call(self, queries: Sequence[str], reps: Sequence[Any], k: int) -> tuple[str, tuple]:
+        return "search_bm25", (list(queries), reps, self.avgdl, k)
