@@ -33,6 +33,7 @@ from ralm.corpus import Corpus, load_questions
 from ralm.generator import LocalGenerator
 from ralm.retrieval.factory import get_encoder, load_retriever
 from ralm.retrieval.index_build import build_index
+from ralm.retrievers import entry
 from ralm.seq import run_seq
 from ralm.spec import run_spec
 
@@ -91,7 +92,6 @@ def add_gen_bench_args(p: argparse.ArgumentParser) -> None:
 def _setup(args):
     # lazy: loads torch, and cli.build_parser imports this module for every command
     from ralm.engine import LMEngine
-    from ralm.retrievers import entry
 
     corpus = Corpus.load(args.corpus)
     questions = load_questions(args.questions)

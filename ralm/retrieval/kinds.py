@@ -23,7 +23,14 @@ from typing import Any
 import numpy as np
 
 from ralm import retrievers
-from ralm.retrieval.index_build import LUCENE_SUBDIR
+from ralm.retrieval.bm25 import SparseRetriever
+from ralm.retrieval.dense import DenseRetriever, build_faiss_index
+from ralm.retrieval.errors import CorruptIndexError
+from ralm.retrieval.index_build import LUCENE_SUBDIR, build_index, build_lucene, check_encoder, write_vectors
+from ralm.retrieval.lucene_env import JVM_LOCK
+from ralm.retrieval.passage_vectors import cache_file, passage_vectors
+from ralm.retrieval.shard_scoring import ShardedBM25Scorer, ShardedDenseScorer
+from ralm.retrieval.shared_encoder import get_encoder
 from ralm.retrievers import Family, RetrieverEntry
 
 log = logging.getLogger(__name__)
@@ -68,11 +75,6 @@ def _dense_build(
 ) -> None:
     import faiss
 
-    from ralm.retrieval.dense import build_faiss_index
-    from ralm.retrieval.index_build import write_vectors
-    from ralm.retrieval.passage_vectors import cache_file, passage_vectors
-    from ralm.retrieval.shared_encoder import get_encoder
-
     enc = encoder if encoder is not None else get_encoder(cfg.encoder)
     if vectors is None:
         vectors, source = passage_vectors(
@@ -114,7 +116,6 @@ def _dense_versions() -> dict[str, str]:
 
 
 def _dense_retriever(e: RetrieverEntry, cfg, encoder: Any, vectors: np.ndarray, index: Any, pad_to: int):
-    from ralm.retrieval.dense import DenseRetriever
 
     return DenseRetriever(
         e.kind,
@@ -133,10 +134,6 @@ def _dense_retriever(e: RetrieverEntry, cfg, encoder: Any, vectors: np.ndarray, 
 
 def _dense_load(e: RetrieverEntry, cfg, corpus, index_dir: Path, manifest: dict, encoder: Any, hint: str):
     import faiss
-
-    from ralm.retrieval.errors import CorruptIndexError
-    from ralm.retrieval.index_build import check_encoder
-    from ralm.retrieval.shared_encoder import get_encoder
 
     enc = encoder if encoder is not None else get_encoder(cfg.encoder)
     check_encoder(manifest, enc, index_dir)
@@ -158,7 +155,6 @@ def _dense_load(e: RetrieverEntry, cfg, corpus, index_dir: Path, manifest: dict,
 
 
 def _dense_build_slice(e, cfg, full_dir: Path, manifest: dict, sub, lo: int, hi: int, out_dir: Path, progress: bool):
-    from ralm.retrieval.index_build import build_index
 
     vectors = np.load(full_dir / "vectors.npy", mmap_mode="r")
     build_index(
@@ -187,8 +183,6 @@ def _dense_open_slice(e: RetrieverEntry, cfg, shard_dir: Path, n_docs: int, n_sh
 
 
 def _dense_router_scorer(router, cfg, encoder: Any):
-    from ralm.retrieval.shard_scoring import ShardedDenseScorer
-    from ralm.retrieval.shared_encoder import get_encoder
 
     return ShardedDenseScorer(router, encoder if encoder is not None else get_encoder(cfg.encoder))
 
@@ -208,8 +202,6 @@ DENSE = Family(
 
 # ---------------------------------------------------------------------------- sparse
 def _sparse_build(e: RetrieverEntry, corpus, out_dir: Path, cfg, manifest: dict, *, progress=True, threads=1, **_):
-    from ralm.retrieval.index_build import build_lucene
-    from ralm.retrieval.lucene_env import JVM_LOCK
 
     with JVM_LOCK:
         build_lucene(corpus, out_dir / LUCENE_SUBDIR, threads, progress)
@@ -226,8 +218,6 @@ def _sparse_versions() -> dict[str, str]:
     try:
         from jnius import autoclass
 
-        from ralm.retrieval.lucene_env import JVM_LOCK
-
         with JVM_LOCK:
             out["lucene"] = str(autoclass("org.apache.lucene.util.Version").LATEST.toString())
     except Exception:  # pragma: no cover
@@ -236,13 +226,11 @@ def _sparse_versions() -> dict[str, str]:
 
 
 def _sparse_retriever(cfg, lucene_dir: Path, ids):
-    from ralm.retrieval.bm25 import SparseRetriever
 
     return SparseRetriever(lucene_dir, ids, k1=cfg.bm25_k1, b=cfg.bm25_b, rerank_margin=cfg.rerank_margin)
 
 
 def _sparse_load(e: RetrieverEntry, cfg, corpus, index_dir: Path, manifest: dict, encoder: Any, hint: str):
-    from ralm.retrieval.errors import CorruptIndexError
 
     if cfg.pad_to:
         log.warning("pad_to=%d ignored: padding only applies to a flat dense retriever", cfg.pad_to)
@@ -253,7 +241,6 @@ def _sparse_load(e: RetrieverEntry, cfg, corpus, index_dir: Path, manifest: dict
 
 
 def _sparse_build_slice(e, cfg, full_dir: Path, manifest: dict, sub, lo: int, hi: int, out_dir: Path, progress: bool):
-    from ralm.retrieval.index_build import build_index
 
     build_index(e.kind, sub, out_dir, cfg, progress=progress)
     (out_dir / "ids.json").write_text(json.dumps(sub.ids))
@@ -276,7 +263,6 @@ def _sparse_open_slice(e: RetrieverEntry, cfg, shard_dir: Path, n_docs: int, n_s
 
 
 def _sparse_router_scorer(router, cfg, encoder: Any):
-    from ralm.retrieval.shard_scoring import ShardedBM25Scorer
 
     return ShardedBM25Scorer(router, cfg.bm25_k1, cfg.bm25_b)
 
