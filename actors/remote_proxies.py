@@ -28,6 +28,7 @@ from ralm.config import GeneratorConfig
 from ralm.errors import RequestCancelled
 from ralm.retrieval.base import ExactScorer, Hit
 from ralm.step_output import StepOutput
+from ralm.step_request import StepRequest
 
 log = logging.getLogger(__name__)
 
@@ -91,18 +92,15 @@ class RemoteGenerator:
     def step(
         self, doc_id: Any, context: Sequence[int], k: int, ignore_eos: bool = False, options: Any = None
     ) -> StepOutput:
-        """``f`` on the generator deployment; ``doc_id`` may be a tuple of ranked ids and
-        ``options`` a :class:`ralm.drafting.StepOptions` (drafting, FLARE, several documents).
+        """``f`` on the generator deployment: one :class:`~ralm.step_request.StepRequest`, which
+        reaches the engine unchanged (``doc_id`` may be a tuple of ranked ids and ``options``
+        a :class:`ralm.drafting.StepOptions`; the owner is the request's session key).
         Raises :class:`~ralm.errors.RequestCancelled` once the request was cancelled."""
         if self.cancelled.is_set():
             raise RequestCancelled("the request was cancelled")
         self.calls += 1
-        h = self._steps
-        if options is not None:
-            return remote_result(h.step.remote(doc_id, list(context), int(k), bool(ignore_eos), options))
-        if ignore_eos:
-            return remote_result(h.step.remote(doc_id, list(context), int(k), True))
-        return remote_result(h.step.remote(doc_id, list(context), int(k)))
+        req = StepRequest(tuple(context), k, doc_ids=doc_id, ignore_eos=ignore_eos, options=options, owner=self.session)
+        return remote_result(self._steps.step.remote(req))
 
 
 class RemoteScorer:

@@ -2,13 +2,14 @@
 
 A replica owns one :class:`~ralm.engine.LMEngine` (model, tokenizer, doc-KV cache) and
 the corpus text, and serves the deterministic step ``f(doc, context, k)`` to the
-coordinators (:class:`ralm.generator.LocalGenerator` is the code that runs; this class
-only loads it and takes calls). Steps carry the request's generation options
-(:class:`ralm.drafting.StepOptions`: drafting, FLARE, several documents, IDGR). When the app
+coordinators: a step is one :class:`~ralm.step_request.StepRequest`, built by the
+coordinator and handed to the engine's one entry (:meth:`ralm.engine.LMEngine.submit`)
+unchanged; this class only loads the engine and takes calls. A request carries the step's
+generation options (:class:`ralm.drafting.StepOptions`: drafting, FLARE, several documents, IDGR). When the app
 config enables them, a replica also holds a DReSD datastore for dense drafting and a KNN-LM
 token datastore, and runs KNN-LM requests (:mod:`deployments.modes`).
 
-Batching. ``step`` is asynchronous: a plain step is handed to the engine's continuous
+Batching. ``step`` is asynchronous, and the engine decides how a step runs: a plain step joins its continuous
 batcher (:mod:`ralm.batching.continuous_batcher`), so the steps of all requests in flight on a
 replica share one packed forward per iteration (n-gram drafted and FLARE steps too), and
 each still gets the tokens it gets alone. Dense-drafted steps and KNN-LM forward passes
@@ -40,10 +41,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from actors.metrics import record_generator_host, record_generator_iteration
@@ -54,8 +55,8 @@ from ralm.config import GeneratorConfig
 from ralm.corpus import Corpus
 from ralm.engine import LMEngine, StepOutput
 from ralm.errors import RalmInputError
-from ralm.generator import LocalGenerator
 from ralm.job import RalmJob
+from ralm.step_request import StepRequest
 
 if TYPE_CHECKING:
     from ray.serve import Deployment
@@ -141,40 +142,30 @@ class GeneratorServer:
         if self.engine.batcher is not None:
             self.engine.batcher.on_host_time = record_generator_host
         self.corpus = Corpus.load(corpus)
-        self.local = LocalGenerator(self.engine, self.corpus)
+        self.engine.attach_corpus(self.corpus)
+        # without the batcher: steps (and KNN-LM forwards) one at a time, or overlapping
         self._lock: Any = threading.Lock() if serialize_steps else contextlib.nullcontext()
+        self.engine.step_lock = self._lock
         self.steps = 0
         self.dense = load_dense_datastore(dense_drafting, self.engine, self.corpus)
         self.knn = knn_server(knnlm, self.engine, self.corpus, self._lock)
         self.session_keys = SessionKeys(self.engine.release, self.engine.sessions.held, session_keys)
 
-    async def step(
-        self, doc_id: Any, context: Sequence[int], k: int, ignore_eos: bool = False, options: Any = None
-    ) -> StepOutput:
-        """``f(doc_id, context, k)`` on this replica's engine. ``doc_id``: an id, None, or a tuple of
-        ranked ids (several documents, IDGR); ``options``: :class:`ralm.drafting.StepOptions`
-        (drafting, FLARE, ...; None: the plain step).
+    async def step(self, request: StepRequest) -> StepOutput:
+        """``f`` of ``request`` (a :class:`~ralm.step_request.StepRequest`, as the coordinator's
+        :class:`~actors.remote_proxies.RemoteGenerator` built it) on this replica's engine:
+        :meth:`ralm.engine.LMEngine.submit` decides how it runs (batched, or alone on the
+        model's thread) and this awaits its future.
 
-        With the invariant forward (the default) a plain step joins the engine's continuous
-        batcher, so the steps of concurrent requests share forward passes; other steps run alone
-        on the batcher's thread between two iterations. With ``generator.invariant=false`` steps
-        run in a worker thread, one at a time when ``serialize_steps`` is set.
-
-        A step sent with a multiplexed model id (the request's session key) tags its KV
-        session with that key as owner, so :meth:`release` frees it when the request ends.
+        A step sent with a multiplexed model id (the request's session key) has that key
+        recorded in Serve's LRU and is its KV session's owner, so :meth:`release` frees it
+        when the request ends.
         """
         self.steps += 1
-        context, k, ignore_eos = list(context), int(k), bool(ignore_eos)
-        owner = await self.session_keys.step_owner()
-        batcher = self.engine.batcher
-        if batcher is None:
-            return await asyncio.to_thread(self._step_locked, doc_id, context, k, ignore_eos, options)
-        call = self.local.step_call(doc_id, context, k, ignore_eos, options, owner)
-        if call is not None:
-            return await asyncio.wrap_future(batcher.submit(call))
-        return await asyncio.wrap_future(
-            batcher.call(lambda: self.local.step_alone(doc_id, context, k, ignore_eos, options))
-        )
+        key = await self.session_keys.step_owner()  # affinity bookkeeping, not a step decision
+        if key is not None and request.owner != key:
+            request = dataclasses.replace(request, owner=key)
+        return await asyncio.wrap_future(self.engine.submit(request))
 
     def release(self, key: str | None = None) -> int:
         """Free the KV sessions of a request that ended (its session key: ``key``, or the
@@ -182,11 +173,6 @@ class GeneratorServer:
         none, e.g. the request's steps ran elsewhere)."""
         key = key or self.session_keys.current()
         return self.session_keys.release(key) if key else 0
-
-    def _step_locked(self, doc_id: Any, context: list[int], k: int, ignore_eos: bool, options: Any) -> StepOutput:
-        """A step without the batcher (``invariant=false``), under the step lock."""
-        with self._lock:
-            return self.local.step(doc_id, context, k, ignore_eos=ignore_eos, options=options)
 
     def knn_generate(self, job: RalmJob):
         """One KNN-LM job (method knnlm-seq or knnlm-spec) on this replica; a
@@ -223,6 +209,8 @@ class GeneratorServer:
             "invariant_forward": self.engine.batcher is not None,
             "invariant_kernels": invariant_kernels(self.engine.model),
             "invariant_error": self.engine.invariant_error,
+            "kv_pool_error": self.engine.kv_pool_error,
+            "batching_off_reason": self.engine.batching_off_reason,
             "invariance_proof": proof.as_dict() if (proof := self.engine.invariance_proof) is not None else None,
             "session_keys": self.session_keys.info(),
             "features": self.features(),

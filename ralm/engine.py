@@ -22,9 +22,12 @@ doc KV came from the cache or was just computed, and whatever ran before.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypedDict
 
 import torch
@@ -34,7 +37,7 @@ from ralm.batching.continuous_batcher import ContinuousBatcher
 from ralm.batching.doc_blocks import DocBlockCache
 from ralm.batching.engine import BatchEngine, StepCall
 from ralm.batching.invariant import InvariantUnavailable, make_invariant
-from ralm.batching.kv_pool import KVPool
+from ralm.batching.kv_pool import KVPool, layer_devices
 from ralm.batching.packed import model_max_positions
 from ralm.batching.proof import InvarianceProof, prove_invariance
 from ralm.batching.sessions import SessionStore
@@ -45,8 +48,10 @@ from ralm.drafting.decode import drafted_decode
 from ralm.drafting.dense import DenseDrafter
 from ralm.drafting.ngram import NGramDrafter
 from ralm.errors import RalmInputError
+from ralm.hf_cache import cache_kwargs, cache_of
 from ralm.models import load_tokenizer_and_model, resolve
 from ralm.step_output import StepOutput
+from ralm.step_request import StepRequest, TextOf, doc_texts
 from ralm.tokens import decode as decode_ids, encode_question as question_ids
 
 log = logging.getLogger(__name__)
@@ -78,6 +83,12 @@ class LMEngine:
         self.max_positions = model_max_positions(model.config)
         self.doc_kv = DocPrefixTree(self.cfg.doc_kv_cache_bytes, segment_bytes)
         self.dense_store = None  # DenseDatastore for drafting='dense' (attach_dense_datastore)
+        self.corpus: TextOf | None = None  # maps a StepRequest's doc_ids to text (attach_corpus)
+        #: steps without the batcher run one at a time under this lock (a replica may swap in
+        #: a null context to let them overlap: GeneratorDeploymentOptions.serialize_steps)
+        self.step_lock: contextlib.AbstractContextManager = threading.Lock()
+        self._lone: ThreadPoolExecutor | None = None
+        self._lone_lock = threading.Lock()
         self._doc_tok_memo: dict[str, tuple[int, ...]] = {}
         self.batch: BatchEngine | None = None
         self.batcher: ContinuousBatcher | None = None
@@ -105,10 +116,19 @@ class LMEngine:
                 self.invariant_error = str(e)
                 log.warning("continuous batching and KV sessions are off: %s", e)
         self.kv_pool: KVPool | None = None  # the batched engine's KV blocks (cfg.kv_pool)
+        self.kv_pool_error: str | None = None  # why the pool is off although asked for
         self.doc_blocks: DocBlockCache | None = None
         if self.cfg.invariant and self.invariant_error is None:
-            if self.cfg.kv_pool:
-                self.kv_pool = KVPool(int(self.model.config.num_hidden_layers))
+            # each layer's KV on its layer's device (a model spread over several GPUs)
+            devices = layer_devices(self.model)
+            if self.cfg.kv_pool and devices is None and len({p.device for p in self.model.parameters()}) > 1:
+                self.kv_pool_error = (
+                    "the model's parameters are on several devices and its layers do not name their "
+                    "index (layer_idx): the KV pool is off, each sequence keeps its own buffers"
+                )
+                log.warning("%s", self.kv_pool_error)
+            elif self.cfg.kv_pool:
+                self.kv_pool = KVPool(int(self.model.config.num_hidden_layers), devices=devices)
                 self.doc_blocks = DocBlockCache(self.cfg.doc_kv_cache_bytes)
                 # no block free: idle sessions go first, then cached documents, then the pool grows
                 self.kv_pool.reclaimers = [self.sessions.evict_one, self.doc_blocks.evict_one]
@@ -124,6 +144,15 @@ class LMEngine:
                 fast_draft=self.cfg.fast_draft,
             )
             self.batcher = ContinuousBatcher(self.batch)
+
+    @property
+    def batching_off_reason(self) -> str | None:
+        """Why this engine does not batch (or batches without the KV pool) although its config
+        asks for it: a kernel that failed to compile or run, the whole-model proof's first
+        failing check, or a placement the pool refuses; None when it serves as configured.
+        Logged as a WARNING at load and reported in ``/v1/ralm/stats``; ``ralmspec gpu-check``
+        exits non-zero on it."""
+        return self.invariant_error or self.kv_pool_error
 
     @property
     def eos_token_id(self) -> int | None:
@@ -175,7 +204,7 @@ class LMEngine:
     @torch.inference_mode()
     def _compute_doc_kv(self, doc: tuple[int, ...]):
         ids = torch.tensor([doc], dtype=torch.long, device=self.device)
-        return self.model(input_ids=ids, use_cache=True).past_key_values
+        return cache_of(self.model(input_ids=ids, use_cache=True))
 
     def doc_past(self, doc: tuple[int, ...]):
         """The document's KV (on a hit it shares the stored tensors, which the model's cache
@@ -189,7 +218,13 @@ class LMEngine:
         """The :class:`ralm.drafting.dense.DenseDatastore` used by ``drafting='dense'``."""
         self.dense_store = store
 
-    def _drafter(self, docs, context, opts: StepOptions):
+    def attach_corpus(self, corpus: TextOf) -> None:
+        """The corpus that maps a :class:`~ralm.step_request.StepRequest`'s ``doc_ids`` to text."""
+        self.corpus = corpus
+
+    def drafter(self, docs: Sequence[tuple[int, ...]], opts: StepOptions):
+        """The step's drafter (the one place one is built): n-gram drafts from the documents,
+        dense drafts from the attached datastore, or None (no drafting)."""
         if opts.drafting == "ngram":
             return NGramDrafter(docs, opts.ngram_n, opts.ngram_m, opts.ngram_min_n)
         if opts.drafting == "dense":
@@ -198,14 +233,21 @@ class LMEngine:
             return DenseDrafter(self.dense_store, opts.dense_num_drafts, opts.dense_draft_len, opts.dense_candidates)
         return None
 
-    def _docs_for(self, doc_text: str | Sequence[str] | None, context: Sequence[int], k: int) -> list[tuple[int, ...]]:
+    def _docs_of(self, req: StepRequest) -> list[tuple[int, ...]]:
         """The documents' token ids (truncated to ``max_doc_tokens``), after checking that the
         context is not empty and that ``[docs][context]`` plus ``k`` new tokens fit the model."""
-        if not context:
+        if not req.context:
             raise RalmInputError("context must contain at least one token")
-        texts = [doc_text] if isinstance(doc_text, str) else list(doc_text or [])
+        if req.doc_texts is not None:
+            texts: list[str] = list(req.doc_texts)
+        elif req.doc_ids is None:
+            texts = []
+        elif self.corpus is None:
+            raise RalmInputError("a step by document ids needs a corpus: engine.attach_corpus(...)")
+        else:
+            texts = doc_texts(self.corpus, req.doc_ids, req.options)
         docs = [self.doc_tokens(t) for t in texts if t]
-        self._check_fits(docs, context, k)
+        self._check_fits(docs, req.context, req.k)
         return docs
 
     def _check_fits(self, docs: Sequence[Sequence[int]], context: Sequence[int], k: int) -> None:
@@ -217,27 +259,38 @@ class LMEngine:
                 f"the model's {self.max_positions} positions"
             )
 
-    def step_call(
-        self,
-        doc_text: str | Sequence[str] | None,
-        context: Sequence[int],
-        k: int,
-        ignore_eos: bool = False,
-        options: StepOptions | None = None,
-        owner: str | None = None,
-    ) -> StepCall | None:
-        """The :class:`~ralm.batching.engine.StepCall` of a step the continuous batcher runs
-        (``batcher.submit``), or None when it runs alone instead: no batcher
-        (``invariant=false``), ``k <= 0``, dense drafting or inexact shifted doc-KV reuse
-        (plain steps, n-gram drafting and the FLARE stop are batched).
-        Raises :class:`~ralm.errors.RalmInputError` on bad input, as :meth:`step` does."""
-        opts = options or DEFAULT_OPTIONS
-        if self.batcher is None or k <= 0 or opts.drafting not in ("none", "ngram") or opts.allow_inexact_shifted_reuse:
-            return None
-        docs = self._docs_for(doc_text, context, k)
-        return StepCall(tuple(docs), list(context), int(k), bool(ignore_eos), owner, options)
+    def submit(self, req: StepRequest) -> Future[StepOutput]:
+        """The engine's one entry: ``f(docs, context, k)`` of ``req``, as a future.
 
-    @torch.inference_mode()
+        Decides once how the step runs. With the invariant forward (the default) a plain,
+        n-gram drafted or FLARE step joins the continuous batcher, which reuses the request's
+        KV session (tagged ``req.owner``, freed by :meth:`release`) and shares forwards with
+        concurrent steps; a dense-drafted step or one with inexact shifted doc-KV reuse runs
+        alone on the batcher's thread between two iterations. Without the batcher
+        (``invariant=false`` or a failed invariance proof) steps run alone on a worker
+        thread, one at a time under :attr:`step_lock`. Bad input fails the future with
+        :class:`~ralm.errors.RalmInputError`; ``k <= 0`` gives an empty output.
+        """
+        if req.k <= 0:
+            done: Future[StepOutput] = Future()
+            done.set_result(StepOutput([], False, 0.0, 0.0, False))
+            return done
+        opts = req.options or DEFAULT_OPTIONS
+        try:
+            docs = self._docs_of(req)
+            drafter = self.drafter(docs, opts)
+        except BaseException as e:  # the caller's error, in its own future
+            failed: Future[StepOutput] = Future()
+            failed.set_exception(e)
+            return failed
+        context = list(req.context)
+        if self.batcher is not None:
+            if opts.drafting in ("none", "ngram") and not opts.allow_inexact_shifted_reuse:
+                call = StepCall(tuple(docs), context, req.k, req.ignore_eos, req.owner, req.options, drafter)
+                return self.batcher.submit(call)
+            return self.batcher.call(lambda: self._step_one(docs, context, req.k, req.ignore_eos, opts, drafter))
+        return self._lone_pool().submit(self._step_locked, docs, context, req.k, req.ignore_eos, opts, drafter)
+
     def step(
         self,
         doc_text: str | Sequence[str] | None,
@@ -247,52 +300,21 @@ class LMEngine:
         options: StepOptions | None = None,
         owner: str | None = None,
     ) -> StepOutput:
-        """``f(doc, context, k)``: up to ``k`` greedy tokens after ``[doc][context]``.
+        """:meth:`submit` of the step on ``doc_text`` (a document's text, a list of them, or
+        None), waited for: the in-process convenience for callers that hold the text."""
+        texts = None if doc_text is None else ((doc_text,) if isinstance(doc_text, str) else tuple(doc_text))
+        req = StepRequest(tuple(context), k, doc_texts=texts, ignore_eos=ignore_eos, options=options, owner=owner)
+        return self.submit(req).result()
 
-        With the invariant forward (the default) a step goes through the continuous
-        batcher (:meth:`step_call`), which reuses the request's KV session and batches it with
-        concurrent steps; ``owner`` tags the session so :meth:`release` can free it when the
-        request ends. Other steps run alone (:meth:`step_alone`), on the batcher's thread when
-        there is one.
+    def _lone_pool(self) -> ThreadPoolExecutor:
+        with self._lone_lock:
+            if self._lone is None:
+                self._lone = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ralm-step")
+            return self._lone
 
-        ``doc_text`` may be a list of documents: the prompt is ``[doc1]..[docn][context]``.
-        With ``ignore_eos`` the EOS logit is masked, so the step always yields ``k`` tokens.
-        ``options`` selects drafting / the FLARE stop (default: the plain greedy loop).
-        """
-        if k <= 0:
-            return StepOutput([], False, 0.0, 0.0, False)
-        call = self.step_call(doc_text, context, k, ignore_eos, options, owner)
-        if call is not None and self.batcher is not None:
-            return self.batcher.submit(call).result()
-        if self.batcher is not None:
-            # dense drafting (several drafts, hidden states): one sequence, on the model's thread
-            return self.batcher.call(lambda: self.step_alone(doc_text, context, k, ignore_eos, options)).result()
-        return self.step_alone(doc_text, context, k, ignore_eos, options)
-
-    @torch.inference_mode()
-    def step_alone(
-        self,
-        doc_text: str | Sequence[str] | None,
-        context: Sequence[int],
-        k: int,
-        ignore_eos: bool = False,
-        options: StepOptions | None = None,
-    ) -> StepOutput:
-        """The step on the calling thread, outside the batcher. The caller must own the model:
-        run it on the batcher's thread (``batcher.call``) when there is a batcher."""
-        if k <= 0:
-            return StepOutput([], False, 0.0, 0.0, False)
-        docs = self._docs_for(doc_text, context, k)
-        return self._step_one(docs, context, k, ignore_eos, options or DEFAULT_OPTIONS)
-
-    def step_batch(self, calls: Sequence[StepCall]) -> list[StepOutput]:
-        """Run several plain steps together (one batched forward per iteration); each output
-        is the one the step gives alone. Needs ``invariant=True``."""
-        if self.batcher is None:
-            raise RalmInputError("step_batch needs the invariant forward (generator.invariant=true)")
-        for c in calls:
-            self._check_fits(c.docs, c.context, c.k)
-        return self.batcher.step_batch(calls)
+    def _step_locked(self, docs, context, k, ignore_eos, opts: StepOptions, drafter) -> StepOutput:
+        with self.step_lock:
+            return self._step_one(docs, context, k, ignore_eos, opts, drafter)
 
     def release(self, owner: str) -> int:
         """Free the KV sessions of a request that ended or was cancelled."""
@@ -306,13 +328,15 @@ class LMEngine:
         self.sessions.clear()
 
     @torch.inference_mode()
-    def _step_one(self, docs, context, k, ignore_eos, opts: StepOptions) -> StepOutput:
-        """One step on its own: documents' KV, one context prefill, greedy decode."""
+    def _step_one(self, docs, context, k, ignore_eos, opts: StepOptions, drafter=None) -> StepOutput:
+        """One step on its own: documents' KV, one context prefill, greedy decode (drafted:
+        :func:`~ralm.drafting.decode.drafted_decode` with ``drafter``, built here when None)."""
         t0 = time.perf_counter()
         past, info = docs_past(self, docs, opts.allow_inexact_shifted_reuse)
         kv = _KvStats(docs_reused=info.docs_reused, docs_computed=info.docs_computed, kv_bytes_reused=info.bytes_reused)
         if not opts.plain:
-            r = drafted_decode(self, past, context, k, ignore_eos, opts, self._drafter(docs, context, opts))
+            drafter = drafter if drafter is not None else self.drafter(docs, opts)
+            r = drafted_decode(self, past, context, k, ignore_eos, opts, drafter)
             t2 = time.perf_counter()
             return StepOutput(
                 r.tokens,
@@ -329,12 +353,14 @@ class LMEngine:
             )
         hit = info.hit
         ids = torch.tensor([list(context)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=past, use_cache=True, **last_logits_kwargs(self.model))
+        out = self.model(
+            input_ids=ids, use_cache=True, **cache_kwargs(self.model, past), **last_logits_kwargs(self.model)
+        )
         t1 = time.perf_counter()
         tokens: list[int] = []
         eos = False
         logits = out.logits[0, -1]
-        past = out.past_key_values
+        past = cache_of(out)
         while True:
             scores = greedy_scores(logits, self.eos_token_id, ignore_eos)
             nxt = int(torch.argmax(scores))  # first index of the max: lowest id on ties
@@ -345,8 +371,8 @@ class LMEngine:
             if len(tokens) >= k:
                 break
             step_ids = torch.tensor([[nxt]], dtype=torch.long, device=self.device)
-            out = self.model(input_ids=step_ids, past_key_values=past, use_cache=True)
-            logits, past = out.logits[0, -1], out.past_key_values
+            out = self.model(input_ids=step_ids, use_cache=True, **cache_kwargs(self.model, past))
+            logits, past = out.logits[0, -1], cache_of(out)
         t2 = time.perf_counter()
         return StepOutput(
             tokens,

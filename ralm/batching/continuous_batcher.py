@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -83,11 +83,6 @@ class ContinuousBatcher:
         self._ensure_thread()
         self._inbox.put(("call", fn, fut))
         return fut
-
-    def step_batch(self, calls: Sequence[StepCall]) -> list:
-        """Submit ``calls`` together and wait for all of them (in order)."""
-        futs = [self.submit(c) for c in calls]
-        return [f.result() for f in futs]
 
     def metrics(self) -> dict:
         """Batch-size histogram, token counts and throughput since start."""

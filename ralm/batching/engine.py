@@ -36,14 +36,15 @@ from ralm.batching.policy import plan_iteration
 from ralm.batching.sessions import DocsKey, Session, SessionStore
 from ralm.doc_kv import DocsKVInfo
 from ralm.drafting import StepOptions, greedy_scores, greedy_tokens
-from ralm.drafting.ngram import NGramDrafter
 from ralm.errors import RalmInputError
 from ralm.step_output import StepOutput
 
 
 @dataclass
 class StepCall:
-    """One step: up to ``k`` greedy tokens after ``[docs][context]``."""
+    """One step as the batched engine runs it: up to ``k`` greedy tokens after ``[docs][context]``
+    (a :class:`~ralm.step_request.StepRequest` with its documents resolved to token ids by
+    :meth:`ralm.engine.LMEngine.submit`)."""
 
     docs: DocsKey  # tuple of documents, each a tuple of token ids (empty: no document)
     context: list[int]
@@ -51,6 +52,7 @@ class StepCall:
     ignore_eos: bool = False
     owner: str | None = None  # the request the session belongs to (freed with SessionStore.release)
     options: StepOptions | None = None  # n-gram drafting and the FLARE stop (None: plain greedy)
+    drafter: Any = None  # the n-gram drafter of ``options`` (built by LMEngine.drafter)
 
 
 @dataclass
@@ -158,6 +160,10 @@ class BatchEngine:
             raise RalmInputError("k must be positive")
         if not call.context:
             raise RalmInputError("context must contain at least one token")
+        drafting = call.options.drafting if call.options is not None else "none"
+        if drafting not in ("none", "ngram") or (drafting == "ngram") != (call.drafter is not None):
+            raise RalmInputError(f"drafting={drafting!r} is not run by the batched engine without its n-gram drafter")
+        drafter = call.drafter
         t0 = time.perf_counter()
         ctx = [int(t) for t in call.context]
         sess, reuse = self.sessions.take(call.docs, ctx)
@@ -177,12 +183,6 @@ class BatchEngine:
         sess.context = ctx[:reuse]
         sess.owner = call.owner if call.owner is not None else sess.owner
         self.sessions.stats.reused_tokens += reuse
-        drafter = None
-        if call.options is not None and call.options.drafting == "ngram":
-            o = call.options
-            drafter = NGramDrafter(call.docs, o.ngram_n, o.ngram_m, o.ngram_min_n)
-        elif call.options is not None and call.options.drafting != "none":
-            raise RalmInputError(f"drafting={call.options.drafting!r} is not run by the batched engine")
         return ActiveStep(
             call,
             sess,
@@ -292,7 +292,7 @@ class BatchEngine:
         before = sum(len(a.tokens) for a, _, _ in emitting)
         preds = self._greedy(logits, emitting)  # the iteration's one host synchronisation
         if events is not None:
-            forward_s = events[0].elapsed_time(events[1]) / 1e3
+            forward_s = event_span_s(events, forward_s)
         forward_s += draft_s
         for a, row, n in emitting:
             if a.is_feed:
@@ -369,27 +369,17 @@ class BatchEngine:
         a.tokens.extend(draft[:acc])
         self._emit(a, logits[acc], preds[acc])
 
-    # ------------------------------------------------------------------ a whole batch
-    def step_batch(self, calls: Sequence[StepCall]) -> list:
-        """Run ``calls`` together to completion; one :class:`~ralm.engine.StepOutput` each, in order.
-        Each output is the one the step gives alone (the forward is batch-invariant)."""
-        active: list[ActiveStep] = []
-        try:
-            for c in calls:
-                active.append(self.start(c))
-            while True:
-                live = [a for a in active if not a.done]
-                if not live:
-                    break
-                self.iterate(live)
-        except BaseException:
-            for a in active:
-                self.abandon(a)
-            raise
-        outs: list = [None] * len(active)
-        for i, a in enumerate(active):
-            outs[i] = self.finish(a)
-        return outs
+
+def event_span_s(events: tuple, wall_s: float) -> float:
+    """Seconds between two recorded CUDA events, once the second has completed; ``wall_s``
+    (the host's time for the launches) when it has not. An iteration in which no row emits
+    (every chunk a partial prefill) transfers no greedy tokens, so nothing has waited for its
+    kernels, and ``elapsed_time`` on an unfinished event raises: the timer never blocks the
+    iteration for a number."""
+    start, end = events
+    if not end.query():
+        return wall_s
+    return start.elapsed_time(end) / 1e3
 
 
 def _cuda_events(device: torch.device) -> tuple | None:

@@ -13,6 +13,7 @@ import pytest
 
 from ralm.config import RequestConfig
 from ralm.seq import run_seq
+from ralm.step_request import StepRequest
 from tests.deployments.serving import app_args, serve_app
 
 REQ = RequestConfig(max_new_tokens=24, generation_stride=4)
@@ -104,7 +105,8 @@ def test_evicted_keys_release_their_sessions(server, local_generator, fixture_qu
     # one step each, over its own document: it leaves one session tagged with the key (a
     # step with the same documents would take over the previous key's session)
     for doc, key in enumerate(keys, start=30):
-        out = gen.options(multiplexed_model_id=key).step.remote(doc, ctx, 4).result(timeout_s=60)
+        req = StepRequest(tuple(ctx), 4, doc_ids=doc)
+        out = gen.options(multiplexed_model_id=key).step.remote(req).result(timeout_s=60)
         assert out.tokens == local_generator.step(doc, ctx, 4).tokens
     seen = _keys(_replicas(gen))
     recs = [rec for key in keys for _, rec in seen.get(key, [])]

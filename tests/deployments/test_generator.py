@@ -13,6 +13,7 @@ import pytest
 from deployments.config import GeneratorDeploymentOptions, preset
 from deployments.generator import GeneratorServer, claim_placement_group_gpus, generator_deployment, load_engine
 from ralm.config import GeneratorConfig
+from ralm.step_request import StepRequest
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +121,9 @@ def test_replica_in_a_strict_pack_placement_group(tiny_llama_dir, fixture_corpus
         assert info["dtype"] == "float16" and info["corpus_size"] == len(fixture_corpus)
         tok = ray.get(rep.tokenizer.remote())
         ids = tok("how do I copy a tree?", add_special_tokens=False)["input_ids"]
-        out = ray.get(rep.step.remote(3, ids, 4))
-        assert out.tokens == ray.get(rep.step.remote(3, ids, 4)).tokens
+        req = StepRequest(tuple(ids), 4, doc_ids=3)
+        out = ray.get(rep.step.remote(req))
+        assert out.tokens == ray.get(rep.step.remote(req)).tokens
         ray.kill(rep)
         remove_placement_group(pg)
     finally:

@@ -11,6 +11,7 @@ import pytest
 
 from deployments.generator import GeneratorServer
 from ralm.drafting import StepOptions
+from ralm.step_request import StepRequest
 
 
 def _calls(server: GeneratorServer, fixture_questions) -> list[tuple]:
@@ -30,6 +31,10 @@ def _calls(server: GeneratorServer, fixture_questions) -> list[tuple]:
     ]
 
 
+def _request(doc_id, context, k, ignore_eos=False, options=None) -> StepRequest:
+    return StepRequest(tuple(context), k, doc_ids=doc_id, ignore_eos=ignore_eos, options=options)
+
+
 @pytest.fixture(scope="module")
 def server(gen_model_dir, fixture_corpus) -> GeneratorServer:
     return GeneratorServer({"model": gen_model_dir}, fixture_corpus.path)
@@ -47,7 +52,7 @@ def test_concurrent_steps_are_batched_and_each_equals_the_step_alone(server, loc
         # arrive between the same two iterations
         gate = threading.Event()
         held = asyncio.wrap_future(batcher.call(gate.wait))
-        tasks = [asyncio.ensure_future(server.step(*c)) for c in calls]
+        tasks = [asyncio.ensure_future(server.step(_request(*c))) for c in calls]
         await asyncio.sleep(0.05)
         gate.set()
         await held
@@ -76,7 +81,10 @@ def test_bad_input_fails_its_own_step_only(server, fixture_questions):
 
     async def run():
         return await asyncio.gather(
-            server.step(3, [], 4), server.step(3, ids, 4), server.step(3, ids * 1000, 4), return_exceptions=True
+            server.step(_request(3, [], 4)),
+            server.step(_request(3, ids, 4)),
+            server.step(_request(3, ids * 1000, 4)),
+            return_exceptions=True,
         )
 
     empty, good, too_long = asyncio.run(run())
@@ -91,8 +99,8 @@ def test_without_the_batcher_steps_run_one_at_a_time(gen_model_dir, fixture_corp
     calls = _calls(plain, fixture_questions)[:4]
 
     async def run():
-        alone = [await plain.step(*c) for c in calls]
-        return alone, await asyncio.gather(*(plain.step(*c) for c in calls))
+        alone = [await plain.step(_request(*c)) for c in calls]
+        return alone, await asyncio.gather(*(plain.step(_request(*c)) for c in calls))
 
     alone, together = asyncio.run(run())
     assert [o.tokens for o in together] == [o.tokens for o in alone]

@@ -89,20 +89,25 @@ def test_a_step_on_a_cached_document_equals_the_step_without_the_cache(smollm2, 
     first = engine.step(doc, ctx, 6)
     second = engine.step(doc, ctx, 6)  # the document's KV from the cache
     assert not first.doc_kv_hit and second.doc_kv_hit
-    want = uncached.step_alone(doc, ctx, 6)
+    want = uncached.step(doc, ctx, 6)
     assert first.tokens == second.tokens == want.tokens
 
 
 def test_batched_steps_equal_each_step_alone_on_a_real_model(smollm2, fixture_corpus):
-    from ralm.batching.engine import StepCall
+    from ralm.drafting import DEFAULT_OPTIONS
+    from ralm.step_request import StepRequest
 
     _, engine = smollm2
     assert engine.batcher is not None, engine.invariant_error  # GQA Llama: the invariant forward applies
     asks = [(1, "How do I open a file?"), (7, "What is a list comprehension?"), (1, "Sort a dict")]
-    calls = [StepCall((engine.doc_tokens(fixture_corpus.text(i)),), engine.encode_question(q), 5) for i, q in asks]
-    together = engine.step_batch(calls)
-    alone = [
-        engine.batcher.call(lambda c=c, i=i: engine.step_alone(fixture_corpus.text(i), c.context, c.k)).result()
+    calls = [StepRequest(tuple(engine.encode_question(q)), 5, doc_texts=(fixture_corpus.text(i),)) for i, q in asks]
+    together = [f.result() for f in [engine.submit(c) for c in calls]]
+    alone = [  # the one-step-at-a-time path (Hugging Face cache, doc-KV prefix tree), on the model's thread
+        engine.batcher.call(
+            lambda c=c, i=i: engine._step_one(
+                [engine.doc_tokens(fixture_corpus.text(i))], list(c.context), c.k, False, DEFAULT_OPTIONS
+            )
+        ).result()
         for c, (i, _) in zip(calls, asks)
     ]
     assert [o.tokens for o in together] == [o.tokens for o in alone]

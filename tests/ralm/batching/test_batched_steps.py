@@ -9,10 +9,11 @@ import threading
 import pytest
 import torch
 
-from ralm.batching.engine import StepCall
+from ralm.batching.engine import StepCall, event_span_s
 from ralm.batching.packed import SeqKV, packed_forward
 from ralm.batching.sessions import Session, SessionStore
 from ralm.errors import RalmInputError
+from ralm.step_request import StepRequest
 from tests.factories import tiny_engine
 
 pytestmark = pytest.mark.unit
@@ -114,17 +115,18 @@ def test_session_reuse_equals_recompute_through_rollbacks_and_document_switches(
     assert fast.release("req") >= 1 and fast.release("req") == 0
 
 
-def test_step_batch_equals_each_step_alone(engines):
+def test_steps_submitted_together_equal_each_step_alone(engines):
     fast, slow = engines
     rng = random.Random(9)
     calls = []
     for i in range(20):
         q = fast.encode_question(f"question number {i} about {rng.choice(['json', 'files', 'paths'])}")
-        docs = tuple(fast.doc_tokens(d) for d in rng.sample(DOCS, rng.randint(0, 2)))
-        calls.append(StepCall(docs, q + [rng.randrange(5, 60) for _ in range(rng.randint(0, 30))], rng.randint(1, 9)))
-    batched = fast.step_batch(calls)
+        docs = tuple(rng.sample(DOCS, rng.randint(0, 2)))
+        ctx = q + [rng.randrange(5, 60) for _ in range(rng.randint(0, 30))]
+        calls.append(StepRequest(tuple(ctx), rng.randint(1, 9), doc_texts=docs))
+    batched = [f.result() for f in [fast.submit(c) for c in calls]]
     for c, out in zip(calls, batched):
-        alone = slow.batch.step_batch([c])[0]
+        alone = slow.submit(c).result()
         assert (out.tokens, out.eos) == (alone.tokens, alone.eos)
 
 
@@ -182,13 +184,16 @@ def test_a_bad_step_fails_alone_and_the_batcher_keeps_serving(engines):
     assert len(ok.tokens) + int(ok.eos) >= 1
 
 
-def test_step_batch_needs_the_invariant_forward():
+def test_without_the_invariant_forward_steps_run_alone_on_a_worker_thread():
     eng = tiny_engine("gpt2", seed=2, invariant=False)
     assert eng.batcher is None
-    out = eng.step(None, eng.encode_question("plain forward"), 3)  # the plain engine still steps
-    assert out.forward_passes >= 1
-    with pytest.raises(RalmInputError, match="invariant"):
-        eng.step_batch([StepCall((), [1, 2], 1)])
+    ctx = tuple(eng.encode_question("plain forward"))
+    futures = [eng.submit(StepRequest(ctx, 3)) for _ in range(3)]  # the plain engine still steps
+    outs = [f.result(timeout=60) for f in futures]
+    assert outs[0].forward_passes >= 1 and all(o.tokens == outs[0].tokens for o in outs)
+    with pytest.raises(RalmInputError, match="at least one token"):
+        eng.submit(StepRequest((), 3)).result()
+    assert eng.submit(StepRequest(ctx, 0)).result().tokens == []
 
 
 def test_knn_feeds_through_the_batcher_equal_a_lone_stepper(engines):
@@ -235,7 +240,7 @@ def test_batched_ngram_drafting_and_flare_equal_the_single_sequence_loop(engines
         ctx = fast.encode_question(f"{doc} again {i}")  # the document's words: drafts hit
         docs = [fast.doc_tokens(doc)]
         one = fast.batcher.call(lambda d=docs, c=ctx: fast._step_one(d, c, 12, False, drafted)).result()
-        calls.append(StepCall(tuple(docs), ctx, 12, options=drafted))
+        calls.append(StepRequest(tuple(ctx), 12, doc_texts=(doc,), options=drafted))
         ref = fast.step(doc, ctx, 12, options=plain)
         assert (one.tokens, one.eos, one.low_confidence) == (ref.tokens, ref.eos, ref.low_confidence)
         got = fast.step(doc, ctx, 12, options=drafted)
@@ -246,7 +251,28 @@ def test_batched_ngram_drafting_and_flare_equal_the_single_sequence_loop(engines
         assert rounds > 0 and stops == 0  # drafts were really checked in batched forwards
     else:
         assert stops > 0  # FLARE really stopped steps (this random model's top probabilities are below 0.0045)
-    together = fast.step_batch(calls)  # all drafted steps in shared forwards
+    together = [f.result() for f in [fast.submit(c) for c in calls]]  # all drafted steps in shared forwards
     for c, out in zip(calls, together):
-        alone = fast.step_batch([c])[0]
+        alone = fast.submit(c).result()
         assert (out.tokens, out.eos) == (alone.tokens, alone.eos)
+
+
+def test_the_forward_timer_never_reads_an_unfinished_cuda_event():
+    """An iteration in which no row emits has no synchronisation: its end event may not have
+    completed, and ``elapsed_time`` would raise "device not ready". The timer falls back to the
+    host's time then. (CUDA events stand in as objects with their two methods: no GPU here.)"""
+
+    class Event:
+        def __init__(self, done: bool):
+            self.done = done
+
+        def query(self) -> bool:
+            return self.done
+
+        def elapsed_time(self, end) -> float:
+            if not end.done:
+                raise RuntimeError("device not ready")
+            return 12.0  # ms
+
+    assert event_span_s((Event(True), Event(False)), 0.5) == 0.5
+    assert event_span_s((Event(True), Event(True)), 0.5) == pytest.approx(0.012)

@@ -4,6 +4,7 @@ kernels compute; the drafts are counted."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -13,6 +14,7 @@ from ralm.batching.engine import StepCall
 from ralm.batching.fast_draft import draftable, plain_kernels
 from ralm.batching.invariant import InvariantLinear
 from ralm.drafting import StepOptions
+from ralm.step_request import StepRequest
 from tests.factories import tiny_engine
 
 pytestmark = pytest.mark.unit
@@ -26,14 +28,15 @@ def engines():
     return base, fast
 
 
-def _calls(eng, n: int, seed: int, flare: float | None = None) -> list[StepCall]:
+def _calls(eng, n: int, seed: int, flare: float | None = None) -> list[StepRequest]:
     rng = random.Random(seed)
     calls = []
     for i in range(n):
         q = eng.encode_question(f"what does module {i} do with {rng.choice(['files', 'paths', 'json'])}?")
-        docs = (eng.doc_tokens(f"module {i} reads files and writes json, line by line."),) if i % 2 else ()
+        docs = (f"module {i} reads files and writes json, line by line.",) if i % 2 else None
         opts = StepOptions(flare_threshold=flare) if flare is not None else None
-        calls.append(StepCall(docs, q, rng.randint(2, 12), ignore_eos=bool(i % 3), owner=f"r{i}", options=opts))
+        k = rng.randint(2, 12)
+        calls.append(StepRequest(tuple(q), k, doc_texts=docs, ignore_eos=bool(i % 3), owner=f"r{i}", options=opts))
     return calls
 
 
@@ -42,8 +45,8 @@ def _run(eng, calls, rounds: int = 3):
     outs = []
     ctx = [list(c.context) for c in calls]
     for _ in range(rounds):
-        step = [StepCall(c.docs, ctx[i], c.k, c.ignore_eos, c.owner, c.options) for i, c in enumerate(calls)]
-        res = eng.step_batch(step)
+        step = [dataclasses.replace(c, context=tuple(ctx[i])) for i, c in enumerate(calls)]
+        res = [f.result() for f in [eng.submit(r) for r in step]]
         outs.append(res)
         for i, r in enumerate(res):
             ctx[i] += r.tokens if r.tokens else [7]
