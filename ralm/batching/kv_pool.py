@@ -1,19 +1,20 @@
 """The KV pool: every sequence's keys and values in fixed-size blocks of one preallocated store.
 
-Layout, for all layers at once (one tensor each, so growing or copying a block is one op):
+Layout, one tensor pair per layer (each on its layer's device, so a model spread over several
+GPUs with ``device_map="auto"`` keeps each layer's KV next to the layer):
 
-- ``k [n_layers, Hkv, n_blocks, B, D]``: keys, ``B`` positions per block, head-major (a
-  head's block is one contiguous ``[B, D]`` run, so a sequence's keys are gathered into the
+- ``k[layer] [Hkv, n_blocks, B, D]``: keys, ``B`` positions per block, head-major (a head's
+  block is one contiguous ``[B, D]`` run, so a sequence's keys are gathered into the
   attention's ``[S, Hkv, L, D]`` layout in one row copy per (head, block), and a sequence
   whose blocks follow one another in the pool is read in place, without a copy);
-- ``v [n_layers, Hkv, n_blocks, B, D+1]``: values with a last column of ones (the CPU
+- ``v[layer] [Hkv, n_blocks, B, D+1]``: values with a last column of ones (the CPU
   attention's softmax denominator, :func:`ralm.batching.attention.attend`; the Triton
   kernels read the first ``D`` columns only).
 
 A sequence (:class:`~ralm.batching.paged_kv.PagedKV`) owns a *block table*: block ``j`` of
-its table holds its positions ``j*B .. j*B+B-1``. Position ``p`` of a sequence lives in
-block ``table[p // B]`` at offset ``p % B``. Example with ``B = 64``: a sequence whose table
-is ``[7, 2]`` keeps position 70 in block 2, offset 6.
+its table holds its positions ``j*B .. j*B+B-1`` at every layer. Position ``p`` of a
+sequence lives in block ``table[p // B]`` at offset ``p % B``. Example with ``B = 64``: a
+sequence whose table is ``[7, 2]`` keeps position 70 in block 2, offset 6.
 
 Blocks are reference counted: a document's KV is held by the doc-block cache and shared,
 block by block, by every sequence that starts from it (a fork increments the counts).
@@ -30,13 +31,19 @@ device) with ``initial_blocks`` blocks, and doubles when a sequence in flight ne
 and none is free: a step never fails or waits for memory that idle sessions hold, because
 :meth:`KVPool.reclaim` first asks the owners of idle blocks (the session store, the
 doc-block cache) to drop their least recently used ones. It never shrinks.
+
+Growth is bounded by the device's free memory, and its transient is one layer: each layer's
+tensors are reallocated and copied in turn, the old ones freed before the next layer's are
+made, so the peak is the old pool plus one layer's new tensors (not the old pool plus the
+whole new one). When doubling does not fit in the free memory, the pool grows by what the
+sequences in flight need; when even that does not fit, :class:`KVPoolFull` says so.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -45,19 +52,68 @@ from ralm import constants as C
 ZERO_BLOCK = 0
 
 
+class KVPoolFull(MemoryError):
+    """The pool needs more blocks than the device's free memory holds."""
+
+
+def layer_devices(model) -> list[torch.device] | None:
+    """The device of each decoder layer's attention (the modules with a ``layer_idx``), in
+    layer order; None when the model does not name its layers that way."""
+    n = int(model.config.num_hidden_layers)
+    found: dict[int, torch.device] = {}
+    for m in model.modules():
+        i = getattr(m, "layer_idx", None)
+        if isinstance(i, int) and 0 <= i < n and i not in found:
+            p = next(m.parameters(recurse=True), None)
+            if p is not None:
+                found[i] = p.device
+    return [found[i] for i in range(n)] if len(found) == n else None
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes free for new tensors on ``device``: the CUDA allocator's view of the GPU, the
+    kernel's ``MemAvailable`` for the CPU; None when unknown (no bound)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        # the caching allocator's reserved-but-unused bytes are free for torch too
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
 class KVPool:
-    """Reference-counted KV blocks of ``block_size`` positions for ``n_layers`` layers."""
+    """Reference-counted KV blocks of ``block_size`` positions for ``n_layers`` layers.
+
+    ``devices``: each layer's device (None: every layer on the device of the first write);
+    ``free_memory``: the bytes a device has free (:func:`free_bytes`), which bounds growth.
+    """
 
     def __init__(
-        self, n_layers: int, block_size: int = C.INVARIANT_KEY_BLOCK, initial_blocks: int = C.KV_POOL_INITIAL_BLOCKS
+        self,
+        n_layers: int,
+        block_size: int = C.INVARIANT_KEY_BLOCK,
+        initial_blocks: int = C.KV_POOL_INITIAL_BLOCKS,
+        devices: Sequence[torch.device] | None = None,
+        free_memory: Callable[[torch.device], int | None] = free_bytes,
     ):
         if block_size < 1 or initial_blocks < 2:
             raise ValueError("a KV pool needs a block size >= 1 and at least 2 blocks (block 0 is the zero block)")
+        if devices is not None and len(devices) != n_layers:
+            raise ValueError(f"{len(devices)} layer devices for {n_layers} layers")
         self.n_layers = int(n_layers)
         self.block_size = int(block_size)
         self.initial_blocks = int(initial_blocks)
-        self.k: torch.Tensor | None = None  # [n_layers, Hkv, n_blocks, B, D]
-        self.v: torch.Tensor | None = None  # [n_layers, Hkv, n_blocks, B, D+1]
+        self.devices = [torch.device(d) for d in devices] if devices is not None else None
+        self.free_memory = free_memory
+        self.k: list[torch.Tensor] = []  # per layer [Hkv, n_blocks, B, D] (empty until the first write)
+        self.v: list[torch.Tensor] = []  # per layer [Hkv, n_blocks, B, D+1]
         self.refs: list[int] = []
         self._free: list[int] = []
         self.lock = threading.RLock()
@@ -69,64 +125,119 @@ class KVPool:
 
     # ------------------------------------------------------------------ allocation
     @property
+    def allocated(self) -> bool:
+        """Whether the first write has allocated the pool."""
+        return bool(self.k)
+
+    @property
     def n_blocks(self) -> int:
         return len(self.refs)
 
     @property
+    def layer_block_bytes(self) -> int:
+        """Bytes of one block of one layer as stored (keys, and values with their ones column)."""
+        if not self.k:
+            return 0
+        hkv, _, B, D = self.k[0].shape
+        return hkv * B * (2 * D + 1) * self.k[0].element_size()
+
+    @property
     def block_bytes(self) -> int:
         """Bytes of one block over all layers (keys and values, the ones column excluded)."""
-        if self.k is None:
+        if not self.k:
             return 0
-        _, hkv, _, B, D = self.k.shape
-        return self.n_layers * 2 * B * hkv * D * self.k.element_size()
+        hkv, _, B, D = self.k[0].shape
+        return self.n_layers * 2 * B * hkv * D * self.k[0].element_size()
+
+    def layer_device(self, layer: int) -> torch.device:
+        return self.k[layer].device
 
     def ensure(self, like: torch.Tensor) -> None:
-        """Allocate the pool for keys shaped like ``like [Hkv, n, D]`` (dtype, device) on first
-        use; afterwards check that ``like`` fits it."""
+        """Allocate the pool for keys shaped like ``like [Hkv, n, D]`` (dtype; the device of
+        layer 0 when no layer devices were given) on first use; afterwards check that
+        ``like`` fits it."""
         hkv, _, D = like.shape
-        if self.k is None:
+        if not self.k:
             with self.lock:
-                if self.k is None:
-                    self._allocate(self.initial_blocks, hkv, D, like.dtype, like.device)
+                if not self.k:
+                    devices = self.devices or [like.device] * self.n_layers
+                    self._grow(self.initial_blocks, hkv, D, like.dtype, devices)
             return
-        if (self.k.shape[1], self.k.shape[4]) != (hkv, D) or self.k.dtype != like.dtype or self.k.device != like.device:
+        k0 = self.k[0]
+        if (k0.shape[0], k0.shape[3]) != (hkv, D) or k0.dtype != like.dtype:
             raise ValueError(
-                f"KV of shape {tuple(like.shape)} ({like.dtype}, {like.device}) does not fit the pool "
-                f"(Hkv={self.k.shape[1]}, D={self.k.shape[4]}, {self.k.dtype}, {self.k.device})"
+                f"KV of shape {tuple(like.shape)} ({like.dtype}) does not fit the pool "
+                f"(Hkv={k0.shape[0]}, D={k0.shape[3]}, {k0.dtype})"
             )
 
     @torch.inference_mode()  # inference tensors: every write runs under inference mode (_writable)
-    def _allocate(self, n: int, hkv: int, D: int, dtype, device) -> None:
-        B, L = self.block_size, self.n_layers
-        k = torch.zeros(L, hkv, n, B, D, dtype=dtype, device=device)
-        v = torch.zeros(L, hkv, n, B, D + 1, dtype=dtype, device=device)
-        v[..., D] = 1.0
-        old = self.n_blocks
-        if self.k is not None and self.v is not None:
-            k[:, :, :old] = self.k
-            v[:, :, :old] = self.v
-        self.k, self.v = k, v
+    def _grow(self, n: int, hkv: int, D: int, dtype, devices: Sequence[torch.device]) -> None:
+        """Make the pool ``n`` blocks long, one layer at a time: a layer's new tensors are
+        made and filled, then its old ones are dropped, before the next layer's are made."""
+        B, old = self.block_size, self.n_blocks
+        for i, dev in enumerate(devices):
+            k = torch.zeros(hkv, n, B, D, dtype=dtype, device=dev)
+            v = torch.zeros(hkv, n, B, D + 1, dtype=dtype, device=dev)
+            v[..., D] = 1.0
+            if old:
+                k[:, :old] = self.k[i]
+                v[:, :old] = self.v[i]
+                self.k[i], self.v[i] = k, v
+            else:
+                self.k.append(k)
+                self.v.append(v)
+            del k, v
         self.refs.extend([0] * (n - old))
         # low ids first out (a LIFO of free ids): recently used memory is reused first
         self._free.extend(range(n - 1, max(old, 1) - 1, -1))
         if old == 0:
             self.refs[ZERO_BLOCK] = 1  # never freed, never handed out
 
+    def _grown_size(self, need: int) -> int:
+        """The pool's size after a growth that leaves ``need`` blocks in use: doubled while that
+        fits in every device's free memory, else just enough; :class:`KVPoolFull` when even
+        that does not fit."""
+        size = self.n_blocks
+        while size < need + 1:
+            size *= 2
+        smallest = need
+        for target in (size, smallest):
+            if self._fits(target):
+                return target
+        raise KVPoolFull(
+            f"the KV pool needs {smallest} blocks of {self.layer_block_bytes * self.n_layers} bytes "
+            f"(it has {self.n_blocks}), more than the free memory of its devices holds"
+        )
+
+    def _fits(self, size: int) -> bool:
+        """Whether growing to ``size`` blocks fits in each device's free memory: the new
+        blocks of its layers plus one layer's whole new tensors (the growth's transient)."""
+        per_layer = self.layer_block_bytes
+        layers_on: dict[torch.device, int] = {}
+        for t in self.k:
+            layers_on[t.device] = layers_on.get(t.device, 0) + 1
+        for dev, n_layers in layers_on.items():
+            free = self.free_memory(dev)
+            if free is None:
+                continue
+            need = n_layers * (size - self.n_blocks) * per_layer + self.n_blocks * per_layer
+            if need > free:
+                return False
+        return True
+
     def allocate(self, n: int) -> list[int]:
         """``n`` fresh blocks (reference count 1 each); frees idle blocks or grows the pool if
         needed. Their content is stale (finite) until written."""
-        if self.k is None:
+        if not self.k:
             raise RuntimeError("the pool is allocated by the first write (KVPool.ensure)")
         with self.lock:
             while len(self._free) < n and any(r() for r in self.reclaimers):
                 pass
             if len(self._free) < n:
-                _, hkv, _, _, D = self.k.shape
+                hkv, _, _, D = self.k[0].shape
                 need = self.n_blocks - len(self._free) + n  # blocks in use after this allocation
-                size = self.n_blocks
-                while size < need + 1:
-                    size *= 2
-                self._allocate(size, hkv, D, self.k.dtype, self.k.device)
+                size = self._grown_size(need)
+                self._grow(size, hkv, D, self.k[0].dtype, [t.device for t in self.k])
                 self.grows += 1
             out = [self._free.pop() for _ in range(n)]
             for b in out:
@@ -155,10 +266,10 @@ class KVPool:
         """A private copy of block ``src`` (every layer); drops the caller's reference to ``src``."""
         with self.lock:
             (dst,) = self.allocate(1)
-            assert self.k is not None and self.v is not None
             with _writable():
-                self.k[:, :, dst] = self.k[:, :, src]
-                self.v[:, :, dst] = self.v[:, :, src]
+                for k, v in zip(self.k, self.v):
+                    k[:, dst] = k[:, src]
+                    v[:, dst] = v[:, src]
             self.copies += 1
             self.decref([src])
             return dst
@@ -169,7 +280,6 @@ class KVPool:
     ) -> None:
         """Store ``k_new, v_new [Hkv, n, D]`` at ``(blocks[i], offsets[i])`` (long ``[n]``, on the
         pool's device) of ``layer``: one copy each for every sequence of a forward."""
-        assert self.k is not None and self.v is not None
         D = k_new.shape[-1]
         with _writable():
             self.k[layer][:, blocks, offsets] = k_new
@@ -178,7 +288,6 @@ class KVPool:
     def write_run(self, layer: int, block: int, offset: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Store ``k_new, v_new [Hkv, n, D]`` at offsets ``offset .. offset+n-1`` of one block
         (a slice assignment: a lone sequence's decode token or short chunk)."""
-        assert self.k is not None and self.v is not None
         n, D = k_new.shape[1], k_new.shape[2]
         with _writable():
             self.k[layer][:, block, offset : offset + n] = k_new
@@ -187,18 +296,16 @@ class KVPool:
     def read_run(self, layer: int, first: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks ``first .. first+nb-1`` (one sequence whose blocks follow one another) at
         ``layer`` as ``(k [1, Hkv, nb*B, D], v_aug [1, Hkv, nb*B, D+1])``: views, no copy."""
-        assert self.k is not None and self.v is not None
-        _, hkv, _, B, _ = self.k.shape
-        k, v = (t[layer][:, first : first + nb].reshape(1, hkv, nb * B, t.shape[-1]) for t in (self.k, self.v))
+        hkv, _, B, _ = self.k[layer].shape
+        k, v = (t[:, first : first + nb].reshape(1, hkv, nb * B, t.shape[-1]) for t in (self.k[layer], self.v[layer]))
         return k, v
 
     def rows_of(self, tables: torch.Tensor) -> torch.Tensor:
         """The rows :meth:`read_rows` copies for ``tables [S, nb]`` (long): a layer viewed as
         rows ``[Hkv * n_blocks, B * Dx]`` has (head h, block b) at row ``h * n_blocks + b``;
         they are listed in ``[S, Hkv, nb]`` order (long ``[S*Hkv*nb]``)."""
-        assert self.k is not None
         S, nb = tables.shape
-        _, hkv, n_blocks, _, _ = self.k.shape
+        hkv, n_blocks, _, _ = self.k[0].shape
         heads = torch.arange(hkv, device=tables.device).view(1, hkv, 1) * n_blocks
         return (tables.view(S, 1, nb) + heads).view(-1)
 
@@ -207,8 +314,7 @@ class KVPool:
         :func:`ralm.batching.attention.attend` takes, from :meth:`rows_of`'s ``rows``: one
         contiguous row copy per (sequence, head, block); element ``[s, h, j*B + b]`` is head
         ``h`` of the sequence's ``j``-th block, offset ``b``."""
-        assert self.k is not None and self.v is not None
-        _, hkv, _, B, _ = self.k.shape
+        hkv, _, B, _ = self.k[layer].shape
         out = []
         for t in (self.k[layer], self.v[layer]):
             dx = t.shape[-1]

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from ralm.batching.kv_pool import ZERO_BLOCK, KVPool
+from ralm.batching.metadata import IterationMetadata
 
 
 class PagedKV:
@@ -117,8 +118,7 @@ class PagedKV:
     def span(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k [Hkv, n, D], v_aug [Hkv, n, D+1])``: copies of the first ``n`` positions (``n`` a
         multiple of the block, at least the length; blocks past the table read the zero block)."""
-        assert self.pool.k is not None
-        k, v = self.pool.gather(layer, block_tables([self], n // self.pool.block_size, self.pool.k.device))
+        k, v = self.pool.gather(layer, block_tables([self], n // self.pool.block_size, self.pool.layer_device(layer)))
         return k[0], v[0]
 
     @classmethod
@@ -130,32 +130,55 @@ class PagedKV:
         layers = list(cache.layers)
         n = int(layers[0].keys.shape[-2])
         kv.reserve(n, like=layers[0].keys[0])
-        blocks, offsets = (torch.tensor(x, dtype=torch.long, device=layers[0].keys.device) for x in kv.slots(0, n))
+        slots = kv.slots(0, n)
+        where: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # the slots on each layer's device
         for i, layer in enumerate(layers):
-            pool.write(i, blocks, offsets, layer.keys[0], layer.values[0])
+            dev = layer.keys.device
+            if dev not in where:
+                where[dev] = tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in slots)
+            pool.write(i, *where[dev], layer.keys[0], layer.values[0])
         kv.advance(n)
         return kv
 
 
 def block_tables(kvs: Sequence[PagedKV], nb: int, device, dtype=torch.long) -> torch.Tensor:
     """``[len(kvs), nb]``: each sequence's first ``nb`` blocks, padded with the zero block."""
-    rows = [(kv.table + [ZERO_BLOCK] * nb)[:nb] for kv in kvs]
-    return torch.tensor(rows, dtype=dtype, device=device)
+    return torch.tensor([padded_table(kv, nb) for kv in kvs], dtype=dtype, device=device)
+
+
+def padded_table(kv: PagedKV, nb: int) -> list[int]:
+    """The sequence's first ``nb`` blocks, padded with the zero block."""
+    return (kv.table + [ZERO_BLOCK] * nb)[:nb]
 
 
 class PagedPlan:
     """A packed forward over paged sequences: where each new token goes, which blocks each
-    sequence reads. Built at the forward's first layer (the pool may be allocated then);
-    reserves room for every segment's new tokens, so the forward allocates nothing after.
+    sequence reads. Built before the forward (at its first layer when the pool is allocated
+    by it); reserves room for every segment's new tokens, so the forward allocates nothing
+    after, and puts every index it needs in the iteration's metadata (``meta``; None: its
+    own, shipped here).
 
     ``segments``: the forward's segments (``.kv`` a :class:`PagedKV`, ``.n`` new tokens, in
-    row order); ``blocks, offsets [N]`` (long): where each packed token's KV goes."""
+    row order); ``groups``: the attention's groups of segments (``.idx``), for the CPU
+    backend's gathers; ``triton``: the Triton backend's block tables and query tiles instead.
+    Sections: ``paged.blocks, paged.offsets [N]`` (where each packed token's KV goes),
+    ``paged.rows{g}`` (the pool rows group ``g`` gathers, :meth:`KVPool.read_rows`),
+    ``paged.tables [S, nb]``, ``paged.tile_seq/row/n [T]`` and ``paged.pos [N]``."""
 
-    def __init__(self, pool: KVPool, segments: Sequence, like: torch.Tensor, device):
+    def __init__(
+        self,
+        pool: KVPool,
+        segments: Sequence,
+        groups: Sequence,
+        device,
+        triton: bool,
+        meta: IterationMetadata | None = None,
+    ):
         self.pool = pool
         self.segments = list(segments)
         self.device = device
-        pool.ensure(like)
+        own = meta is None
+        self.meta = meta if meta is not None else IterationMetadata(device)
         blocks: list[int] = []
         offsets: list[int] = []
         for seg in self.segments:
@@ -170,50 +193,85 @@ class PagedPlan:
             else None
         )
         if self.run is None:
-            self.blocks = torch.tensor(blocks, dtype=torch.long, device=device)
-            self.offsets = torch.tensor(offsets, dtype=torch.long, device=device)
-        self._tables: dict[tuple, torch.Tensor] = {}  # (segment indices, dtype) -> tables
-        self._reads: dict[tuple[int, ...], tuple] = {}
-        self._triton: tuple | None = None
+            self.meta.add("paged.blocks", blocks)
+            self.meta.add("paged.offsets", offsets)
+        self._reads: dict[int, tuple] = {}  # group -> ("run", first block, nb) | ("rows", S, nb)
+        if triton:
+            self._triton_sections()
+        else:
+            hkv, n_blocks = pool.k[0].shape[0], pool.n_blocks
+            for gi, g in enumerate(groups):
+                nb = self._nb(g.idx)
+                table = self.segments[g.idx[0]].kv.table[:nb]
+                if len(g.idx) == 1 and len(table) == nb and table == list(range(table[0], table[0] + nb)):
+                    self._reads[gi] = ("run", table[0], nb)
+                    continue
+                # a layer viewed as rows [Hkv * n_blocks, B * Dx] has (head h, block b) at row
+                # h * n_blocks + b; listed in [S, Hkv, nb] order
+                rows = [
+                    b + h * n_blocks for i in g.idx for h in range(hkv) for b in padded_table(self.segments[i].kv, nb)
+                ]
+                self.meta.add(f"paged.rows{gi}", rows)
+                self._reads[gi] = ("rows", len(g.idx), nb)
+        self._moved: dict[tuple[str, torch.device], torch.Tensor] = {}  # sections on other devices
+        if own:
+            self.meta.ship()
+
+    def _triton_sections(self) -> None:
+        """The paged Triton kernel's block tables, query tiles and row positions."""
+        # lazy: keeps triton (optional, only the CUDA path uses it) out of CPU processes
+        from ralm.batching.triton_kernels import ATTN_BLOCK_Q
+
+        S = len(self.segments)
+        nb = self._nb(range(S))
+        self.meta.add("paged.tables", [b for seg in self.segments for b in padded_table(seg.kv, nb)], (S, nb))
+        # each sequence's packed rows cut into tiles of ATTN_BLOCK_Q rows from its first row
+        # (the contiguous kernel's tiling of the same queries)
+        seq, row, n = [], [], []
+        for i, seg in enumerate(self.segments):
+            for r in range(0, seg.n, ATTN_BLOCK_Q):
+                seq.append(i)
+                row.append(seg.start + r)
+                n.append(min(ATTN_BLOCK_Q, seg.n - r))
+        self.meta.add("paged.tile_seq", seq)
+        self.meta.add("paged.tile_row", row)
+        self.meta.add("paged.tile_n", n)
+        self.meta.add("paged.pos", [len(s.kv) + t for s in self.segments for t in range(s.n)])
+
+    def _on(self, name: str, device: torch.device) -> torch.Tensor:
+        """Section ``name`` on ``device``: the shipped view on the plan's device, else one copy
+        per forward (the layers of a model spread over several GPUs)."""
+        t = self.meta[name]
+        if t.device == device:
+            return t
+        key = (name, device)
+        moved = self._moved.get(key)
+        if moved is None:
+            moved = self._moved[key] = t.to(device)
+        return moved
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """This layer's new ``key/value [1, Hkv, N, D]`` of every sequence, in one copy each."""
         if self.run is not None:
             self.pool.write_run(layer, self.run[0], self.run[1], key[0], value[0])
         else:
-            self.pool.write(layer, self.blocks, self.offsets, key[0], value[0])
+            dev = key.device
+            self.pool.write(layer, self._on("paged.blocks", dev), self._on("paged.offsets", dev), key[0], value[0])
 
     def _nb(self, idx: Sequence[int]) -> int:
         """Blocks covering the longest of segments ``idx`` after this forward."""
         B = self.pool.block_size
         return max(-(-(len(self.segments[i].kv) + self.segments[i].n) // B) for i in idx)
 
-    def tables(self, idx: Sequence[int], dtype=torch.long) -> torch.Tensor:
-        """Block tables ``[len(idx), nb]`` of segments ``idx`` (the same for every layer: computed once)."""
-        key = (tuple(idx), dtype)
-        t = self._tables.get(key)
-        if t is None:
-            kvs = [self.segments[i].kv for i in idx]
-            t = self._tables[key] = block_tables(kvs, self._nb(idx), self.device, dtype)
-        return t
-
-    def gather(self, layer: int, idx: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k_pad [S, Hkv, nb*B, D], v_aug [S, Hkv, nb*B, D+1])`` of segments ``idx`` at
+    def gather(self, layer: int, gi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_pad [S, Hkv, nb*B, D], v_aug [S, Hkv, nb*B, D+1])`` of group ``gi``'s segments at
         ``layer`` (new tokens included): the CPU attention's input. A lone sequence whose
         blocks follow one another in the pool is read in place; otherwise one copy."""
-        key = tuple(idx)
-        how = self._reads.get(key)
-        if how is None:
-            nb = self._nb(idx)
-            table = self.segments[idx[0]].kv.table[:nb]
-            if len(idx) == 1 and len(table) == nb and table == list(range(table[0], table[0] + nb)):
-                how = ("run", table[0], nb)
-            else:
-                how = ("rows", self.pool.rows_of(self.tables(idx)), len(idx), nb)
-            self._reads[key] = how
+        how = self._reads[gi]
         if how[0] == "run":
             return self.pool.read_run(layer, how[1], how[2])
-        return self.pool.read_rows(layer, how[1], how[2], how[3])
+        rows = self._on(f"paged.rows{gi}", self.pool.layer_device(layer))
+        return self.pool.read_rows(layer, rows, how[1], how[2])
 
     def triton_attention(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Every segment's queries ``query [1, H, N, D]`` against its blocks in one Triton
@@ -221,16 +279,11 @@ class PagedPlan:
         # lazy: keeps triton (optional, only the CUDA path uses it) out of CPU processes
         from ralm.batching import triton_paged
 
-        if self._triton is None:
-            starts = [s.start for s in self.segments]
-            counts = [s.n for s in self.segments]
-            pos = [len(s.kv) + t for s in self.segments for t in range(s.n)]
-            self._triton = (
-                self.tables(range(len(self.segments)), torch.int32),
-                triton_paged.query_tiles(starts, counts, self.device),
-                torch.tensor(pos, dtype=torch.long, device=self.device),
-            )
-        tables, tiles, pos_t = self._triton
-        k, v = self.pool.k[layer], self.pool.v[layer]  # type: ignore[index]
-        out = triton_paged.paged_attention(query[0].transpose(0, 1), k, v, tables, tiles, pos_t, scaling)
+        dev = self.pool.layer_device(layer)
+        tiles = (self._on("paged.tile_seq", dev), self._on("paged.tile_row", dev), self._on("paged.tile_n", dev))
+        k, v = self.pool.k[layer], self.pool.v[layer]
+        q = query[0].transpose(0, 1)
+        out = triton_paged.paged_attention(
+            q, k, v, self._on("paged.tables", dev), tiles, self._on("paged.pos", dev), scaling
+        )
         return out.unsqueeze(0)

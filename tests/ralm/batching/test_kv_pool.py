@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from ralm.batching.doc_blocks import DocBlockCache
-from ralm.batching.engine import StepCall
-from ralm.batching.kv_pool import ZERO_BLOCK, KVPool
+from ralm.batching.kv_pool import ZERO_BLOCK, KVPool, KVPoolFull, layer_devices
 from ralm.batching.packed import SeqKV, packed_forward
 from ralm.batching.paged_kv import PagedKV
 from ralm.batching.sessions import Session, SessionStore
-from tests.factories import tiny_engine
+from ralm.step_request import StepRequest
+from tests.factories import tiny_causal_lm, tiny_engine
 
 pytestmark = pytest.mark.unit
 
@@ -45,7 +45,7 @@ def test_blocks_are_counted_handed_out_once_and_the_zero_block_never():
     assert pool.stats()["blocks_used"] == 1
     with pytest.raises(RuntimeError, match="freed twice"):
         pool.decref(b.table * 2)
-    assert torch.equal(pool.k[:, :, ZERO_BLOCK], torch.zeros_like(pool.k[:, :, ZERO_BLOCK]))  # type: ignore[index]
+    assert torch.equal(pool.k[0][:, ZERO_BLOCK], torch.zeros_like(pool.k[0][:, ZERO_BLOCK]))
 
 
 def test_a_fork_shares_blocks_and_a_write_copies_only_the_shared_partial_block():
@@ -203,7 +203,7 @@ def test_a_failed_forward_gives_its_blocks_back(monkeypatch):
     with pytest.raises(RuntimeError, match="device lost"):
         eng.step(None, ctx, 2, owner="x")
     with pytest.raises(RuntimeError, match="device lost"):
-        eng.step_batch([StepCall((), ctx, 2)])
+        eng.submit(StepRequest(tuple(ctx), 2)).result()
     assert eng.kv_pool.stats()["blocks_used"] == before  # type: ignore[union-attr]
     monkeypatch.undo()
     assert len(eng.step(None, ctx, 2).tokens) >= 1  # and the batcher keeps serving
@@ -250,3 +250,41 @@ def test_a_busy_owner_of_idle_blocks_makes_the_pool_grow_instead_of_waiting():
         done.set()
         t.join()
     assert store.evict_one() and pool.stats()["blocks_used"] == 1  # free again: it evicts
+
+
+def test_growth_is_bounded_by_the_free_memory_of_the_device():
+    """Doubling when it fits, else just the blocks in use, else a clear KVPoolFull; a layer's
+    block is 2 heads x 4 positions x (4 + 5) columns x 4 bytes = 288 bytes."""
+    free = {"bytes": 10**9}
+    pool = KVPool(1, block_size=4, initial_blocks=4, free_memory=lambda device: free["bytes"])
+    a = _filled(pool, 12)  # the 3 blocks besides the zero block
+    assert pool.layer_block_bytes == 288 and pool.grows == 0
+    # growing 4 -> 8 needs 4 new blocks plus the layer's new tensors' transient: 8 x 288 bytes
+    free["bytes"] = 8 * 288 - 1
+    b = _filled(pool, 1, seed=1)  # too little for a doubling: grown to the 5 blocks in use only
+    assert pool.grows == 1 and pool.n_blocks == 5 and pool.stats()["blocks_used"] == 4
+    free["bytes"] = 10  # nothing fits: the pool says so instead of the device running out
+    with pytest.raises(KVPoolFull, match="free memory"):
+        _filled(pool, 1, seed=2)
+    free["bytes"] = 10**9
+    k_a = a.span(0, 12)[0]
+    c = _filled(pool, 8, seed=3)  # doubles again (5 -> 10); the earlier sequences' bits stay
+    assert pool.n_blocks == 10 and torch.equal(a.span(0, 12)[0], k_a) and len(b) == 1 and len(c) == 8
+
+
+def test_each_layer_keeps_its_kv_on_its_own_device():
+    """A model spread over devices (``device_map="auto"``): the pool puts layer i's blocks on
+    layer i's device and writes each layer's keys there ("meta" stands for a second device)."""
+    model = tiny_causal_lm("llama", vocab_size=50, eos_token_id=0, seed=1)
+    assert layer_devices(model) == [torch.device("cpu")] * model.config.num_hidden_layers
+    model.model.layers[1].to("meta")
+    devices = layer_devices(model)
+    assert devices is not None and devices[1].type == "meta" and devices[0].type == "cpu"
+    pool = KVPool(2, block_size=4, initial_blocks=2, devices=devices[:2])
+    kv = PagedKV(pool)
+    g = torch.Generator().manual_seed(0)
+    k0, v0 = torch.randn(2, 6, 4, generator=g), torch.randn(2, 6, 4, generator=g)
+    kv.append(0, k0, v0)
+    kv.append(1, k0.to("meta"), v0.to("meta"))
+    assert pool.k[0].device.type == "cpu" and pool.k[1].device.type == "meta"
+    assert torch.equal(kv.span(0, 8)[0][:, :6], k0) and kv.span(1, 8)[0].device.type == "meta"
