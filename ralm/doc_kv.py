@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ralm.hf_cache import cache_kwargs, cache_of
+
 
 @dataclass
 class DocsKVInfo:
@@ -175,7 +177,7 @@ def docs_past(engine, docs: Sequence[tuple], allow_shifted: bool = False) -> tup
                 continue
         start = past.get_seq_length() if past is not None else 0
         ids = torch.tensor([docs[j]], dtype=torch.long, device=dev)
-        past = model(input_ids=ids, past_key_values=past, use_cache=True, **kw).past_key_values
+        past = cache_of(model(input_ids=ids, use_cache=True, **cache_kwargs(model, past), **kw))
         info.docs_computed += 1
         if use_cache and exact:
             seg = segment_of(past, start)

@@ -15,7 +15,11 @@ Three measurements, each side by side in one run (these machines are noisy):
     ``--fast-draft`` windows drafted on the plain kernels and verified
     (``generator.fast_draft``);
 (c) **per-request generation time** at ``--new-tokens`` with sessions against re-prefill:
-    (b)'s concurrency-1 rows.
+    (b)'s concurrency-1 rows;
+(d) **host cost of a decode iteration** (:func:`ralm.batching.op_count.decode_iteration_ops`):
+    torch ops per iteration and per layer at batch 1, 16 and 64 (a pooled decode, 80
+    positions of KV each), tensors built from Python data, and the host synchronisations an
+    iteration makes on a GPU (the greedy tokens' transfer plus any host read in the forward).
 
 Every arm's tokens are compared with the invariant engine's alone (batch 1, no session):
 they must be identical (exit status 1 otherwise). The plain engine's tokens are a different
@@ -83,6 +87,7 @@ def forward_cost(plain_model, inv_model, context: int, reps: int, batches: tuple
 
     # lazy: loads torch, and cli.build_parser imports this module for every command
     from ralm.batching import kv_pool, packed, paged_kv
+    from ralm.hf_cache import cache_kwargs, cache_of
 
     g = torch.Generator().manual_seed(0)
     vocab = plain_model.config.vocab_size
@@ -92,7 +97,7 @@ def forward_cost(plain_model, inv_model, context: int, reps: int, batches: tuple
     with torch.inference_mode():
         for batch in batches:
             ids = torch.randint(1, vocab, (batch, context + 1), generator=g).to(device)
-            past = plain_model(input_ids=ids[:, :context], use_cache=True).past_key_values
+            past = cache_of(plain_model(input_ids=ids[:, :context], use_cache=True))
             lens = [len(layer.keys[0, 0]) for layer in past.layers]
             kvs = []
             pool = kv_pool.KVPool(int(inv_model.config.num_hidden_layers))  # the engine's layout (generator.kv_pool)
@@ -106,7 +111,7 @@ def forward_cost(plain_model, inv_model, context: int, reps: int, batches: tuple
                     layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
                 sync()
                 t0 = time.perf_counter()
-                plain_model(input_ids=ids[:, context:], past_key_values=past, use_cache=True)
+                plain_model(input_ids=ids[:, context:], use_cache=True, **cache_kwargs(plain_model, past))
                 sync()
                 plain_t.append(time.perf_counter() - t0)
                 for kv in kvs:
@@ -214,6 +219,8 @@ def batch_bench_main(args) -> int:
     print("\n".join(notes), flush=True)
     cost = forward_cost(plain.model, inv.model, args.context, args.reps)
     print(json.dumps(cost), flush=True)
+    host_cost = decode_host_cost(inv.model)
+    print(json.dumps(host_cost), flush=True)
     rows, different, plain_agree, compared = [], 0, 0, 0
     for c in levels:
         reqs = workload_requests(inv, args.corpus, args.questions, c)
@@ -243,10 +250,25 @@ def batch_bench_main(args) -> int:
         serial = by_arm.get("plain-serial")
         for row in rows[-len(by_arm) :]:
             row["speedup_vs_plain_serial"] = row["tokens_per_s"] / serial["tokens_per_s"] if serial else None
-    md = _markdown(notes, cost, rows, plain_agree, compared)
-    write_report(args.out, "bench-batching", {"notes": notes, "forward_cost": cost, "rows": rows}, md)
+    md = _markdown(notes, cost, rows, plain_agree, compared, host_cost)
+    write_report(
+        args.out, "bench-batching", {"notes": notes, "forward_cost": cost, "host_cost": host_cost, "rows": rows}, md
+    )
     print(md)
     return exactness_status(different, "outputs of batched/session arms differ from the invariant engine alone")
+
+
+def decode_host_cost(model, batches: tuple[int, ...] = (1, 16, 64), context: int = 80) -> list[dict]:
+    """(d): one pooled decode iteration's torch ops, per layer, tensors from Python data and host
+    synchronisations (on a GPU: the greedy tokens' transfer, plus any host read in the forward)."""
+    from ralm.batching.op_count import decode_iteration_ops  # lazy: loads torch
+
+    rows = []
+    for b in batches:
+        r = decode_iteration_ops(model, b, context)
+        r["host_syncs"] = 1 + r["host_reads"]
+        rows.append(r)
+    return rows
 
 
 def _random_engines(base, name: str):
@@ -265,7 +287,7 @@ def _random_engines(base, name: str):
     return plain, inv
 
 
-def _markdown(notes, cost, rows, plain_agree, compared) -> str:
+def _markdown(notes, cost, rows, plain_agree, compared, host_cost=()) -> str:
     lines = [*notes, ""]
     lines.append("## (a) Forward cost: invariant vs plain (median of reps)")
     lines.append("")
@@ -277,6 +299,15 @@ def _markdown(notes, cost, rows, plain_agree, compared) -> str:
             f"| {b} | {r['plain_ms']:.2f} | {r['invariant_ms']:.2f} | {r['invariant_over_plain']:.2f}x | "
             f"{r['plain_tokens_per_s']:.0f} | {r['invariant_tokens_per_s']:.0f} |"
         )
+    if host_cost:
+        lines += ["", "## (d) Host cost of one pooled decode iteration (80 positions of KV each)", ""]
+        lines.append("| batch | backend | torch ops + launches | per layer | tensors from Python data | host syncs |")
+        lines.append("|---:|---|---:|---:|---:|---:|")
+        for h in host_cost:
+            lines.append(
+                f"| {h['batch']} | {h['backend']} | {h['ops']} | {h['ops_per_layer']:.1f} | "
+                f"{h['python_tensors']} | {h['host_syncs']} |"
+            )
     lines += ["", "## (b) Generator throughput, (c) per-request generation time", ""]
     lines.append(
         "| concurrent | arm | tokens/s | vs plain serial | wall s | mean request s | host ms / iteration | host share | identical |"

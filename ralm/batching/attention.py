@@ -119,6 +119,12 @@ def pad_kv(k: torch.Tensor, v: torch.Tensor, key_block: int = C.INVARIANT_KEY_BL
     return k_pad, v_aug
 
 
+def uses_triton(module_or_model) -> bool:
+    """Whether attention runs on the Triton kernels: the one place that reads the flag
+    :func:`ralm.batching.triton_forward.use_triton` sets (on the model and its attention modules)."""
+    return bool(getattr(module_or_model, "_ralm_triton", False))
+
+
 def invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The ``AttentionInterface`` entry point. ``query [B, H, nq, D]``, ``key/value [B, Hkv, Lk,
     D]`` (after the cache update). With ``ralm_batch`` (a packed batch of sequences, see
@@ -133,7 +139,7 @@ def invariant_attention(module, query, key, value, attention_mask, scaling=None,
         raise InvariantUnavailable("the invariant forward takes no padding mask: run sequences unpadded")
     nq, lk = query.shape[2], key.shape[2]
     pos = torch.arange(lk - nq, lk, device=query.device).expand(query.shape[0], nq)
-    if getattr(module, "_ralm_triton", False):
+    if uses_triton(module):
         # lazy: keeps triton (optional, only the CUDA path uses it) out of CPU processes
         from ralm.batching import triton_kernels
 

@@ -165,11 +165,16 @@ class InvariantLinear(nn.Module):
             from ralm.batching import triton_kernels
 
             y = triton_kernels.matmul(x2, self.weight, self.bias)
+            rows = n
         elif self.kernel == "onednn":
-            y = onednn_linear(_pad_rows(x2, max(n, C.INVARIANT_ONEDNN_MIN_ROWS)).contiguous(), self.weight, self.bias)
+            rows = max(n, C.INVARIANT_ONEDNN_MIN_ROWS)
+            y = onednn_linear(_pad_rows(x2, rows).contiguous(), self.weight, self.bias)
         else:
-            y = F.linear(_pad_rows(x2, -(-n // self.tile_rows) * self.tile_rows), self.weight, self.bias)
-        return y[:n].reshape(*shape[:-1], self.out_features)
+            rows = -(-n // self.tile_rows) * self.tile_rows
+            y = F.linear(_pad_rows(x2, rows), self.weight, self.bias)
+        if rows != n:  # padded: the real rows (no op when there was nothing to pad)
+            y = y[:n]
+        return y.reshape(*shape[:-1], self.out_features)
 
 
 # --------------------------------------------------------------------------- activations
@@ -350,6 +355,8 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS, kernels: str =
         check_attention_invariance(head_dim(model), layers[0].weight.device, layers[0].weight.dtype)
         kinds = sorted({m.kernel for m in layers})
         model._ralm_invariant = f"{'+'.join(kinds)}, {tile}-row BLAS tiles"
+        # a packed forward of a multiple of this many rows needs no padding in any linear layer
+        model._ralm_row_multiple = tile if "blas" in kinds else C.INVARIANT_ONEDNN_MIN_ROWS
         return model
     check_row_invariance(layers[0])  # raises with the reason
     return model
@@ -375,6 +382,14 @@ def _choose_kernels(layers: list[InvariantLinear]) -> None:
                 log.warning("oneDNN linear %s not usable for the invariant forward (%s); BLAS tiles", key, e)
                 verdict[key] = "blas"
         layer.use_kernel(verdict[key])
+
+
+def row_multiple(model) -> int:
+    """The packed forward's row count is padded to a multiple of this (at least this many rows):
+    then no linear layer pads its input (its kernel's tile, or oneDNN's smallest row count), and
+    each layer is one op on the rows as they are. 1: no padding (the Triton kernels, or a model
+    not made invariant)."""
+    return int(getattr(model, "_ralm_row_multiple", 1))
 
 
 def invariant_kernels(model) -> str | None:

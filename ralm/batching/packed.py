@@ -21,9 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ralm import constants as C
-from ralm.batching.attention import attend, hidden_keys
+from ralm.batching.attention import attend, hidden_keys, uses_triton
+from ralm.batching.invariant import row_multiple
+from ralm.batching.metadata import IterationMetadata
 from ralm.batching.paged_kv import PagedKV, PagedPlan
 
 
@@ -126,12 +129,17 @@ class Segment:
 
 
 class _Group:
-    """Segments attended together: their indices, query-row gather and output-scatter maps."""
+    """Segments attended together: their indices, and the sections of the iteration's
+    metadata that hold their query-row gather, positions and output-scatter maps."""
 
-    def __init__(self, segments: Sequence[Segment], idx: list[int], device):
+    def __init__(self, segments: Sequence[Segment], idx: list[int], gi: int, meta: IterationMetadata):
         segs = [segments[i] for i in idx]
         self.idx = idx
         self.n_max = n_max = max(s.n for s in segs)
+        self.name = f"group{gi}"
+        # every segment has n_max tokens and they follow one another from row 0: the packed
+        # rows are the group's [S, n_max] queries as they are (no gather, no scatter)
+        self.in_order = all(sg.n == n_max and sg.start == j * n_max for j, sg in enumerate(segs))
         gather, pos, valid, rows = [], [], [], []
         for j, s in enumerate(segs):
             base = len(s.kv)  # the sequence's length before this forward (every layer)
@@ -142,14 +150,20 @@ class _Group:
                 if t < s.n:
                     valid.append(j * n_max + t)
                     rows.append(s.start + t)
-        self.gather = torch.tensor(gather, dtype=torch.long, device=device)
-        self.pos = torch.tensor(pos, dtype=torch.long, device=device).view(len(segs), n_max)
-        self.valid = torch.tensor(valid, dtype=torch.long, device=device)
-        self.rows = torch.tensor(rows, dtype=torch.long, device=device)
-        # every segment has n_max tokens and they follow one another from row 0: the packed
-        # rows are the group's [S, n_max] queries as they are (no gather, no scatter)
-        self.in_order = all(sg.n == n_max and sg.start == j * n_max for j, sg in enumerate(segs))
+        meta.add(f"{self.name}.pos", pos, (len(segs), n_max))
+        if not self.in_order:
+            meta.add(f"{self.name}.gather", gather)
+            meta.add(f"{self.name}.valid", valid)
+            meta.add(f"{self.name}.rows", rows)
+        self.meta = meta
         self._masks: dict[tuple[int, int], torch.Tensor] = {}
+
+    @property
+    def pos(self) -> torch.Tensor:
+        return self.meta[f"{self.name}.pos"]
+
+    def index(self, what: str) -> torch.Tensor:
+        return self.meta[f"{self.name}.{what}"]
 
     def mask(self, nb: int, groups: int) -> torch.Tensor:
         """The attention mask over ``nb`` key blocks (the same at every layer: computed once)."""
@@ -161,21 +175,34 @@ class _Group:
 
 
 class PackedBatch:
-    """The plan of one packed forward; passed to the model as ``ralm_batch=``."""
+    """The plan of one packed forward; passed to the model as ``ralm_batch=``.
 
-    def __init__(self, segments: Sequence[Segment], device=None):
+    Built before the forward: the segments' groups, and (every sequence paged in one
+    allocated pool) the KV pool's plan with its reserved blocks; all their indices, with
+    the forward's token ids and positions, are sections of one :class:`IterationMetadata`,
+    sent to the device in one copy. ``triton``: attention on the Triton kernels."""
+
+    def __init__(self, segments: Sequence[Segment], device=None, triton: bool = False, meta=None):
         self.segments = list(segments)
         self.n_tokens = sum(s.n for s in self.segments)
         self.device = device
+        self.triton = triton
+        self.meta = meta if meta is not None else IterationMetadata(device)
         by_tiles: dict[int, list[int]] = {}
         for i, seg in enumerate(self.segments):
             by_tiles.setdefault(-(-seg.n // C.INVARIANT_QUERY_TILE), []).append(i)
-        self.groups = [_Group(self.segments, idx, device) for idx in by_tiles.values()]
+        self.groups = [_Group(self.segments, idx, gi, self.meta) for gi, idx in enumerate(by_tiles.values())]
         # every sequence paged in one pool: one write per layer, keys read through block tables
         paged = [seg.kv for seg in self.segments if isinstance(seg.kv, PagedKV)]
         pools = {id(kv.pool) for kv in paged}
         self.pool = paged[0].pool if len(paged) == len(self.segments) and len(pools) == 1 else None
         self._plan: PagedPlan | None = None
+        if self.pool is not None and self.pool.allocated:  # the usual case: the plan's indices ship with the rest
+            self._plan = PagedPlan(self.pool, self.segments, self.groups, device, triton, self.meta)
+
+    def ship(self) -> None:
+        """Send the iteration's metadata to the device (one copy)."""
+        self.meta.ship()
 
     def finish(self) -> None:
         """After the forward: the paged sequences hold their new positions."""
@@ -192,11 +219,21 @@ class PackedBatch:
         Shorter sequences of a group are attended over the group's longest key range; their
         extra blocks are masked and add exact zeros."""
         layer = int(module.layer_idx)
+        n_rows = query.shape[2]
+        if n_rows != self.n_tokens:  # padding rows (row_multiple): attended by nobody, written nowhere
+            N = self.n_tokens
+            query, key, value = query[:, :, :N], key[:, :, :N], value[:, :, :N]
+            out = self._attend(layer, module, query, key, value, scaling)
+            return F.pad(out, (0, 0, 0, 0, 0, n_rows - N))
+        return self._attend(layer, module, query, key, value, scaling)
+
+    def _attend(self, layer: int, module, query, key, value, scaling: float) -> torch.Tensor:
         if self.pool is not None:
-            if self._plan is None:  # the first layer: room for the new tokens in every sequence
-                self._plan = PagedPlan(self.pool, self.segments, key[0, :, :1], self.device)
+            if self._plan is None:  # the pool's first forward: allocated now, the plan's indices in a copy of their own
+                self.pool.ensure(key[0, :, :1])
+                self._plan = PagedPlan(self.pool, self.segments, self.groups, self.device, self.triton)
             self._plan.write(layer, key, value)
-            if getattr(module, "_ralm_triton", False):
+            if self.triton:
                 return self._plan.triton_attention(layer, query, scaling)
         else:
             for seg in self.segments:
@@ -207,29 +244,35 @@ class PackedBatch:
         if len(self.groups) == 1 and self.groups[0].in_order:  # e.g. every row a decode token
             g = self.groups[0]
             q = query[0].view(H, len(g.idx), g.n_max, D).transpose(0, 1)  # [S, H, n, D], a view
-            return self._attend_group(g, layer, q, scaling, module).reshape(1, self.n_tokens, H, D)
+            return self._attend_group(0, layer, q, scaling).reshape(1, self.n_tokens, H, D)
         out = query.new_empty(self.n_tokens, H, D)
         q_rows = query[0].transpose(0, 1)  # [N, H, D]
-        for g in self.groups:
-            q = q_rows.index_select(0, g.gather).view(len(g.idx), g.n_max, H, D).transpose(1, 2)
-            o = self._attend_group(g, layer, q, scaling, module)
-            out.index_copy_(0, g.rows, o.reshape(-1, H, D).index_select(0, g.valid))
+        for gi, g in enumerate(self.groups):
+            if g.in_order:
+                q = q_rows[: len(g.idx) * g.n_max].view(len(g.idx), g.n_max, H, D).transpose(1, 2)
+                o = self._attend_group(gi, layer, q, scaling)
+                out[: len(g.idx) * g.n_max] = o.reshape(-1, H, D)
+                continue
+            q = q_rows.index_select(0, g.index("gather")).view(len(g.idx), g.n_max, H, D).transpose(1, 2)
+            o = self._attend_group(gi, layer, q, scaling)
+            out.index_copy_(0, g.index("rows"), o.reshape(-1, H, D).index_select(0, g.index("valid")))
         return out.unsqueeze(0)
 
-    def _attend_group(self, g: _Group, layer: int, q: torch.Tensor, scaling: float, module=None) -> torch.Tensor:
-        """The group's queries ``q [S, H, n_max, D]`` against its sequences' KV at ``layer``:
-        ``[S, n_max, H, D]`` (on the Triton kernel where ``make_invariant`` flagged ``module``)."""
+    def _attend_group(self, gi: int, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Group ``gi``'s queries ``q [S, H, n_max, D]`` against its sequences' KV at ``layer``:
+        ``[S, n_max, H, D]`` (on the Triton kernel with ``self.triton``)."""
         KB = C.INVARIANT_KEY_BLOCK
+        g = self.groups[gi]
         segs = [self.segments[i] for i in g.idx]
         if self._plan is not None:
-            k_pad, v_aug = self._plan.gather(layer, g.idx)
+            k_pad, v_aug = self._plan.gather(layer, gi)
             span = k_pad.shape[2]
         else:
             span = max(-(-s.kv.layer_len[layer] // KB) * KB for s in segs)
             ks, vs = zip(*(s.kv.span(layer, span) for s in segs))
             k_pad = ks[0].unsqueeze(0) if len(ks) == 1 else torch.stack(ks)
             v_aug = vs[0].unsqueeze(0) if len(vs) == 1 else torch.stack(vs)
-        if getattr(module, "_ralm_triton", False):
+        if self.triton:
             # lazy: keeps triton (optional, only the CUDA path uses it) out of CPU processes
             from ralm.batching import triton_kernels
 
@@ -251,6 +294,11 @@ def packed_forward(
     ``logits_rows`` (indices into the concatenated tokens; default: each chunk's last
     token), ``[len(logits_rows), vocab]``; with ``with_hidden``, also the final hidden states
     of those rows (``[len(logits_rows), d]``, the KNN-LM query), as a pair.
+
+    The iteration's metadata (token ids, positions, kept rows, the groups' and the pool's
+    indices) is built on the host first and sent to the device in one copy
+    (:class:`~ralm.batching.metadata.IterationMetadata`); the model's forward then builds no
+    tensor from Python data and reads nothing back.
     """
     device = next(model.parameters()).device
     ids: list[int] = []
@@ -265,13 +313,21 @@ def packed_forward(
         pos.extend(range(base, base + len(toks)))
     if logits_rows is None:
         logits_rows = [s.start + s.n - 1 for s in segs]
-    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
-    position_ids = torch.tensor([pos], dtype=torch.long, device=device)
-    keep = torch.tensor(list(logits_rows), dtype=torch.long, device=device)
-    batch = PackedBatch(segs, device)
+    # padding rows (token 0 at position 0, in no sequence) up to the linear layers' row tile:
+    # every layer then runs on the rows as they are, and each real row gets its bits whatever
+    # the padding holds (row invariance); the attention writes and reads real rows only
+    m = row_multiple(model)
+    pad = max(-(-len(ids) // m) * m, m) - len(ids) if m > 1 else 0
+    meta = IterationMetadata(device)
+    meta.add("ids", ids + [0] * pad, (1, len(ids) + pad))
+    meta.add("pos", pos + [0] * pad, (1, len(pos) + pad))
+    meta.add("keep", [int(r) for r in logits_rows])
+    batch = PackedBatch(segs, device, uses_triton(model), meta)
+    batch.ship()
+    keep = meta["keep"]
     out = model(
-        input_ids=input_ids,
-        position_ids=position_ids,
+        input_ids=meta["ids"],
+        position_ids=meta["pos"],
         use_cache=False,
         logits_to_keep=keep,
         output_hidden_states=with_hidden,

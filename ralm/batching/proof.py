@@ -19,7 +19,13 @@ products and the norms' reductions changed with shape too). So the engine proves
    and then token by token: the last logits and the KV must be equal;
 3. *drafted vs one at a time*: ``k + 1`` tokens fed in one forward (logits at each row, as a
    drafted verification does, alone and packed with decode tokens) must give the logits of
-   feeding them one at a time.
+   feeding them one at a time;
+4. *the KV pool vs alone* (the serving default, ``generator.kv_pool``): sequences paged in
+   one pool that fork a document's KV (sharing its blocks, the partly filled last one
+   copied on write) are prefilled together, then decoded next to a drafted window and a
+   KNN-LM feed (final hidden states at its row) in one forward; where the model's positions
+   allow, a sequence past position 2,048 is decoded in the same forward. Logits, hidden
+   states and every layer's KV must equal per-sequence buffers run alone.
 
 Any difference refuses batching, with a reason naming the first check that failed and
 the largest logit difference seen there. Worked example: on a machine whose GEMM changes a
@@ -38,7 +44,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ralm import constants as C
+from ralm.batching.kv_pool import KVPool, layer_devices
 from ralm.batching.packed import SeqKV, model_max_positions, packed_forward
+from ralm.batching.paged_kv import PagedKV
 
 
 @dataclass
@@ -91,9 +99,20 @@ class _Prover:
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(1, self.vocab) for _ in range(n)]
 
-    def forward(self, chunks, rows=None) -> torch.Tensor:
+    def forward(self, chunks, rows=None, with_hidden: bool = False):
         self.forwards += 1
+        if with_hidden:
+            return packed_forward(self.model, chunks, rows, with_hidden=True)
         return packed_forward(self.model, chunks, rows)
+
+    def prefill(self, kv, toks: Sequence[int]) -> torch.Tensor:
+        """Feed ``toks`` in chunks of at most the token budget (as the engine does); the last
+        token's logits."""
+        out = None
+        for s in range(0, len(toks), self.token_budget):
+            out = self.forward([(kv, list(toks[s : s + self.token_budget]))])[0]
+        assert out is not None
+        return out
 
     def equal(self, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         self.comparisons += 1
@@ -101,13 +120,15 @@ class _Prover:
             diff = float((got.float() - want.float()).abs().max()) if got.shape == want.shape else float("inf")
             raise _Mismatch(what, diff)
 
-    def equal_kv(self, got: SeqKV, want: SeqKV, what: str) -> None:
+    def equal_kv(self, got: SeqKV | PagedKV, want: SeqKV, what: str) -> None:
         if len(got) != len(want):
             raise _Mismatch(f"{what}: KV length {len(got)} != {len(want)}", float("inf"))
         n = len(want)
+        span = -(-n // C.INVARIANT_KEY_BLOCK) * C.INVARIANT_KEY_BLOCK
         for layer in range(self.n_layers):
-            gk, wk, gv, wv = got.k[layer], want.k[layer], got.v[layer], want.v[layer]
-            assert gk is not None and wk is not None and gv is not None and wv is not None
+            wk, wv = want.k[layer], want.v[layer]
+            assert wk is not None and wv is not None
+            gk, gv = got.span(layer, span)
             D = wk.shape[-1]
             self.equal(gk[:, :n], wk[:, :n], f"{what}: keys of layer {layer}")
             self.equal(gv[:, :n, :D], wv[:, :n, :D], f"{what}: values of layer {layer}")
@@ -215,6 +236,79 @@ class _Prover:
             self.equal_kv(kv, one, f"the KV of {k1} drafted tokens in one forward vs one at a time")
         checks.append(f"drafted verification ({k1} tokens)")
 
+    def pooled_vs_alone(self, checks: list[str]) -> None:
+        """Check 4: the KV pool with forks, copy on write, a drafted window, a KNN-LM feed and
+        (where the model allows) a position past 2,048, against per-sequence buffers alone."""
+        k1 = C.PROOF_DRAFT_TOKENS
+        if self.max_sequences < 5 or self.token_budget < k1 + 6:
+            return  # the engine never packs the check's decode forward (5 sequences, k1 + 5 tokens)
+        pool = KVPool(self.n_layers, devices=layer_devices(self.model))
+        doc = self.tokens(max(2, min(C.INVARIANT_KEY_BLOCK + 27, self.max_positions // 4)))  # a partial last block
+        ctxs = [self.tokens(self.rng.randint(1, max(1, min(12, self.token_budget // 4)))) for _ in range(3)]
+        nxts, draft = self.tokens(3), self.tokens(k1)
+        # the references, alone in their own buffers
+        refs = []
+        for i, (c, t) in enumerate(zip(ctxs, nxts)):
+            kv = SeqKV(self.n_layers)
+            pre = self.prefill(kv, doc + c)
+            if i == 2:  # the drafted window: logits at every one of its rows
+                dec = self.forward([(kv, [t, *draft])], list(range(k1 + 1)))
+            else:
+                dec = self.forward([(kv, [t])])[0]
+            refs.append((pre, dec, kv))
+        feed_ctx, feed_next = self.tokens(self.rng.randint(2, 20)), self.tokens(1)
+        feed_ref = SeqKV(self.n_layers)
+        self.prefill(feed_ref, feed_ctx)
+        feed_logits, feed_hidden = self.forward([(feed_ref, feed_next)], with_hidden=True)
+        long_len = 2 * 1024 + 40
+        long_ref = None
+        if long_len + 2 <= self.max_positions:
+            long_toks = self.tokens(long_len + 1)
+            long_ref = SeqKV(self.n_layers)
+            self.prefill(long_ref, long_toks[:long_len])
+            long_want = self.forward([(long_ref, long_toks[long_len:])])[0]
+        # the pooled run: a document forked three times, prefilled together
+        held: list[PagedKV] = []
+
+        def paged() -> PagedKV:
+            held.append(PagedKV(pool))
+            return held[-1]
+
+        try:
+            base = paged()
+            self.prefill(base, doc)
+            forks = [base.fork() for _ in ctxs]
+            held += forks
+            logits = self.forward([(f, c) for f, c in zip(forks, ctxs)])
+            for row, r in enumerate(refs):
+                self.equal(logits[row], r[0], "the prefill logits of a pooled fork of a document")
+            feed = paged()
+            self.prefill(feed, feed_ctx)
+            chunks = [(forks[0], [nxts[0]]), (forks[1], [nxts[1]]), (forks[2], [nxts[2], *draft]), (feed, feed_next)]
+            rows = [0, 1, *range(2, 3 + k1), 3 + k1]
+            long_kv = None
+            if long_ref is not None:
+                long_kv = paged()
+                self.prefill(long_kv, long_toks[:long_len])
+                chunks.append((long_kv, long_toks[long_len:]))
+                rows.append(rows[-1] + 1)
+            logits, hidden = self.forward(chunks, rows, with_hidden=True)
+            self.equal(logits[0], refs[0][1], "pooled decode logits next to a drafted window and a feed")
+            self.equal(logits[1], refs[1][1], "pooled decode logits next to a drafted window and a feed")
+            self.equal(logits[2 : 3 + k1], refs[2][1], f"a pooled drafted window of {k1} tokens")
+            self.equal(logits[3 + k1], feed_logits[0], "the logits of a KNN-LM feed next to pooled steps")
+            self.equal(hidden[3 + k1], feed_hidden[0], "the hidden state of a KNN-LM feed next to pooled steps")
+            if long_kv is not None and long_ref is not None:
+                self.equal(logits[4 + k1], long_want, f"a pooled decode at position {long_len}")
+                self.equal_kv(long_kv, long_ref, f"the pooled KV of a {long_len + 1}-position sequence")
+            for f, r in zip(forks, refs):
+                self.equal_kv(f, r[2], "the pooled KV of a fork of a document")
+            self.equal_kv(feed, feed_ref, "the pooled KV of a KNN-LM feed")
+        finally:
+            for kv in held:
+                kv.free()
+        checks.append("kv pool: forks, drafted window, feed" + (f", position {long_len}" if long_ref else ""))
+
 
 def prove_invariance(
     model,
@@ -244,6 +338,7 @@ def prove_invariance(
         with torch.inference_mode():
             prover.chunked_vs_one_pass(checks)
             prover.drafted_vs_one_at_a_time(checks)
+            prover.pooled_vs_alone(checks)
             prover.packed_vs_alone(checks)
     except _Mismatch as m:
         reason = (

@@ -91,6 +91,7 @@ def use_triton(model, layers: Sequence[LinearLayer], head_dim: int) -> Any:
     then a cheap probe of both on the model's device and dtype."""
     for layer in layers:
         layer.use_kernel("triton")
+    model._ralm_triton = True  # read by ralm.batching.attention.uses_triton, and nowhere else
     for m in model.modules():
         if hasattr(m, "layer_idx"):  # the attention modules (the decoder layers too: harmless)
             m._ralm_triton = True

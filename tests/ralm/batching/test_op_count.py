@@ -1,0 +1,79 @@
+"""The host's work per decode iteration, counted with a dispatch mode (ralm.batching.op_count):
+one tensor from Python data per iteration (its metadata), no host read inside the forward,
+and a cost per layer that does not grow with the batch, on the CPU backend and on the
+Triton backend (launches recorded instead of run: no GPU here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ralm.batching.invariant import make_invariant
+from ralm.batching.op_count import count_ops, decode_iteration_ops, record_triton_launches
+
+pytestmark = pytest.mark.unit
+
+BATCHES = (1, 16, 64)
+#: the CPU backend's torch ops per layer per decode iteration, as measured on 2026-11-27
+#: (the issue's target of 60 is not met: see docs/batching.md, "Host cost")
+CPU_OPS_PER_LAYER = 135
+#: the Triton backend's torch ops and kernel launches per layer (the target of 25 is not met)
+TRITON_OPS_PER_LAYER = 110
+
+
+def _llama(layers: int = 16):
+    """A random Llama of Llama-3.2-1B's layer count at width 64 (GQA: 4 query, 2 kv heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _check(rows: list[dict], per_layer_max: float) -> None:
+    for r in rows:
+        assert r["python_tensors"] == 1, r  # the iteration's metadata, one copy
+        assert r["host_reads"] == 0, r
+        assert r["ops_per_layer"] <= per_layer_max, r
+    ops = [r["ops"] for r in rows]
+    assert max(ops) <= 1.2 * min(ops), ops  # flat from batch 1 to 64
+
+
+def test_the_cpu_backends_decode_iteration_has_a_flat_host_cost():
+    model = make_invariant(_llama())
+    _check([decode_iteration_ops(model, b, context=80) for b in BATCHES], CPU_OPS_PER_LAYER)
+
+
+def test_the_triton_backends_decode_iteration_has_a_flat_host_cost(monkeypatch):
+    import ralm.batching.triton_forward as tf
+
+    # the load-time probe checks numbers, which a recorded launch does not compute
+    monkeypatch.setattr(tf, "check_triton_invariance", lambda layer, head_dim: None)
+    model = make_invariant(_llama(), kernels="triton")
+    rows = [decode_iteration_ops(model, b, context=80) for b in BATCHES]
+    for r in rows:
+        # per layer: 7 matmuls, 2 norms, 1 paged attention; the LM head and the final norm
+        assert r["backend"] == "triton" and r["launches"] == 16 * 10 + 2, r
+    _check(rows, TRITON_OPS_PER_LAYER)
+
+
+def test_the_counter_sees_python_data_host_reads_and_recorded_launches():
+    def work():
+        t = torch.tensor([1, 2, 3])  # from Python data
+        return int(t.sum())  # a host read
+
+    c, out = count_ops(work)
+    assert out == 6 and c.python_tensors == 1 and c.host_reads == 1 and c.ops >= 3
+    from ralm.batching import triton_kernels as T
+
+    with record_triton_launches() as launches:
+        T.built("family", lambda: {})["kernel"][(4,)](1, 2)
+    assert launches.n == 1 and launches.by_kernel["kernel"] == 1
