@@ -131,12 +131,16 @@ class PagedKV:
         n = int(layers[0].keys.shape[-2])
         kv.reserve(n, like=layers[0].keys[0])
         slots = kv.slots(0, n)
-        where: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # the slots on each layer's device
+        where: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # the slots on each layer's device
         for i, layer in enumerate(layers):
             dev = layer.keys.device
             if dev not in where:
-                where[dev] = tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in slots)
-            pool.write(i, *where[dev], layer.keys[0], layer.values[0])
+                where[dev] = (
+                    torch.tensor(slots[0], dtype=torch.long, device=dev),
+                    torch.tensor(slots[1], dtype=torch.long, device=dev),
+                )
+            blocks, offsets = where[dev]
+            pool.write(i, blocks, offsets, layer.keys[0], layer.values[0])
         kv.advance(n)
         return kv
 
