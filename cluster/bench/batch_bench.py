@@ -40,6 +40,7 @@ from cluster.report import exactness_status, machine_note, write_report
 from ralm import constants as C
 from ralm.config import GeneratorConfig
 from ralm.corpus import Corpus, load_questions
+from ralm.hf_cache import cache_kwargs, cache_of
 
 ARMS = (
     "plain-serial",
@@ -87,7 +88,6 @@ def forward_cost(plain_model, inv_model, context: int, reps: int, batches: tuple
 
     # lazy: loads torch, and cli.build_parser imports this module for every command
     from ralm.batching import kv_pool, packed, paged_kv
-    from ralm.hf_cache import cache_kwargs, cache_of
 
     g = torch.Generator().manual_seed(0)
     vocab = plain_model.config.vocab_size

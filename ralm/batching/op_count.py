@@ -31,6 +31,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ralm.batching.attention import uses_triton
+from ralm.batching.kv_pool import KVPool
+from ralm.batching.packed import packed_forward
+from ralm.batching.paged_kv import PagedKV
+
 _PYTHON_DATA = {"lift_fresh", "lift_fresh_copy"}
 _HOST_READS = {"_local_scalar_dense"}
 
@@ -140,11 +145,6 @@ def decode_iteration_ops(model, batch: int, context: int, seed: int = 0) -> dict
     the model is on the Triton kernels), tensors made from Python data and host reads,
     counted over :func:`~ralm.batching.packed.packed_forward` (the metadata's one copy
     included), and per decoder layer."""
-    from ralm.batching.attention import uses_triton
-    from ralm.batching.kv_pool import KVPool
-    from ralm.batching.packed import packed_forward
-    from ralm.batching.paged_kv import PagedKV
-
     g = torch.Generator().manual_seed(seed)
     layers = int(model.config.num_hidden_layers)
     vocab = int(model.config.vocab_size)
