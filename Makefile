@@ -91,7 +91,7 @@ test-all: setup system-deps
 	$(PY) -m pytest -q -m ""
 
 bench: index
-	$(VENV)/bin/ralmspec bench --pad-to 1000000 -n 20
+	$(VENV)/bin/ralmspec bench spec --pad-to 1000000 -n 20
 
 clean:
 	rm -rf $(VENV) bench-out

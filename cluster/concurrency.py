@@ -1,4 +1,4 @@
-"""``--concurrency N`` of ``ralmspec bench`` and ``ralmspec eval``: one configuration's
+"""``--concurrency N`` of ``ralmspec bench spec`` and ``ralmspec eval``: one configuration's
 requests run N at a time through one in-process pipeline.
 
 The N request threads share one retriever and one :class:`ralm.engine.LMEngine`; the

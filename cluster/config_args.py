@@ -1,5 +1,5 @@
-"""The flags every ``ralmspec`` command that builds a pipeline shares, and the
-:class:`ralm.config.RalmConfig` they give (``--config FILE.yaml``, then the flags).
+"""The :class:`ralm.config.RalmConfig` that a command's flags give: ``--config FILE.yaml``,
+then the flags of :func:`cluster.flags.config_parent` (and ``--max-new-tokens``) applied.
 
 Its own module so that the CLI imports the commands and no command imports the CLI.
 """
@@ -7,25 +7,8 @@ Its own module so that the CLI imports the commands and no command imports the C
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from ralm.config import RalmConfig
-from ralm.retrieval.scan_choice import SCAN_MODES
-
-
-def add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, help="YAML file with a RalmConfig (see ralm/config.py)")
-    p.add_argument("--corpus", type=Path, help="corpus JSONL(.gz) in pyserini JsonCollection format")
-    p.add_argument("--work-dir", type=Path, help="where indexes and outputs go (default ~/.cache/ralmspec)")
-    p.add_argument("--model", help="generator: local path or Hugging Face name")
-    p.add_argument("--encoder", help="dense encoder: local:all-MiniLM-L6-v2, a path or a HF name")
-    p.add_argument("--pad-to", type=int, help="pad the EDR flat index to N rows (cost emulation; results unchanged)")
-    p.add_argument(
-        "--dense-scan",
-        choices=list(SCAN_MODES),
-        help="EDR candidate scan: auto (timed here), faiss, bf16, int8 or gpu (bounded scans, exact after re-scoring)",
-    )
-    p.add_argument("-v", "--verbose", action="store_true")
 
 
 def load_config(args: argparse.Namespace) -> RalmConfig:

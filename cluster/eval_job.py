@@ -56,10 +56,11 @@ from pathlib import Path
 
 from cache.state import STATE_URL_ENV, StateStoreError, StateStoreUnavailable, open_state_store
 from cluster.concurrency import CONCURRENCY_HELP, check_concurrency
-from cluster.config_args import add_config_args, load_config
+from cluster.config_args import load_config
 from cluster.eval_backends import EvalBackend, make_backend
 from cluster.eval_items import EvalItem, make_items
 from cluster.eval_report import write_outputs
+from cluster.flags import SHARED, Default, HelpFormatter, add_shared, config_parent
 from cluster.report import bench_header, exactness_status
 from ralm import constants as C
 from ralm.config import SpecConfig
@@ -185,37 +186,37 @@ def run_items(
 
 # ====================================================================== CLI
 def add_eval_args(p: argparse.ArgumentParser) -> None:
-    """Eval-specific flags (the common ones come from :func:`cluster.config_args.add_config_args`)."""
-    p.add_argument("--questions", type=Path, help="JSONL with a 'question' field (default: the demo set)")
-    p.add_argument("-n", "--num-questions", type=int, default=None, help="use the first N questions (default: all)")
-    p.add_argument("--retrievers", default=DEFAULT_RETRIEVERS, help="comma-separated subset of edr,adr,sr")
-    p.add_argument(
-        "--configs",
-        default=DEFAULT_CONFIGS,
-        help="RaLMSpec configurations, comma-separated: base, any of P/S/A, or s=N (RaLMSeq always runs)",
-    )
-    p.add_argument("--max-new-tokens", type=int)
-    p.add_argument(
-        "--state-url",
-        default=None,
-        help="state store for progress and results: redis://host:6379/0 (password from "
-        "$RALMSPEC_REDIS_PASSWORD / $RALMSPEC_REDIS_PASSWORD_FILE), sqlite:///path.db, or "
-        "memory:// (not resumable). Default: $RALMSPEC_STATE_URL, else sqlite://OUT/state.sqlite",
+    """Eval-specific flags (the RalmConfig ones come from :func:`cluster.flags.config_parent`)."""
+    add_shared(
+        p,
+        questions=None,
+        num_questions=Default(help="use the first N questions"),
+        retrievers=DEFAULT_RETRIEVERS,
+        configs=Default(DEFAULT_CONFIGS, help=SHARED["configs"].help + "; RaLMSeq always runs"),
+        max_new_tokens=None,
+        state_url=Default(
+            help="state store for progress and results (memory:// is not resumable): "
+            + SHARED["state_url"].help.removeprefix("state store: "),
+            unset="$RALMSPEC_STATE_URL, else sqlite://OUT/state.sqlite",
+        ),
     )
     p.add_argument(
         "--job-id",
         default=None,
         help="resume/identify the job; default: derived from the setup, so rerunning the same command resumes",
     )
-    p.add_argument("--out", type=Path, default=Path("eval-out"), help="output directory")
+    add_shared(p, out=Path("eval-out"))
     p.add_argument(
         "--backend", default="auto", help="auto (ray inside a Ray job, else local), local, ray, or a registered backend"
     )
     p.add_argument("--workers", type=int, default=1, help="ray backend: number of pipeline actors")
     p.add_argument("--worker-cpus", type=float, default=1.0, help="ray backend: CPUs per actor")
     p.add_argument("--worker-gpus", type=float, default=0.0, help="ray backend: GPUs per actor")
-    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up questions per backend worker")
-    p.add_argument("--concurrency", type=int, default=1, metavar="N", help="local backend: " + CONCURRENCY_HELP)
+    add_shared(
+        p,
+        warmup=Default(1, help="untimed warm-up requests per backend worker (0: none)"),
+        concurrency=Default(1, help="local backend: " + CONCURRENCY_HELP),
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -315,9 +316,8 @@ def eval_main(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m cluster.eval_job``: the common flags and :func:`add_eval_args`."""
     p = argparse.ArgumentParser(
-        prog="ralmspec eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="ralmspec eval", description=__doc__, parents=[config_parent()], formatter_class=HelpFormatter
     )
-    add_config_args(p)
     add_eval_args(p)
     return p
 

@@ -5,8 +5,8 @@ The server sheds what it cannot take now - its bounded queues are full, or no co
 could be started because a node was lost (:class:`ralm.errors.Overloaded`, answered 503),
 or Serve's proxy queue is full (503 or 429) - and says when to come back in
 ``Retry-After``; nothing of a shed request was started, so sending it again is safe and
-gives the same answer. A real client does exactly that, and so do ``ralmspec soak``,
-``ralmspec served-bench`` and the fault and load tests: they check that no request is lost
+gives the same answer. A real client does exactly that, and so do ``ralmspec bench soak``,
+``ralmspec bench served`` and the fault and load tests: they check that no request is lost
 or wrong, not that every request succeeds on its first try.
 
 Bounded: at most ``max_retries`` retries (:data:`~ralm.constants.CLIENT_SHED_RETRIES`), none

@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from cluster.flags import Default, add_shared
 from ralm import constants as C
 
 ROOT = C.PACKAGE_ROOT
@@ -205,14 +206,12 @@ def _set_image(spec: dict, image: str) -> dict:
 
 # ------------------------------------------------------------------ CLI
 def add_k8s_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--serve-config", type=Path, help="Serve config to embed (default: serve_config.yaml at the repository root)"
-    )
+    add_shared(p, serve_config=Default(help="Serve config YAML to embed"))
     p.add_argument("--root", type=Path, default=ROOT, help="repository root (default: this checkout)")
     p.add_argument(
         "--image", help="container image for every Ray pod (default: the one in k8s/src/raycluster-spec.yaml)"
     )
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated file is out of date")
+    add_shared(p, check=Default(help="check only: write nothing; exit 1 if a generated file is out of date"))
 
 
 def k8s_main(args: argparse.Namespace) -> int:
@@ -243,11 +242,10 @@ def k8s_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="ralmspec k8s", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_k8s_args(p)
-    return k8s_main(p.parse_args(argv))
+    """``python -m cluster.k8s_gen``: the same as ``ralmspec k8s``."""
+    from cluster.cli import main as cli_main  # lazy: the CLI imports this module
+
+    return cli_main(["k8s", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """A client of the native API (``/v1/ralm/generate``, ``/v1/ralm/stats``, the verifier's admin
 route) that acts as a real client does under load: an answer shed with 503/429 and
 ``Retry-After`` is sent again after that delay (:mod:`cluster.http_retry`). Used by
-``ralmspec served-bench``.
+``ralmspec bench served``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 approximate dense retrieval at the cost of a large KB; see :mod:`ralm.corpus_padding`).
 
 Example: ``ralmspec pad-corpus --to 1000000 --out padded.jsonl.gz --vectors``, then
-``ralmspec bench --corpus padded.jsonl.gz --retrievers sr,adr``. Unlike ``--pad-to`` (exact
+``ralmspec bench spec --corpus padded.jsonl.gz --retrievers sr,adr``. Unlike ``--pad-to`` (exact
 dense padding that never changes a result), the padded passages take part in rankings.
 ``--vectors`` also puts the padded corpus' vectors in the embedding cache (the real
 passages' own, synthesized ones for the rest: :mod:`ralm.retrieval.padded_vectors`), so
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
+from cluster.flags import SHARED, Default, add_shared
 from ralm.config import RalmConfig
 from ralm.corpus import Corpus
 from ralm.corpus_padding import TOPIC_SHARE, write_padded_corpus
@@ -24,16 +24,15 @@ from ralm.retrieval.shared_encoder import get_encoder
 
 
 def add_pad_corpus_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--corpus", type=Path, help="corpus to pad (default: the demo corpus)")
+    add_shared(p, corpus=Default(help="the corpus to pad: " + SHARED["corpus"].help, unset="the demo corpus"))
     p.add_argument("--to", type=int, required=True, help="passages in the padded corpus (real + generated)")
-    p.add_argument("--out", type=Path, required=True, help="output JSONL(.gz)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (the same seed gives the same corpus)")
+    add_shared(p, out=Default(help="the padded corpus: a JSONL(.gz) file", required=True), seed=0)
     p.add_argument(
         "--vectors",
         action="store_true",
         help="also cache dense vectors for the padded corpus (real ones + synthesized, calibrated on an encoded sample)",
     )
-    p.add_argument("--encoder", help="dense encoder for --vectors (default: the configured one)")
+    add_shared(p, encoder=Default(help="--vectors' " + SHARED["encoder"].help, unset="the configured one"))
     p.add_argument(
         "--topic-share",
         type=float,

@@ -1,9 +1,9 @@
 """Reports of the benchmarks: per-configuration summaries, markdown tables, JSON, the header
 and the latency-breakdown chart.
 
-``ralmspec bench`` and ``bench-knn`` summarise each configuration with :func:`summarize`
-(a :class:`ConfigSummary`) and render it with :func:`markdown_table`; ``served-bench``,
-``bench-gen`` and ``costs`` render their own rows with :func:`table`; every benchmark writes
+``ralmspec bench spec`` and ``bench knn`` summarise each configuration with :func:`summarize`
+(a :class:`ConfigSummary`) and render it with :func:`markdown_table`; ``bench served``,
+``bench gen`` and ``bench costs`` render their own rows with :func:`table`; every benchmark writes
 its ``<name>.json`` and ``<name>.md`` with :func:`write_report`.
 """
 

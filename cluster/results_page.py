@@ -20,6 +20,8 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from cluster.flags import Default, add_shared
+
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "docs" / "results"
 MANIFEST = "manifest.yaml"
 PAGE = "README.md"
@@ -191,10 +193,9 @@ def add_report_args(p: argparse.ArgumentParser) -> None:
         default=RESULTS_DIR,
         help="the folder of the manifest and the page (default docs/results)",
     )
-    p.add_argument(
-        "--check",
-        action="store_true",
-        help="write nothing; exit 1 if the page is out of date or the folder breaks a rule",
+    add_shared(
+        p,
+        check=Default(help="check only: write nothing; exit 1 if the page is out of date or the folder breaks a rule"),
     )
 
 

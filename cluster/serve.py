@@ -45,6 +45,7 @@ from pathlib import Path
 import yaml
 
 from actors.signals import preserve_fatal_signal_handlers
+from cluster.flags import Default, add_shared
 from deployments.config import AppConfig
 from ralm import constants as C
 from ralm.config import RalmConfig
@@ -60,7 +61,7 @@ APP_NAME = "ralmspec"
 #: ``--config`` is given: SmolLM2-135M-Instruct (the preset of ralm/models.py, installed offline
 #: by ``make setup``), so that the first thing a user tries answers in sentences. The library
 #: default (``GeneratorConfig.model``) and ``serve_config.yaml`` keep the demo model: the tests,
-#: benchmarks, ``ralmspec soak`` and the KubeRay manifests build on it.
+#: benchmarks, ``ralmspec bench soak`` and the KubeRay manifests build on it.
 DEFAULT_MODEL = "smollm2-135m"
 #: ``--model`` names besides paths, hub names and the presets of ralm/models.py
 MODEL_ALIASES = {"demo": str(C.DEMO_MODEL_DIR)}
@@ -96,26 +97,27 @@ def model_settings(model: str | None) -> dict[str, int]:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    """Flags of ``ralmspec serve`` (besides the common --config/--corpus/--work-dir/--model/--encoder/--pad-to)."""
-    p.add_argument(
-        "--serve-config",
-        type=Path,
-        default=DEFAULT_SERVE_CONFIG,
-        help="Serve config YAML (default: the repository's serve_config.yaml)",
-    )
+    """Flags of ``ralmspec serve`` (besides the RalmConfig ones of :func:`cluster.flags.config_parent`)."""
+    add_shared(p, serve_config=Default(DEFAULT_SERVE_CONFIG, unset="the repository's serve_config.yaml"))
     p.add_argument("--host", help="HTTP host (default from the file: 127.0.0.1)")
-    p.add_argument("--port", type=int, help="HTTP port (default from the file: 8000)")
+    add_shared(p, port=Default(unset="the file's, 8000"))
     p.add_argument("--address", help="Ray cluster address (e.g. auto); default: start a local Ray")
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray (default: all)")
-    p.add_argument("--retrievers", help="comma-separated kinds to serve, the first is the default (edr,adr,sr)")
+    add_shared(
+        p,
+        retrievers=Default(
+            help="retriever kinds to serve, comma-separated, of edr,adr,sr; the first is the default",
+            unset="the file's",
+        ),
+    )
     p.add_argument("--n-shards", type=int, help="shards per retriever")
     p.add_argument("--pool-size", type=int, help="coordinators started with the server")
     p.add_argument("--max-pool-size", type=int, help="most coordinators (requests in flight)")
-    p.add_argument("--window-ms", type=float, help="verification batching window")
+    add_shared(p, window_ms=Default(unset="the file's"))
     p.add_argument("--no-batching", action="store_true", help="turn cross-request verification batching off")
     p.add_argument("--preset", choices=["cpu", "gpu", "llama2-70b-4gpu"], help="generator preset")
     p.add_argument("--admin", action="store_true", help="enable the admin API (run-time batching changes)")
-    p.add_argument("--check", action="store_true", help="validate the configuration, print it and exit")
+    add_shared(p, check=Default(help="check only: validate the configuration, print it and exit"))
 
 
 def load_serve_config(path: str | Path) -> dict:
@@ -160,7 +162,7 @@ def apply_overrides(data: dict, args: argparse.Namespace) -> dict:
         ralm["corpus"] = str(args.corpus)
     if getattr(args, "work_dir", None):
         ralm["work_dir"] = str(args.work_dir)
-    # `ralmspec serve` defaults to DEFAULT_MODEL; a caller's own Namespace (ralmspec soak) keeps the file's
+    # `ralmspec serve` defaults to DEFAULT_MODEL; a caller's own Namespace (ralmspec bench soak) keeps the file's
     model = cli_model(args, DEFAULT_MODEL if hasattr(args, "serve_config") else None)
     if model is not None:
         ralm.setdefault("generator", {})["model"] = model
@@ -422,18 +424,10 @@ def _shutdown_quietly() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone: ``python -m cluster.serve [flags]``."""
-    p = argparse.ArgumentParser(
-        prog="ralmspec serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--config", type=Path, help="YAML RalmConfig replacing args.ralm of the serve config")
-    p.add_argument("--corpus", type=Path)
-    p.add_argument("--work-dir", type=Path)
-    p.add_argument("--model", help=f"generator (default {DEFAULT_MODEL}; demo: the demo model)")
-    p.add_argument("--encoder")
-    p.add_argument("--pad-to", type=int)
-    add_serve_args(p)
-    return serve_main(p.parse_args(argv))
+    """``python -m cluster.serve``: the same as ``ralmspec serve``."""
+    from cluster.cli import main as cli_main  # lazy: the CLI imports this module
+
+    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

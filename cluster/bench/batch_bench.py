@@ -1,4 +1,4 @@
-"""``ralmspec bench-batching``: the generator with and without continuous batching and KV sessions.
+"""``ralmspec bench batching``: the generator with and without continuous batching and KV sessions.
 
 Three measurements, each side by side in one run (these machines are noisy):
 
@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cluster.bench.random_models import SHAPES, random_model
+from cluster.flags import SHARED, Default, add_shared
 from cluster.report import exactness_status, machine_note, write_report
 from ralm import constants as C
 from ralm.config import GeneratorConfig
@@ -53,23 +54,26 @@ ARMS = (
 
 
 def add_batch_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=str(C.DEMO_MODEL_DIR), help="generator (local path or Hugging Face name)")
-    p.add_argument("--corpus", type=Path, default=Path("tests/data/fixture_corpus.jsonl"), help="documents (jsonl)")
-    p.add_argument("--questions", type=Path, default=Path("tests/data/fixture_questions.jsonl"), help="questions")
-    p.add_argument("--concurrency", default="1,4,16,32", help="comma-separated numbers of concurrent requests")
-    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
-    p.add_argument("--stride", type=int, default=4, help="tokens per step (a retrieval every stride tokens)")
+    add_shared(
+        p,
+        model=str(C.DEMO_MODEL_DIR),
+        corpus=Path("tests/data/fixture_corpus.jsonl"),
+        questions=Path("tests/data/fixture_questions.jsonl"),
+        concurrency=Default("1,4,16,32", many=True),
+        new_tokens=128,
+        stride=4,
+    )
     p.add_argument("--context", type=int, default=300, help="(a): KV length before the measured decode token")
-    p.add_argument("--reps", type=int, default=20, help="(a): timed repetitions (median)")
+    add_shared(p, reps=Default(20, help="(a): " + SHARED["reps"].help))
     p.add_argument("--arms", default=",".join(ARMS), help=f"(b) arms to run, of {', '.join(ARMS)}")
-    p.add_argument("--fast-draft", type=int, default=4, help="(b) the fast-draft arm's generator.fast_draft")
+    add_shared(p, fast_draft=Default(4, help="(b) the fast-draft arm's generator.fast_draft"))
     p.add_argument(
         "--random-model",
         choices=sorted(SHAPES),
         help="instead of --model's weights, a randomly initialised model of this shape (built from a config, "
         "with --model's tokenizer): the cost structure of a bigger model without a download; its tokens mean nothing",
     )
-    p.add_argument("--out", type=Path, default=Path("bench-batching-out"))
+    add_shared(p, out=Path("bench-batching-out"))
 
 
 # ----------------------------------------------------------------------------- (a)
@@ -210,7 +214,7 @@ def batch_bench_main(args) -> int:
             engines[arm] = LMEngine(inv.model, inv.tokenizer, inv.cfg.model_copy(update=update))
     what = f"randomly initialised {args.random_model}" if getattr(args, "random_model", None) else args.model
     notes = [
-        f"# ralmspec bench-batching: generator {what}, {args.new_tokens} new tokens per request, stride {args.stride}",
+        f"# ralmspec bench batching: generator {what}, {args.new_tokens} new tokens per request, stride {args.stride}",
         machine_note(),
         f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s); linear-layer kernel: "
         f"{torch.backends.cpu.get_cpu_capability()}, invariant linear layers on {invariant_kernels(inv.model)}",

@@ -1,6 +1,6 @@
-"""``ralmspec burst-bench``: how a freshly started server takes bursts, and what they cost in memory.
+"""``ralmspec bench burst``: how a freshly started server takes bursts, and what they cost in memory.
 
-    ralmspec burst-bench [--model demo] [-n 16] [--burst 256] [--max-new-tokens 64] [--out DIR]
+    ralmspec bench burst [--model demo] [-n 16] [--burst 256] [--max-new-tokens 64] [--out DIR]
 
 On one server started here (the repository's serve config, the demo model unless
 ``--model``), in this order:
@@ -37,6 +37,7 @@ from statistics import fmean
 
 import httpx
 
+from cluster.flags import MODEL_OR_DEMO, SHARED, Default, add_shared
 from cluster.http_retry import DEFAULT_POLICY, RetryPolicy, send_with_retry
 from cluster.report import machine_note, table, write_report
 from cluster.serve import DEFAULT_SERVE_CONFIG, apply_overrides, load_serve_config, start_local_app
@@ -47,16 +48,19 @@ RAY_PROCESS_MARKERS = ("ray::", "raylet", "gcs_server", "ray/dashboard", "log_mo
 
 
 def add_burst_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="demo", help="generator of the server started here (default: the demo model)")
-    p.add_argument("--serve-config", type=Path, help="serve config (default: the repository's serve_config.yaml)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--questions", type=Path, help="JSONL with a 'question' field (default: the demo set)")
-    p.add_argument("-n", "--num-requests", type=int, default=16, help="requests of the small bursts")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request of the small bursts")
+    add_shared(
+        p,
+        model=Default("demo", help="the started server's " + MODEL_OR_DEMO),
+        serve_config=None,
+        port=Default(8000, help="HTTP port of the server started here"),
+        questions=None,
+        num_questions=Default(16, help="requests of the small bursts"),
+        max_new_tokens=Default(64, help=SHARED["max_new_tokens"].help + ", small bursts"),
+    )
     p.add_argument("--burst", type=int, default=256, help="requests of the big burst (0: skip it)")
     p.add_argument("--burst-tokens", type=int, default=32, help="tokens per request of the big burst")
     p.add_argument("--client-timeout", type=float, default=120.0, help="per-request client timeout (s), big burst")
-    p.add_argument("--out", type=Path, default=Path("bench-out/burst"))
+    add_shared(p, out=Path("bench-out/burst"))
 
 
 def ray_rss_mib() -> float:
@@ -177,8 +181,8 @@ def measure_bursts(
     """Every measurement of the module docstring against the server at ``url`` (``started``:
     ``time.perf_counter()`` when it was started, for the start-up time; ``retry``: how the
     big burst's clients retry a shed answer)."""
-    qs = [questions[i % len(questions)] for i in range(args.num_requests)]
-    report: dict = {"machine": machine_note(), "model": args.model, "requests": args.num_requests}
+    qs = [questions[i % len(questions)] for i in range(args.num_questions)]
+    report: dict = {"machine": machine_note(), "model": args.model, "requests": args.num_questions}
     t0 = time.perf_counter() if started is None else started
     http = httpx.Client(base_url=url, timeout=900)
     body = lambda q, n=args.max_new_tokens, **kw: {"question": q, "method": "seq", "max_new_tokens": n, **kw}  # noqa: E731
@@ -266,7 +270,7 @@ def measure_bursts(
 
 def to_markdown(r: dict) -> str:
     lines = [
-        f"# ralmspec burst-bench: model {r['model']}, {r['requests']} RaLMSeq requests",
+        f"# ralmspec bench burst: model {r['model']}, {r['requests']} RaLMSeq requests",
         "",
         r["machine"],
         "",
@@ -325,9 +329,10 @@ def burst_bench_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="ralmspec burst-bench", description=__doc__.split("\n\n")[0])
-    add_burst_bench_args(p)
-    return burst_bench_main(p.parse_args(argv))
+    """``python -m cluster.bench.burst_bench``: the same as ``ralmspec bench burst``."""
+    from cluster.cli import main as cli_main  # lazy: the CLI imports this module
+
+    return cli_main(["bench", "burst", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``ralmspec costs``: measured unit costs of the parts on the demo corpus.
+"""``ralmspec bench costs``: measured unit costs of the parts on the demo corpus.
 
 Retrieval per batch of 1 and of 16 queries for EDR, ADR and SR (query encoding/analysis
 reported separately from the search itself), and the generator's prefill and per-token
@@ -23,6 +23,7 @@ from statistics import median
 import numpy as np
 
 from cluster.config_args import load_config
+from cluster.flags import SHARED, Default, add_shared
 from cluster.report import machine_note, table, write_report
 from ralm.retrieval.dense import DenseRetriever
 from ralm.retrieval.int8_kernels import IntMM
@@ -31,9 +32,12 @@ from ralm.retrieval.scan_choice import auto_timings
 
 
 def add_costs_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--reps", type=int, default=7, help="repetitions per measurement (median reported)")
-    p.add_argument("--retrievers", default="edr,adr,sr")
-    p.add_argument("--out", type=Path, default=Path("bench-out"), help="writes costs.json and costs.md here")
+    add_shared(
+        p,
+        reps=7,
+        retrievers="edr,adr,sr",
+        out=Default(Path("bench-out"), help=SHARED["out"].help + ": costs.json and costs.md"),
+    )
     p.add_argument(
         "--scans",
         default="",

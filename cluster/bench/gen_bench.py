@@ -1,4 +1,4 @@
-"""``ralmspec bench-gen``: generation-side acceleration, measured (docs/design.md, "Generation-side acceleration").
+"""``ralmspec bench gen``: generation-side acceleration, measured (docs/design.md, "Generation-side acceleration").
 
 (a) prefill time per step with and without doc-KV reuse (CICS, prefix tree) on the
     iterative RaLMSeq workload, for 1 and 3 documents per prompt: every step of every
@@ -18,6 +18,7 @@ Writes gen_bench.json and gen_bench.md. ``--parts a`` runs only (a).
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from statistics import fmean, median
 from typing import TYPE_CHECKING, Any
 
 from cluster.bench.gen_report import gen_bench_markdown
+from cluster.flags import SHARED, Default, add_shared
 from cluster.report import write_report
 from ralm import constants as C
 from ralm.config import GeneratorConfig, RequestConfig, RetrieverConfig, SpecConfig
@@ -44,18 +46,24 @@ TEST_DATA = C.PACKAGE_ROOT / "tests" / "data"
 
 
 def add_gen_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--corpus", type=Path, default=TEST_DATA / "fixture_corpus.jsonl")
-    p.add_argument("--questions", type=Path, default=TEST_DATA / "fixture_questions.jsonl")
-    p.add_argument("-n", "--num-questions", type=int, default=6, help="evaluation questions")
+    add_shared(
+        p,
+        corpus=TEST_DATA / "fixture_corpus.jsonl",
+        questions=TEST_DATA / "fixture_questions.jsonl",
+        num_questions=Default(6, help="evaluation questions"),
+    )
     p.add_argument(
         "--train-questions",
         type=int,
         default=12,
         help="questions (disjoint from the evaluation ones) whose generations build the dense datastore",
     )
-    p.add_argument("--retriever", default="edr", help="a retriever kind (edr, adr, sr)")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--stride", type=int, default=4, help="k for the prefill measurement")
+    add_shared(
+        p,
+        retriever="edr",
+        max_new_tokens=48,
+        stride=Default(4, help="k for the prefill measurement"),
+    )
     p.add_argument(
         "--query-window",
         default=None,
@@ -69,15 +77,13 @@ def add_gen_bench_args(p: argparse.ArgumentParser) -> None:
         help="(a): retrieval trigger of the measured loop (ralm.stride.workloads; stride = --stride)",
     )
     p.add_argument("--decode-stride", type=int, default=16, help="k for the decode / end-to-end measurement")
-    p.add_argument(
-        "--spec", default="PSA", help="RaLMSpec configuration for (c) (a name for SpecConfig.parse, e.g. PSA@0.9)"
-    )
-    p.add_argument("--out", type=Path, default=Path("gen-bench-out"))
-    p.add_argument(
-        "--index-dir",
-        type=Path,
-        default=None,
-        help="an already built index of --corpus for --retriever (validated); default: build one in a temp dir",
+    add_shared(
+        p,
+        spec=Default("PSA", help="(c): " + SHARED["spec"].help),
+        out=Path("gen-bench-out"),
+        index_dir=Default(
+            help="an already built index of --corpus for --retriever (validated)", unset="build one in a temp dir"
+        ),
     )
     p.add_argument("--parts", default="abcd", help="which parts to run: a (prefill), b+d (decode), c (end to end)")
     p.add_argument("--prefill-docs", default="1,3", help="documents per prompt measured in (a)")
@@ -409,10 +415,11 @@ def _write(args, out: dict, t_all: float) -> int:
     return 0 if ok else 1
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    add_gen_bench_args(p)
-    return gen_bench_main(p.parse_args())
+def main(argv: list[str] | None = None) -> int:
+    """``python -m cluster.bench.gen_bench``: the same as ``ralmspec bench gen``."""
+    from cluster.cli import main as cli_main  # lazy: the CLI imports this module
+
+    return cli_main(["bench", "gen", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

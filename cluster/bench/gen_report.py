@@ -1,4 +1,4 @@
-"""The Markdown report of ``ralmspec bench-gen`` (:mod:`cluster.bench.gen_bench`): prefill with and
+"""The Markdown report of ``ralmspec bench gen`` (:mod:`cluster.bench.gen_bench`): prefill with and
 without doc-KV reuse, and n-gram vs dense drafting, from the benchmark's JSON."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from cluster.report import table
 
 
 def gen_bench_markdown(o: dict) -> str:
-    """The report of one ``bench-gen`` run (its JSON object ``o``)."""
+    """The report of one ``bench gen`` run (its JSON object ``o``)."""
     f = lambda x: "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))  # noqa: E731
     L = ["# bench-gen", ""]
     if o.get("args"):

@@ -45,6 +45,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -54,13 +55,14 @@ from cluster.bench.batch_bench import forward_cost, run_arm, workload_requests
 from cluster.bench.gpu_dense import dense_markdown, exact_dense_scans, plain_topk_scans, scan_markdown
 from cluster.bench.gpu_e2e import e2e_markdown, e2e_runs
 from cluster.bench.random_models import SHAPES, random_model
+from cluster.flags import SHARED, Default, add_shared
 from cluster.report import table, write_report
 from ralm import constants as C
 from ralm.config import GeneratorConfig
 
 
 def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="a real generator (Hugging Face name or path) instead of random shapes")
+    add_shared(p, model=Default(unset="random shapes (--shapes)"))
     p.add_argument(
         "--shapes",
         help=f"random model shapes, comma-separated, of {', '.join(SHAPES)} (default: llama-1b; tiny on CPU)",
@@ -73,17 +75,17 @@ def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
         help="the invariant forward's kernels (GeneratorConfig.invariant_kernels; auto: triton on a GPU)",
     )
     p.add_argument("--requests", default=None, help="requests in flight for the exactness check (default 16,64; CPU 4)")
-    p.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 64; CPU 16)")
-    p.add_argument("--stride", type=int, default=4, help="tokens per step")
-    p.add_argument(
-        "--fast-draft",
-        type=int,
-        default=4,
-        help="exact: also run the engine with generator.fast_draft=N (drafts on the plain kernels, verified); 0: no",
+    add_shared(
+        p,
+        new_tokens=Default(unset="64; CPU 16"),
+        stride=Default(4, help="tokens per step"),
+        fast_draft=Default(4, help="exact: " + SHARED["fast_draft"].help),
     )
     p.add_argument("--forward-batches", default="1,16,64", help="decode forward batch sizes")
     p.add_argument(
-        "--scan", default=None, help="dense scans ROWSxDIM, comma-separated (default 4Mx384,21Mx768; CPU 20000x384)"
+        "--scan-shapes",
+        dest="scan",
+        help="dense scans ROWSxDIM, comma-separated (default 4Mx384,21Mx768; CPU 20000x384)",
     )
     p.add_argument(
         "--dense", default=None, help="exact device scans ROWSxDIM, comma-separated (default 4Mx384; CPU 20000x384)"
@@ -97,7 +99,7 @@ def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--e2e-questions", type=int, help="e2e: timed questions (default 5; CPU 2)")
     p.add_argument("--budget-s", type=float, default=480.0, help="no section starts after this many seconds")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--out", type=Path, default=Path("gpu-check-out"))
+    add_shared(p, out=Path("gpu-check-out"))
 
 
 def _rows(spec: str) -> int:
@@ -485,9 +487,10 @@ def gpu_check_main(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="ralmspec gpu-check", description=__doc__)
-    add_gpu_check_args(p)
-    return gpu_check_main(p.parse_args(argv))
+    """``python -m cluster.bench.gpu_check``: the same as ``ralmspec gpu-check``."""
+    from cluster.cli import main as cli_main  # lazy: the CLI imports this module
+
+    return cli_main(["gpu-check", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

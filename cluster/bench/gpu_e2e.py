@@ -5,7 +5,7 @@ Both arms run the same questions (the demo set, a warm-up first) through the in-
 pipeline (:mod:`ralm.pipeline`) with the generator the ``proof`` section built (the batching
 engine of the first shape and dtype that passed), the demo corpus's EDR index padded to
 ``pad_to`` rows, fixed-length generation (EOS masked) and every request's caches cleared
-first, as ``ralmspec bench`` does:
+first, as ``ralmspec bench spec`` does:
 
 - ``host``: the candidate scan on the CPU (``dense_scan: auto``: the fastest exact CPU path
   the process measures), the split of the card's deployment (GPU generator, CPU retrieval);

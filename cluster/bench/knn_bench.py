@@ -1,4 +1,4 @@
-"""``ralmspec bench-knn``: KNN-LM baseline against speculative retrieval, side by side.
+"""``ralmspec bench knn``: KNN-LM baseline against speculative retrieval, side by side.
 
 For each datastore index (exact: the flat index, scanned in bf16 with a proven error
 bound where the CPU allows it, else FAISS IndexFlatL2, optionally padded with far-away
@@ -14,7 +14,7 @@ and ``knn_bench.md``.
 Example (the numbers of the KNN-LM section of docs/results/README.md; the datastore of 2,000 passages is
 built once into DIR and reused):
 
-    ralmspec bench-knn --passages 2000 --datastore-dir DIR -n 3 --max-new-tokens 64 \
+    ralmspec bench knn --passages 2000 --datastore-dir DIR -n 3 --max-new-tokens 64 \
         --pad-to 2000000 --ks 1,16,256,1024 --configs s=4,s=8,s=16,S,S@0.9
 """
 
@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cluster.flags import SHARED, Default, add_shared
 from cluster.report import (
     KNN_COLUMNS,
     ConfigRuns,
@@ -44,25 +45,33 @@ log = logging.getLogger(__name__)
 
 
 def add_knn_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=str(C.DEMO_MODEL_DIR), help="generator (HF causal LM path or name)")
-    p.add_argument("--corpus", type=Path, default=C.DEMO_CORPUS, help="corpus JSONL(.gz) the datastore is built from")
+    add_shared(
+        p,
+        model=str(C.DEMO_MODEL_DIR),
+        corpus=Default(C.DEMO_CORPUS, help=SHARED["corpus"].help + ", the datastore's source"),
+    )
     p.add_argument("--passages", type=int, default=400, help="datastore = the first N passages of the corpus")
-    p.add_argument("--max-passage-tokens", type=int, default=C.KNN_MAX_PASSAGE_TOKENS)
+    p.add_argument(
+        "--max-passage-tokens",
+        type=int,
+        default=C.KNN_MAX_PASSAGE_TOKENS,
+        help="datastore build: each passage truncated to this many tokens",
+    )
     p.add_argument(
         "--datastore-dir",
         type=Path,
         help="load the datastore from here if it matches, else build and save it there (default: <out>/datastore)",
     )
-    p.add_argument("--questions", type=Path, help="JSONL with a 'question' field (default: the demo set)")
-    p.add_argument("-n", "--num-prompts", type=int, default=5)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    add_shared(p, questions=None, num_questions=Default(5, help="prompts to run (questions)"), max_new_tokens=32)
     p.add_argument("--ks", default="1,16,256,1024", help="comma-separated k values (1..1024)")
     p.add_argument("--indexes", default="flat,hnsw", help="comma-separated subset of flat,hnsw")
-    p.add_argument(
-        "--configs",
-        default="s=4,s=8,S",
-        help="comma-separated configuration names (ralm.config.SpecConfig.parse): s=N (fixed stride) or "
-        "S (OS3); prefix P to prefetch (e.g. Ps=8, PS); append @G to set OS3's gamma cap (e.g. S@0.9)",
+    add_shared(
+        p,
+        configs=Default(
+            "s=4,s=8,S",
+            help="RaLMSpec configurations, comma-separated (ralm.config.SpecConfig.parse): s=N (fixed stride) or "
+            "S (OS3); prefix P to prefetch (e.g. Ps=8, PS); @G sets OS3's gamma cap (e.g. S@0.9)",
+        ),
     )
     p.add_argument(
         "--prefetch-size",
@@ -89,22 +98,24 @@ def add_knn_bench_args(p: argparse.ArgumentParser) -> None:
         help="speculative cache scans PCA-projected keys of this many dims (0: full keys; "
         "KnnLMConfig.cache_project_dims; never changes results)",
     )
-    p.add_argument(
-        "--scan", choices=("auto", "faiss", "bf16"), default="auto", help="flat index candidate scan (KnnLMConfig.scan)"
+    add_shared(
+        p,
+        scan=Default("auto", help=SHARED["scan"].help + " (KnnLMConfig.scan)", choices=("auto", "faiss", "bf16")),
+        pad_to=0,
     )
     p.add_argument(
-        "--pad-to",
+        "--lmbda", type=float, default=C.KNN_LAMBDA, help="lambda of argmax(lambda p_knn + (1 - lambda) p_lm)"
+    )
+    p.add_argument("--temperature", type=float, default=C.KNN_TEMPERATURE, help="T of p_knn ~ exp(-dist/T)")
+    p.add_argument(
+        "--spatial-next",
         type=int,
-        default=0,
-        help="pad the flat index to this many rows with far-away random vectors (never returned) "
-        "to emulate a large datastore's search cost",
+        default=C.KNN_SPATIAL_NEXT,
+        help="n: each retrieved entry's n successors also go into the speculative cache",
     )
-    p.add_argument("--lmbda", type=float, default=C.KNN_LAMBDA)
-    p.add_argument("--temperature", type=float, default=C.KNN_TEMPERATURE)
-    p.add_argument("--spatial-next", type=int, default=C.KNN_SPATIAL_NEXT)
-    p.add_argument("--hnsw-m", type=int, default=C.HNSW_M)
-    p.add_argument("--hnsw-ef-construction", type=int, default=C.HNSW_EF_CONSTRUCTION)
-    p.add_argument("--hnsw-ef-search", type=int, default=C.HNSW_EF_SEARCH)
+    p.add_argument("--hnsw-m", type=int, default=C.HNSW_M, help="HNSW graph degree M")
+    p.add_argument("--hnsw-ef-construction", type=int, default=C.HNSW_EF_CONSTRUCTION, help="HNSW efConstruction")
+    p.add_argument("--hnsw-ef-search", type=int, default=C.HNSW_EF_SEARCH, help="HNSW efSearch")
     p.add_argument(
         "--gamma-max",
         type=float,
@@ -113,8 +124,7 @@ def add_knn_bench_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-stride", type=int, default=C.OS3_MAX_STRIDE, help="OS3 upper bound on s")
     p.add_argument("--threads", type=int, default=1, help="torch and FAISS threads")
-    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up prompts")
-    p.add_argument("--out", type=Path, default=Path("knn-bench-out"), help="output directory")
+    add_shared(p, warmup=1, out=Path("knn-bench-out"))
 
 
 def _spec(name: str, gamma_max: float = 0.6, max_stride: int = 16, prefetch_size: int = 256) -> SpecConfig:
@@ -196,13 +206,13 @@ def knn_bench_main(args) -> int:
     engine = LMEngine.from_config(GeneratorConfig(model=args.model, torch_threads=args.threads))
     corpus = Corpus.load(args.corpus, limit=args.passages)
     ds, ds_dir, built = _load_or_build(args, engine, corpus)
-    prompts = load_questions(args.questions or C.DEMO_QUESTIONS, limit=args.num_prompts + args.warmup)
+    prompts = load_questions(args.questions or C.DEMO_QUESTIONS, limit=args.num_questions + args.warmup)
     warm, timed = prompts[: args.warmup], prompts[args.warmup :]
     if not timed:
         timed, warm = prompts, []
     req = RequestConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     notes = [
-        f"# ralmspec bench-knn: {len(timed)} prompts x {args.max_new_tokens} tokens (EOS ignored), "
+        f"# ralmspec bench knn: {len(timed)} prompts x {args.max_new_tokens} tokens (EOS ignored), "
         f"generator {args.model}, datastore {len(ds):,} entries x {ds.dim} dims from "
         f"{ds.manifest['n_passages']} passages of {args.corpus}, lambda={args.lmbda}, temperature={args.temperature}, "
         f"n={args.spatial_next}, S: Beta-posterior gamma per position bucket (S@bayes: one gamma; S@G: the paper's OS3 capped at G), max stride {args.max_stride}, "
@@ -308,10 +318,11 @@ def knn_bench_main(args) -> int:
     )
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="knn_bench", description=__doc__.splitlines()[0])
-    add_knn_bench_args(p)
-    return knn_bench_main(p.parse_args(argv))
+def main(argv: list[str] | None = None) -> int:
+    """``python -m cluster.bench.knn_bench``: the same as ``ralmspec bench knn``."""
+    from cluster.cli import main as cli_main  # lazy: the CLI imports this module
+
+    return cli_main(["bench", "knn", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

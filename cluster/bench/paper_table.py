@@ -1,4 +1,4 @@
-"""``ralmspec paper-table``: the RaLMSpec paper's grid on our profiles, beside its numbers.
+"""``ralmspec bench paper-table``: the RaLMSpec paper's grid on our profiles, beside its numbers.
 
 One command runs what the paper's ablation (its Table 5) and its KNN-LM section measure:
 
@@ -8,7 +8,7 @@ One command runs what the paper's ablation (its Table 5) and its KNN-LM section 
 - KNN-LM at k = 16 and k = 1024 over the flat (exact) and HNSW (approximate) datastore,
   the per-token baseline against OS³ (``S@0.6``) and our default (``S``).
 
-It runs ``ralmspec bench`` and ``ralmspec bench-knn`` (each request of each configuration
+It runs ``ralmspec bench spec`` and ``ralmspec bench knn`` (each request of each configuration
 from the same cold start, every output checked against the baseline's) into
 ``<out>/doc`` and ``<out>/knn``, then writes ``<out>/paper_table.{md,json}``: our speed-up,
 E and the baseline's retrieval share per row, next to the paper's published speed-ups.
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.cli import build_parser
+from cluster.flags import SHARED, Default, add_shared
 from cluster.report import ConfigSummary, table
 
 # The paper's Table 5: speed-up of each RaLMSpec variant over RaLMSeq, the mean over four QA
@@ -60,16 +61,14 @@ KNN_CONFIGS = "S@0.6,S"
 
 
 def add_paper_table_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--num-questions", type=int, default=5, help="timed questions (and KNN-LM prompts)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer (the paper: 128)")
-    p.add_argument(
-        "--pad-to",
-        type=int,
-        default=4_000_000,
-        help="pad the EDR flat index to this many rows (retrieval cost of a large KB; results unchanged)",
+    add_shared(
+        p,
+        num_questions=Default(5, help="timed questions (and KNN-LM prompts)"),
+        max_new_tokens=Default(128, help=SHARED["max_new_tokens"].help + " (the paper: 128)"),
+        pad_to=Default(4_000_000, help="EDR: " + SHARED["pad_to"].help),
+        configs=Default(DOC_CONFIGS, help="document-level configurations (ralmspec bench spec names)"),
     )
-    p.add_argument("--configs", default=DOC_CONFIGS, help="document-level configurations (ralmspec bench names)")
-    p.add_argument("--knn-configs", default=KNN_CONFIGS, help="KNN-LM configurations (ralmspec bench-knn names)")
+    p.add_argument("--knn-configs", default=KNN_CONFIGS, help="KNN-LM configurations (ralmspec bench knn names)")
     p.add_argument("--knn-ks", default="16,1024", help="KNN-LM k values")
     p.add_argument("--knn-max-new-tokens", type=int, default=32, help="KNN-LM tokens per prompt")
     p.add_argument("--knn-passages", type=int, default=2000, help="KNN-LM datastore: the first N passages")
@@ -85,12 +84,15 @@ def add_paper_table_args(p: argparse.ArgumentParser) -> None:
         help="also run ADR and SR on this corpus (`ralmspec pad-corpus ... --vectors`), indexed in <name>.work/ beside it: the large-KB profiles",
     )
     p.add_argument("--skip-knn", action="store_true", help="document-level rows only")
-    p.add_argument("--config", type=Path, help="RalmConfig YAML for the document-level runs (corpus, indexes, model)")
-    p.add_argument("--questions", type=Path, help="JSONL with a 'question' field (default: the demo set)")
+    add_shared(
+        p,
+        config=Default(help="RalmConfig YAML for the document-level runs (corpus, indexes, model)"),
+        questions=None,
+    )
     p.add_argument(
         "--knn-corpus", type=Path, help="corpus the KNN-LM datastore is built from (default: the demo corpus)"
     )
-    p.add_argument("--out", type=Path, default=Path("paper-table-out"), help="output directory")
+    add_shared(p, out=Path("paper-table-out"))
 
 
 def _base_name(config: str) -> str:
@@ -212,11 +214,11 @@ def markdown(rows: Sequence[Mapping[str, Any]], notes: Sequence[str]) -> str:
 
 
 def paper_table_main(args: argparse.Namespace) -> int:
-    """Entry point of ``ralmspec paper-table``; returns 1 if any output differed from its baseline."""
+    """Entry point of ``ralmspec bench paper-table``; returns 1 if any output differed from its baseline."""
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     n = str(args.num_questions)
-    doc_argv = ["bench", "--retrievers", "edr,adr,sr", "--configs", args.configs, "-n", n]
+    doc_argv = ["bench", "spec", "--retrievers", "edr,adr,sr", "--configs", args.configs, "-n", n]
     doc_argv += ["--max-new-tokens", str(args.max_new_tokens), "--pad-to", str(args.pad_to), "--out", str(out / "doc")]
     doc_argv += ["--config", str(args.config)] if args.config else []
     doc_argv += ["--questions", str(args.questions)] if args.questions else []
@@ -226,7 +228,16 @@ def paper_table_main(args: argparse.Namespace) -> int:
     doc = json.loads((out / "doc" / "bench.json").read_text())
     notes = [f"document level: `ralmspec {' '.join(doc_argv)}`"] + [f"bench: {x}" for x in doc["notes"]]
     if args.padded_corpus:
-        pad_argv = ["bench", "--corpus", str(args.padded_corpus), "--retrievers", "adr,sr", "--configs", args.configs]
+        pad_argv = [
+            "bench",
+            "spec",
+            "--corpus",
+            str(args.padded_corpus),
+            "--retrievers",
+            "adr,sr",
+            "--configs",
+            args.configs,
+        ]
         pad_argv += ["-n", n, "--max-new-tokens", str(args.max_new_tokens), "--out", str(out / "doc-padded")]
         pad_argv += ["--questions", str(args.questions)] if args.questions else []
         pad_argv += ["--config", str(args.config)] if args.config else []  # model, encoder (the flags win)
@@ -241,7 +252,7 @@ def paper_table_main(args: argparse.Namespace) -> int:
         notes[-1] += f"`ralmspec {' '.join(pad_argv)}`"
     knn: dict[str, Any] = {"summary": [], "notes": []}
     if not args.skip_knn:
-        knn_argv = ["bench-knn", "--ks", args.knn_ks, "--configs", args.knn_configs, "-n", n]
+        knn_argv = ["bench", "knn", "--ks", args.knn_ks, "--configs", args.knn_configs, "-n", n]
         knn_argv += ["--max-new-tokens", str(args.knn_max_new_tokens), "--passages", str(args.knn_passages)]
         knn_argv += ["--pad-to", str(args.knn_pad_to), "--out", str(out / "knn")]
         knn_argv += ["--questions", str(args.questions)] if args.questions else []
@@ -249,7 +260,7 @@ def paper_table_main(args: argparse.Namespace) -> int:
         knn_args = parser.parse_args(knn_argv)
         status |= knn_args.func(knn_args)
         knn = json.loads((out / "knn" / "knn_bench.json").read_text())
-        notes += [f"KNN-LM: `ralmspec {' '.join(knn_argv)}`"] + [f"bench-knn: {x}" for x in knn["notes"]]
+        notes += [f"KNN-LM: `ralmspec {' '.join(knn_argv)}`"] + [f"bench knn: {x}" for x in knn["notes"]]
     notes.append(
         "paper: Table 5 of the RaLMSpec paper (speed-up over RaLMSeq, mean of four QA datasets, on an A10 GPU "
         "over a 21M-passage Wikipedia index; OS3 with its gamma estimate capped at 0.6, fixed stride 3 "

@@ -1,6 +1,6 @@
 """Randomly initialised generators of named shapes, built from a config (no download).
 
-The benchmarks (``ralmspec bench-batching --random-model``, ``ralmspec gpu-check``) use them to
+The benchmarks (``ralmspec bench batching --random-model``, ``ralmspec gpu-check``) use them to
 measure the cost structure of a bigger model than the demo one; their tokens mean nothing.
 The same name, dtype and tokenizer always give the same weights (seed 0).
 """

@@ -1,4 +1,4 @@
-"""``ralmspec served-bench``: the served system under concurrent load.
+"""``ralmspec bench served``: the served system under concurrent load.
 
 For every retriever, cross-request batching on and off, RaLMSeq and the RaLMSpec
 configurations asked for, and every concurrency level (default 1, 4, 16), it sends the
@@ -30,6 +30,7 @@ from pathlib import Path
 from statistics import fmean
 
 from cluster.bench.served_report import mode_stats, one_request_rows, time_breakdown, to_markdown
+from cluster.flags import SHARED, Default, add_shared
 from cluster.native_client import Client
 from cluster.report import machine_note, write_report
 from cluster.serve import DEFAULT_SERVE_CONFIG, app_entry, apply_overrides, load_serve_config, start_local_app
@@ -41,18 +42,17 @@ log = logging.getLogger(__name__)
 
 
 def add_served_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", help="base URL of a running ralmspec server (default: start one in-process)")
-    p.add_argument("--serve-config", type=Path, help="serve config for the in-process server (default: the repo's)")
-    p.add_argument("--port", type=int, default=8000, help="port of the in-process server")
-    p.add_argument(
-        "--pad-to",
-        type=int,
-        help="in-process server: pad the EDR index to N rows per KB (Wikipedia-scale search cost; results unchanged)",
+    add_shared(
+        p,
+        url=None,
+        serve_config=None,
+        port=Default(8000, help="HTTP port of the in-process server"),
+        pad_to=Default(help="in-process server: " + SHARED["pad_to"].help, unset="the server's"),
+        questions=None,
+        num_questions=Default(16, help="requests per measurement"),
+        concurrency=Default("1,4,16", many=True),
+        retrievers="edr",
     )
-    p.add_argument("--questions", type=Path, help="JSONL with a 'question' field (default: the demo set)")
-    p.add_argument("-n", "--num-questions", type=int, default=16, help="requests per measurement")
-    p.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of requests in flight")
-    p.add_argument("--retrievers", default="edr", help="comma-separated retriever kinds")
     p.add_argument(
         "--methods",
         default="seq,spec:PSA",
@@ -72,9 +72,9 @@ def add_served_bench_args(p: argparse.ArgumentParser) -> None:
         help="verifier settings to measure side by side (on,off): whether a batch is held for requests "
         "that are speculating (default: the server's setting only)",
     )
-    p.add_argument("--window-ms", type=float, help="verifier batching window (default: the server's)")
+    add_shared(p, window_ms=None)
     p.add_argument("--max-inflight", type=int, help="verifier batches in flight per retriever (default: the server's)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    add_shared(p, max_new_tokens=64)
     p.add_argument(
         "--options",
         type=_options,
@@ -84,11 +84,9 @@ def add_served_bench_args(p: argparse.ArgumentParser) -> None:
         '"num_docs": 2}\' (any option of POST /v1/ralm/generate but question, retriever, '
         "method, spec and max_new_tokens)",
     )
-    p.add_argument(
-        "--warmup", type=int, default=1, help="untimed warm-up (0: none); it runs at the highest concurrency"
-    )
+    add_shared(p, warmup=Default(1, help=SHARED["warmup"].help + ", run at the highest concurrency"))
     p.add_argument("--timeout", type=float, default=900.0, help="HTTP timeout per request (s)")
-    p.add_argument("--out", type=Path, default=Path("bench-out/served"), help="output directory")
+    add_shared(p, out=Path("bench-out/served"))
     p.add_argument(
         "--no-in-process",
         dest="in_process",
@@ -400,7 +398,7 @@ def _run_one_server(args, questions, kinds, methods, levels, batching, gen_on: b
 
 
 def served_bench_main(args: argparse.Namespace) -> int:
-    """Entry point of ``ralmspec served-bench``; returns 1 if any answer differed from RaLMSeq's."""
+    """Entry point of ``ralmspec bench served``; returns 1 if any answer differed from RaLMSeq's."""
     questions = load_questions(args.questions or C.DEMO_QUESTIONS)
     n = args.num_questions
     if n > len(questions):
@@ -456,11 +454,10 @@ def served_bench_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="ralmspec served-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_served_bench_args(p)
-    return served_bench_main(p.parse_args(argv))
+    """``python -m cluster.bench.served_bench``: the same as ``ralmspec bench served``."""
+    from cluster.cli import main as cli_main  # lazy: the CLI imports this module
+
+    return cli_main(["bench", "served", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The served benchmark's report: per-row statistics (modes, where the time went), the markdown of
-``ralmspec served-bench`` and the one-request rows comparing served with in-process latency."""
+``ralmspec bench served`` and the one-request rows comparing served with in-process latency."""
 
 from __future__ import annotations
 

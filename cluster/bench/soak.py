@@ -1,4 +1,4 @@
-"""``ralmspec soak``: serve a mixed load for N minutes and watch for leaks and drift.
+"""``ralmspec bench soak``: serve a mixed load for N minutes and watch for leaks and drift.
 
 C client threads send requests back to back for ``--minutes``: RaLMSpec (PSA) and
 RaLMSeq on every served retriever, whole and streamed answers, streams the client
@@ -22,7 +22,7 @@ class's RSS growth from the first sample after warm-up to the last.
 
 Example::
 
-    ralmspec soak --minutes 30 --concurrency 8 --out bench-out/soak
+    ralmspec bench soak --minutes 30 --concurrency 8 --out bench-out/soak
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench.soak_report import plot, to_markdown
+from cluster.flags import SHARED, Default, add_shared
 from cluster.http_retry import (
     Retried,
     RetryLog,
@@ -59,16 +60,19 @@ WARMUP_SAMPLES = 2  # growth is measured from the sample after these (caches fil
 
 def add_soak_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=30.0, help="how long to serve the load")
-    p.add_argument("--concurrency", type=int, default=8, help="client threads (requests in flight)")
+    add_shared(p, concurrency=Default(8, help="client threads (requests in flight)"))
     p.add_argument("--interval", type=float, default=30.0, help="seconds between samples")
-    p.add_argument("--url", help="a running server on this machine (default: start one in-process)")
-    p.add_argument("--port", type=int, default=8000, help="port of the in-process server")
-    p.add_argument("--retrievers", default="edr,sr", help="retrievers to serve and query")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--state-url", help="redis://... state store for the in-process server (keys are counted)")
-    p.add_argument("--pad-to", type=int, default=0, help="pad the EDR index to this many rows")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("bench-out/soak"), help="output directory")
+    add_shared(
+        p,
+        url=Default(help=SHARED["url"].help + " on this machine"),
+        port=Default(8000, help="HTTP port of the in-process server"),
+        retrievers=Default("edr,sr", help=SHARED["retrievers"].help + ": served and queried"),
+        max_new_tokens=32,
+        state_url=Default(help="the in-process server's state store, whose keys are counted: redis://..."),
+        pad_to=0,
+        seed=0,
+        out=Path("bench-out/soak"),
+    )
 
 
 # ---------------------------------------------------------------------- the load
@@ -430,7 +434,7 @@ def summarize(res: dict) -> dict:
 
 
 def soak_main(args: argparse.Namespace) -> int:
-    """Entry point of ``ralmspec soak``; returns 1 on a wrong answer, a lost request or a hang."""
+    """Entry point of ``ralmspec bench soak``; returns 1 on a wrong answer, a lost request or a hang."""
     questions = load_questions(C.DEMO_QUESTIONS)
     kinds = [k.strip() for k in args.retrievers.split(",") if k.strip()]
     url, started = args.url, False
@@ -471,11 +475,10 @@ def soak_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="ralmspec soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_soak_args(p)
-    return soak_main(p.parse_args(argv))
+    """``python -m cluster.bench.soak``: the same as ``ralmspec bench soak``."""
+    from cluster.cli import main as cli_main  # lazy: the CLI imports this module
+
+    return cli_main(["bench", "soak", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ def plot(samples: list[dict], events: list, start: float, path: Path) -> None:
         ax2.set_ylabel("Redis keys")
     ax.set_ylabel("open fds")
     ax.set_xlabel("minutes")
-    fig.suptitle(f"ralmspec soak: {len(events)} requests")
+    fig.suptitle(f"ralmspec bench soak: {len(events)} requests")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

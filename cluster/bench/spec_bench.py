@@ -1,4 +1,4 @@
-"""``ralmspec bench``: RaLMSeq against RaLMSpec configurations, side by side in one process.
+"""``ralmspec bench spec``: RaLMSeq against RaLMSpec configurations, side by side in one process.
 
 For every question, every configuration runs back to back (interleaved, so machine
 noise hits them alike), each request starting cold: empty doc-KV cache, no memoised
@@ -25,6 +25,7 @@ from pathlib import Path
 import ralm.spec  # called as ralm.spec.run_spec, looked up at call time (tests swap in a broken one)
 from cluster.concurrency import CONCURRENCY_HELP, check_concurrency, run_wave, verify_pool
 from cluster.config_args import load_config
+from cluster.flags import Default, add_shared
 from cluster.report import (
     BENCH_COLUMNS,
     THROUGHPUT_COLUMNS,
@@ -51,24 +52,22 @@ DEFAULT_CONFIGS = ["base", "P", "S", "A", "PSA", "s=2", "s=4", "s=8"]
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--questions", type=Path, help="JSONL with a 'question' field (default: the demo set)")
-    p.add_argument("-n", "--num-questions", type=int, default=20)
-    p.add_argument("--retrievers", default="edr,adr,sr", help="comma-separated subset of edr,adr,sr")
-    p.add_argument(
-        "--configs",
-        default=",".join(DEFAULT_CONFIGS),
-        help="comma-separated configuration names (ralm.config.SpecConfig.parse): base, any of P/S/A, "
-        "s=N for a fixed stride; append @G to set OS3's gamma cap (e.g. PSA@0.9)",
+    add_shared(
+        p,
+        questions=None,
+        num_questions=20,
+        retrievers="edr,adr,sr",
+        configs=",".join(DEFAULT_CONFIGS),
+        max_new_tokens=None,
+        out=Path("bench-out"),
+        warmup=1,
     )
-    p.add_argument("--max-new-tokens", type=int)
-    p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory")
-    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up questions")
     p.add_argument(
         "--allow-eos",
         action="store_true",
         help="stop requests at EOS (default: fixed-length generation with EOS masked, as in the paper)",
     )
-    p.add_argument("--concurrency", type=int, default=1, metavar="N", help=CONCURRENCY_HELP)
+    add_shared(p, concurrency=Default(1, help=CONCURRENCY_HELP))
 
 
 def run_retriever(
@@ -159,7 +158,7 @@ def _run_waves(pipe, kind: str, questions: list[str], configs: list[str], specs:
 
 
 def bench_main(args: argparse.Namespace) -> int:
-    """Entry point of ``ralmspec bench``; returns 1 if any RaLMSpec output differed from RaLMSeq's."""
+    """Entry point of ``ralmspec bench spec``; returns 1 if any RaLMSpec output differed from RaLMSeq's."""
     # lazy: loads torch, and cli.build_parser imports this module for every command
     from ralm.pipeline import Pipeline, check_kind
 

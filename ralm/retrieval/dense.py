@@ -154,7 +154,7 @@ class DenseRetriever:
     ``PAD_VECTOR_NORM`` up to that many rows, so each search scans as many rows as a
     Wikipedia-scale index; padding rows are never returned and results are identical.
     ``int8_kernel``: the int8 scan's integer product ('fbgemm', 'int_mm'; None: the plan's),
-    for side-by-side measurements (``ralmspec costs --scans int8:fbgemm,int8:int_mm``).
+    for side-by-side measurements (``ralmspec bench costs --scans int8:fbgemm,int8:int_mm``).
     """
 
     def __init__(

@@ -53,7 +53,7 @@ class IntMM:
 
     name = "int_mm"
     level_pairs = ((127, 127), (63, 63))  # (row, query) levels, finest first
-    pad_widths = True  # False: each batch at its own width (``ralmspec costs --scans int8-own-widths``)
+    pad_widths = True  # False: each batch at its own width (``ralmspec bench costs --scans int8-own-widths``)
 
     def rows(self, codes):
         """int8 (B, d) row codes -> the operand :meth:`scores` takes (the codes themselves)."""

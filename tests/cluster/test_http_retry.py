@@ -1,5 +1,5 @@
 """The clients' retry of shed requests (cluster/http_retry.py), and its use by
-``ralmspec served-bench``'s client: a 503/429 with Retry-After is sent again after that
+``ralmspec bench served``'s client: a 503/429 with Retry-After is sent again after that
 delay, a bounded number of times; anything else is the answer."""
 
 from __future__ import annotations

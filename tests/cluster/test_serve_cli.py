@@ -70,7 +70,7 @@ def test_serve_other_models_and_configs_keep_their_own(tmp_path, capsys):
 
 
 def test_a_namespace_without_serve_flags_keeps_the_files_model():
-    """``ralmspec soak`` starts the server from its own Namespace: the demo model, as before."""
+    """``ralmspec bench soak`` starts the server from its own Namespace: the demo model, as before."""
     data = apply_overrides(load_serve_config(DEFAULT_SERVE_CONFIG), argparse.Namespace(port=8123, retrievers="edr"))
     gen = data["applications"][0]["args"]["ralm"]["generator"]
     assert gen["model"] == "assets/model/pydocs-gpt" and "batch_token_budget" not in gen

@@ -1,4 +1,4 @@
-"""``ralmspec bench-batching`` end to end on the project's model (tiny settings)."""
+"""``ralmspec bench batching`` end to end on the project's model (tiny settings)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``ralmspec burst-bench``'s measurement against the real HTTP app over the in-process backend
+"""``ralmspec bench burst``'s measurement against the real HTTP app over the in-process backend
 (no Ray: the bench's own accounting is what is tested; its run on the served topology is a
 benchmark whose result is in docs/results/)."""
 
@@ -14,7 +14,7 @@ from tests.deployments.test_ingress_http import InProcessBackend
 
 
 def _args(**over):
-    base = dict(model="scripted", num_requests=3, max_new_tokens=6, burst=12, burst_tokens=6, client_timeout=30.0)
+    base = dict(model="scripted", num_questions=3, max_new_tokens=6, burst=12, burst_tokens=6, client_timeout=30.0)
     return argparse.Namespace(**{**base, **over})
 
 

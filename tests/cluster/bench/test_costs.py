@@ -1,4 +1,4 @@
-"""``ralmspec costs --scans``: every exact-dense candidate scan measured side by side, at
+"""``ralmspec bench costs --scans``: every exact-dense candidate scan measured side by side, at
 batch 1 and 16, with their hits checked equal, and the machine line naming the kernels."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`ralmspec bench-gen` part (a): prefill per step with vs without doc-KV reuse."""
+"""`ralmspec bench gen` part (a): prefill per step with vs without doc-KV reuse."""
 
 from __future__ import annotations
 

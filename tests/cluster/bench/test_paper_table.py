@@ -1,4 +1,4 @@
-"""`ralmspec paper-table`: the paper's grid run end to end on the fixture indexes, and the
+"""`ralmspec bench paper-table`: the paper's grid run end to end on the fixture indexes, and the
 table's rows put each of our measurements beside the paper's number for the same cell."""
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ def test_the_command_runs_the_grid_and_every_output_is_exact(tmp_path, index_dir
     out = tmp_path / "out"
     rc = main(
         [
+            "bench",
             "paper-table",
             "--config",
             str(cfg),
@@ -157,7 +158,7 @@ def test_the_command_adds_adr_and_sr_blocks_on_a_padded_corpus(tmp_path, index_d
     save_vectors(padded, dense_encoder, vectors, "synthesized (test)")
     cfg = _fixture_config(tmp_path, index_dirs)
     out = tmp_path / "out"
-    argv = ["paper-table", "--config", str(cfg), "--questions", str(FIXTURE_QUESTIONS), "-n", "1"]
+    argv = ["bench", "paper-table", "--config", str(cfg), "--questions", str(FIXTURE_QUESTIONS), "-n", "1"]
     argv += ["--max-new-tokens", "6", "--pad-to", "2000", "--configs", "PSA", "--skip-knn"]
     argv += ["--padded-corpus", str(path), "--out", str(out)]
     assert main(argv) == 0

@@ -1,4 +1,4 @@
-"""``ralmspec soak``'s loop and report, against the real HTTP app served by uvicorn over the
+"""``ralmspec bench soak``'s loop and report, against the real HTTP app served by uvicorn over the
 in-process backend (no Ray: the soak's own logic is what is tested; its 30-minute run over
 the served topology is a benchmark whose result is in docs/results/)."""
 

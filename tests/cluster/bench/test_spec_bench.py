@@ -1,4 +1,4 @@
-"""`ralmspec bench` end to end on the fixture corpus: outputs, identity check, exit code."""
+"""`ralmspec bench spec` end to end on the fixture corpus: outputs, identity check, exit code."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ def test_bench_writes_json_table_and_chart(tmp_path, index_dirs, capsys):
     rc = main(
         [
             "bench",
+            "spec",
             "--config",
             str(cfg),
             "--questions",
@@ -89,6 +90,7 @@ def test_bench_exits_nonzero_when_an_output_differs(tmp_path, index_dirs, monkey
     rc = main(
         [
             "bench",
+            "spec",
             "--config",
             str(cfg),
             "--questions",
@@ -128,7 +130,7 @@ def test_bench_concurrency_keeps_every_request_exact_and_in_order(tmp_path, inde
         )
     )
     out = tmp_path / "out"
-    argv = ["bench", "--config", str(cfg), "--questions", str(FIXTURE_QUESTIONS), "-n", "4", "--warmup", "0"]
+    argv = ["bench", "spec", "--config", str(cfg), "--questions", str(FIXTURE_QUESTIONS), "-n", "4", "--warmup", "0"]
     argv += ["--retrievers", "edr", "--configs", "base,PSA", "--max-new-tokens", "8", "--out", str(out)]
     assert main([*argv, "--concurrency", "4"]) == 0
     data = json.loads((out / "bench.json").read_text())
@@ -149,6 +151,6 @@ def test_bench_concurrency_keeps_every_request_exact_and_in_order(tmp_path, inde
 def test_bench_rejects_a_concurrency_below_one(tmp_path, index_dirs, capsys):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({"corpus": str(FIXTURE_CORPUS), "work_dir": str(tmp_path / "work")}))
-    argv = ["bench", "--config", str(cfg), "--retrievers", "edr", "--concurrency", "0", "--out", str(tmp_path)]
+    argv = ["bench", "spec", "--config", str(cfg), "--retrievers", "edr", "--concurrency", "0", "--out", str(tmp_path)]
     assert main(argv) == 2
     assert "--concurrency must be at least 1" in capsys.readouterr().err
