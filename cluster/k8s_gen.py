@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from cluster.flags import Default, add_shared
+from cluster.flags import Default, HelpFormatter, add_shared
 from ralm import constants as C
 
 ROOT = C.PACKAGE_ROOT
@@ -243,9 +243,9 @@ def k8s_main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m cluster.k8s_gen``: the same as ``ralmspec k8s``."""
-    from cluster.cli import main as cli_main  # lazy: the CLI imports this module
-
-    return cli_main(["k8s", *(sys.argv[1:] if argv is None else argv)])
+    p = argparse.ArgumentParser(prog="ralmspec k8s", description=__doc__, formatter_class=HelpFormatter)
+    add_k8s_args(p)
+    return k8s_main(p.parse_args(argv))
 
 
 if __name__ == "__main__":

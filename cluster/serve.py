@@ -421,14 +421,3 @@ def _shutdown_quietly() -> None:
 
     serve.shutdown()
     ray.shutdown()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m cluster.serve``: the same as ``ralmspec serve``."""
-    from cluster.cli import main as cli_main  # lazy: the CLI imports this module
-
-    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

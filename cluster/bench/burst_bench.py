@@ -326,14 +326,3 @@ def burst_bench_main(args: argparse.Namespace) -> int:
     print(to_markdown(r))
     print("wrote " + ", ".join(map(str, paths)), file=sys.stderr)
     return 1 if r["wrong_or_lost"] else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m cluster.bench.burst_bench``: the same as ``ralmspec bench burst``."""
-    from cluster.cli import main as cli_main  # lazy: the CLI imports this module
-
-    return cli_main(["bench", "burst", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,7 +18,6 @@ Writes gen_bench.json and gen_bench.md. ``--parts a`` runs only (a).
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -413,14 +412,3 @@ def _write(args, out: dict, t_all: float) -> int:
     print(md)
     ok = all(r["identical"] == r["requests"] for k, r in out.get("prefill", {}).items() if isinstance(r, dict))
     return 0 if ok else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m cluster.bench.gen_bench``: the same as ``ralmspec bench gen``."""
-    from cluster.cli import main as cli_main  # lazy: the CLI imports this module
-
-    return cli_main(["bench", "gen", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

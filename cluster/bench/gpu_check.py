@@ -45,7 +45,6 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -484,14 +483,3 @@ def gpu_check_main(args) -> int:
     if spec:
         print(f"FAIL: RaLMSpec outputs differ from RaLMSeq's end to end: {', '.join(spec)}")
     return 1 if bad or spec else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m cluster.bench.gpu_check``: the same as ``ralmspec gpu-check``."""
-    from cluster.cli import main as cli_main  # lazy: the CLI imports this module
-
-    return cli_main(["gpu-check", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -316,14 +316,3 @@ def knn_bench_main(args) -> int:
     return exactness_status(
         sum(r.requests - r.identical for r in rows), "speculative KNN-LM outputs differ from the baseline"
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m cluster.bench.knn_bench``: the same as ``ralmspec bench knn``."""
-    from cluster.cli import main as cli_main  # lazy: the CLI imports this module
-
-    return cli_main(["bench", "knn", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

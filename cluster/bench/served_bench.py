@@ -451,14 +451,3 @@ def served_bench_main(args: argparse.Namespace) -> int:
         print(f"error: {len(bad)} configurations returned answers that differ from RaLMSeq", file=sys.stderr)
         return 1
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m cluster.bench.served_bench``: the same as ``ralmspec bench served``."""
-    from cluster.cli import main as cli_main  # lazy: the CLI imports this module
-
-    return cli_main(["bench", "served", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

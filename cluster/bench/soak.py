@@ -472,14 +472,3 @@ def soak_main(args: argparse.Namespace) -> int:
     plot(res["samples"], res["events"], res["start"], out / "soak.png")
     print(md)
     return 1 if summary["wrong_answers"] or summary["lost"] or summary["hung_clients"] else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m cluster.bench.soak``: the same as ``ralmspec bench soak``."""
-    from cluster.cli import main as cli_main  # lazy: the CLI imports this module
-
-    return cli_main(["bench", "soak", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,13 +9,13 @@ import json
 import pytest
 import torch.nn.functional as F
 
-from cluster.bench.gpu_check import main
+from cluster.cli import main
 from ralm.batching.invariant import InvariantLinear
 
 pytestmark = pytest.mark.unit
 
-SMALL = ["--shapes", "llama-tiny", "--requests", "3", "--new-tokens", "8", "--forward-batches", "1,4"]
-SMALL += ["--scan", "5000x64", "--dense", "6000x64", "--e2e-pad-to", "0", "--e2e-questions", "1"]
+SMALL = ["gpu-check", "--shapes", "llama-tiny", "--requests", "3", "--new-tokens", "8", "--forward-batches", "1,4"]
+SMALL += ["--scan-shapes", "5000x64", "--dense", "6000x64", "--e2e-pad-to", "0", "--e2e-questions", "1"]
 
 
 def test_gpu_check_runs_every_section_on_the_cpu_and_writes_json_and_markdown(tmp_path):
