@@ -203,7 +203,7 @@ def config_parent(**defaults: Any) -> argparse.ArgumentParser:
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """The ``--help`` of every command: the description as written, every flag's default shown
-    (unless its help already says it), and metavars by type (N, X, FILE, DIR, LIST)."""
+    (unless its help already says it), and metavars by type (N, X, FILE, DIR, LIST, VALUE)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
@@ -227,6 +227,6 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
             return "X"
         if action.type is Path:
             return "DIR" if action.dest.endswith(("dir", "root")) else "FILE"
-        if isinstance(action.default, str) and "," in action.default:
+        if (isinstance(action.default, str) and "," in action.default) or "comma-separated" in (action.help or ""):
             return COMMA_LIST
-        return action.dest.upper()
+        return action.dest.upper() if len(action.dest) <= 8 else "VALUE"
