@@ -97,6 +97,8 @@ SHARED: dict[str, Flag] = {
     "retrievers": Flag(("--retrievers",), "retriever kinds, comma-separated, of edr,adr,sr", metavar=COMMA_LIST),
     "index_dir": Flag(("--index-dir",), "index directory", Path, "DIR"),
     "seed": Flag(("--seed",), "random seed (the same seed, the same run)", int, "N"),
+    "minutes": Flag(("--minutes",), "how long to run, in minutes", float, "X"),
+    "threads": Flag(("--threads",), "torch threads", int, "N"),
     # what runs
     "spec": Flag(
         ("--spec",),

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.assets.passage_text import MAX_WORDS, MIN_DOC_WORDS, MIN_WORDS, TARGET_WORDS, chunk, clean, paragraphs
+from cluster.flags import Default, HelpFormatter, add_shared
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO_ROOT / "assets" / "corpus" / "pydocs.jsonl.gz"
@@ -436,9 +437,9 @@ DEFAULT_PACKAGES = ("numpy", "scipy")
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="ralmspec assets corpus", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
     )
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output .jsonl.gz")
+    add_shared(ap, out=Default(DEFAULT_OUT, help="the corpus: a .jsonl.gz file"))
     ap.add_argument(
         "--min-passages", type=int, default=10_000, help="fail if the corpus has fewer passages (default 10000)"
     )

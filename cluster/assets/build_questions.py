@@ -31,6 +31,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from cluster.flags import Default, HelpFormatter, add_shared
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CORPUS = REPO_ROOT / "assets" / "corpus" / "pydocs.jsonl.gz"
 DEFAULT_OUT = REPO_ROOT / "assets" / "questions" / "pydocs-questions.jsonl"
@@ -213,11 +215,16 @@ def write_jsonl(rows: list[dict], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("-n", "--num-questions", type=int, default=300)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = argparse.ArgumentParser(
+        prog="ralmspec assets questions", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
+    add_shared(
+        ap,
+        corpus=DEFAULT_CORPUS,
+        out=Default(DEFAULT_OUT, help="the questions: a JSONL file"),
+        num_questions=Default(300, help="questions to write"),
+        seed=0,
+    )
     args = ap.parse_args(argv)
     records = load_records(args.corpus)
     qs = make_questions(records, args.num_questions, args.seed)

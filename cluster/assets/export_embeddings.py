@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cluster.flags import SHARED, Default, HelpFormatter, add_shared
 from ralm import constants as C
 from ralm.config import RetrieverConfig
 from ralm.corpus import Corpus
@@ -21,12 +22,13 @@ from ralm.retrieval.shared_encoder import get_encoder
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ralmspec assets embeddings", description=__doc__)
-    ap.add_argument("--corpus", default=str(C.DEMO_CORPUS), help="corpus JSONL(.gz) (default: the demo corpus)")
-    ap.add_argument(
-        "--encoder", default=RetrieverConfig().encoder, help="dense encoder (default: the retriever's default)"
+    ap = argparse.ArgumentParser(prog="ralmspec assets embeddings", description=__doc__, formatter_class=HelpFormatter)
+    add_shared(
+        ap,
+        corpus=Default(C.DEMO_CORPUS, unset="the demo corpus"),
+        encoder=Default(RetrieverConfig().encoder, unset="the retriever's default"),
+        out=Default(help=SHARED["out"].help, unset="assets/embeddings"),
     )
-    ap.add_argument("--out", default=None, help="output directory (default: assets/embeddings)")
     args = ap.parse_args(argv)
 
     corpus = Corpus.load(args.corpus)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from cluster.assets.build_corpus import MODULE_ALIASES, extract, to_records
 from cluster.assets.build_questions import make_questions, write_jsonl
+from cluster.flags import Default, HelpFormatter, add_shared
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DIR = REPO_ROOT / "tests" / "data"
@@ -70,10 +71,11 @@ def fixture_records(modules: tuple[str, ...] = FIXTURE_MODULES) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out-dir", type=Path, default=DEFAULT_DIR)
-    ap.add_argument("-n", "--num-questions", type=int, default=40)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = argparse.ArgumentParser(
+        prog="ralmspec assets fixtures", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
+    ap.add_argument("--out-dir", type=Path, default=DEFAULT_DIR, help="where the fixture files go")
+    add_shared(ap, num_questions=Default(40, help="questions to write"), seed=0)
     args = ap.parse_args(argv)
     records = fixture_records()
     questions = make_questions(records, args.num_questions, args.seed)

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.assets.build_questions import load_records
+from cluster.flags import Default, HelpFormatter, add_shared
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CORPUS = REPO_ROOT / "assets" / "corpus" / "pydocs.jsonl.gz"
@@ -193,14 +194,16 @@ def _command(ap: argparse.ArgumentParser, args: argparse.Namespace, steps: int) 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="ralmspec assets train", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
     )
-    ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--minutes", type=float, default=6.0, help="training time budget, used when --steps is not given")
+    add_shared(
+        ap,
+        corpus=DEFAULT_CORPUS,
+        out=DEFAULT_OUT,
+        minutes=Default(6.0, help="training time budget in minutes, used when --steps is not given"),
+    )
     ap.add_argument("--steps", type=int, default=None, help="exact number of optimizer steps")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    ap.add_argument("--seed", type=int, default=0)
+    add_shared(ap, threads=1, seed=0)
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--n-embd", type=int, default=256)
     ap.add_argument("--n-layer", type=int, default=4)

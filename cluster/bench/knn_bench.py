@@ -123,7 +123,7 @@ def add_knn_bench_args(p: argparse.ArgumentParser) -> None:
         help="OS3 cap on the gamma estimate (the paper's 0.6 by default)",
     )
     p.add_argument("--max-stride", type=int, default=C.OS3_MAX_STRIDE, help="OS3 upper bound on s")
-    p.add_argument("--threads", type=int, default=1, help="torch and FAISS threads")
+    add_shared(p, threads=Default(1, help="torch and FAISS threads"))
     add_shared(p, warmup=1, out=Path("knn-bench-out"))
 
 

@@ -59,7 +59,7 @@ WARMUP_SAMPLES = 2  # growth is measured from the sample after these (caches fil
 
 
 def add_soak_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--minutes", type=float, default=30.0, help="how long to serve the load")
+    add_shared(p, minutes=Default(30.0, help="how long to serve the load, in minutes"))
     add_shared(p, concurrency=Default(8, help="client threads (requests in flight)"))
     p.add_argument("--interval", type=float, default=30.0, help="seconds between samples")
     add_shared(

@@ -33,12 +33,10 @@ COMMANDS = [words for words, _ in _walk(cli.build_parser()) if words]
 
 def test_every_option_string_has_one_definition_in_the_source():
     """No option string is spelled in two ``add_argument`` calls of the package's commands
-    (the asset builders behind ``ralmspec assets`` are standalone scripts), and the shared
-    table spells each once."""
+    (the asset builders behind ``ralmspec assets`` included), and the shared table spells
+    each once."""
     calls: dict[str, list[str]] = defaultdict(list)
     for f in sorted(CLUSTER.rglob("*.py")):
-        if "assets" in f.relative_to(CLUSTER).parts:
-            continue
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
                 for arg in node.args:
@@ -96,6 +94,14 @@ def test_every_command_has_a_help(words, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"usage: ralmspec {' '.join(words)}")
     assert "--help" in out
+
+
+@pytest.mark.parametrize("what", sorted(cli.ASSETS))
+def test_every_asset_builder_has_a_help(what, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["assets", what, "--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: ralmspec assets {what}")
 
 
 def test_the_top_level_help_lists_the_grammar(capsys):
