@@ -133,9 +133,14 @@ class Command:
     help: str
     #: takes the RalmConfig flags (cluster.flags.config_parent)
     config: bool = False
+    #: its wording of the RalmConfig's --model (None: the shared one)
+    model: Default | None = None
     #: the names it had before it joined a group, still accepted (hidden from --help)
     legacy: str | None = None
 
+
+#: --model of ``serve`` and ``generate``: SmolLM2 when neither --model nor --config is given
+_SERVE_MODEL = Default(help=MODEL_OR_DEMO, unset=f"{DEFAULT_MODEL}, or the model of --config")
 
 #: ``ralmspec NAME``: the commands that run the system, besides index and generate.
 COMMANDS: tuple[Command, ...] = (
@@ -146,6 +151,7 @@ COMMANDS: tuple[Command, ...] = (
         "serve_main",
         f"start the HTTP server (Ray Serve) from serve_config.yaml (generator: {DEFAULT_MODEL} unless --model/--config)",
         config=True,
+        model=_SERVE_MODEL,
     ),
     Command(
         "eval",
@@ -284,13 +290,9 @@ def canonical_argv(argv: Sequence[str]) -> list[str]:
     return argv
 
 
-#: --model of ``serve`` and ``generate``: SmolLM2 when neither --model nor --config is given
-_SERVE_MODEL = Default(help=MODEL_OR_DEMO, unset=f"{DEFAULT_MODEL}, or the model of --config")
-
-
 def _add_command(sub, cmd: Command) -> argparse.ArgumentParser:
     mod = importlib.import_module(cmd.module)
-    parents = [config_parent(model=_SERVE_MODEL)] if cmd.name == "serve" else [config_parent()] if cmd.config else []
+    parents = [config_parent(model=cmd.model)] if cmd.config else []
     sp = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help, parents=parents, formatter_class=HelpFormatter)
     getattr(mod, cmd.add_args)(sp)
     sp.set_defaults(func=getattr(mod, cmd.entry))
@@ -309,8 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[config_parent()],
         formatter_class=HelpFormatter,
     )
-    add_shared(pi, retriever=Default("all", help="retriever kind: edr, adr, sr or all"))
-    add_shared(pi, index_dir=Default(unset="<work-dir>/indexes/<kind>"))
+    add_shared(
+        pi,
+        retriever=Default("all", help="retriever kind: edr, adr, sr or all"),
+        index_dir=Default(unset="<work-dir>/indexes/<kind>"),
+    )
     pi.add_argument("--force", action="store_true", help="rebuild even if a valid index exists")
     pi.set_defaults(func=cmd_index)
 
