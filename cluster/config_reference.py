@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from cluster.flags import Default, HelpFormatter, add_shared
 from deployments.config import AppConfig
 from ralm import constants as C
 
@@ -178,9 +179,14 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cluster.config_reference", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=OUT, help="where to write the page (default docs/config.md)")
-    p.add_argument("--check", action="store_true", help="only compare: exit 1 if the page is out of date")
+    p = argparse.ArgumentParser(
+        prog="python -m cluster.config_reference", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
+    add_shared(
+        p,
+        out=Default(OUT, help="where to write the page", unset="docs/config.md"),
+        check=Default(help="check only: write nothing; exit 1 if the page is out of date"),
+    )
     args = p.parse_args(argv)
     text = render()
     if args.check:
