@@ -263,6 +263,7 @@ class CoordinatorHost:
         self.generator_calls = 0
         self.kb_hits: dict[str, int] = {}
         self.kb_misses: dict[str, int] = {}
+        self.stride_decisions: dict[str, int] = {}  # RaLMSpec's stride decisions by reason (ralm.stride.load_gate)
 
     # ---------------------------------------------------------------- set-up
     def ready(self) -> dict:
@@ -307,6 +308,9 @@ class CoordinatorHost:
             res = coord.run(job, on_commit)
         finally:
             self._finish(slot, coord)
+        with self._lock:
+            for reason, n in res.stats.stride_reasons.items():
+                self.stride_decisions[reason] = self.stride_decisions.get(reason, 0) + n
         out = res.as_dict()
         out["prompt_tokens"] = len(coord.gen.encode_question(job.question))
         return out
@@ -369,6 +373,7 @@ class CoordinatorHost:
             "resumed": self.resumed,
             "checkpoints": self.shared.checkpoints,
             "kb_cache": {k: {"hits": self.kb_hits[k], "misses": self.kb_misses.get(k, 0)} for k in self.kb_hits},
+            "stride_decisions": dict(self.stride_decisions),
             "state_store": store.stats() if store is not None else None,
             "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # peak, Linux KiB
         }

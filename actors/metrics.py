@@ -11,6 +11,7 @@ ray_ralmspec_kb_calls_total                 counter    retriever, method        
 ray_ralmspec_cache_hit_rate                 gauge      retriever, method         coordinator
 ray_ralmspec_rollbacks_total                counter    retriever, method         coordinator
 ray_ralmspec_gamma                          gauge      retriever, method         coordinator
+ray_ralmspec_stride_decisions_total         counter    retriever, method, reason coordinator
 ray_ralmspec_verifier_batch_size_*          histogram  retriever                 verifier
 ray_ralmspec_shard_latency_seconds_*        histogram  retriever, shard          shard actor
 ray_ralmspec_generator_batch_size_*         histogram  (none)                    generator replica
@@ -112,6 +113,11 @@ def _get() -> SimpleNamespace | None:
                     PREFIX + "generator_host_seconds",
                     description="Seconds a generator replica's iteration loop spent outside the model's forward (host share = rate(host) / (rate(host) + rate(busy))).",
                 ),
+                stride_decisions=Counter(
+                    PREFIX + "stride_decisions",
+                    description="RaLMSpec's stride decisions by reason: speculate, direct_shared (the shared KB makes a window dearer), direct_crowded, direct_model, direct_measured (ralm.stride.load_gate.REASONS).",
+                    tag_keys=("retriever", "method", "reason"),
+                ),
                 state_skipped=Counter(
                     PREFIX + "state_store_skipped_total",
                     description="State-store calls skipped while the store was unreachable (requests served without checkpoints / KB cache).",
@@ -144,6 +150,8 @@ def record_request(stats: Any) -> None:
             m.cache_hit_rate.set((stats.matched_steps + stats.shadow_hits) / stats.cache_lookups, tags=tags)
         if stats.gamma is not None:
             m.gamma.set(float(stats.gamma), tags=tags)
+        for reason, n in (getattr(stats, "stride_reasons", None) or {}).items():
+            _add(m.stride_decisions, n, {**tags, "reason": str(reason)})
     except Exception as e:
         log.debug("metrics: %s", e)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -162,6 +162,7 @@ class VerifierKB:
         self.batch_cost_curve = batch_cost_curve
         self.requester: str | None = None  # the request in flight, announced to the verifier
         self._sharing = 0  # announced requests at the verifier's last answer
+        self._others: deque[int] = deque(maxlen=4)  # other requests' queries in recent answering searches
         self.cancelled = cancelled or threading.Event()  # set by Coordinator.cancel: the next call raises
 
     def search(self, query: str, k: int) -> list[Hit]:
@@ -170,12 +171,20 @@ class VerifierKB:
     def batch_search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
         if self.cancelled.is_set():
             raise RequestCancelled("the request was cancelled")
-        hits, self._sharing = remote_result(self.verifier.verify_shared.remote(list(queries), int(k), self.requester))
+        hits, self._sharing, searched = remote_result(
+            self.verifier.verify_shared.remote(list(queries), int(k), self.requester)
+        )
+        self._others.append(max(0, searched - len(set(queries))))  # other requests' queries in that search
         return hits
 
     def sharing(self) -> int:
         """Requests that shared the verifier's batches at its last answer (this one included)."""
         return self._sharing
+
+    def others_per_search(self) -> float | None:
+        """Other requests' queries in the searches that answered this request's last calls
+        (mean of the last few; None before any call)."""
+        return sum(self._others) / len(self._others) if self._others else None
 
     def speculating(self) -> None:
         """The request opened a speculation window: the verifier need not hold a batch for it
@@ -188,6 +197,7 @@ class VerifierKB:
         request is waiting); fire and forget: batching never changes a result."""
         self.requester = requester
         self._sharing = 0
+        self._others.clear()
         self.verifier.begin.remote(requester)
 
     def end(self) -> None:

@@ -79,6 +79,7 @@ class _Item:
     future: asyncio.Future
     t: float
     requester: str | None = None
+    searched: int = 0  # queries of the search that answered it (its batch, other requests' included)
 
 
 @dataclass
@@ -183,9 +184,15 @@ class VerificationBatcher:
         return bool(self._active) and all(r in waiting for r in expected)
 
     async def submit(self, queries: Sequence[str], k: int, requester: str | None = None) -> list[list[Hit]]:
+        return (await self.submit_sized(queries, k, requester))[0]
+
+    async def submit_sized(
+        self, queries: Sequence[str], k: int, requester: str | None = None
+    ) -> tuple[list[list[Hit]], int]:
+        """:meth:`submit`, plus the number of queries in the search that answered them."""
         queries = list(queries)
         if not queries:
-            return []
+            return [], 0
         if requester is not None and requester in self._active:
             self._active[requester] = time.monotonic()
             self._away.discard(requester)
@@ -195,7 +202,7 @@ class VerificationBatcher:
             self._record([len(queries)], 1)
             self.stats.searches += 1
             self.stats.searched_queries += len(queries)
-            return await self.search(queries, int(k))
+            return await self.search(queries, int(k)), len(queries)
         loop = asyncio.get_running_loop()
         if self._wake is None:
             self._wake = asyncio.Event()
@@ -206,7 +213,7 @@ class VerificationBatcher:
         self._wake.set()
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.ensure_future(self._flush_loop())
-        return await item.future
+        return await item.future, item.searched
 
     def _record(self, sizes: list[int], n_items: int) -> None:
         n = sum(sizes)
@@ -270,6 +277,7 @@ class VerificationBatcher:
                     continue
                 row = dict(zip(uniq, res))
                 for it in items:
+                    it.searched = len(uniq)
                     if not it.future.done():
                         it.future.set_result([list(row[q][: it.k]) for q in it.queries])
         finally:
@@ -337,10 +345,12 @@ class Verifier:
 
     async def verify_shared(
         self, queries: Sequence[str], k: int, requester: str | None = None
-    ) -> tuple[list[list[Hit]], int]:
-        """:meth:`verify`, plus how many announced requests share the batches now (RaLMSpec takes
-        direct steps when many do, :mod:`ralm.stride.load_gate`)."""
-        return await self.verify(queries, k, requester), self.batcher.active_requests
+    ) -> tuple[list[list[Hit]], int, int]:
+        """:meth:`verify`, plus how many announced requests share the batches now and how many
+        queries the search that answered carried (the stride scheduler prices its queries by
+        what they add to such searches, :mod:`ralm.stride.load_gate`)."""
+        hits, searched = await self.batcher.submit_sized(list(queries), int(k), requester)
+        return hits, self.batcher.active_requests, searched
 
     async def begin(self, requester: str) -> None:
         """A request that will tag its calls ``requester`` is in flight (see the module docstring)."""

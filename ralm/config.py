@@ -171,6 +171,10 @@ class SpecConfig(StrictModel):
         ge=0,
         description="On a knowledge base that batches several requests' calls (the served verifier): take direct steps, as RaLMSeq does, while at least this many requests share it (this one included; 0: never). Under such load RaLMSeq's requests step together and share every search, so speculation saves no KB work and only adds its own. Changes strides, never outputs.",
     )
+    shared_kb_cost_model: bool = Field(
+        True,
+        description="On a knowledge base that batches several requests' calls (the served verifier): price a window's queries by what they add to searches that other requests' queries already pay for (the KB's batch cost curve), and take a direct step when that makes it cheaper than any window (docs/design.md, 'direct steps under shared load'). Changes strides, never outputs.",
+    )
 
     @classmethod
     def named(cls, name: str, **overrides) -> SpecConfig:

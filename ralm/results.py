@@ -22,7 +22,9 @@ class RequestStats:
     async_steps_kept: int = 0  # async steps that became the next window's first step
     async_steps_discarded: int = 0
     direct_steps: int = 0  # OS3 chose s = 0: plain KB retrieval for the step
-    load_direct_steps: int = 0  # of those, taken because many requests shared the KB (ralm/stride/load_gate.py)
+    load_direct_steps: int = 0  # of those, taken because other requests shared the KB (ralm/stride/load_gate.py)
+    stride_reasons: dict[str, int] = field(default_factory=dict)  # decisions by reason (ralm.stride.load_gate.REASONS)
+    shared_queries: float | None = None  # other requests' queries per search at the last decision (served)
     strides: list[int] = field(default_factory=list)  # window size of each verification
     gamma: float | None = None  # final OS3 estimate of speculation accuracy
     gen_time_s: float = 0.0  # G: wall time inside the generator

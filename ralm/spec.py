@@ -105,7 +105,11 @@ class _SpecRun:
         self.async_verify = spec.async_verify
         # direct steps while many requests share the KB (adaptive strides only: a fixed stride is
         # what the caller asked for)
-        self.gate = SharedLoadGate(self.sched, kb, spec.shared_kb_direct_at) if spec.adaptive_stride else None
+        self.gate = (
+            SharedLoadGate(self.sched, kb, spec.shared_kb_direct_at, spec.shared_kb_cost_model)
+            if spec.adaptive_stride
+            else None
+        )
         self.shared_kb = kb if isinstance(kb, SharedKB) else None  # told when a window opens
         self.probe_budget = ShadowBudget(("doc", getattr(kb, "name", ""), self.depth))  # direct steps' guesses
         name = (
@@ -276,6 +280,8 @@ class _SpecRun:
         speculate(self, sched, self.stats, executor)
         if self.gate is not None:
             self.stats.load_direct_steps = self.gate.gated
+            self.stats.stride_reasons = dict(self.gate.reasons)
+            self.stats.shared_queries = self.gate.others if self.shared_kb is not None else None
         return finish(self.gen, self.n_q, self.X, self.eos, self.stats, self.t_start)
 
 

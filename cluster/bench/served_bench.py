@@ -29,7 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import fmean
 
-from cluster.bench.served_report import mode_stats, one_request_rows, time_breakdown, to_markdown
+from cluster.bench.open_loop import check_server, open_loop_main
+from cluster.bench.served_report import generator_work, mode_stats, one_request_rows, time_breakdown, to_markdown
 from cluster.flags import SHARED, Default, add_shared
 from cluster.native_client import Client
 from cluster.report import machine_note, write_report
@@ -87,6 +88,16 @@ def add_served_bench_args(p: argparse.ArgumentParser) -> None:
     add_shared(p, warmup=Default(1, help=SHARED["warmup"].help + ", run at the highest concurrency"))
     p.add_argument("--timeout", type=float, default=900.0, help="HTTP timeout per request (s)")
     add_shared(p, out=Path("bench-out/served"))
+    p.add_argument(
+        "--rate",
+        help="open loop instead of --concurrency: comma-separated Poisson arrival rates (requests/s), "
+        "-n requests per rate and method, latency versus rate (cluster/bench/open_loop.py)",
+    )
+    p.add_argument(
+        "--duration", type=float, help="open loop: wall-time bound of each rate's run, s (default 3 x n / rate)"
+    )
+    p.add_argument("--slo", type=float, help="open loop: latency SLO for goodput, s (default 3x RaLMSeq's lone)")
+    p.add_argument("--lone", type=int, default=8, help="open loop: lone (one at a time) requests per RaLMSpec method")
     p.add_argument(
         "--no-in-process",
         dest="in_process",
@@ -279,6 +290,7 @@ def run_served_bench(
                         "retries": retries,  # shed answers sent again (their latency includes the wait)
                         **time_breakdown(outs, lats),
                         **mode_stats(outs),
+                        **generator_work(outs),
                     }
                     rows.append(row)
                     if progress:
@@ -407,6 +419,16 @@ def served_bench_main(args: argparse.Namespace) -> int:
     levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
     kinds = [k.strip() for k in args.retrievers.split(",") if k.strip()]
     methods = _parse_methods(args.methods)
+    if args.url:
+        try:
+            check_server(args.url)
+        except ConnectionError as e:
+            raise SystemExit(f"error: {e}") from None
+    if getattr(args, "rate", None) is not None:
+        try:
+            return open_loop_main(args, questions, [(m, s, _label(m, s)) for m, s in methods])
+        except (ValueError, ConnectionError) as e:
+            raise SystemExit(f"error: {e}") from None
     batching = _on_off(args.batching)
     gen_settings = _on_off(args.gen_batching)
     if args.url and gen_settings != [True]:

@@ -46,6 +46,38 @@ def mode_stats(outs: list[dict]) -> dict:
     }
 
 
+WORK_FIELDS = (
+    "steps",
+    "gen_steps",
+    "spec_steps",
+    "regenerated_tokens",
+    "context_tokens_computed",
+    "context_tokens_reused",
+    "async_steps_kept",
+    "async_steps_discarded",
+    "direct_steps",
+    "load_direct_steps",
+)
+
+
+def generator_work(outs: list[dict]) -> dict:
+    """What the generator computed per request (means): committed steps, steps run (speculative,
+    discarded and corrections included), tokens thrown away by rollbacks, context tokens fed
+    to the model (a re-prefill after a rollback or a lost KV session) and reused from the
+    request's KV session, asynchronous steps kept and discarded, direct steps (and those the
+    shared load chose); plus the stride decisions summed by reason."""
+    st = [o["stats"] for o in outs]
+    if not st:
+        return {}
+    out: dict = {f"work_{k}": fmean(s.get(k) or 0 for s in st) for k in WORK_FIELDS}
+    reasons: dict[str, int] = {}
+    for s in st:
+        for r, n in (s.get("stride_reasons") or {}).items():
+            reasons[r] = reasons.get(r, 0) + n
+    out["stride_reasons"] = reasons
+    return out
+
+
 def time_breakdown(outs: list[dict], lats: list[float]) -> dict:
     """Where a row's mean latency went, per request (seconds): waiting for a coordinator
     (``queue_s``, from the server), in the generator (``gen_s``: G), in retrieval (``kb_s``:
@@ -170,6 +202,50 @@ def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] 
                 for r in timed
             ),
             align="llllrrrrr",
+        )
+    worked = [r for r in rows if "work_gen_steps" in r]
+    if worked:
+        lines += [
+            "",
+            "## What the generator computed (mean per request)",
+            "",
+            "`steps`: committed; `gen steps`: every generator step run (speculative, discarded and "
+            "corrections included); `regen tok`: tokens thrown away by rollbacks; `ctx computed` / "
+            "`ctx reused`: context tokens fed to the model before a step (re-prefills after a "
+            "rollback or a lost KV session) / taken from the request's KV session; `async kept/disc`: "
+            "asynchronous steps kept / discarded; `direct (load)`: direct steps (of them, chosen by "
+            "the shared load); `decisions`: stride decisions by reason, summed over the row.",
+            "",
+        ]
+        lines += table(
+            [
+                "method",
+                "concurrency",
+                "steps",
+                "gen steps",
+                "regen tok",
+                "ctx computed",
+                "ctx reused",
+                "async kept/disc",
+                "direct (load)",
+                "decisions",
+            ],
+            (
+                [
+                    name(r["method"]),
+                    r["concurrency"],
+                    f"{r['work_steps']:.1f}",
+                    f"{r['work_gen_steps']:.1f}",
+                    f"{r['work_regenerated_tokens']:.1f}",
+                    f"{r['work_context_tokens_computed']:.0f}",
+                    f"{r['work_context_tokens_reused']:.0f}",
+                    f"{r['work_async_steps_kept']:.1f}/{r['work_async_steps_discarded']:.1f}",
+                    f"{r['work_direct_steps']:.1f} ({r['work_load_direct_steps']:.1f})",
+                    ", ".join(f"{k} {v}" for k, v in sorted(r.get("stride_reasons", {}).items())) or "-",
+                ]
+                for r in worked
+            ),
+            align="lrrrrrrrrl",
         )
     if one:
         lines += ["", "## One request in flight: served against the in-process engine", ""]

@@ -46,7 +46,8 @@ class SharedKB(Protocol):
     :meth:`speculating` is a scheduling hint, never a change of result: the caller's request
     has opened a speculation window and makes no KB call until that window's verification,
     so a batch forming now need not wait for it. :meth:`sharing` says how many requests share
-    the KB (RaLMSpec takes direct steps under heavy sharing, :mod:`ralm.stride.load_gate`).
+    the KB and :meth:`others_per_search` what its searches carry besides this request's queries
+    (RaLMSpec takes direct steps where sharing makes them cheaper, :mod:`ralm.stride.load_gate`).
     """
 
     def speculating(self) -> None:
@@ -55,3 +56,7 @@ class SharedKB(Protocol):
     def sharing(self) -> int:
         """Requests that shared the KB's batches at its last answer (this one included; 0:
         not known yet)."""
+
+    def others_per_search(self) -> float | None:
+        """Other requests' queries in the searches that answered this request's recent calls
+        (None: not known yet); the stride scheduler prices its own queries by what they add."""

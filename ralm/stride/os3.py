@@ -341,6 +341,10 @@ class StrideScheduler:
             return None
         return fmean(self._gen_lat) + (fmean(self._lookup_lat) if self._lookup_lat else 0.0)
 
+    def generation_latency(self) -> float | None:
+        """g: the mean generation part of recent steps (None before any)."""
+        return fmean(self._gen_lat) if self._gen_lat else None
+
     def verify_latency(self, s: int) -> float | None:
         """b(s). Bayes mode: per-size means, interpolated (see the module docstring).
         Capped mode (the paper's): a least-squares line over recent (s, latency) when several

@@ -471,6 +471,34 @@ def test_served_bench_tiny_run(server, tmp_path, questions):
     assert "p95" in md and "RaLMSpec" in md and "Where a request's time went" in md
 
 
+def test_served_bench_open_loop_tiny_run(server, tmp_path, questions):
+    """The open-loop sweep end to end (tiny: correctness, not speed): Poisson arrivals at two
+    rates, streamed answers, every answer equal to RaLMSeq's, the report and its plot."""
+    import argparse
+
+    from cluster.bench.served_bench import add_served_bench_args, served_bench_main
+
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text("".join(json.dumps({"question": q}) + "\n" for q in questions[:3]))
+    p = argparse.ArgumentParser()
+    add_served_bench_args(p)
+    out = tmp_path / "open"
+    argv = ["--url", server["url"], "--questions", str(qfile), "-n", "3", "--rate", "0.5,4", "--retrievers", "edr"]
+    argv += ["--max-new-tokens", "8", "--methods", "seq,spec:PSA", "--lone", "2", "--out", str(out)]
+    assert served_bench_main(p.parse_args(argv)) == 0
+    data = json.loads((out / "open_loop.json").read_text())
+    assert {(r["method"], r["rate"]) for r in data["rows"]} == {
+        (m, r) for m in ("seq", "spec[PSA]") for r in (0.5, 4.0)
+    }
+    for r in data["rows"]:
+        assert r["ok"] == r["identical"] == r["requests"] == 3 and r["shed"] == r["lost"] == 0
+        assert 0 < r["ttft_p50_s"] <= r["p50_s"] <= r["p90_s"] <= r["p99_s"] and r["goodput_rps"] <= r["throughput_rps"]
+    assert data["lone"]["seq"]["requests"] == 3 and data["lone"]["spec[PSA]"]["requests"] == 2
+    assert set(data["capacity"]) == {"seq", "spec[PSA]"}
+    assert (out / "open_loop.png").stat().st_size > 0
+    assert "latency versus arrival rate" in (out / "open_loop.md").read_text()
+
+
 def test_admin_switches_batching(server):
     """The admin API sets each field it is given (and only those) on every verifier."""
     with httpx.Client(base_url=server["url"], timeout=60) as c:

@@ -30,6 +30,7 @@ EXPECTED = {  # exported family -> labels the dashboard uses
     "ray_ralmspec_generator_tokens": set(),
     "ray_ralmspec_generator_busy_seconds": set(),
     "ray_ralmspec_generator_host_seconds": set(),
+    "ray_ralmspec_stride_decisions": {"retriever", "reason"},
 }
 
 
@@ -141,6 +142,18 @@ def test_generator_batch_size_and_tokens(metrics, served):
     assert tokens > 0  # (each process exports on its own schedule: the count may trail the requests)
     assert sum(_values(metrics, "ray_ralmspec_generator_busy_seconds", "_total")) > 0
     assert sum(_values(metrics, "ray_ralmspec_generator_host_seconds", "_total")) > 0  # the loop around the forwards
+
+
+def test_stride_decisions_are_counted_by_reason(metrics, served):
+    """RaLMSpec's requests report why each stride was chosen, and the coordinator exports the
+    counts by reason (the dashboard's stride-decisions panel)."""
+    from ralm.stride.load_gate import REASONS
+
+    spec = [r for r in served["responses"] if r["method"] != "seq"]
+    assert spec and all(sum(r["stats"]["stride_reasons"].values()) >= 1 for r in spec)
+    assert all(r["stats"]["stride_reasons"] == {} for r in served["responses"] if r["method"] == "seq")
+    assert sum(_values(metrics, "ray_ralmspec_stride_decisions", "_total", retriever="edr")) > 0
+    assert {lab["reason"] for _, lab, _ in metrics["ray_ralmspec_stride_decisions"]} <= set(REASONS)
 
 
 def test_dashboard_queries_only_exported_metrics():

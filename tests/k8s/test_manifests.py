@@ -44,6 +44,7 @@ METRICS = [
     "ralmspec_generator_tokens_total",
     "ralmspec_generator_busy_seconds_total",
     "ralmspec_generator_host_seconds_total",
+    "ralmspec_stride_decisions_total",
 ]
 GENERATED = [
     "k8s/rayservice.yaml",

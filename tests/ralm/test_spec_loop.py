@@ -220,10 +220,14 @@ class SharedScriptedKB(ScriptedKB):
     """A scripted KB that, like the served verifier, takes the speculation hint; it logs the
     hints and the KB calls in the order they happen."""
 
-    def __init__(self, *a, load: int = 1, **kw):
+    def __init__(self, *a, load: int = 1, others: float | None = None, **kw):
         super().__init__(*a, **kw)
         self.log: list[str] = []
         self.load = load  # requests sharing the KB, as the served verifier reports
+        self.others = others  # other requests' queries per answering search, as the served verifier reports
+
+    def others_per_search(self) -> float | None:
+        return self.others
 
     def speculating(self) -> None:
         self.log.append("hint")
@@ -283,6 +287,57 @@ def test_a_crowded_shared_kb_makes_ralmspec_take_direct_steps(load, threshold, n
         assert st.kb_calls == base.stats.kb_calls
     else:
         assert st.load_direct_steps == 0 and st.verifications > 0
+
+
+@pytest.mark.parametrize(
+    "others, curve, shared",
+    [
+        (3.0, {1: 1.0, 4: 1.3, 16: 3.4}, True),  # batches carry 3 other queries: a query adds 0.1 of a call
+        (15.0, {1: 1.0, 4: 3.9, 16: 15.5}, True),  # a compute-bound scan: every query costs the same
+        (0.0, {1: 1.0, 4: 1.3, 16: 3.4}, False),  # alone in its searches: OS3 decides
+        (None, {1: 1.0, 4: 1.3, 16: 3.4}, False),  # the load is not known yet
+        (3.0, None, False),  # no batch cost curve: nothing to price the shared queries with
+    ],
+)
+def test_a_shared_kbs_batches_make_direct_steps_cheaper_than_windows(others, curve, shared):
+    """With other requests' queries in every search, the cost model (ralm/stride/load_gate.py)
+    prices a window's queries by what they add to those searches: then a direct step is the
+    cheaper step, every decision after the first measurements is ``direct_shared``, and the
+    tokens are RaLMSeq's. Alone, without a known load or without a cost curve, OS3 speculates."""
+    spec = SpecConfig.parse("PSA", shared_kb_direct_at=0)
+    gen, kb, req = pipeline({5: 9, 9: 3}, search_sleep=0.01)
+    base = run_seq(Q, gen, kb, req)
+    gen2 = ScriptedGenerator()
+    gen2.encode_question(Q)
+    kb2 = SharedScriptedKB(schedule={5: 9, 9: 3}, n_q=6, k=K, load=4, others=others, search_sleep=0.01)
+    kb2.batch_cost_curve = curve
+    out = run_spec(Q, gen2, kb2, req, spec)
+    assert out.tokens == base.tokens and out.stats.doc_ids == base.stats.doc_ids
+    st = out.stats
+    assert sum(st.stride_reasons.values()) == len(st.strides) + st.direct_steps  # one decision each
+    if shared:
+        assert st.stride_reasons.get("direct_shared", 0) == st.load_direct_steps == st.direct_steps == st.steps - 1
+        assert st.verifications == 0 and st.cache_lookups == 0 and st.shared_queries == others
+    else:
+        assert "direct_shared" not in st.stride_reasons and st.stride_reasons.get("speculate", 0) >= 1
+
+
+def test_the_cost_model_can_be_switched_off_and_the_backstop_still_counts():
+    spec = SpecConfig.parse("PSA", shared_kb_direct_at=0, shared_kb_cost_model=False)
+    gen, kb, req = pipeline({5: 9})
+    gen2 = ScriptedGenerator()
+    gen2.encode_question(Q)
+    kb2 = SharedScriptedKB(schedule={5: 9}, n_q=6, k=K, load=16, others=15.0)
+    kb2.batch_cost_curve = {1: 1.0, 4: 3.9, 16: 15.5}
+    out = run_spec(Q, gen2, kb2, req, spec)
+    assert out.tokens == run_seq(Q, gen, kb, req).tokens
+    assert "direct_shared" not in out.stats.stride_reasons and out.stats.verifications > 0
+    spec = SpecConfig.parse("PSA", shared_kb_direct_at=8, shared_kb_cost_model=False)
+    gen3 = ScriptedGenerator()
+    gen3.encode_question(Q)
+    kb3 = SharedScriptedKB(schedule={5: 9}, n_q=6, k=K, load=16, others=15.0)
+    out = run_spec(Q, gen3, kb3, req, spec)
+    assert out.stats.stride_reasons == {"direct_crowded": out.stats.direct_steps} and out.stats.verifications == 0
 
 
 def test_the_kbs_start_up_batch_curve_reaches_the_scheduler_and_changes_no_token(monkeypatch):
