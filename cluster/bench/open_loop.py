@@ -122,9 +122,12 @@ class Outcome:
 
 
 def stream_once(http: httpx.Client, body: dict, timeout_s: float) -> Outcome:
-    """Send one streamed completion and read it to its end (the caller fills ``arrival_s``)."""
+    """Send one streamed completion and read it to its end, giving up ``timeout_s`` after
+    sending it (closing the stream cancels the request on the server); the caller fills
+    ``arrival_s``."""
     out = Outcome(arrival_s=0.0)
     t0 = time.perf_counter()
+    deadline = t0 + timeout_s
     try:
         with http.stream("POST", "/v1/completions", json={**body, "stream": True}, timeout=timeout_s) as r:
             if r.status_code in (429, 503):
@@ -135,6 +138,9 @@ def stream_once(http: httpx.Client, body: dict, timeout_s: float) -> Outcome:
                 out.error = f"HTTP {r.status_code}: {r.text[:200]}"
                 return out
             for line in r.iter_lines():
+                if time.perf_counter() > deadline:
+                    out.error = "unanswered at the run's bound"
+                    return out
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 ev = json.loads(line[6:])

@@ -9,6 +9,11 @@ from pathlib import Path
 from cluster.report import table
 
 
+def name(method: str) -> str:
+    """A row label for readers: ``seq`` -> RaLMSeq, ``spec[PSA]`` -> RaLMSpec PSA."""
+    return "RaLMSeq" if method == "seq" else "RaLMSpec " + method[5:-1] if method.startswith("spec[") else method
+
+
 def _s(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
@@ -33,7 +38,7 @@ def to_markdown(result: dict, meta: dict, notes: Sequence[str]) -> str:
         "",
         *table(
             ["method", "requests", "median latency (s)", "identical"],
-            [[m, v["requests"], _s(v["median_s"]), f"{v['identical']}/{v['requests']}"] for m, v in lone.items()],
+            [[name(m), v["requests"], _s(v["median_s"]), f"{v['identical']}/{v['requests']}"] for m, v in lone.items()],
         ),
         "",
         "## Per arrival rate",
@@ -57,7 +62,7 @@ def to_markdown(result: dict, meta: dict, notes: Sequence[str]) -> str:
             ],
             [
                 [
-                    r["method"],
+                    name(r["method"]),
                     f"{r['rate']:g}",
                     _s(r["p50_s"]),
                     _s(r["p90_s"]),
@@ -84,7 +89,7 @@ def to_markdown(result: dict, meta: dict, notes: Sequence[str]) -> str:
         *table(
             ["method", "lone (s)", "3x lone (s)", "highest rate (req/s)"],
             [
-                [m, _s(lone[m]["median_s"]), _s(3 * lone[m]["median_s"]), "-" if c is None else f"{c:g}"]
+                [name(m), _s(lone[m]["median_s"]), _s(3 * lone[m]["median_s"]), "-" if c is None else f"{c:g}"]
                 for m, c in cap.items()
             ],
         ),
@@ -108,10 +113,10 @@ def plot(result: dict, path: Path) -> None:
         pts = [(r["rate"], r["p99_s"]) for r in rows if r["p99_s"] is not None]
         mid = [(r["rate"], r["p50_s"]) for r in rows if r["p50_s"] is not None]
         if pts:
-            ax.plot(*zip(*pts), "-o", color=colour, label=f"{method} p99")
+            ax.plot(*zip(*pts), "-o", color=colour, label=f"{name(method)} p99")
         if mid:
-            ax.plot(*zip(*mid), "--", color=colour, alpha=0.7, label=f"{method} p50")
-        ax.axhline(3 * lone["median_s"], color=colour, linestyle=":", linewidth=1, label=f"{method} 3x lone")
+            ax.plot(*zip(*mid), "--", color=colour, alpha=0.7, label=f"{name(method)} p50")
+        ax.axhline(3 * lone["median_s"], color=colour, linestyle=":", linewidth=1, label=f"{name(method)} 3x lone")
     ax.set_xlabel("arrival rate (requests/s, Poisson)")
     ax.set_ylabel("latency (s)")
     ax.set_title("Served latency versus arrival rate")
