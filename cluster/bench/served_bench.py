@@ -419,15 +419,15 @@ def served_bench_main(args: argparse.Namespace) -> int:
     levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
     kinds = [k.strip() for k in args.retrievers.split(",") if k.strip()]
     methods = _parse_methods(args.methods)
+    if getattr(args, "rate", None) is not None:  # open loop: its input is checked before the server
+        try:
+            return open_loop_main(args, questions, [(m, s, _label(m, s)) for m, s in methods])
+        except (ValueError, ConnectionError) as e:
+            raise SystemExit(f"error: {e}") from None
     if args.url:
         try:
             check_server(args.url)
         except ConnectionError as e:
-            raise SystemExit(f"error: {e}") from None
-    if getattr(args, "rate", None) is not None:
-        try:
-            return open_loop_main(args, questions, [(m, s, _label(m, s)) for m, s in methods])
-        except (ValueError, ConnectionError) as e:
             raise SystemExit(f"error: {e}") from None
     batching = _on_off(args.batching)
     gen_settings = _on_off(args.gen_batching)
