@@ -21,7 +21,7 @@ def monotone(curve: Mapping[int, float]) -> dict[int, float]:
     return out
 
 
-def curve_at(curve: Mapping[int, float], s: int) -> float:
+def curve_at(curve: Mapping[int, float], s: float) -> float:
     """A batch cost curve (size -> cost, non-decreasing) at ``s``: linear between its
     sizes, its first value below them, and the last two sizes' slope beyond them.
 
