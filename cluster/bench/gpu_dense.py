@@ -5,8 +5,9 @@ its candidates checked against the exact float64 top-20 computed on the host."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -31,8 +32,11 @@ def median_ms(run: Callable[[], Any], sync: Callable[[], None] = lambda: None, r
 
 def exact_dense_scans(sizes: list[tuple[int, ...]], device: str, free: Callable[[], None]) -> dict:
     """Per ``(rows, dim)``: build time, and at batch 1 and 16 the candidate search's median
-    time over 5 runs, candidates per query, and how many queries' candidates contain their
-    exact top-20. Rows are random unit vectors; queries are rows plus noise."""
+    time over 5 runs, candidates per query, the entries sent to the host, and how many
+    queries' candidates contain their exact top-20 (float64 on the host); then batch 16
+    again with TF32 turned on after the scan was built (``tf32_after_build``: the product
+    the scan ran and the same containment). Rows are random unit vectors; queries are rows
+    plus noise."""
     # lazy: loads torch
     from ralm.retrieval.device_scan import DeviceScan
 
@@ -45,23 +49,54 @@ def exact_dense_scans(sizes: list[tuple[int, ...]], device: str, free: Callable[
         scan = DeviceScan(X, device=device)
         r: dict[str, Any] = {"build_s": round(time.perf_counter() - t, 1)}
         Q = X[rng.integers(0, n, 16)] + 0.1 * rng.standard_normal((16, d), dtype=np.float32)
+        exact = np.concatenate(
+            [X[a : a + CHUNK].astype(np.float64) @ Q.astype(np.float64).T for a in range(0, n, CHUNK)]
+        )  # (n, 16)
+        top = np.argsort(-exact, axis=0, kind="stable")[:20]
+        del exact
         for b in (1, 16):
             scan.candidates(Q[:b], 20)  # warm-up
             ms, cands = median_ms(partial(scan.candidates, Q[:b], 20))
-            exact = np.concatenate(
-                [X[a : a + CHUNK].astype(np.float64) @ Q[:b].astype(np.float64).T for a in range(0, n, CHUNK)]
-            )  # (n, b)
-            top = np.argsort(-exact, axis=0, kind="stable")[:20]
-            held = sum(set(top[:, j].tolist()) <= set(cands[j].tolist()) for j in range(b))
             r[f"batch{b}"] = {
                 "ms": ms,
+                "product": scan.last_product,
                 "candidates_per_query": round(float(np.mean([c.size for c in cands])), 1),
-                "exact_top20_contained": f"{held}/{b}",
+                "to_host_per_query": round(scan.last_transferred / b, 1),
+                "exact_top20_contained": _contained(top, cands),
             }
+        with reduced_fp32_matmul(device):  # TF32 on after the probe and the build
+            cands = scan.candidates(Q, 20)
+            r["tf32_after_build"] = {"product": scan.last_product, "exact_top20_contained": _contained(top, cands)}
         out[f"{n}x{d}"] = r
         del scan, X
         free()
     return out
+
+
+def _contained(top: np.ndarray, cands: list[np.ndarray]) -> str:
+    """'held/b': the queries whose candidates contain their exact top-20 (``top`` (20, >= b))."""
+    held = sum(set(top[:, j].tolist()) <= set(c.tolist()) for j, c in enumerate(cands))
+    return f"{held}/{len(cands)}"
+
+
+@contextlib.contextmanager
+def reduced_fp32_matmul(device: str) -> Iterator[None]:
+    """Within: torch's float32 matrix products on ``device`` may use TF32 (the setting a user
+    turns on for speed); the previous setting is restored after."""
+    import torch
+
+    backend = (
+        torch.backends.cuda.matmul if device.startswith("cuda") else getattr(torch.backends.mkldnn, "matmul", None)
+    )
+    if backend is None:  # an older torch: no per-backend switch to turn
+        yield
+        return
+    saved = backend.fp32_precision
+    backend.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        backend.fp32_precision = saved
 
 
 def dense_markdown(dense: dict) -> list[str]:
@@ -69,12 +104,28 @@ def dense_markdown(dense: dict) -> list[str]:
     if not dense:
         return []
     rows = [
-        (k, b.removeprefix("batch"), r["ms"], r["candidates_per_query"], r["exact_top20_contained"])
+        (
+            k,
+            b.removeprefix("batch") if b.startswith("batch") else "16, TF32 on after the build",
+            r.get("ms", "-"),
+            r["product"],
+            r.get("candidates_per_query", "-"),
+            r.get("to_host_per_query", "-"),
+            r["exact_top20_contained"],
+        )
         for k, v in dense.items()
         for b, r in v.items()
         if isinstance(r, dict)
     ]
-    head = ("exact device scan", "batch", "ms", "candidates per query", "exact top-20 contained")
+    head = (
+        "exact device scan",
+        "batch",
+        "ms",
+        "product",
+        "candidates per query",
+        "to host per query",
+        "exact top-20 contained",
+    )
     return [*table(head, rows), ""]
 
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ralm.batching import triton_kernels
+from ralm.batching import triton_compile, triton_kernels
 from ralm.errors import InvariantUnavailable
 
 
@@ -96,6 +96,11 @@ def use_triton(model, layers: Sequence[LinearLayer], head_dim: int) -> Any:
         if hasattr(m, "layer_idx"):  # the attention modules (the decoder layers too: harmless)
             m._ralm_triton = True
     try:
+        # every kernel the model runs, compiled and loaded on its device before any check
+        # (a kernel out of shared memory fails here, with its configuration in the reason)
+        triton_compile.compile_kernels(
+            layers[0].weight.device, layers[0].weight.dtype, **triton_compile.model_kernel_shapes(model, head_dim)
+        )
         check_triton_invariance(layers[0], head_dim)
     except InvariantUnavailable:
         raise

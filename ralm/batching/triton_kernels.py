@@ -38,15 +38,25 @@ block 1 (keys 64-70, keys 71-127 hidden), whether it is a decode token, row 70 o
 100-token prefill (whose tile may run to block 1 anyway) or next to a 900-token sequence
 (blocks 2-14 are no-ops for it).
 
+``attention`` and :func:`ralm.batching.triton_paged.paged_attention` launch ONE kernel,
+:data:`attention_kernel`: its ``PAGED`` flag picks where query rows and key blocks are read
+(the program grid and one tensor per sequence, or tile arrays and a block table); the online
+softmax is one piece of code for both layouts, so the paged result equals the contiguous
+one bit for bit by construction, not by keeping two copies in step.
+
+Addresses are computed in 64 bits in every kernel (program ids and index vectors are int64
+before they meet a stride). :mod:`ralm.batching.triton_compile` compiles (and launches once)
+every kernel a model needs before its proof runs.
+
 The module imports without triton (``triton_available()`` says whether it is there). The
-jitted kernels are built on first use, per value of ``TRITON_INTERPRET`` (triton reads it
-when a function is decorated): the tests set it to run the kernels on CPU tensors.
+kernels are jitted at import: triton reads ``TRITON_INTERPRET`` then (and for its own
+library functions at its first import), so the tests set it before anything imports triton
+to run the kernels on CPU tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -74,205 +84,233 @@ def triton_available() -> bool:
     return triton is not None
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-_BUILT: dict[tuple[str, bool], dict[str, Any]] = {}
+def _jit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """``triton.jit(**options)``, or the function unchanged where triton is missing (the
+    module still imports; :func:`kernels` raises)."""
+
+    def wrap(fn: Callable[..., Any]) -> Any:
+        return triton.jit(**options)(fn) if triton is not None else fn
+
+    return wrap
 
 
-def built(family: str, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """The jitted kernels ``build()`` returns, built once per ``family`` and interpreter
-    setting (see the module docstring)."""
+# Address arithmetic is 64-bit in every kernel: program ids, loaded block and row indices
+# and the index vectors are cast to int64 before they meet a stride, so an offset past 2^31
+# elements (a pool of 32 layers x 4,096 blocks of 64 positions x 8 heads x 128 columns, or a
+# 2^31-element weight) never wraps.
+
+
+# the row count is never specialised on (triton would compile another kernel for M == 1 or
+# M % 16 == 0): one compiled kernel per (dtype, shape) serves every batch
+@_jit(do_not_specialize=["M"])
+def matmul_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    b_ptr,  # [N] (unused without HAS_BIAS)
+    y_ptr,  # [M, N], x's dtype
+    M,
+    N,
+    K,
+    sxm,
+    sxk,
+    swn,
+    swk,
+    sym,
+    syn,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows
+    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # the whole K range, in order, by this program: no split-K
+        kk = k0 + rk
+        a = tl.load(
+            x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0
+        )  # [BLOCK_M, BLOCK_K]
+        b = tl.load(
+            w_ptr + kk[:, None] * swk + rn[None, :] * swn, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0
+        )  # [BLOCK_K, BLOCK_N] = W^T tile
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        y_ptr + rm[:, None] * sym + rn[None, :] * syn,
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
+
+
+@_jit()
+def rms_norm_kernel(
+    x_ptr,  # [M, d]
+    w_ptr,  # [d]
+    y_ptr,  # [M, d], promote(weight, x) dtype
+    d,
+    sxm,
+    sym,
+    eps,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < d
+    x = tl.load(x_ptr + row * sxm + cols, mask=mask, other=0.0)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, axis=0) / d
+    h = h * (1.0 / tl.sqrt(var + eps))
+    h = h.to(x.dtype).to(tl.float32)  # LlamaRMSNorm: weight * h.to(input_dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * sym + cols, (w * h).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit()
+def layer_norm_kernel(
+    x_ptr,  # [M, d]
+    w_ptr,  # [d] (unused without HAS_W)
+    b_ptr,  # [d] (unused without HAS_B)
+    y_ptr,  # [M, d], x's dtype
+    d,
+    sxm,
+    sym,
+    eps,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < d
+    h = tl.load(x_ptr + row * sxm + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(h, axis=0) / d
+    c = tl.where(mask, h - mean, 0.0)
+    var = tl.sum(c * c, axis=0) / d  # biased, like torch
+    y = c * (1.0 / tl.sqrt(var + eps))
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_B:
+        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * sym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit(do_not_specialize=["nq", "L"])
+def attention_kernel(
+    q_ptr,  # contiguous: [S, H, nq, D]; paged: [N, H, D] packed rows
+    k_ptr,  # contiguous: [S, Hkv, L, D]; paged: one layer of the pool (block, offset, head, column)
+    v_ptr,  # the same for the values (>= D columns, the first D are read)
+    pos_ptr,  # contiguous: [S, nq] int64; paged: [N] int64, each packed row's position
+    o_ptr,  # contiguous: [S, nq, H, D]; paged: [N, H, D]; q's dtype
+    tab_ptr,  # paged: [S, max_blocks] int32 block tables (contiguous: unused)
+    tile_seq_ptr,  # paged: [T] int32, each tile's sequence (contiguous: unused)
+    tile_row_ptr,  # paged: [T] int32, its first packed row
+    tile_n_ptr,  # paged: [T] int32, its rows (1 .. BLOCK_Q)
+    nq,  # contiguous: query rows per sequence (paged: unused)
+    L,  # keys at positions >= L are never read (contiguous: the padded length; paged: table width x BLOCK_N)
+    D,
+    GROUP,  # H // Hkv
+    scaling,
+    sqs,  # query row r of sequence s at s*sqs + r*sqn (paged: sqs = 0, rows are global)
+    sqn,
+    sqh,
+    sqd,
+    skb,  # contiguous: the sequence stride; paged: the pool's block stride
+    skn,
+    skh,
+    skd,
+    svb,
+    svn,
+    svh,
+    svd,
+    sps,
+    spn,
+    sts,
+    stb,
+    sos,
+    son,
+    soh,
+    sod,
+    PAGED: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # The one attention kernel. PAGED chooses only where a tile's rows and a key block's
+    # rows live (a tile array and a block table, or the program grid and one contiguous
+    # tensor per sequence); the online softmax below is the same code for both, so the
+    # paged result is the contiguous one bit for bit by construction.
+    h = tl.program_id(1).to(tl.int64)
+    kvh = h // GROUP
+    if PAGED:
+        t = tl.program_id(0)
+        s = tl.load(tile_seq_ptr + t).to(tl.int64)
+        r0 = tl.load(tile_row_ptr + t).to(tl.int64)
+        nr = tl.load(tile_n_ptr + t).to(tl.int64)
+    else:
+        s = tl.program_id(2).to(tl.int64)
+        r0 = tl.program_id(0).to(tl.int64) * BLOCK_Q
+        nr = nq - r0
+    rq = tl.arange(0, BLOCK_Q).to(tl.int64)
+    rows = r0 + rq  # [BLOCK_Q] query rows (of the sequence; paged: packed rows)
+    rd = tl.arange(0, BLOCK_D).to(tl.int64)
+    rb = tl.arange(0, BLOCK_N).to(tl.int64)  # [BLOCK_N] rows of a key block
+    qmask = rq < nr
+    dmask = rd < D
+    q = tl.load(
+        q_ptr + s * sqs + rows[:, None] * sqn + h * sqh + rd[None, :] * sqd,
+        mask=qmask[:, None] & dmask[None, :],
+        other=0.0,
+    )  # [BLOCK_Q, BLOCK_D]
+    pos = tl.load(pos_ptr + s * sps + rows * spn, mask=qmask, other=0)  # padded rows: position 0
+    m = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
+    lsum = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
+    max_pos = tl.max(pos, axis=0)
+    n_blocks = max_pos // BLOCK_N + 1
+    for j in range(0, n_blocks):  # fixed blocks, in order: block 0 holds key 0, seen by every query
+        if PAGED:
+            blk = tl.load(tab_ptr + s * sts + j * stb).to(tl.int64)
+            k_off = blk * skb + rb * skn
+            v_off = blk * svb + rb * svn
+        else:
+            k_off = s * skb + (j * BLOCK_N + rb) * skn
+            v_off = s * svb + (j * BLOCK_N + rb) * svn
+        rk = j * BLOCK_N + rb  # [BLOCK_N] key positions
+        # keys past the tile's last position are never loaded (stale or padding content)
+        kvmask = (rk[:, None] < L) & (rk[:, None] <= max_pos) & dmask[None, :]
+        k = tl.load(k_ptr + k_off[:, None] + kvh * skh + rd[None, :] * skd, mask=kvmask, other=0.0)
+        v = tl.load(v_ptr + v_off[:, None] + kvh * svh + rd[None, :] * svd, mask=kvmask, other=0.0)
+        # the online-softmax step over this block ([BLOCK_N, BLOCK_D] keys and values)
+        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling  # [BLOCK_Q, BLOCK_N] float32
+        seen = rk[None, :] <= pos[:, None]
+        sc = tl.where(seen, sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        alpha = tl.where(m_new == m, 1.0, tl.exp(m - m_new))  # exactly 1 for a wholly hidden block
+        p = tl.where(seen, tl.exp(sc - m_new[:, None]), 0.0)  # exact zeros for hidden keys
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m = m_new
+    out = acc / lsum[:, None]
+    tl.store(
+        o_ptr + s * sos + rows[:, None] * son + h * soh + rd[None, :] * sod,
+        out.to(o_ptr.dtype.element_ty),
+        mask=qmask[:, None] & dmask[None, :],
+    )
+
+
+def kernels() -> dict[str, Any]:
+    """The jitted kernels by name (interpreted where ``TRITON_INTERPRET=1`` was set before
+    triton's first import: see the module docstring)."""
     if triton is None:
         raise RuntimeError(f"triton is not available: {_TRITON_ERROR}")
-    key = (family, _interpret())
-    kernels = _BUILT.get(key)
-    if kernels is None:
-        kernels = _BUILT[key] = build()
-    return kernels
-
-
-def _kernels() -> dict[str, Any]:
-    return built("dense", _build)
-
-
-def _build() -> dict[str, Any]:  # noqa: C901 - the kernels' bodies
-    # the row and query counts are never specialised on (triton would compile another kernel
-    # for M == 1 or M % 16 == 0): one compiled kernel per (dtype, shape) serves every batch
-    @triton.jit(do_not_specialize=["M"])
-    def matmul_kernel(
-        x_ptr,  # [M, K]
-        w_ptr,  # [N, K]
-        b_ptr,  # [N] (unused without HAS_BIAS)
-        y_ptr,  # [M, N], x's dtype
-        M,
-        N,
-        K,
-        sxm,
-        sxk,
-        swn,
-        swk,
-        sym,
-        syn,
-        HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
-        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
-        rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):  # the whole K range, in order, by this program: no split-K
-            kk = k0 + rk
-            a = tl.load(
-                x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0
-            )  # [BLOCK_M, BLOCK_K]
-            b = tl.load(
-                w_ptr + kk[:, None] * swk + rn[None, :] * swn, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0
-            )  # [BLOCK_K, BLOCK_N] = W^T tile
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        if HAS_BIAS:
-            acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(
-            y_ptr + rm[:, None] * sym + rn[None, :] * syn,
-            acc.to(y_ptr.dtype.element_ty),
-            mask=(rm[:, None] < M) & (rn[None, :] < N),
-        )
-
-    @triton.jit
-    def rms_norm_kernel(
-        x_ptr,  # [M, d]
-        w_ptr,  # [d]
-        y_ptr,  # [M, d], promote(weight, x) dtype
-        d,
-        sxm,
-        sym,
-        eps,
-        BLOCK: tl.constexpr,
-    ):
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < d
-        x = tl.load(x_ptr + row * sxm + cols, mask=mask, other=0.0)
-        h = x.to(tl.float32)
-        var = tl.sum(h * h, axis=0) / d
-        h = h * (1.0 / tl.sqrt(var + eps))
-        h = h.to(x.dtype).to(tl.float32)  # LlamaRMSNorm: weight * h.to(input_dtype)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * sym + cols, (w * h).to(y_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def layer_norm_kernel(
-        x_ptr,  # [M, d]
-        w_ptr,  # [d] (unused without HAS_W)
-        b_ptr,  # [d] (unused without HAS_B)
-        y_ptr,  # [M, d], x's dtype
-        d,
-        sxm,
-        sym,
-        eps,
-        HAS_W: tl.constexpr,
-        HAS_B: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < d
-        h = tl.load(x_ptr + row * sxm + cols, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(h, axis=0) / d
-        c = tl.where(mask, h - mean, 0.0)
-        var = tl.sum(c * c, axis=0) / d  # biased, like torch
-        y = c * (1.0 / tl.sqrt(var + eps))
-        if HAS_W:
-            y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_B:
-            y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * sym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit(do_not_specialize=["nq", "L"])
-    def attention_kernel(
-        q_ptr,  # [S, H, nq, D]
-        k_ptr,  # [S, Hkv, L, D]
-        v_ptr,  # [S, Hkv, L, D]
-        pos_ptr,  # [S, nq] int64
-        o_ptr,  # [S, nq, H, D], q's dtype
-        nq,
-        L,
-        D,
-        GROUP,  # H // Hkv
-        scaling,
-        sqs,
-        sqh,
-        sqn,
-        sqd,
-        sks,
-        skh,
-        skn,
-        skd,
-        svs,
-        svh,
-        svn,
-        svd,
-        sps,
-        spn,
-        sos,
-        son,
-        soh,
-        sod,
-        BLOCK_Q: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
-        s = tl.program_id(2)
-        h = tl.program_id(1)
-        kvh = h // GROUP
-        rq = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BLOCK_Q] query rows
-        rd = tl.arange(0, BLOCK_D)
-        qmask = rq < nq
-        dmask = rd < D
-        q = tl.load(
-            q_ptr + s * sqs + h * sqh + rq[:, None] * sqn + rd[None, :] * sqd,
-            mask=qmask[:, None] & dmask[None, :],
-            other=0.0,
-        )  # [BLOCK_Q, BLOCK_D]
-        pos = tl.load(pos_ptr + s * sps + rq * spn, mask=qmask, other=0)  # padded rows: position 0
-        m = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
-        lsum = tl.zeros((BLOCK_Q,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
-        max_pos = tl.max(pos, axis=0)
-        n_blocks = max_pos // BLOCK_N + 1
-        k_base = k_ptr + s * sks + kvh * skh
-        v_base = v_ptr + s * svs + kvh * svh
-        for j in range(0, n_blocks):  # fixed blocks, in order: block 0 holds key 0, seen by every query
-            rk = j * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-            # keys past the tile's last position are never loaded (stale or padding content)
-            kvmask = (rk[:, None] < L) & (rk[:, None] <= max_pos) & dmask[None, :]
-            k = tl.load(k_base + rk[:, None] * skn + rd[None, :] * skd, mask=kvmask, other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_base + rk[:, None] * svn + rd[None, :] * svd, mask=kvmask, other=0.0)
-            sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling  # [BLOCK_Q, BLOCK_N] float32
-            seen = rk[None, :] <= pos[:, None]
-            sc = tl.where(seen, sc, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, axis=1))
-            alpha = tl.where(m_new == m, 1.0, tl.exp(m - m_new))  # exactly 1 for a wholly hidden block
-            p = tl.where(seen, tl.exp(sc - m_new[:, None]), 0.0)  # exact zeros for hidden keys
-            lsum = lsum * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-            m = m_new
-        out = acc / lsum[:, None]
-        tl.store(
-            o_ptr + s * sos + rq[:, None] * son + h * soh + rd[None, :] * sod,
-            out.to(o_ptr.dtype.element_ty),
-            mask=qmask[:, None] & dmask[None, :],
-        )
-
     return {
         "matmul": matmul_kernel,
         "rms_norm": rms_norm_kernel,
@@ -306,7 +344,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bm, bn, bk, warps = matmul_config(x.dtype, N, K)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
     with on_device(x):
-        _kernels()["matmul"][grid](
+        kernels()["matmul"][grid](
             x,
             weight,
             bias if bias is not None else weight,
@@ -352,8 +390,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if M:
         block = next_pow2(d)
         with on_device(x):
-            _kernels()["rms_norm"][(M,)](
-                x, weight, y, d, x.stride(0), y.stride(0), float(eps), BLOCK=block, num_warps=_norm_warps(block)
+            kernels()["rms_norm"][(M,)](
+                x, weight, y, d, x.stride(0), y.stride(0), float(eps), BLOCK=block, num_warps=norm_warps(block)
             )
     return y
 
@@ -367,7 +405,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     if M:
         block = next_pow2(d)
         with on_device(x):
-            _kernels()["layer_norm"][(M,)](
+            kernels()["layer_norm"][(M,)](
                 x,
                 weight if weight is not None else x,
                 bias if bias is not None else x,
@@ -379,12 +417,12 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
                 HAS_W=weight is not None,
                 HAS_B=bias is not None,
                 BLOCK=block,
-                num_warps=_norm_warps(block),
+                num_warps=norm_warps(block),
             )
     return y
 
 
-def _norm_warps(block: int) -> int:
+def norm_warps(block: int) -> int:
     return 4 if block <= 2048 else 8  # a function of d only
 
 
@@ -409,29 +447,94 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     if S == 0 or nq == 0:
         return out
     q_pos = q_pos.to(device=q.device, dtype=torch.int64)
-    block_d = max(16, next_pow2(D))
-    grid = (triton.cdiv(nq, ATTN_BLOCK_Q), H, S)
+    sqs, sqh, sqn, sqd = q.stride()
+    sks, skh, skn, skd = k.stride()
+    svs, svh, svn, svd = v.stride()
+    launch_attention(
+        (triton.cdiv(nq, ATTN_BLOCK_Q), H, S),
+        q,
+        k,
+        v,
+        q_pos,
+        out,
+        None,
+        nq=nq,
+        L=L,
+        group=H // hkv,
+        scaling=scaling,
+        q_strides=(sqs, sqn, sqh, sqd),
+        k_strides=(sks, skn, skh, skd),
+        v_strides=(svs, svn, svh, svd),
+        pos_strides=q_pos.stride(),
+        table_strides=(0, 0),
+        out_strides=out.stride(),
+    )
+    return out
+
+
+def attention_config(head_dim: int) -> tuple[int, int, int]:
+    """``(BLOCK_D, num_warps, num_stages)`` of the attention kernel: a function of the head
+    dimension only, the same for the contiguous and the paged launch. Two stages of
+    prefetched key and value blocks: with triton's default three, the contiguous kernel at
+    float32 and head dimension 256 needs 282,688 bytes of shared memory on sm_90, over the
+    H100's 232,448; with two it needs 151,616 (compiled for sm_90 with triton 3.9)."""
+    block_d = max(16, next_pow2(head_dim))
+    return block_d, 4 if block_d <= 64 else 8, 2
+
+
+def launch_attention(
+    grid: tuple[int, int, int],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    out: torch.Tensor,
+    paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    *,
+    nq: int,
+    L: int,
+    group: int,
+    scaling: float,
+    q_strides: tuple[int, ...],
+    k_strides: tuple[int, ...],
+    v_strides: tuple[int, ...],
+    pos_strides: tuple[int, ...],
+    table_strides: tuple[int, ...],
+    out_strides: tuple[int, ...],
+) -> None:
+    """Launch :data:`attention_kernel` (the one attention kernel; the strides in its order:
+    sequence or block, row, head, column). ``paged``: ``(tables, tile_seq, tile_row, tile_n)``
+    for the paged layout, None for the contiguous one."""
+    D = q.shape[-1]
+    block_d, warps, stages = attention_config(D)
+    tab, tseq, trow, tn = paged if paged is not None else (q_pos, q_pos, q_pos, q_pos)
     with on_device(q):
-        _kernels()["attention"][grid](
+        kernels()["attention"][grid](
             q,
             k,
             v,
             q_pos,
             out,
+            tab,
+            tseq,
+            trow,
+            tn,
             nq,
             L,
             D,
-            H // hkv,
+            group,
             float(scaling),
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
-            *q_pos.stride(),
-            *out.stride(),
+            *q_strides,
+            *k_strides,
+            *v_strides,
+            *pos_strides,
+            *table_strides,
+            *out_strides,
+            PAGED=paged is not None,
             BLOCK_Q=ATTN_BLOCK_Q,
             BLOCK_N=ATTN_BLOCK_N,
             BLOCK_D=block_d,
             PRECISION=dot_precision(q.dtype),
-            num_warps=4 if block_d <= 64 else 8,
+            num_warps=warps,
+            num_stages=stages,
         )
-    return out

@@ -17,12 +17,25 @@ roundings and the sum's, Cauchy-Schwarz on ``sum |q_i x~_i|``). With ``|q.x~ - q
 
 For unit vectors in 384 dims, ``r_x`` ~ 2^-11 |x| and ``g`` ~ 2.3e-5: a window of about 5e-4,
 far narrower than the int8 one. The bound needs float32 accumulation: TF32 tensor cores
-(10-bit inputs) or a half-precision accumulator would break it, so :func:`probe` checks the
-device's product once per device, and the scan refuses a device that fails.
+(10-bit inputs) or a half-precision accumulator would break it. Two guards:
+
+- the float32 matmul precision torch is set to (``torch.backends.cuda.matmul.fp32_precision``,
+  or the legacy ``allow_tf32`` / ``set_float32_matmul_precision``) is read on every call, not
+  once per process: while it is anything but IEEE (TF32 turned on after the scan was built,
+  say), the call multiplies in float64 instead, which no such setting touches and whose error
+  is far inside the bound;
+- :func:`probe` checks the device's IEEE float32 product (cached per device), and the scan
+  refuses a device that fails.
 
 Selection is :class:`~ralm.retrieval.scan_bounds.CandidateTracker`'s, as in the int8 scan:
 per block the device keeps the entries that can still reach the running k-th lower bound
-(a comparison and a ``nonzero`` on the device), and only those cross to the host.
+(a comparison and a ``nonzero`` on the device), and only those cross to the host. The first
+block sets that floor on the device: each entry's lower bound ``s^ - eps`` in float64 (the
+host's formula, operation for operation), the k-th largest per query (``topk``), so only the
+entries that can reach it cross, not every score of the block (0.4 GB per call at batch 16
+and 1M-row blocks). An entry dropped there has ``s^ + eps`` below a floor the final one
+can only raise, so the host would have dropped it at the end anyway: the candidates are the
+same.
 
 Worked example (d = 2): x = (0.1, 0.3) (float32), x~ = (0.0999756, 0.3000488), r_x = 5.46e-5,
 g = 1.8e-7; q = (1, 1): s = 0.4000000, q.x~ = 0.4000244, eps = 1.4142 (5.46e-5 + 1.8e-7 *
@@ -64,8 +77,35 @@ def _scores(rows, queries):
     return torch.nn.functional.linear(rows.float(), queries)
 
 
+def _scores64(rows, queries):
+    """float16 rows (B, d), float32 queries (b, d) -> float64 (B, b): the product no float32
+    precision setting changes (used while that setting is not IEEE)."""
+    import torch
+
+    return torch.nn.functional.linear(rows.double(), queries.double())
+
+
+def fp32_matmul_ieee(device_type: str) -> bool:
+    """Whether torch's float32 matrix products on ``device_type`` ('cuda', 'cpu') are IEEE
+    float32 right now (no TF32, no bfloat16 passes): read on every call."""
+    import torch
+
+    backend = torch.backends.cuda.matmul if device_type == "cuda" else getattr(torch.backends.mkldnn, "matmul", None)
+    mode = getattr(backend, "fp32_precision", None)
+    if mode in (None, "none"):  # set through the legacy API only (or an older torch)
+        try:
+            if device_type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+                return False
+            return torch.get_float32_matmul_precision() == "highest"
+        except RuntimeError:  # the legacy and the new API were mixed: assume the worst
+            return False
+    return mode == "ieee"
+
+
 def probe(device) -> bool:
-    """Whether ``device``'s float32 product accumulates in float32 (cached per device).
+    """Whether ``device``'s IEEE float32 product accumulates in float32 (cached per device;
+    a call while torch's float32 precision is not IEEE runs, and caches, nothing: the scan
+    multiplies in float64 then).
 
     Two checks in 384 dims, each far outside the bound if it fails: (1) q_i = 1 + 2^-11 +
     2^-12 against rows of ones (TF32 rounds q_i to 10 bits: an error of about d 2^-12 = 0.09);
@@ -95,6 +135,8 @@ def probe(device) -> bool:
         except Exception as exc:  # no such device, no kernel
             log.info("device scan unavailable on %s: %s", key, exc)
             ok = False
+        if not fp32_matmul_ieee(torch.device(device).type):
+            return ok  # measured under a reduced setting: not the IEEE product's verdict
         _probes[key] = ok
         return ok
 
@@ -129,7 +171,7 @@ class DeviceScan:
         import torch
 
         self.device = torch.device(device)
-        if not probe(self.device):
+        if fp32_matmul_ieee(self.device.type) and not probe(self.device):
             raise RuntimeError(f"the float32 product on {self.device} does not accumulate in float32 (TF32?)")
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         if rows.ndim != 2 or rows.shape[0] == 0:
@@ -158,6 +200,13 @@ class DeviceScan:
         if at != self.n_rows:
             raise ValueError(f"padding chunks gave {at - self.n_real} rows, expected {pad_rows}")
         self.data = data
+        #: the product the last call ran: 'float32' or 'float64' (see the module docstring)
+        self.last_product = ""
+        #: entries (row, query) the last call sent to the host
+        self.last_transferred = 0
+        first = min(self.block_rows, self.n_real)  # the first block's bound factors, on the device
+        self._xn0 = torch.from_numpy(self.xn[:first]).to(self.device)
+        self._resid0 = torch.from_numpy(self.resid[:first]).to(self.device)
         # per block, over its real rows: the largest bound factors (None: padding only)
         self._blocks: list[tuple[float, float] | None] = []
         for s in range(0, self.n_rows, self.block_rows):
@@ -185,15 +234,22 @@ class DeviceScan:
             return done
         qn = np.sqrt(np.einsum("ij,ij->i", Q.astype(np.float64), Q.astype(np.float64))) * ROUND_UP  # (b,)
         Qd = torch.from_numpy(Q).to(self.device)
+        # read per call: TF32 may have been turned on since the scan was built
+        ieee = fp32_matmul_ieee(self.device.type) and probe(self.device)
+        product = _scores if ieee else _scores64
+        self.last_product = "float32" if ieee else "float64"
+        self.last_transferred = 0
         track = CandidateTracker(b, k)
         for bi, start in enumerate(range(0, self.n_rows, self.block_rows)):
-            s = _scores(self.data[start : start + self.block_rows], Qd)  # (B, b) float32 on the device
+            s = product(self.data[start : start + self.block_rows], Qd)  # (B, b) on the device
             blk = self._blocks[bi]
             if blk is None:  # padding only: scanned for its cost, never a candidate
                 continue
             real = min(start + self.block_rows, self.n_real) - start
             s = s[:real]
             xn_max, r_max = blk
+            if bi == 0 and real >= k:  # the floor from the block's k best lower bounds, on the device
+                track.raise_floor(self._first_floor(s[:real], qn, k))
             if np.isfinite(track.L).all():
                 # a row needs s^ >= L - eps >= L - eps_blk; the float32 limit is rounded down
                 T = (track.L - qn * (r_max + self.gamma * xn_max) - ABS_SLACK).astype(np.float32)
@@ -203,6 +259,7 @@ class DeviceScan:
                 rows_i, cols_i = torch.nonzero(torch.ones_like(s, dtype=torch.bool), as_tuple=True)
             if rows_i.numel() == 0:
                 continue
+            self.last_transferred += int(rows_i.numel())
             vals = s[rows_i, cols_i].double().cpu().numpy()
             r_np = rows_i.cpu().numpy().astype(np.int64)
             c_np = cols_i.cpu().numpy()
@@ -210,3 +267,13 @@ class DeviceScan:
             eps = qn[c_np] * (self.resid[ids] + self.gamma * self.xn[ids]) + ABS_SLACK
             track.add_block(r_np, c_np, vals, eps, real, start)
         return track.result()
+
+    def _first_floor(self, s, qn: np.ndarray, k: int) -> np.ndarray:
+        """(b,) the k-th largest lower bound ``s^ - eps`` per query over the first block's
+        real rows ``s`` (B, b), computed on the device in float64 with the host's formula."""
+        import torch
+
+        qd = torch.from_numpy(qn).to(self.device)
+        eps = qd[None, :] * (self._resid0[: s.shape[0], None] + self.gamma * self._xn0[: s.shape[0], None]) + ABS_SLACK
+        lower = s.double() - eps
+        return torch.topk(lower, k, dim=0).values[k - 1].cpu().numpy()

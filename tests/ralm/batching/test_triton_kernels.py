@@ -15,9 +15,9 @@ What the interpreter cannot show as it is: its ``tl.dot`` is numpy's matmul, i.e
 sgemm for float32, which gives a row other bits at another position in the tile (measured:
 rows 6-11 of every 12), and garbage for bfloat16 (raw 16-bit patterns multiplied). A GPU's
 MMA computes every output element the same way wherever it sits in the tile, which is what
-the kernels rely on; the ``interpreter`` fixture models that: ``tl.dot`` becomes a
-fixed-order float32 sum over k for every element (``acc + a[:, 0] b[0] + a[:, 1] b[1] +
-...``, operands converted exactly to float32). Everything else (tiling, masks, the K loop,
+the kernels rely on; the ``interpreter`` fixture models that: ``tl.dot`` becomes
+:func:`cluster.bench.gpu_bits.fixed_order_dot`, a fixed-order float32 sum over k for every
+element (``acc + a[:, 0] b[0] + a[:, 1] b[1] + ...``, operands converted exactly to float32). Everything else (tiling, masks, the K loop,
 the online softmax, the casts) runs as the interpreter runs it.
 """
 
@@ -25,20 +25,21 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-
 os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import (see above)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from cluster.bench.gpu_bits import fixed_order_dot  # noqa: E402
 from ralm.batching import (
+    triton_compile as TC,  # noqa: E402
     triton_kernels as T,  # noqa: E402
     triton_paged as TP,  # noqa: E402
 )
 from ralm.batching.invariant import (  # noqa: E402
     InvariantLinear,
+    head_dim,
     invariant_kernels,
     make_invariant,
 )
@@ -46,29 +47,13 @@ from ralm.batching.kv_pool import KVPool  # noqa: E402
 from ralm.batching.packed import SeqKV, packed_forward  # noqa: E402
 from ralm.batching.paged_kv import PagedKV  # noqa: E402
 from ralm.batching.triton_forward import TritonLayerNorm, TritonRMSNorm  # noqa: E402
+from ralm.errors import InvariantUnavailable  # noqa: E402
 from tests.factories import tiny_causal_lm  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
 #: dtype -> (matmul/attention tolerance against float64, norm tolerance)
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 4e-3), torch.bfloat16: (2e-2, 4e-2)}
-
-
-def _fixed_order_dot(a, b, d, input_precision=None, max_num_imprecise_acc=None):
-    """``d + a @ b`` (triton interpreter handles) with every element summed over k in one fixed
-    order, whatever its row or column: the model of the GPU's MMA the kernels rely on."""
-    from triton.runtime.interpreter import TensorHandle
-
-    def f32(h):
-        if h.dtype == T.tl.bfloat16:  # stored as raw uint16 bit patterns: exact widening
-            return (h.data.astype(np.uint32) << 16).view(np.float32)
-        return h.data.astype(np.float32)
-
-    x, y = f32(a), f32(b)
-    acc = d.data.astype(np.float32, copy=True)
-    for k in range(x.shape[1]):
-        acc += x[:, k : k + 1] * y[k : k + 1, :]
-    return TensorHandle(acc, d.dtype.scalar)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -79,7 +64,7 @@ def interpreter():
     assert os.environ.get("TRITON_INTERPRET") == "1"
     assert isinstance(T.tl.zeros, InterpretedFunction), "triton was imported before TRITON_INTERPRET=1 was set"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(interpreter_builder, "create_dot", _fixed_order_dot)
+        mp.setattr(interpreter_builder, "create_dot", fixed_order_dot)
         yield
 
 
@@ -90,8 +75,7 @@ def _randn(*shape, seed=0, dtype=torch.float32):
 def test_the_kernels_run_in_the_interpreter():
     from triton.runtime.interpreter import InterpretedFunction
 
-    assert all(isinstance(k, InterpretedFunction) for k in T._kernels().values())
-    assert isinstance(T.built("paged", TP._build)["paged_attention"], InterpretedFunction)
+    assert all(isinstance(k, InterpretedFunction) for k in T.kernels().values())
 
 
 # ----------------------------------------------------------------------------- matmul
@@ -316,3 +300,75 @@ def test_paged_sequences_in_one_launch_equal_the_sequence_alone(triton_model):
     want = packed_forward(model, [(kv, [9])])[0]
     assert torch.equal(steps[1], want) and torch.equal(steps[2], want)
     assert pool.copies == 1 and pool.grows >= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_paged_equals_contiguous_with_random_block_tables_past_position_2048(dtype):
+    """Random block tables over a shuffled pool, sequences reaching positions 2,100-2,200 (34
+    key blocks), decode rows, a prefill chunk crossing a block edge, grouped heads: every
+    row of the one paged launch is the contiguous launch's, bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    B, H, Hkv, D = T.ATTN_BLOCK_N, 2, 1, 16
+    lens, new = [2171, 2100, 130], [1, 19, 3]  # the second: rows 2081-2099, a block edge at 2048
+    need = [-(-n // B) for n in lens]
+    perm = torch.randperm(sum(need) + 5, generator=g)  # spare blocks: not every pool block is used
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at : at + n].tolist())
+        at += n
+    nblk = sum(need) + 5
+    k_pool = _randn(Hkv, nblk, B, D, seed=50, dtype=dtype)
+    v_pool = _randn(Hkv, nblk, B, D + 1, seed=51, dtype=dtype)
+    qs = [_randn(m, H, D, seed=52 + i, dtype=dtype) for i, m in enumerate(new)]
+    pos = torch.cat([torch.arange(n - m, n) for n, m in zip(lens, new)])
+    starts = [sum(new[:i]) for i in range(len(new))]
+    width = max(need)
+    tab = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    out = TP.paged_attention(torch.cat(qs), k_pool, v_pool, tab, TP.query_tiles(starts, new, "cpu"), pos, D**-0.5)
+    assert out.isfinite().all()
+    for s, (n, m) in enumerate(zip(lens, new)):
+        k = torch.cat([k_pool[:, b] for b in tables[s]], dim=1)[:, :n][None]
+        v = torch.cat([v_pool[:, b] for b in tables[s]], dim=1)[:, :n, :D][None]
+        want = T.attention(qs[s].permute(1, 0, 2)[None], k, v, torch.arange(n - m, n)[None], D**-0.5)[0]
+        assert torch.equal(out[starts[s] : starts[s] + m], want), s
+    ref = _ref_attention(
+        qs[0].permute(1, 0, 2)[None],
+        k_pool[:, tables[0]].flatten(1, 2)[None, :, : lens[0]],
+        v_pool[:, tables[0]].flatten(1, 2)[None, :, : lens[0], :D],
+        pos[:1][None],
+        D**-0.5,
+    )
+    tol = TOL[dtype][0] * 10
+    assert torch.allclose(out[:1].double(), ref[0], atol=tol, rtol=tol)
+
+
+def test_compile_kernels_launches_every_configuration_and_names_the_one_that_fails():
+    labels = TC.compile_kernels(
+        "cpu",
+        torch.float16,
+        [16, 24],
+        groups=[1, 2],
+        linear_shapes=[(40, 24, True), (8, 16, False)],
+        norms=[("rms", 24, True, False), ("layer", 24, True, True)],
+    )
+    assert labels == [
+        "matmul/float16/40x24+bias",
+        "matmul/float16/8x16",
+        "rms_norm/float16/d24",
+        "layer_norm/float16/d24",
+        *[f"{k}attention/float16/d{d}/group{g}" for d in (16, 24) for g in (1, 2) for k in ("", "paged_")],
+    ]
+    with pytest.raises(InvariantUnavailable, match=r"attention/float32/d320/group1 does not compile or run on cpu"):
+        TC.compile_kernels("cpu", torch.float32, [320])
+
+
+def test_model_kernel_shapes_lists_what_a_model_on_the_kernels_launches(triton_model):
+    family, plain, model = triton_model
+    shapes = TC.model_kernel_shapes(model, head_dim(model))
+    cfg = model.config
+    assert shapes["head_dims"] == [cfg.hidden_size // cfg.num_attention_heads]
+    assert shapes["groups"] == [cfg.num_attention_heads // getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)]
+    assert (cfg.vocab_size, cfg.hidden_size, False) in shapes["linear_shapes"]
+    kind = "rms" if family == "llama" else "layer"
+    assert [n[0] for n in shapes["norms"]] == [kind]
+    assert TC.compile_kernels("cpu", torch.float32, **shapes)

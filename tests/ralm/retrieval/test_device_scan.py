@@ -123,3 +123,44 @@ def test_the_retriever_refuses_gpu_without_cuda_and_equals_faiss_on_a_device(mon
     assert scan_choice.choose_plan("gpu", 32).scan == "gpu"
     for batch in ([Q[0]], Q[:2], Q):
         assert gpu.search_vectors(batch, 10) == faiss.search_vectors(batch, 10)
+
+
+def test_the_first_block_sends_only_entries_that_can_reach_its_floor(scan):
+    """The first block's floor is set on the device: of its 4,096 x b scores only the few that
+    can still reach the k-th lower bound cross to the host, and the candidates still hold
+    the exact top-k."""
+    X, s = scan
+    Q = unit_rows(np.random.default_rng(11), 16, 64)
+    assert_candidates_hold_the_exact_top_k(s, X, Q, 20)
+    s.candidates(Q, 20)
+    assert s.last_product == "float32"
+    assert 16 * 20 <= s.last_transferred < 0.05 * 4096 * 16
+
+
+def test_tf32_turned_on_after_the_build_is_seen_per_call_and_the_bound_still_holds(scan):
+    """The float32 precision is read on every call: with TF32 allowed after the scan was
+    built (the legacy and the new torch switches), the call multiplies in float64 and the
+    candidates still hold the exact top-k; back to IEEE, back to float32."""
+    import torch
+
+    X, s = scan
+    Q = unit_rows(np.random.default_rng(12), 8, 64)
+    s.candidates(Q, 10)
+    assert s.last_product == "float32"
+    for switch in ("legacy", "new"):
+        if switch == "legacy":
+            torch.set_float32_matmul_precision("high")
+        else:
+            torch.backends.mkldnn.matmul.fp32_precision = "tf32"
+        try:
+            assert not device_scan.fp32_matmul_ieee("cpu")
+            assert_candidates_hold_the_exact_top_k(s, X, Q, 10)
+            assert s.last_product == "float64"
+        finally:
+            if switch == "legacy":
+                torch.set_float32_matmul_precision("highest")
+            else:
+                torch.backends.mkldnn.matmul.fp32_precision = "none"
+    assert device_scan.fp32_matmul_ieee("cpu")
+    s.candidates(Q, 10)
+    assert s.last_product == "float32"
