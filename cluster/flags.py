@@ -99,6 +99,7 @@ SHARED: dict[str, Flag] = {
     "seed": Flag(("--seed",), "random seed (the same seed, the same run)", int, "N"),
     "minutes": Flag(("--minutes",), "how long to run, in minutes", float, "X"),
     "threads": Flag(("--threads",), "torch threads", int, "N"),
+    "dtypes": Flag(("--dtypes",), "dtypes, comma-separated", metavar=COMMA_LIST),
     # what runs
     "spec": Flag(
         ("--spec",),

@@ -66,7 +66,7 @@ def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
         "--shapes",
         help=f"random model shapes, comma-separated, of {', '.join(SHAPES)} (default: llama-1b; tiny on CPU)",
     )
-    p.add_argument("--dtypes", default="bfloat16,float16,float32", help="dtypes to prove and run")
+    add_shared(p, dtypes=Default("bfloat16,float16,float32", help="dtypes to prove and run, comma-separated"))
     p.add_argument(
         "--kernels",
         default="auto",

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from cluster.flags import add_shared
 from ralm.batching import triton_kernels as T
 from ralm.batching.triton_compile import compile_kernels
 from ralm.errors import InvariantUnavailable
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m cluster.bench.gpu_compile", description=__doc__)
     p.add_argument("--arch", type=int, default=90, help="the NVIDIA architecture, e.g. 90 (H100), 80 (A100)")
-    p.add_argument("--dtypes", default=",".join(DTYPES))
+    add_shared(p, dtypes=",".join(DTYPES))
     p.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)))
     a = p.parse_args(argv)
     res = offline_sweep(a.arch, a.dtypes.split(","), [int(d) for d in a.head_dims.split(",")])
