@@ -302,7 +302,8 @@ class CoordinatorHost:
                 self.kb_hits[name] = self.kb_hits.get(name, 0) + coord.kb_cache.hits
                 self.kb_misses[name] = self.kb_misses.get(name, 0) + coord.kb_cache.misses
 
-    def _answer(self, slot: int, job: RalmJob, on_commit=None) -> dict:
+    def run(self, slot: int, job: RalmJob, on_commit: Callable[[list[int]], None] | None = None) -> RalmResult:
+        """Answer one job on ``slot`` (``on_commit``: see :meth:`Coordinator.run`)."""
         coord = self._start(slot)
         try:
             res = coord.run(job, on_commit)
@@ -311,17 +312,11 @@ class CoordinatorHost:
         with self._lock:
             for reason, n in res.stats.stride_reasons.items():
                 self.stride_decisions[reason] = self.stride_decisions.get(reason, 0) + n
-        out = res.as_dict()
-        out["prompt_tokens"] = len(coord.gen.encode_question(job.question))
-        return out
-
-    def run(self, slot: int, job: RalmJob) -> dict:
-        """Answer one job on ``slot``: :meth:`RalmResult.as_dict` plus ``prompt_tokens``."""
-        return self._answer(slot, job)
+        return res
 
     def run_stream(self, slot: int, job: RalmJob) -> Iterator[dict]:
         """Like :meth:`run`, yielding ``{"delta": text, "tokens": [...]}`` as tokens are verified,
-        then ``{"done": True, "result": ...}``. Call with ``num_returns="streaming"``."""
+        then ``{"done": True, "result": RalmResult}``. Call with ``num_returns="streaming"``."""
         chunks: queue.Queue = queue.Queue()
         tokenizer = self.shared.generator_parts()[0]
         dec = StreamDecoder(lambda ids: decode_ids(tokenizer, ids))
@@ -329,7 +324,7 @@ class CoordinatorHost:
 
         def work():
             try:
-                box["result"] = self._answer(slot, job, on_commit=lambda toks: chunks.put(list(toks)))
+                box["result"] = self.run(slot, job, lambda toks: chunks.put(list(toks)))
             except BaseException as e:  # re-raised in the generator below
                 box["error"] = e
             finally:

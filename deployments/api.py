@@ -28,6 +28,7 @@ from pydantic import (
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 from ralm.job import KNN_REQUEST_FIELDS, KnnRequestOptions, RalmJob
 from ralm.methods import KNN_METHODS, MethodName, describe_methods, method_info
+from ralm.results import RalmResult
 
 
 # ------------------------------------------------------------------ errors
@@ -269,14 +270,14 @@ def check_greedy(body: CompletionRequest | ChatCompletionRequest) -> None:
         bad("logit_bias", "logit_bias is not supported")
 
 
-def ralm_block(job: RalmJob, res: dict) -> dict:
+def ralm_block(job: RalmJob, res: RalmResult) -> dict:
     """The ``ralm`` part of an OpenAI-style response: method, tokens, exactness and statistics."""
     return {
         "retriever": job.source,
         "method": job.method,
-        "tokens": res["tokens"],
-        "exact": res.get("exact", True),
-        "stats": res["stats"],
+        "tokens": res.tokens,
+        "exact": res.exact,
+        "stats": res.stats_dict(),
     }
 
 

@@ -7,10 +7,11 @@ of coordinator actors, the generator deployment); tests use an in-process one ov
 core loops. Nothing here imports Ray.
 
 A *job* is the :class:`~ralm.job.RalmJob` :func:`deployments.api.build_job` makes, every
-option resolved; backends pass it on as it is. A *result* is
-:meth:`ralm.results.RalmResult.as_dict` plus ``prompt_tokens``. A stream yields
-``{"delta": text, "tokens": [...]}`` chunks as tokens are verified (the deltas concatenate
-to the text), then ``{"delta": text, "tokens": [], "done": True, "result": result}``.
+option resolved; backends pass it on as it is. A *result* is the frozen
+:class:`~ralm.results.RalmResult` the core loop made (a served one with ``queue_s``); the
+ingress builds the HTTP response from it. A stream yields ``{"delta": text, "tokens": [...]}``
+chunks as tokens are verified (the deltas concatenate to the text), then ``{"delta": text,
+"tokens": [], "done": True, "result": result}``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
 from ralm.job import RalmJob
+from ralm.results import RalmResult
 
 
 class BackendUnavailable(Exception):
@@ -54,7 +56,7 @@ class RalmBackend(Protocol):
         token count; RalmInputError when no dense retriever is served or a text is too long."""
         ...
 
-    async def run(self, job: RalmJob) -> dict:
+    async def run(self, job: RalmJob) -> RalmResult:
         """Answer one job; returns its result."""
         ...
 

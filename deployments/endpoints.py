@@ -39,6 +39,7 @@ from ralm import constants as C
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 from ralm.errors import ConfigError, Overloaded, RalmInputError, RequestCancelled
 from ralm.job import RalmJob
+from ralm.results import RalmResult
 from ralm.retrievers import entry
 
 if TYPE_CHECKING:  # the config module pulls in the generator's (torch); the HTTP layer needs none of it
@@ -198,7 +199,7 @@ class Endpoints:
         log.error("request failed", exc_info=e)
         return ApiError(500, f"internal error: {message_of(e)}", type_="server_error")
 
-    async def _run(self, job: RalmJob) -> dict:
+    async def _run(self, job: RalmJob) -> RalmResult:
         self.requests += 1
         try:
             # past the deadline wait_for cancels the backend call: the backend stops the request
@@ -270,10 +271,10 @@ class Endpoints:
                     except StopAsyncIteration:
                         break
                 if piece.get("done"):
-                    res = piece["result"]
+                    res: RalmResult = piece["result"]
                     if piece["delta"]:
                         yield chunk(piece["delta"], None)
-                    n_out = len(res["tokens"])
+                    n_out = len(res.tokens)
                     extra = {"ralm": ralm_block(job, res)}
                     if include_usage:
                         extra["usage"] = {
@@ -281,7 +282,7 @@ class Endpoints:
                             "completion_tokens": n_out,
                             "total_tokens": n_prompt + n_out,
                         }
-                    yield chunk("", res["finish_reason"], **extra)
+                    yield chunk("", res.finish_reason, **extra)
                 elif piece["delta"]:
                     yield chunk(piece["delta"], None)
             yield "data: [DONE]\n\n"
@@ -368,13 +369,13 @@ class Endpoints:
         n_prompt = self._validate_prompt(body.question, "question")
         job = self._job(body.question, body, body.max_new_tokens, "max_new_tokens", x_request_id)
         res = await self._run(job)
-        res["prompt_tokens"] = n_prompt
         return {
             "model": self.settings.model_name,
             "retriever": job.source,
             "method": job.method,
             "request_id": job.request_id,
-            **res,
+            **res.as_dict(),
+            "prompt_tokens": n_prompt,
         }
 
     async def completions(self, body: CompletionRequest, x_request_id: str | None = Header(None)):
@@ -400,14 +401,14 @@ class Endpoints:
             first = chunk(prompt, None) if body.echo and prompt else None
             return await self._stream_response(job, chunk, first, n_prompt, include_usage)
         res = await self._run(job)
-        text = (prompt if body.echo else "") + res["text"]
-        n_out = len(res["tokens"])
+        text = (prompt if body.echo else "") + res.text
+        n_out = len(res.tokens)
         return {
             "id": cid,
             "object": "text_completion",
             "created": created,
             "model": self.settings.model_name,
-            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": res["finish_reason"]}],
+            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": res.finish_reason}],
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
             "ralm": ralm_block(job, res),
         }

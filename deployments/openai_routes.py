@@ -79,7 +79,7 @@ async def chat_completions(ep: Endpoints, body: ChatCompletionRequest, x_request
             job, chunk, event({"role": "assistant", "content": ""}, None), n_prompt, include_usage
         )
     res = await ep._run(job)
-    n_out = len(res["tokens"])
+    n_out = len(res.tokens)
     return {
         "id": cid,
         "object": "chat.completion",
@@ -88,9 +88,9 @@ async def chat_completions(ep: Endpoints, body: ChatCompletionRequest, x_request
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": res["text"]},
+                "message": {"role": "assistant", "content": res.text},
                 "logprobs": None,
-                "finish_reason": res["finish_reason"],
+                "finish_reason": res.finish_reason,
             }
         ],
         "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},

@@ -37,6 +37,7 @@ from ralm.config import GeneratorConfig, RetrieverConfig
 from ralm.corpus import Corpus
 from ralm.errors import Overloaded, RalmInputError
 from ralm.job import RalmJob
+from ralm.results import RalmResult
 from ralm.retrieval.errors import IndexNotFoundError
 from ralm.retrieval.index_build import MANIFEST
 from ralm.retrievers import entry
@@ -252,9 +253,9 @@ class RayBackend:
             raise RalmInputError(f"embeddings need a dense retriever; this server serves only {', '.join(self.kinds)}")
         return await self.verifiers[kind].embed.remote(texts)
 
-    async def run(self, job: RalmJob) -> dict:
-        """On a leased coordinator; retried on a fresh one if the coordinator died. Its stats
-        gain ``queue_s``: how long the request waited for a coordinator."""
+    async def run(self, job: RalmJob) -> RalmResult:
+        """On a leased coordinator; retried on a fresh one if the coordinator died. The result
+        carries ``queue_s``: how long the request waited for a coordinator."""
         t0 = time.perf_counter()
         started: list[float] = []
 
@@ -262,9 +263,8 @@ class RayBackend:
             started.append(time.perf_counter())
             return c.run(job)
 
-        res = await self._started_pool().run(call, cancel=lambda c: c.cancel())
-        res["stats"]["queue_s"] = started[0] - t0
-        return res
+        res: RalmResult = await self._started_pool().run(call, cancel=lambda c: c.cancel())
+        return res.queued(started[0] - t0)
 
     async def stream(self, job: RalmJob) -> AsyncGenerator[dict, None]:
         pool = self._started_pool()
@@ -285,7 +285,7 @@ class RayBackend:
                 nxt = None
                 piece = await ref
                 if piece.get("done"):
-                    piece["result"]["stats"]["queue_s"] = queue_s
+                    piece = {**piece, "result": piece["result"].queued(queue_s)}
                 yield piece
             done = True
             pool.release(coord)

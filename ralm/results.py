@@ -1,8 +1,16 @@
-"""What a request returns: its text and tokens with the statistics that explain its latency."""
+"""What a request returns: its text and tokens with the statistics that explain its latency.
+
+A core loop counts into a :class:`RequestStats` as it runs; when it ends it hands its
+figures over in one frozen :class:`RalmResult`, which travels unchanged from the loop to the
+HTTP response (through the coordinator actor and the backend, as ``RalmJob`` travels the other
+way). Each figure is computed once, where it is known: the loop's by the loop, the time a
+served request waited for a coordinator by the backend (:meth:`RalmResult.queued`, a new
+result), the prompt's token count by the ingress that validated it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass
@@ -143,18 +151,39 @@ class VerifiedPrefix:
             raise ValueError("verified prefix has tokens but no steps")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RalmResult:
+    """One request's answer: built once by the loop that ran it (:func:`ralm.seq.finish`),
+    never changed after; the loop keeps no reference to it or to its ``stats``."""
+
     text: str
     tokens: list[int]  # generated tokens (EOS excluded)
     stats: RequestStats
     finish_reason: str = "length"  # "stop" (EOS) or "length"
+    queue_s: float | None = None  # served: seconds it waited for a coordinator (None: not served)
+
+    @property
+    def exact(self) -> bool:
+        """The output is, by construction, plain RaLMSeq's (no inexact option was on)."""
+        return self.stats.exact
+
+    def queued(self, queue_s: float) -> RalmResult:
+        """This result, served after waiting ``queue_s`` seconds for a coordinator."""
+        return replace(self, queue_s=queue_s)
+
+    def stats_dict(self) -> dict:
+        """The statistics as JSON: :meth:`RequestStats.as_dict`, and ``queue_s`` when served."""
+        d = self.stats.as_dict()
+        if self.queue_s is not None:
+            d["queue_s"] = self.queue_s
+        return d
 
     def as_dict(self) -> dict:
+        """The result as JSON (the body of ``/v1/ralm/generate`` without the request's fields)."""
         return {
             "text": self.text,
             "tokens": self.tokens,
             "finish_reason": self.finish_reason,
-            "exact": self.stats.exact,
-            "stats": self.stats.as_dict(),
+            "exact": self.exact,
+            "stats": self.stats_dict(),
         }

@@ -14,6 +14,7 @@ import pytest
 
 from ralm.config import RequestConfig, SpecConfig
 from ralm.job import RalmJob
+from ralm.results import RalmResult
 from ralm.seq import run_seq
 from ralm.spec import run_spec
 from tests.factories import ScriptedGenerator, ScriptedKB
@@ -115,10 +116,11 @@ def test_coordinator_equals_in_process_seq(stack, baselines, method, spec):
     qs, base = baselines
     for q, b in zip(qs, base):
         res = ray.get(stack["coord"].run.remote(0, _job(q, method, spec)))
-        assert res["tokens"] == b.tokens, q
-        assert res["stats"]["doc_ids"] == b.stats.doc_ids
-        assert res["text"] == b.text
-        st = res["stats"]
+        assert isinstance(res, RalmResult) and res.queue_s is None  # the loop's own result, as it made it
+        assert res.tokens == b.tokens, q
+        assert res.stats.doc_ids == b.stats.doc_ids
+        assert res.text == b.text
+        st = res.stats_dict()
         if spec is not None and spec.async_verify and not spec.adaptive_stride:
             # a speculative step ran while the verifier call was in flight (thread + ObjectRef)
             assert st["async_steps_kept"] + st["async_steps_discarded"] > 0
@@ -145,7 +147,7 @@ def test_one_host_runs_its_slots_at_once_each_exactly(stack, baselines):
     refs = [host.run.remote(slot, _job(q, m, SpecConfig.named("PSA") if m == "spec" else None)) for slot, q, m in jobs]
     out = ray.get(refs)
     for (_, q, _), res in zip(jobs, out):
-        assert res["tokens"] == base[qs.index(q)].tokens
+        assert res.tokens == base[qs.index(q)].tokens
     info = ray.get(host.info.remote())
     assert info["busy"] == 0 and info["served"] >= 4 and info["rss_mib"] > 0
     with pytest.raises(ValueError, match="slot 4 is not one of this host's 4"):
@@ -168,8 +170,8 @@ def test_coordinator_announces_its_request_so_a_long_window_never_delays_it(stac
         st = ray.get(ver.stats.remote())
     finally:
         ray.get(ver.configure.remote(window_ms=2.0))
-    assert res["tokens"] == base[0].tokens
-    assert st["submissions"] == res["stats"]["kb_calls"] > 0
+    assert res.tokens == base[0].tokens
+    assert st["submissions"] == res.stats.kb_calls > 0
     assert st["early_flushes"] == st["batches"] > 0
     # the coordinator's end() is fire-and-forget: it reaches the verifier shortly after
     deadline = time.monotonic() + 10
@@ -188,7 +190,7 @@ def test_coordinator_stream(stack, baselines):
     import ray
 
     chunks = [ray.get(ref) for ref in gen]
-    assert chunks[-1]["done"] and chunks[-1]["result"]["tokens"] == base[0].tokens
+    assert chunks[-1]["done"] and chunks[-1]["result"].tokens == base[0].tokens
     assert [t for c in chunks for t in c["tokens"]] == base[0].tokens
     assert "".join(c["delta"] for c in chunks) == base[0].text
     assert len(chunks) > 2
@@ -234,13 +236,13 @@ def test_pool_of_host_slots_queues_and_replaces_a_dead_host(stack, baselines):
             *(pool.run(lambda c, q=q: c.run(_job(q, "spec", SpecConfig.named("PSA")))) for q in jobs)
         )
         for q, r in zip(jobs, res):
-            assert r["tokens"] == by_q[q].tokens
+            assert r.tokens == by_q[q].tokens
         assert pool.stats.waits >= 1 and pool.stats.size == 3
         victim = slots.hosts[0]
         ray.kill(victim.handle)
         for _ in range(3):  # every slot is tried; those on the dead host fail over
             r = await pool.run(lambda c: c.run(_job(qs[0], "seq")))
-            assert r["tokens"] == by_q[qs[0]].tokens
+            assert r.tokens == by_q[qs[0]].tokens
         assert pool.stats.replaced >= 1 and victim not in slots.hosts and slots.stats()["hosts_lost"] == 1
         for _ in range(200):  # the idle slots of the dead host are swept out in the background
             if all(s.host is not victim for s in pool._all) and pool.stats.size == 3:
@@ -279,4 +281,4 @@ def test_a_cancelled_request_stops_at_its_next_step_and_frees_the_coordinator(st
     assert info["generator_calls"] - calls0 < 32  # 128 tokens at stride 4 would be 32 steps
     assert ray.get(coord.cancel.remote(2)) is False  # nothing to cancel now
     res = ray.get(coord.run.remote(2, _job(qs[0], method, spec)))
-    assert res["tokens"] == base[0].tokens
+    assert res.tokens == base[0].tokens

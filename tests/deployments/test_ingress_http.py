@@ -85,16 +85,14 @@ class InProcessBackend:
         vecs = np.array([[len(t), t.count(" "), sum(map(ord, t)) % 97, 1.0] for t in texts], dtype=np.float32)
         return vecs / np.linalg.norm(vecs, axis=1, keepdims=True), [len(t.split()) for t in texts]
 
-    def _result(self, job: RalmJob, on_commit=None) -> dict:
+    def _result(self, job: RalmJob, on_commit=None) -> RalmResult:
         self.jobs.append(job)
         if self.fail is not None:
             e, self.fail = self.fail, None
             raise e
-        out = answer(job.question, job, on_commit).as_dict()
-        out["prompt_tokens"] = len(self.encode_question(job.question))
-        return out
+        return answer(job.question, job, on_commit)
 
-    async def run(self, job: RalmJob) -> dict:
+    async def run(self, job: RalmJob) -> RalmResult:
         return await asyncio.to_thread(self._result, job)
 
     async def stream(self, job: RalmJob) -> AsyncIterator[dict]:
@@ -335,7 +333,7 @@ class SlowBackend(InProcessBackend):
         super().__init__()
         self.cancelled = 0
 
-    async def run(self, job: RalmJob) -> dict:
+    async def run(self, job: RalmJob) -> RalmResult:
         self.jobs.append(job)
         try:
             await asyncio.sleep(3600)
@@ -416,7 +414,7 @@ class SheddingBackend(InProcessBackend):
         super().__init__()
         self.sheds = list(sheds)
 
-    def _result(self, job: RalmJob, on_commit=None) -> dict:
+    def _result(self, job: RalmJob, on_commit=None) -> RalmResult:
         if self.sheds:
             self.fail = self.sheds.pop(0)
         return super()._result(job, on_commit)
@@ -636,3 +634,20 @@ def test_concurrent_requests_are_answered_independently(client, backend):
         assert (
             out[i]["tokens"] == answer(QUESTION + " x" * i, backend.jobs[0].model_copy(update={"method": "seq"})).tokens
         )
+
+
+def test_generate_answers_in_its_documented_shape_with_the_prompt_counted_once(client, backend):
+    """The body of /v1/ralm/generate, key by key (docs/api.md), built from the backend's
+    frozen result; the question is tokenised once, by the ingress that validates it."""
+    calls: list[str] = []
+    encode = backend.encode_question
+    backend.encode_question = lambda q: calls.append(q) or encode(q)
+    r = client.post("/v1/ralm/generate", json={"question": QUESTION, "method": "seq"})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    keys = ["model", "retriever", "method", "request_id", "text", "tokens", "finish_reason", "exact", "stats"]
+    assert list(out) == [*keys, "prompt_tokens"]
+    expected = answer(QUESTION, backend.jobs[0]).as_dict()  # a second run: the same but for its timings
+    assert {k: out[k] for k in keys[4:8]} == {k: expected[k] for k in keys[4:8]}
+    assert list(out["stats"]) == list(expected["stats"]) and out["stats"]["doc_ids"] == expected["stats"]["doc_ids"]
+    assert calls == [QUESTION] and out["prompt_tokens"] == len(QUESTION.split())

@@ -5,6 +5,7 @@ the served topology is a benchmark whose result is in docs/results/)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import threading
 import time
 
@@ -27,7 +28,7 @@ class DriftingBackend(InProcessBackend):
     def _result(self, job, on_commit=None):
         out = super()._result(job, on_commit)
         if len(self.jobs) > self.drift_after:
-            out["tokens"] = out["tokens"][:-1] + [out["tokens"][-1] + 1]
+            return dataclasses.replace(out, tokens=out.tokens[:-1] + [out.tokens[-1] + 1])
         return out
 
 
