@@ -6,7 +6,7 @@ cancellation flag, its own checkpoints - a few kilobytes of Python objects, not 
 host shares what does not depend on the request: the generator's tokenizer and limits
 (fetched once), each retriever's exact scorer and its document-key LRU, the state store and
 the thread pool that runs asynchronous verifications. The pool (:mod:`actors.pool`) leases
-*slots* of hosts (:mod:`actors.coordinator_slots`); a slot runs one request at a time.
+*slots* of hosts (:class:`actors.pool.CoordinatorSlot`); a slot runs one request at a time.
 
 A coordinator is a thin shell around :func:`ralm.seq.run_seq` and :func:`ralm.spec.run_spec`
 (called as they are, not copied, with the job's :class:`~ralm.config.RequestConfig`: every

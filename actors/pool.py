@@ -1,13 +1,24 @@
-"""A pool of pre-started coordinators: actors, or slots of coordinator hosts (:mod:`actors.coordinator_slots`).
+"""Leases of coordinators: the pool and the slots it leases, in one place.
 
-The ingress runs each request on a coordinator of the pool (:meth:`CoordinatorPool.run`, or
-:meth:`~CoordinatorPool.acquire` / :meth:`~CoordinatorPool.release` for a stream); the
-coordinator has already cleared its local cache by then.
+A request runs on a *coordinator*: one slot of a coordinator host actor
+(:class:`~actors.coordinator.CoordinatorHost`, which runs up to ``slots_per_host`` requests
+at once, each on its own coordinator). This module is everything about getting one, holding
+it and giving it back:
+
+- :class:`CoordinatorPool` leases coordinators to requests: :meth:`~CoordinatorPool.run` for
+  one answer, :meth:`~CoordinatorPool.stream` for a stream (the lease lasts until the stream
+  is read to its end or, when the client goes away, until the coordinator has stopped);
+- :class:`SlotFactory` makes the pool's coordinators, :class:`CoordinatorSlot` handles: a
+  new slot is the next unused slot of the newest live host, and a new host (a new process)
+  is started only when every host is full. Starting a slot on a running host costs nothing,
+  so the pool can keep free slots ahead of demand.
+
+The pool (a coordinator has cleared its local cache before it is leased again):
 
 - The pool starts ``size`` coordinators up front and grows up to ``max_size`` under load,
   ahead of demand: whenever a lease leaves fewer than ``headroom`` coordinators idle or
-  starting, more are started in the background, so a burst finds them ready. Beyond that, up to ``max_waiting`` requests wait for a free coordinator (first come, first
-  served) and any further one is refused at once with :class:`~ralm.errors.Overloaded`
+  starting, more are started in the background, so a burst finds them ready. Beyond that,
+  up to ``max_waiting`` requests wait for a free coordinator (first come, first served) and any further one is refused at once with :class:`~ralm.errors.Overloaded`
   (HTTP 503 with ``Retry-After``), so the queue is bounded.
 - A coordinator that died is replaced, and its request is retried on a fresh one (requests
   are deterministic and resume from their checkpoint, so a retry returns the same tokens).
@@ -20,6 +31,13 @@ coordinator has already cleared its local cache by then.
 - A request whose caller is cancelled (client gone, deadline passed) is told to stop
   (``cancel(coordinator)``) and its coordinator comes back to the pool only once it has
   stopped, so the next request never queues behind it.
+
+The slots, worked example, ``slots_per_host=64``: a pool of ``size=32`` starts one host and
+hands out its slots 0..31; growing to 64 slots uses slots 32..63 of the same host; the 65th
+slot starts a second host. 256 requests in flight are four processes, not 256. When the pool
+finds a slot dead (its host died, or stopped answering pings), the whole host is dead:
+:meth:`SlotFactory.discard` kills it (its other requests fail over to fresh slots and resume
+from their checkpoints) and no slot is made on it again.
 """
 
 from __future__ import annotations
@@ -30,7 +48,8 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -353,6 +372,67 @@ class CoordinatorPool:
             return res
         raise AssertionError("unreachable")  # pragma: no cover
 
+    async def stream(
+        self,
+        open_stream: Callable[[Any], AsyncIterator[Awaitable[Any]]],
+        cancel: Callable[[Any], Any] | None = None,
+    ) -> AsyncGenerator[Any, None]:
+        """A streamed request on a leased coordinator: ``open_stream(coordinator)`` gives the
+        awaitables of its chunks (:meth:`CoordinatorSlot.run_stream`). Yields None once the
+        coordinator is leased (the request is admitted), then every chunk, each awaited under
+        the pool's liveness pings (a lost node never answers).
+
+        A coordinator found dead is replaced and the stream fails with a retryable
+        :class:`Overloaded` (a stream is not retried: its first chunks were sent). Closing the
+        generator early (the client went away) or cancelling its reader asks the coordinator to
+        stop (``cancel(coordinator)``); the coordinator comes back to the pool once its stream
+        has ended, so the next request never queues behind it."""
+        handle = await self.acquire()
+        chunks = open_stream(handle)
+        done = False
+        pending: asyncio.Future | None = None  # the chunk being awaited (a drain takes it over)
+        try:
+            yield None
+            while True:
+                pending = asyncio.ensure_future(chunks.__anext__())
+                try:
+                    chunk = await self.watch(handle, pending)
+                except StopAsyncIteration:
+                    break
+                pending = None
+                yield await chunk
+            done = True
+            self.release(handle)
+        except Exception as e:
+            done = True
+            if is_actor_death(e):
+                asyncio.ensure_future(self.replace(handle))
+                raise Overloaded(
+                    "the coordinator running this stream was lost (a node may have been lost); retry the request",
+                    self.retry_after_s(),
+                ) from e
+            self.release(handle)
+            raise
+        finally:
+            if not done:  # the reader went away: stop the request, keep the lease until it has stopped
+                if cancel is not None:
+                    with contextlib.suppress(Exception):
+                        cancel(handle)
+                self.stats.cancelled += 1
+                asyncio.ensure_future(self._drain(handle, chunks, pending))
+
+    async def _drain(self, handle: Any, chunks: AsyncIterator[Awaitable[Any]], pending: asyncio.Future | None) -> None:
+        """Read a cancelled stream to its end (the coordinator stops at its next step), then
+        give the coordinator back; ``pending``: a chunk request already in flight."""
+        try:
+            if pending is not None:
+                await (await pending)
+            async for chunk in chunks:
+                await chunk
+        except Exception:  # its end (StopAsyncIteration), the cancellation error, a dead actor
+            pass
+        self.release(handle)
+
     def _give_back(self, handle: Any, error: BaseException | None) -> bool:
         """Return a coordinator after its work, or replace it if the work found it dead (True)."""
         if error is not None and is_actor_death(error):
@@ -381,3 +461,149 @@ def is_actor_death(e: BaseException) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(e, (RayActorError, ActorDiedError, ActorUnavailableError))
+
+
+# ------------------------------------------------------------------ slots of coordinator hosts
+@dataclass(eq=False)
+class HostRecord:
+    """One host actor and the bookkeeping of its slots."""
+
+    handle: Any
+    name: str
+    capacity: int
+    next_slot: int = 0  # slots 0..next_slot-1 were handed out
+    live: int = 0  # handed-out slots not discarded
+    dead: bool = False
+    ready: asyncio.Future | None = None  # the host's ready() call, shared by its slots
+    pinging: asyncio.Future | None = None  # the host's ping in flight, shared by its slots
+
+
+@dataclass(eq=False)
+class CoordinatorSlot:
+    """One request at a time on slot ``index`` of a coordinator host (compared by identity)."""
+
+    host: HostRecord
+    index: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.host.name}[{self.index}]"
+
+    def run(self, job: Any) -> Any:
+        """ObjectRef of the job's result (``CoordinatorHost.run``)."""
+        return self.host.handle.run.remote(self.index, job)
+
+    def run_stream(self, job: Any) -> Any:
+        """Streaming ObjectRefs of the job's chunks (``CoordinatorHost.run_stream``)."""
+        return self.host.handle.run_stream.options(num_returns="streaming").remote(self.index, job)
+
+    def cancel(self) -> Any:
+        return self.host.handle.cancel.remote(self.index)
+
+    def ping(self) -> Any:
+        return self.host.handle.ping.remote()
+
+
+@dataclass
+class SlotFactory:
+    """Makes slots for the pool, starting hosts as needed. ``make_host(name)`` starts a host
+    actor named ``name`` (with ``slots_per_host`` slots) and returns its handle."""
+
+    make_host: Callable[[str], Any]
+    slots_per_host: int = C.POOL_SLOTS_PER_HOST
+    kill: Callable[[Any], None] | None = None  # ends a host actor (default: ray.kill)
+    hosts: list[HostRecord] = field(default_factory=list)
+    started: int = 0  # hosts started in all
+    lost: int = 0  # hosts found dead
+
+    def __post_init__(self) -> None:
+        if self.slots_per_host < 1:
+            raise ValueError(f"slots_per_host {self.slots_per_host}: need >= 1")
+
+    def new_slot(self) -> CoordinatorSlot:
+        """The pool's ``factory``: the next unused slot of a live host, or of a new one."""
+        host = next((h for h in reversed(self.hosts) if not h.dead and h.next_slot < h.capacity), None)
+        if host is None:
+            name = f"coordinator-{uuid.uuid4().hex[:12]}"
+            host = HostRecord(self.make_host(name), name, self.slots_per_host)
+            self.hosts.append(host)
+            self.started += 1
+        slot = CoordinatorSlot(host, host.next_slot)
+        host.next_slot += 1
+        host.live += 1
+        return slot
+
+    async def ready(self, slot: CoordinatorSlot) -> None:
+        """The pool's ``ready``: the host's ``ready()`` (one call per host, shared by its slots).
+        A host that fails it is dead."""
+        host = slot.host
+        if host.ready is None:
+            host.ready = asyncio.ensure_future(host.handle.ready.remote())
+        try:
+            await asyncio.shield(host.ready)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._dead(host)
+            raise
+
+    async def ping(self, slot: CoordinatorSlot) -> None:
+        """The pool's ``probe``: the host answers at once, even while all its slots are busy.
+        Slots of one host pinged together share one call (a sweep pings every idle slot)."""
+        host = slot.host
+        if host.pinging is None or host.pinging.done():
+            host.pinging = asyncio.ensure_future(slot.ping())
+        await asyncio.shield(host.pinging)
+
+    def discard(self, slot: CoordinatorSlot, dead: bool) -> None:
+        """The pool dropped ``slot``; ``dead``: it was found dead, so its host is (killed now,
+        never used again). A host whose every slot was handed out and dropped is ended."""
+        host = slot.host
+        host.live -= 1
+        if dead:
+            self._dead(host)
+        elif host.live <= 0 and host.next_slot >= host.capacity:
+            self._end(host)
+
+    def _dead(self, host: HostRecord) -> None:
+        if not host.dead:
+            log.warning("coordinator host %s is dead or unreachable; its requests move to other slots", host.name)
+            host.dead = True
+            self.lost += 1
+            self._end(host)
+
+    def _end(self, host: HostRecord) -> None:
+        if host in self.hosts:
+            self.hosts.remove(host)
+        kill = self.kill or _ray_kill
+        with contextlib.suppress(Exception):  # already gone
+            kill(host.handle)
+
+    def shutdown(self) -> None:
+        for host in list(self.hosts):
+            self._end(host)
+
+    def stats(self) -> dict:
+        return {
+            "hosts": len(self.hosts),
+            "slots_per_host": self.slots_per_host,
+            "hosts_started": self.started,
+            "hosts_lost": self.lost,
+        }
+
+
+def _ray_kill(handle: Any) -> None:
+    import ray  # lazy: the pool and its tests run without Ray
+
+    ray.kill(handle)
+
+
+__all__ = [
+    "CoordinatorLost",
+    "CoordinatorPool",
+    "CoordinatorSlot",
+    "HostRecord",
+    "PoolStats",
+    "SlotFactory",
+    "is_actor_death",
+]

@@ -12,7 +12,6 @@ which runs the core loop; this class only routes jobs to the pool and collects s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import os
@@ -24,8 +23,7 @@ from typing import Any
 import ray
 
 from actors.coordinator import coordinator_host_class
-from actors.coordinator_slots import SlotFactory
-from actors.pool import CoordinatorPool, is_actor_death
+from actors.pool import CoordinatorPool, SlotFactory
 from actors.remote_proxies import RemoteGenerator
 from actors.shard import prepare_shards, start_shards
 from actors.verifier import verifier_actor_class
@@ -35,7 +33,7 @@ from deployments.config import AppConfig
 from ralm.chat import chat_prompt
 from ralm.config import GeneratorConfig, RetrieverConfig
 from ralm.corpus import Corpus
-from ralm.errors import Overloaded, RalmInputError
+from ralm.errors import RalmInputError
 from ralm.job import RalmJob
 from ralm.results import RalmResult
 from ralm.retrieval.errors import IndexNotFoundError
@@ -267,56 +265,22 @@ class RayBackend:
         return res.queued(started[0] - t0)
 
     async def stream(self, job: RalmJob) -> AsyncGenerator[dict, None]:
-        pool = self._started_pool()
+        """On a coordinator leased for the whole stream (:meth:`CoordinatorPool.stream`); the
+        last chunk's result carries ``queue_s``."""
         t0 = time.perf_counter()
-        coord = await pool.acquire()
-        queue_s = time.perf_counter() - t0
-        refs = coord.run_stream(job)
-        done = False
-        nxt: asyncio.Future | None = None  # the chunk being awaited (the drain takes it over)
+        queue_s = 0.0
+        chunks = self._started_pool().stream(lambda c: c.run_stream(job), cancel=lambda c: c.cancel())
         try:
-            yield {"delta": "", "tokens": []}  # admitted: the ingress may send its headers now
-            while True:
-                nxt = asyncio.ensure_future(refs.__anext__())
-                try:  # each chunk awaited under the pool's liveness pings (a lost node never answers)
-                    ref = await pool.watch(coord, nxt)
-                except StopAsyncIteration:
-                    break
-                nxt = None
-                piece = await ref
-                if piece.get("done"):
-                    piece = {**piece, "result": piece["result"].queued(queue_s)}
-                yield piece
-            done = True
-            pool.release(coord)
-        except Exception as e:
-            done = True
-            if is_actor_death(e):
-                asyncio.ensure_future(pool.replace(coord))
-                raise Overloaded(
-                    "the coordinator running this stream was lost (a node may have been lost); retry the request",
-                    pool.retry_after_s(),
-                ) from e
-            pool.release(coord)
-            raise
-        finally:
-            if not done:  # the client went away: stop the request, keep the lease until it has stopped
-                with contextlib.suppress(Exception):
-                    coord.cancel()
-                pool.stats.cancelled += 1
-                asyncio.ensure_future(self._drain(refs, coord, nxt))
-
-    async def _drain(self, refs, coord, pending: asyncio.Future | None = None) -> None:
-        """Read a cancelled stream to its end (the coordinator stops at its next step), then
-        give the coordinator back; ``pending``: a chunk request already in flight."""
-        try:
-            if pending is not None:
-                await (await pending)
-            async for ref in refs:
-                await ref
-        except Exception:  # its end (StopAsyncIteration), the cancellation error, a dead actor
-            pass
-        self._started_pool().release(coord)
+            async for piece in chunks:
+                if piece is None:  # leased: the ingress may send its headers now
+                    queue_s = time.perf_counter() - t0
+                    yield {"delta": "", "tokens": []}
+                elif piece.get("done"):
+                    yield {**piece, "result": piece["result"].queued(queue_s)}
+                else:
+                    yield piece
+        finally:  # the ingress closed the stream early: the pool stops the request
+            await chunks.aclose()
 
     async def health(self) -> dict:
         try:

@@ -214,8 +214,7 @@ def test_pool_of_host_slots_queues_and_replaces_a_dead_host(stack, baselines):
     import ray
 
     from actors.coordinator import coordinator_host_class
-    from actors.coordinator_slots import SlotFactory
-    from actors.pool import CoordinatorPool
+    from actors.pool import CoordinatorPool, SlotFactory
 
     qs, base = baselines
     by_q = dict(zip(qs, base))

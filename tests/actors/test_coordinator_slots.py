@@ -9,8 +9,7 @@ import asyncio
 
 import pytest
 
-from actors.coordinator_slots import SlotFactory
-from actors.pool import CoordinatorPool
+from actors.pool import CoordinatorPool, SlotFactory
 
 
 class _Method:
@@ -152,7 +151,7 @@ def test_a_coordinator_host_process_does_not_load_torch():
     import sys
 
     code = (
-        "import sys, actors.coordinator, actors.coordinator_slots, actors.pool; "
+        "import sys, actors.coordinator, actors.pool; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -289,3 +289,76 @@ def test_a_dropped_handle_that_is_no_ray_actor_is_not_killed_through_ray(monkeyp
     pool._all.append(dead)
     pool._discard(dead)
     assert calls == [] and dead not in pool._all
+
+
+def _chunks(h: Coord, values, stop: asyncio.Event | None = None, dies_after: int | None = None):
+    """A coordinator's stream: one ready awaitable per chunk, as Ray's streaming ObjectRefs; ``stop``
+    ends it early (the coordinator saw its cancel flag), ``dies_after`` loses its node."""
+
+    async def gen():
+        for i, v in enumerate(values):
+            if stop is not None and stop.is_set():
+                return
+            if dies_after is not None and i == dies_after:
+                h.alive = False
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(await h.call(v))  # a ref arrives once its chunk is computed
+            yield done
+
+    return gen()
+
+
+def test_a_stream_holds_its_coordinator_until_it_is_read_to_its_end():
+    async def main():
+        pool = await _pool(size=1, max_size=1).start()
+        stream = pool.stream(lambda h: _chunks(h, ["a", "b", "c"]))
+        assert await anext(stream) is None  # leased: admitted
+        nxt = asyncio.ensure_future(pool.acquire())
+        got = [c async for c in stream]
+        assert got == ["a", "b", "c"]
+        h = await asyncio.wait_for(nxt, 1)  # given back at the end, not before
+        pool.release(h)
+        assert pool.stats.cancelled == 0 and pool.stats.replaced == 0
+
+    asyncio.run(main())
+
+
+def test_a_stream_closed_early_stops_its_request_and_frees_the_coordinator_once_stopped():
+    """The client went away after the first chunk: ``cancel(coordinator)`` is called, and the
+    coordinator is leased again only after its stream has ended."""
+
+    async def main():
+        pool = await _pool(size=1, max_size=1).start()
+        stop, told = asyncio.Event(), []
+
+        def cancel(h):
+            told.append(h)
+            asyncio.get_running_loop().call_later(0.05, stop.set)  # the next step notices it
+
+        stream = pool.stream(lambda h: _chunks(h, range(1000), stop), cancel=cancel)
+        assert await anext(stream) is None and await anext(stream) == 0
+        await stream.aclose()
+        assert len(told) == 1 and pool.stats.cancelled == 1
+        nxt = asyncio.ensure_future(pool.acquire())
+        await asyncio.sleep(0.02)
+        assert not nxt.done()  # still draining the cancelled stream
+        h = await asyncio.wait_for(nxt, 2)
+        assert h is told[0]
+        pool.release(h)
+
+    asyncio.run(main())
+
+
+def test_a_stream_whose_coordinator_is_lost_fails_with_a_retryable_503():
+    async def main():
+        pool = await _pool(size=1, max_size=1).start()
+        stream = pool.stream(lambda h: _chunks(h, ["a", "b", "c"], dies_after=1))
+        assert await anext(stream) is None and await anext(stream) == "a"
+        with pytest.raises(Overloaded, match="coordinator running this stream was lost") as e:
+            await asyncio.wait_for(anext(stream), 5)
+        assert e.value.retry_after_s >= 1
+        assert pool.stats.lost == 1 and pool.stats.replaced == 1
+        await asyncio.sleep(0.3)  # the replacement starts in the background
+        assert pool.stats.size == 1 and all(h.alive for h in pool._all)
+
+    asyncio.run(main())
