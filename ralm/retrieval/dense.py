@@ -109,6 +109,15 @@ class DenseScorer:
         return dense_scores(self.key_matrix(doc_ids), query_rep)
 
 
+def faiss_installed() -> bool:
+    """Whether FAISS can be imported here."""
+    try:
+        import faiss  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def padding_vectors(
     n_rows: int, dim: int, seed: int = PAD_SEED, norm: float = C.PAD_VECTOR_NORM, chunk: int = _PAD_CHUNK
 ):
@@ -173,8 +182,6 @@ class DenseRetriever:
         dense_scan: str = "auto",
         int8_kernel: str | None = None,
     ):
-        import faiss
-
         e = entry(kind)
         if e.new_index is None:
             raise ValueError(f"not a dense retriever kind: {kind!r}")
@@ -188,17 +195,24 @@ class DenseRetriever:
         self.rerank_margin = int(rerank_margin)
         self.faiss_threads = int(faiss_threads)
         self.n_docs = len(self.scorer)
-        if index is None:
+        # FAISS answers a graph kind and the batches a plan routes to it; a scanned kind on a
+        # bf16, int8 or device scan also runs where FAISS is not installed (a bare GPU host),
+        # with no index (plan_scan refuses a plan that needs FAISS then)
+        if index is None and (not e.scan or dense_scan == "faiss" or faiss_installed()):
             params = SimpleNamespace(hnsw_m=hnsw_m, hnsw_ef_construction=ef_construction)
             index = build_faiss_index(e, self.scorer.vectors, params)
-        if index.ntotal != self.n_docs or index.d != self.scorer.dim:
-            raise ValueError(
-                f"FAISS index has {index.ntotal} rows of dim {index.d}, vectors are {self.n_docs} x {self.scorer.dim}"
-            )
-        hnsw = getattr(faiss.downcast_index(index), "hnsw", None)
-        if hnsw is not None:  # a graph index: its search breadth
-            hnsw.efSearch = int(ef_search)
-            self.ef_search = int(ef_search)
+        if index is not None:
+            import faiss
+
+            if index.ntotal != self.n_docs or index.d != self.scorer.dim:
+                raise ValueError(
+                    f"FAISS index has {index.ntotal} rows of dim {index.d}, "
+                    f"vectors are {self.n_docs} x {self.scorer.dim}"
+                )
+            hnsw = getattr(faiss.downcast_index(index), "hnsw", None)
+            if hnsw is not None:  # a graph index: its search breadth
+                hnsw.efSearch = int(ef_search)
+                self.ef_search = int(ef_search)
         if pad_to and not e.scan:
             log.warning("pad_to=%d ignored: padding only applies to a scanned (flat) retriever", pad_to)
         extra = max(0, int(pad_to) - self.n_docs) if (pad_to and e.scan) else 0

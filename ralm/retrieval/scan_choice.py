@@ -281,6 +281,11 @@ def plan_scan(
         low = scans.make_scan(plan.scan, rows, pad_chunks(pad_rows), pad_rows=pad_rows, int8_kernel=kernel)
     faiss = None
     if plan.scan == "faiss" or plan.faiss_batches:
+        if index is None:
+            raise RuntimeError(
+                f"the {plan.scan} scan's plan routes batches {list(plan.faiss_batches)} to FAISS, "
+                "which is not installed here: pip install faiss-cpu, or choose dense_scan bf16, int8 or gpu"
+            )
         for chunk in pad_chunks(pad_rows):  # FAISS answers some batches: it costs what the scan does
             index.add(chunk)
         faiss = FaissScan(
