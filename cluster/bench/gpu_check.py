@@ -74,12 +74,9 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench.batch_bench import forward_cost, run_arm, workload_requests
-from cluster.bench.gpu_bits import bits_failed, bits_markdown
-from cluster.bench.gpu_compile import compile_markdown
 from cluster.bench.gpu_dense import dense_markdown, exact_dense_scans, plain_topk_scans, scan_markdown
 from cluster.bench.gpu_e2e import e2e_markdown, e2e_runs
 from cluster.bench.random_models import SHAPES, random_model
-from cluster.flags import SHARED, Default, add_shared
 from cluster.report import table, write_report
 from ralm import constants as C
 from ralm.config import GeneratorConfig
@@ -89,7 +86,7 @@ QUICK_SECTIONS = ("env", "compile", "bits", "proof", "long", "exact", "forward",
 
 
 def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
-    add_shared(p, model=Default(unset="random shapes (--shapes)"))
+    p.add_argument("--model", help="a real generator (Hugging Face name or path) instead of random shapes")
     p.add_argument(
         "--shapes",
         help=f"random model shapes, comma-separated, of {', '.join(SHAPES)} (default: llama-1b; tiny on CPU)",
@@ -99,12 +96,7 @@ def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="bfloat16 only, 16 and 64 in flight, 32 new tokens, a 300 s budget (explicit flags still win)",
     )
-    add_shared(
-        p,
-        dtypes=Default(
-            help="dtypes to prove and run, comma-separated", unset="bfloat16,float16,float32; quick bfloat16"
-        ),
-    )
+    p.add_argument("--dtypes", default=None, help="dtypes to prove and run (default bfloat16,float16,float32)")
     p.add_argument(
         "--kernels",
         default="auto",
@@ -112,17 +104,17 @@ def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
         help="the invariant forward's kernels (GeneratorConfig.invariant_kernels; auto: triton on a GPU)",
     )
     p.add_argument("--requests", default=None, help="requests in flight for the exactness check (default 16,64; CPU 4)")
-    add_shared(
-        p,
-        new_tokens=Default(unset="64, quick 32; CPU 16"),
-        stride=Default(4, help="tokens per step"),
-        fast_draft=Default(4, help="exact: " + SHARED["fast_draft"].help),
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 64, quick 32; CPU 16)")
+    p.add_argument("--stride", type=int, default=4, help="tokens per step")
+    p.add_argument(
+        "--fast-draft",
+        type=int,
+        default=4,
+        help="exact: also run the engine with generator.fast_draft=N (drafts on the plain kernels, verified); 0: no",
     )
     p.add_argument("--forward-batches", default=None, help="decode forward batch sizes (default 1,16,64; quick 1,64)")
     p.add_argument(
-        "--scan-shapes",
-        dest="scan",
-        help="dense scans ROWSxDIM, comma-separated (default 4Mx384,21Mx768; CPU 20000x384)",
+        "--scan", default=None, help="dense scans ROWSxDIM, comma-separated (default 4Mx384,21Mx768; CPU 20000x384)"
     )
     p.add_argument(
         "--dense", default=None, help="exact device scans ROWSxDIM, comma-separated (default 4Mx384; CPU 20000x384)"
@@ -146,7 +138,7 @@ def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
         "--budget-s", type=float, default=None, help="stop work after this many seconds (default 480; quick 300)"
     )
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    add_shared(p, out=Path("gpu-check-out"))
+    p.add_argument("--out", type=Path, default=Path("gpu-check-out"))
 
 
 def _rows(spec: str) -> int:
@@ -284,6 +276,7 @@ class GpuCheck:
         or in the interpreter at small head dimensions where ``TRITON_INTERPRET=1``."""
         import os
 
+        # lazy: loads torch and triton (which reads TRITON_INTERPRET when first imported)
         from cluster.bench import gpu_compile as G
 
         if self.device == "cuda":
@@ -294,6 +287,7 @@ class GpuCheck:
         return {"offline": G.offline_sweep(90, self.dtypes, deadline=self.deadline)}
 
     def bits(self) -> dict:
+        # lazy: loads torch and triton, as above
         from cluster.bench.gpu_bits import bit_checks
 
         hd = 64 if not self.small else 16  # Llama-3.2-1B's head dimension
@@ -510,6 +504,53 @@ class GpuCheck:
         n = self.args.e2e_questions or (2 if self.small else 5)
         enc = getattr(self.args, "e2e_encoder", "auto")
         return {"generator": key, **e2e_runs(engine, self.device, pad, n, self.new_tokens, self.free, enc)}
+
+
+def bits_failed(res: dict) -> list[str]:
+    """The dtypes whose bit checks found a difference."""
+    return [k for k, v in res.items() if isinstance(v, dict) and v.get("ok") is False]
+
+
+def bits_markdown(res: dict) -> list[str]:
+    """The section's table (no lines when it did not run)."""
+    if not res:
+        return []
+    rows = [
+        (
+            k,
+            f"{v['matmul']['differing_rows']} rows in {len(v['matmul']['differing_m'])}/{v['matmul']['products']} products",
+            ", ".join(v["attention"]["differing"]) or "none",
+            f"{v['paged']['differing_rows']}/{v['paged']['rows']} rows (positions to {v['paged']['max_position']})",
+        )
+        for k, v in res.items()
+        if isinstance(v, dict) and "matmul" in v
+    ]
+    head = ("dtype", "matmul rows differing", "position-70 query differs in", "paged vs contiguous differing")
+    return [*table(head, rows), ""]
+
+
+def compile_markdown(res: dict) -> list[str]:
+    """The section's table (no lines when it did not run)."""
+    if not res:
+        return []
+    lines: list[str] = []
+    dev = res.get("device")
+    if isinstance(dev, dict):
+        rows = [
+            (k, "ok" if v["ok"] else "FAILED", v["compiled"], v["seconds"], v.get("error", "")) for k, v in dev.items()
+        ]
+        lines += [*table(("dtype", "compile sweep", "configurations", "s", "error"), rows), ""]
+    off = res.get("offline")
+    if isinstance(off, dict) and "kernels" in off:
+        bad = {k: v for k, v in off["kernels"].items() if not v["fits"]}
+        lines.append(
+            f"Compiled for {off['arch']} without a GPU: {len(off['kernels'])} configurations, "
+            f"{len(bad)} over the {off['shared_limit_bytes']}-byte shared-memory limit or refused."
+        )
+        rows = [(k, v.get("shared_bytes", "-"), v.get("error", "over the limit")) for k, v in bad.items()]
+        lines += ["", *table(("kernel", "shared bytes", "why"), rows)] if rows else []
+        lines.append("")
+    return lines
 
 
 def _cuda_available() -> bool:

@@ -5,7 +5,7 @@ Both arms run the same questions (the demo set, a warm-up first) through the in-
 pipeline (:mod:`ralm.pipeline`) with the generator the ``proof`` section built (the batching
 engine of the first shape and dtype that passed), the demo corpus's EDR index padded to
 ``pad_to`` rows, fixed-length generation (EOS masked) and every request's caches cleared
-first, as ``ralmspec bench spec`` does:
+first, as ``ralmspec bench`` does:
 
 - ``host``: the candidate scan on the CPU, the split of the card's deployment (GPU
   generator, CPU retrieval);
@@ -38,7 +38,8 @@ from cluster.bench.spec_bench import run_retriever
 from cluster.report import table
 from ralm import constants as C
 from ralm.config import RalmConfig
-from ralm.corpus import load_questions
+from ralm.corpus import Corpus, load_questions
+from ralm.retrieval.encoder import EncoderError, local_model_dir
 
 
 class StandInEncoder:
@@ -74,8 +75,6 @@ class StandInEncoder:
 
 def full_install() -> bool:
     """Whether FAISS and the default dense encoder's package are there (else: a bare GPU host)."""
-    from ralm.retrieval.encoder import EncoderError, local_model_dir  # lazy: the encoder module
-
     try:
         import faiss  # noqa: F401
     except ImportError:
@@ -102,6 +101,7 @@ def e2e_runs(
     :func:`full_install`, else the second)."""
     # lazy: loads torch, transformers (and faiss with the index)
     from ralm.pipeline import Pipeline
+    from ralm.retrieval import dense, int8_scan  # lazy: torch, as above
 
     standin = encoder == "stand-in" or (encoder == "auto" and not full_install())
     questions = load_questions(C.DEMO_QUESTIONS, limit=n_questions + 1)
@@ -117,7 +117,7 @@ def e2e_runs(
         if arm == "device" and device != "cuda":
             out[arm] = {"skipped": "no CUDA device"}
             continue
-        scan = "gpu" if arm == "device" else ("auto" if parts is None else _host_scan(parts[2].shape[1]))
+        scan = "gpu" if arm == "device" else ("auto" if parts is None else _host_scan(int8_scan, parts[2].shape[1]))
         cfg = base.model_copy(
             update={
                 "retriever": base.retriever.model_copy(update={"pad_to": pad_to, "dense_scan": scan}),
@@ -127,10 +127,8 @@ def e2e_runs(
         if parts is None:
             pipe = Pipeline.from_config(cfg, kinds=("edr",), engine=engine)
         else:
-            from ralm.retrieval.dense import DenseRetriever  # lazy: loads torch
-
             corpus, enc, vectors = parts
-            kb = DenseRetriever("edr", enc, vectors, pad_to=pad_to, dense_scan=scan)
+            kb = dense.DenseRetriever("edr", enc, vectors, pad_to=pad_to, dense_scan=scan)
             pipe = Pipeline(cfg, corpus, engine, {"edr": kb})
         rows, _ = run_retriever(pipe, "edr", questions, ["PSA"], warmup=1, progress=False)
         seq, psa = rows
@@ -154,17 +152,14 @@ def e2e_runs(
 
 def _standin_parts(engine) -> tuple[Any, StandInEncoder, np.ndarray]:
     """The demo corpus, the stand-in encoder of ``engine``'s model and its passage vectors."""
-    from ralm.corpus import Corpus
-
     corpus = Corpus.load(C.DEMO_CORPUS)
     enc = StandInEncoder(engine.model, engine.tokenizer)
     return corpus, enc, enc.encode_passages([corpus.text(i) for i in range(len(corpus))])
 
 
-def _host_scan(dim: int) -> str:
-    """The exact CPU scan for a host without FAISS: int8 where a kernel is exact, else bfloat16."""
-    from ralm.retrieval import int8_scan  # lazy: loads torch
-
+def _host_scan(int8_scan, dim: int) -> str:
+    """The exact CPU scan for a host without FAISS: int8 where a kernel is exact, else bfloat16
+    (``int8_scan``: :mod:`ralm.retrieval.int8_scan`, imported by the caller)."""
     try:
         int8_scan.available("int8", dim)
         return "int8"

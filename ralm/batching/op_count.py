@@ -126,17 +126,18 @@ class _RecordedFamily(dict):
 @contextlib.contextmanager
 def record_triton_launches() -> Iterator[Launches]:
     """Inside the block every batch-invariant Triton kernel launch is recorded, not run
-    (:func:`ralm.batching.triton_kernels.built` hands out recorders): for counting a forward's
+    (:func:`ralm.batching.triton_kernels.kernels` hands out recorders): for counting a forward's
     launches without a GPU. The kernels' outputs are left uninitialised."""
     from ralm.batching import triton_kernels  # lazy: triton is optional
 
     launches = Launches()
-    real = triton_kernels.built
-    triton_kernels.built = lambda family, build: _RecordedFamily(launches)  # type: ignore[assignment]
+    real = triton_kernels.kernels
+    recorded = _RecordedFamily(launches)
+    triton_kernels.kernels = lambda: recorded
     try:
         yield launches
     finally:
-        triton_kernels.built = real  # type: ignore[assignment]
+        triton_kernels.kernels = real
 
 
 def decode_iteration_ops(model, batch: int, context: int, seed: int = 0) -> dict:

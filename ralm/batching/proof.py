@@ -305,8 +305,8 @@ class _Prover:
                 self.equal_kv(f, r[2], "the pooled KV of a fork of a document")
             self.equal_kv(feed, feed_ref, "the pooled KV of a KNN-LM feed")
         finally:
-            for kv in held:
-                kv.free()
+            for pooled in held:
+                pooled.free()
         checks.append("kv pool: forks, drafted window, feed" + (f", position {long_len}" if long_ref else ""))
 
 

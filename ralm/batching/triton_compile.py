@@ -80,8 +80,8 @@ def compile_kernels(
     tiles = TP.query_tiles([0], [L], dev)
     for D in dict.fromkeys(head_dims):
         for G in dict.fromkeys(groups):
-            q, k, v = rand(1, G, L, D), rand(1, 1, L, D), rand(1, 1, L, D)
-            run(f"attention/{name}/d{D}/group{G}", T.attention, q, k, v, pos[None], D**-0.5)
+            q, keys, values = rand(1, G, L, D), rand(1, 1, L, D), rand(1, 1, L, D)
+            run(f"attention/{name}/d{D}/group{G}", T.attention, q, keys, values, pos[None], D**-0.5)
             pool_k, pool_v, qp = rand(1, 4, T.ATTN_BLOCK_N, D), rand(1, 4, T.ATTN_BLOCK_N, D + 1), rand(L, G, D)
             run(
                 f"paged_attention/{name}/d{D}/group{G}",
