@@ -77,6 +77,7 @@ from cluster.bench.batch_bench import forward_cost, run_arm, workload_requests
 from cluster.bench.gpu_dense import dense_markdown, exact_dense_scans, plain_topk_scans, scan_markdown
 from cluster.bench.gpu_e2e import e2e_markdown, e2e_runs
 from cluster.bench.random_models import SHAPES, random_model
+from cluster.flags import SHARED, Default, add_shared
 from cluster.report import table, write_report
 from ralm import constants as C
 from ralm.config import GeneratorConfig
@@ -86,7 +87,7 @@ QUICK_SECTIONS = ("env", "compile", "bits", "proof", "long", "exact", "forward",
 
 
 def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="a real generator (Hugging Face name or path) instead of random shapes")
+    add_shared(p, model=Default(unset="random shapes (--shapes)"))
     p.add_argument(
         "--shapes",
         help=f"random model shapes, comma-separated, of {', '.join(SHAPES)} (default: llama-1b; tiny on CPU)",
@@ -96,7 +97,12 @@ def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="bfloat16 only, 16 and 64 in flight, 32 new tokens, a 300 s budget (explicit flags still win)",
     )
-    p.add_argument("--dtypes", default=None, help="dtypes to prove and run (default bfloat16,float16,float32)")
+    add_shared(
+        p,
+        dtypes=Default(
+            help="dtypes to prove and run, comma-separated", unset="bfloat16,float16,float32; quick bfloat16"
+        ),
+    )
     p.add_argument(
         "--kernels",
         default="auto",
@@ -104,17 +110,17 @@ def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
         help="the invariant forward's kernels (GeneratorConfig.invariant_kernels; auto: triton on a GPU)",
     )
     p.add_argument("--requests", default=None, help="requests in flight for the exactness check (default 16,64; CPU 4)")
-    p.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 64, quick 32; CPU 16)")
-    p.add_argument("--stride", type=int, default=4, help="tokens per step")
-    p.add_argument(
-        "--fast-draft",
-        type=int,
-        default=4,
-        help="exact: also run the engine with generator.fast_draft=N (drafts on the plain kernels, verified); 0: no",
+    add_shared(
+        p,
+        new_tokens=Default(unset="64, quick 32; CPU 16"),
+        stride=Default(4, help="tokens per step"),
+        fast_draft=Default(4, help="exact: " + SHARED["fast_draft"].help),
     )
     p.add_argument("--forward-batches", default=None, help="decode forward batch sizes (default 1,16,64; quick 1,64)")
     p.add_argument(
-        "--scan", default=None, help="dense scans ROWSxDIM, comma-separated (default 4Mx384,21Mx768; CPU 20000x384)"
+        "--scan-shapes",
+        dest="scan",
+        help="dense scans ROWSxDIM, comma-separated (default 4Mx384,21Mx768; CPU 20000x384)",
     )
     p.add_argument(
         "--dense", default=None, help="exact device scans ROWSxDIM, comma-separated (default 4Mx384; CPU 20000x384)"
@@ -138,7 +144,7 @@ def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
         "--budget-s", type=float, default=None, help="stop work after this many seconds (default 480; quick 300)"
     )
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--out", type=Path, default=Path("gpu-check-out"))
+    add_shared(p, out=Path("gpu-check-out"))
 
 
 def _rows(spec: str) -> int:
@@ -326,7 +332,7 @@ class GpuCheck:
         from ralm.batching.invariant import invariant_kernels
 
         tok = self.tokenizer()
-        out = {}
+        out: dict[str, dict[str, Any]] = {}
         for shape in [self.args.model] if self.args.model else self.shapes:
             for dtype in self.dtypes:
                 if self.spent():
@@ -547,8 +553,8 @@ def compile_markdown(res: dict) -> list[str]:
             f"Compiled for {off['arch']} without a GPU: {len(off['kernels'])} configurations, "
             f"{len(bad)} over the {off['shared_limit_bytes']}-byte shared-memory limit or refused."
         )
-        rows = [(k, v.get("shared_bytes", "-"), v.get("error", "over the limit")) for k, v in bad.items()]
-        lines += ["", *table(("kernel", "shared bytes", "why"), rows)] if rows else []
+        over = [(k, v.get("shared_bytes", "-"), v.get("error", "over the limit")) for k, v in bad.items()]
+        lines += ["", *table(("kernel", "shared bytes", "why"), over)] if over else []
         lines.append("")
     return lines
 

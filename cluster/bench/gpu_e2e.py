@@ -129,7 +129,8 @@ def e2e_runs(
         else:
             corpus, enc, vectors = parts
             kb = dense.DenseRetriever("edr", enc, vectors, pad_to=pad_to, dense_scan=scan)
-            pipe = Pipeline(cfg, corpus, engine, {"edr": kb})
+            retrievers: dict[str, Any] = {"edr": kb}
+            pipe = Pipeline(cfg, corpus, engine, retrievers)
         rows, _ = run_retriever(pipe, "edr", questions, ["PSA"], warmup=1, progress=False)
         seq, psa = rows
         out[arm] = {

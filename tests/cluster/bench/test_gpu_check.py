@@ -28,7 +28,7 @@ from ralm.batching.invariant import InvariantLinear
 pytestmark = pytest.mark.unit
 
 SMALL = ["--shapes", "llama-tiny", "--requests", "3", "--new-tokens", "8", "--forward-batches", "1,4"]
-SMALL += ["--scan", "5000x64", "--dense", "6000x64", "--e2e-pad-to", "0", "--e2e-questions", "1"]
+SMALL += ["--scan-shapes", "5000x64", "--dense", "6000x64", "--e2e-pad-to", "0", "--e2e-questions", "1"]
 
 #: what a bare GPU host with torch, transformers and triton (and the bundle's pydantic) lacks
 ABSENT = ("faiss", "ray", "pyserini", "redis", "sentence_transformers", "jnius", "fastapi", "starlette", "httpx")
