@@ -75,5 +75,5 @@ def test_the_counter_sees_python_data_host_reads_and_recorded_launches():
     from ralm.batching import triton_kernels as T
 
     with record_triton_launches() as launches:
-        T.built("family", lambda: {})["kernel"][(4,)](1, 2)
-    assert launches.n == 1 and launches.by_kernel["kernel"] == 1
+        T.kernels()["attention"][(4,)](1, 2)
+    assert launches.n == 1 and launches.by_kernel["attention"] == 1
