@@ -25,6 +25,7 @@ from pydantic import (
     create_model,
 )
 
+from ralm import constants as C
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 from ralm.job import KNN_REQUEST_FIELDS, KnnRequestOptions, RalmJob
 from ralm.methods import KNN_METHODS, MethodName, describe_methods, method_info
@@ -305,6 +306,22 @@ def _not_enabled(what: str, how: str, param: str) -> ApiError:
     return ApiError(400, f"{what} is not enabled on this server: {how}", param=param, code="mode_not_enabled")
 
 
+def _explicit_spec_fields(opts: RalmOptions, names: tuple[str, ...]) -> dict:
+    """The SpecConfig fields among ``names`` that the request itself set: the top-level
+    ``prefetch_size``, a spec object's fields, a spec name's ``;FIELD=VALUE`` settings."""
+    out: dict = {}
+    if isinstance(opts.spec, str):
+        for setting in opts.spec.split(";")[1:]:
+            key, eq, value = (x.strip() for x in setting.partition("="))
+            if eq and key in names:
+                out[key] = value
+    elif isinstance(opts.spec, BaseModel):
+        out.update({k: v for k, v in opts.spec.model_dump(exclude_none=True).items() if k in names})
+    if opts.prefetch_size is not None and "prefetch_size" in names:
+        out["prefetch_size"] = opts.prefetch_size
+    return out
+
+
 def build_job(
     opts: RalmOptions,
     question: str,
@@ -350,6 +367,10 @@ def build_job(
         )
 
     spec_base = spec_defaults
+    if knn_method and opts.spec is None:
+        # a KNN-LM request that names no configuration gets KNN-LM's default (PS), with the
+        # server's other SpecConfig fields underneath (its P/S/A are document-level defaults)
+        spec_base = SpecConfig.parse(C.KNN_DEFAULT_SPEC, **spec_defaults.model_dump())
     if isinstance(opts.spec, str):
         try:  # the one configuration grammar (CLI, benchmarks, eval); the server's fields underneath
             spec_base = SpecConfig.parse(opts.spec, **spec_defaults.model_dump())
@@ -403,7 +424,14 @@ def build_job(
         )
     knn = None
     if knn_method:
-        knn = KnnRequestOptions.model_validate(opts.knn.model_dump() if opts.knn is not None else {})
+        knn_upd = opts.knn.model_dump() if opts.knn is not None else {}
+        # KNN-LM reads its prefetch size (entries) and stride cap from its own config: a
+        # request's explicit prefetch_size / max_stride (top level, spec object or ;FIELD=VALUE)
+        # go there unless its knn options set them
+        for name, value in _explicit_spec_fields(opts, ("prefetch_size", "max_stride")).items():
+            if knn_upd.get(name) is None:
+                knn_upd[name] = value
+        knn = KnnRequestOptions.model_validate(knn_upd)
         try:  # the request's settings on the server's: a 400 now, not in the replica
             knn.applied_to(knn_defaults or KnnLMConfig())
         except ValidationError as e:

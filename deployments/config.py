@@ -198,7 +198,8 @@ class KnnServeOptions(StrictModel):
     config: KnnLMConfig = Field(
         default_factory=KnnLMConfig,
         description="The token datastore, its index and the "
-        "request defaults (k, temperature, lmbda, spatial_next); datastore_dir None: "
+        "request defaults (k, temperature, lmbda, and the speculation's prefetch_size, spatial_next, "
+        "cache_retrievals, max_stride); datastore_dir None: "
         "<work_dir>/knn-datastore.",
     )
     build: bool = Field(

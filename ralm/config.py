@@ -407,12 +407,24 @@ class KnnLMConfig(StrictModel):
     spatial_next: int = Field(
         C.KNN_SPATIAL_NEXT,
         ge=0,
-        description="n: after each KB retrieval, the retrieved entries and the n entries after each (same passage) go into the speculative cache.",
+        description="n: after each KB retrieval, the retrieved entries and the n entries after each (same passage) go into the speculative cache (default 20; the paper's 10 left speculation right 0.55-0.78 of the time, docs/design.md).",
+    )
+    prefetch_size: int = Field(
+        C.KNN_PREFETCH_SIZE,
+        ge=1,
+        le=C.KNN_MAX_K,
+        description="p, entries fetched per KB query with prefetching (P): every verification fetches the top-max(k, p) and caches them with their successors; tokens still use the top-k. KNN-LM reads p here, not SpecConfig.prefetch_size (that counts documents). On an approximate index (HNSW) the top-p is a second search, asked only by verifications, never by direct steps.",
+    )
+    max_stride: int = Field(
+        C.KNN_MAX_STRIDE,
+        ge=1,
+        le=256,
+        description="Upper bound on the stride OS3 chooses for a KNN-LM request (S); KNN-LM reads it here, not SpecConfig.max_stride.",
     )
     cache_max_entries: int = Field(
         0,
         ge=0,
-        description="Speculative cache capacity in entries (oldest evicted first); 0: max(KNN_CACHE_MIN_ENTRIES, cache_retrievals p (n + 1)), p = entries fetched per query (k, or the prefetch size with P).",
+        description="Speculative cache capacity in entries (oldest evicted first); 0: max(KNN_CACHE_MIN_ENTRIES, cache_retrievals p (n + 1)), p = entries fetched per query (k, or the prefetch size with P), at most the datastore's size.",
     )
     cache_project_dims: int = Field(
         C.KNN_CACHE_PROJECT_DIMS,
@@ -420,7 +432,7 @@ class KnnLMConfig(StrictModel):
         description="The speculative cache scans its keys PCA-projected to this many dimensions (a lower bound of the L2 distance, then exact re-scoring: the cache's answer is unchanged, only cheaper to find); 0 or >= the key dimension: scan the full keys; requests with k > KNN_PROJECTED_MAX_K (256) always scan the full keys (the bound then needs thousands of candidates). The basis is fitted once per datastore, on first use.",
     )
     cache_retrievals: int = Field(
-        8,
+        C.KNN_CACHE_RETRIEVALS,
         ge=1,
         description="Default cache capacity in KB answers (each p (n + 1) entries); a verification inserts a whole window's answers at once, so this should not be below the usual stride. Used when cache_max_entries is 0.",
     )

@@ -79,8 +79,13 @@ KNN_K = 16  # neighbours retrieved per token (1..1024)
 KNN_MAX_K = 1024
 KNN_TEMPERATURE = 1.0  # p_knn(y) ~ sum_{v_j = y} exp(-dist_j / T), dist = squared L2
 KNN_LAMBDA = 0.25  # next token = argmax(lambda p_knn + (1 - lambda) p_lm) (Khandelwal et al.)
-KNN_SPATIAL_NEXT = 10  # n: entries after each retrieved one inserted into the speculative cache
-KNN_CACHE_MIN_ENTRIES = 4096  # speculative cache capacity = max(this, 2 k (n + 1)) unless set
+# speculation defaults (KnnLMConfig; docs/design.md "KNN-LM", "Default settings" has the measurements)
+KNN_SPATIAL_NEXT = 20  # n: entries after each retrieved one inserted into the speculative cache (paper: 10)
+KNN_PREFETCH_SIZE = 1024  # p: with P every KB search fetches the top-max(k, p) into the cache
+KNN_CACHE_RETRIEVALS = 32  # default cache capacity: this many KB answers, each p (n + 1) entries
+KNN_MAX_STRIDE = 32  # OS3's upper bound on the KNN-LM stride
+KNN_DEFAULT_SPEC = "PS"  # a KNN-LM request that names no speculation config (library and server)
+KNN_CACHE_MIN_ENTRIES = 4096  # speculative cache capacity: at least this many entries unless set
 KNN_MAX_PASSAGE_TOKENS = 256  # datastore: a passage is truncated to this many tokens
 KNN_PAD_NORM_FACTOR = 1e3  # L2 padding vectors: norm = this x the largest key norm (never in a top-k)
 KNN_CACHE_PROJECT_DIMS = 64  # speculative cache scans keys PCA-projected to this many dims (0: full keys)

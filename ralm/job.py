@@ -36,7 +36,16 @@ from ralm.methods import MethodInfo, MethodName, method_info
 from ralm.retrievers import RetrieverKind
 
 # KnnLMConfig fields a request may set (the rest - datastore, index, scan - are the server's)
-KNN_REQUEST_FIELDS = ("k", "temperature", "lmbda", "spatial_next", "cache_max_entries")
+KNN_REQUEST_FIELDS = (
+    "k",
+    "temperature",
+    "lmbda",
+    "spatial_next",
+    "cache_max_entries",
+    "prefetch_size",
+    "cache_retrievals",
+    "max_stride",
+)
 
 
 class KnnRequestOptions(BaseModel):
@@ -49,6 +58,9 @@ class KnnRequestOptions(BaseModel):
     lmbda: float | None = Field(None, description="lambda: weight of p_knn in the interpolation (0..1).")
     spatial_next: int | None = Field(None, description="knnlm-spec: successors of each retrieved entry cached.")
     cache_max_entries: int | None = Field(None, description="knnlm-spec: speculative cache capacity (0: automatic).")
+    prefetch_size: int | None = Field(None, description="knnlm-spec with P: entries fetched per KB query (<= 1024).")
+    cache_retrievals: int | None = Field(None, description="knnlm-spec: automatic cache capacity, in KB answers.")
+    max_stride: int | None = Field(None, description="knnlm-spec with S: upper bound on OS3's stride.")
 
     def applied_to(self, base: KnnLMConfig) -> KnnLMConfig:
         """``base`` with these settings on top, validated (ValidationError naming the field)."""

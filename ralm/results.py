@@ -111,6 +111,7 @@ class RequestStats:
     resumed_steps: int = 0
     knn_k: int = 0  # KNN-LM: neighbours per token (0: a document-level request)
     cache_entries: int = 0  # KNN-LM: speculative cache size at the end of the request
+    knn_settings: dict = field(default_factory=dict)  # KNN-LM: the settings it ran with (ralm.knnlm.knn_settings)
 
     @property
     def speculation_accuracy(self) -> float | None:

@@ -8,14 +8,22 @@ per token) and then each speculative configuration (fixed strides ``s=N``, ``S``
 OS3, ``S@G`` for OS3 with gamma cap G, a ``P`` prefix for prefetching) back to back.
 Every speculative output is compared token by token with the baseline's; any difference
 makes the command exit non-zero. The notes give the KB latency by batch size (is
-verification flat in the batch?) and the strides OS3 chose. Writes ``knn_bench.json``
-and ``knn_bench.md``.
+verification flat in the batch?), the strides OS3 chose and each configuration's
+settings. Writes ``knn_bench.json`` and ``knn_bench.md``.
 
-Example (the numbers of the KNN-LM section of docs/results/README.md; the datastore of 2,000 passages is
-built once into DIR and reused):
+The cache and stride settings (``--prefetch-size``, ``--spatial-next``,
+``--cache-retrievals``, ``--max-stride``) default to :class:`~ralm.config.KnnLMConfig`'s,
+so ``--configs PS`` measures what a user gets. A configuration may set its own with
+``;FIELD=VALUE`` (:data:`KNN_FIELDS` go to its KnnLMConfig, any other field to its
+SpecConfig), so two settings run side by side on the same prompts, e.g. the library's
+defaults before 2026-11-27 against today's::
 
-    ralmspec bench knn --passages 2000 --datastore-dir DIR -n 3 --max-new-tokens 64 \
-        --pad-to 2000000 --ks 1,16,256,1024 --configs s=4,s=8,s=16,S,S@0.9
+    --configs "PS;prefetch_size=256;spatial_next=10;cache_retrievals=8;max_stride=16,PS"
+
+Example (the datastore of 2,000 passages is built once into DIR and reused):
+
+    ralmspec bench knn --passages 2000 --datastore-dir DIR -n 5 --max-new-tokens 64 \
+        --pad-to 4000000 --ks 16,1024 --indexes flat --configs PS,Ps=16
 """
 
 from __future__ import annotations
@@ -68,16 +76,19 @@ def add_knn_bench_args(p: argparse.ArgumentParser) -> None:
     add_shared(
         p,
         configs=Default(
-            "s=4,s=8,S",
+            C.KNN_DEFAULT_SPEC,
             help="RaLMSpec configurations, comma-separated (ralm.config.SpecConfig.parse): s=N (fixed stride) or "
-            "S (OS3); prefix P to prefetch (e.g. Ps=8, PS); @G sets OS3's gamma cap (e.g. S@0.9)",
+            "S (OS3); prefix P to prefetch (e.g. Ps=8, PS); @G sets OS3's gamma cap (e.g. S@0.9); "
+            f"append ;FIELD=VALUE to set a field for this configuration only ({', '.join(KNN_FIELDS)}: "
+            "KnnLMConfig; others: SpecConfig). Default: PS, KNN-LM's default",
         ),
     )
     p.add_argument(
         "--prefetch-size",
         type=int,
-        default=256,
-        help="p for P configs: every KB search fetches the top-max(k, p) into the cache (<= 1024)",
+        default=C.KNN_PREFETCH_SIZE,
+        help="p for P configs: every KB search fetches the top-max(k, p) into the cache (<= 1024; "
+        "KnnLMConfig.prefetch_size)",
     )
     p.add_argument(
         "--cache-entries",
@@ -88,7 +99,7 @@ def add_knn_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-retrievals",
         type=int,
-        default=8,
+        default=C.KNN_CACHE_RETRIEVALS,
         help="default cache capacity in KB answers, each p (n + 1) entries (KnnLMConfig.cache_retrievals)",
     )
     p.add_argument(
@@ -122,26 +133,48 @@ def add_knn_bench_args(p: argparse.ArgumentParser) -> None:
         default=C.OS3_GAMMA_MAX,
         help="OS3 cap on the gamma estimate (the paper's 0.6 by default)",
     )
-    p.add_argument("--max-stride", type=int, default=C.OS3_MAX_STRIDE, help="OS3 upper bound on s")
+    p.add_argument(
+        "--max-stride", type=int, default=C.KNN_MAX_STRIDE, help="OS3 upper bound on s (KnnLMConfig.max_stride)"
+    )
     add_shared(p, threads=Default(1, help="torch and FAISS threads"))
     add_shared(p, warmup=1, out=Path("knn-bench-out"))
 
 
-def _spec(name: str, gamma_max: float = 0.6, max_stride: int = 16, prefetch_size: int = 256) -> SpecConfig:
-    """A configuration by its name (:meth:`ralm.config.SpecConfig.parse`; here typically
-    ``[P]s=N`` or ``[P]S[@G]``), with this benchmark's OS3 settings for S and ``prefetch_size``
-    for P. KNN-LM has no asynchronous verification, so a name with A is an error."""
-    flags = SpecConfig.parse(name)
+# KnnLMConfig fields a configuration may set with ;FIELD=VALUE (the rest of a name is SpecConfig's)
+KNN_FIELDS = (
+    "prefetch_size",
+    "spatial_next",
+    "cache_retrievals",
+    "max_stride",
+    "cache_max_entries",
+    "cache_project_dims",
+)
+
+
+def _spec(name: str, gamma_max: float = C.OS3_GAMMA_MAX) -> SpecConfig:
+    """A configuration's SpecConfig by its name (:meth:`ralm.config.SpecConfig.parse`; here
+    typically ``[P]s=N`` or ``[P]S[@G]``, its ``;FIELD=VALUE`` settings of :data:`KNN_FIELDS`
+    left out: :func:`_knn_for` takes those), with this benchmark's gamma cap for S. KNN-LM has
+    no asynchronous verification, so a name with A is an error."""
+    head, *settings = name.split(";")
+    spec_name = ";".join([head] + [x for x in settings if x.partition("=")[0].strip() not in KNN_FIELDS])
+    flags = SpecConfig.parse(spec_name)
     if flags.async_verify:
         raise ValueError(
             f"KNN-LM speculation config {name!r}: asynchronous verification (A) is not supported "
             "for KNN-LM; use [P]s=N or [P]S[@G]"
         )
-    defaults = {
-        **({"gamma_max": gamma_max, "max_stride": max_stride} if flags.adaptive_stride else {}),
-        **({"prefetch_size": prefetch_size} if flags.prefetch else {}),
-    }
-    return SpecConfig.parse(name, **defaults)
+    return SpecConfig.parse(spec_name, **({"gamma_max": gamma_max} if flags.adaptive_stride else {}))
+
+
+def _knn_for(name: str, base: KnnLMConfig) -> KnnLMConfig:
+    """``base`` with the configuration's own ``;FIELD=VALUE`` settings of :data:`KNN_FIELDS`."""
+    upd = {}
+    for setting in name.split(";")[1:]:
+        key, eq, value = (x.strip() for x in setting.partition("="))
+        if eq and key in KNN_FIELDS:
+            upd[key] = value
+    return KnnLMConfig.model_validate({**base.model_dump(), **upd}) if upd else base
 
 
 def _load_or_build(args, engine, corpus):
@@ -186,7 +219,7 @@ def knn_bench_main(args) -> int:
 
     # lazy: loads torch, and cli.build_parser imports this module for every command
     from ralm.engine import LMEngine
-    from ralm.knnlm import KnnRetriever, new_cache, run_knn_seq, run_knn_spec  # lazy: as above
+    from ralm.knnlm import KnnRetriever, knn_settings, new_cache, run_knn_seq, run_knn_spec  # lazy: as above
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
@@ -200,7 +233,7 @@ def knn_bench_main(args) -> int:
         if kind not in ("flat", "hnsw"):
             raise SystemExit(f"unknown index {kind!r}: use flat or hnsw")
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    specs = {c: _spec(c, args.gamma_max, args.max_stride, args.prefetch_size) for c in configs}
+    specs = {c: _spec(c, args.gamma_max) for c in configs}
     args.out.mkdir(parents=True, exist_ok=True)
 
     engine = LMEngine.from_config(GeneratorConfig(model=args.model, torch_threads=args.threads))
@@ -218,7 +251,8 @@ def knn_bench_main(args) -> int:
         f"n={args.spatial_next}, S: Beta-posterior gamma per position bucket (S@bayes: one gamma; S@G: the paper's OS3 capped at G), max stride {args.max_stride}, "
         f"P prefetch size {args.prefetch_size}, cache capacity "
         f"{args.cache_entries or f'max(4096, {args.cache_retrievals} p (n + 1)), p = entries fetched per query'}, "
-        f"cache scan {args.cache_project_dims or 'full'} dims, threads={args.threads}",
+        f"cache scan {args.cache_project_dims or 'full'} dims, threads={args.threads} "
+        f"(unless a configuration sets its own: see its settings below)",
         machine_note(),
     ]
     rows, per_request = [], []
@@ -247,11 +281,16 @@ def knn_bench_main(args) -> int:
                 cache_retrievals=args.cache_retrievals,
                 cache_project_dims=args.cache_project_dims,
                 scan=args.scan,
+                prefetch_size=args.prefetch_size,
+                max_stride=args.max_stride,
             )
+            knns = {c: _knn_for(c, knn) for c in configs}
+            for c in configs:
+                notes.append(f"{kind} k={k} {c}: settings {knn_settings(kb, knns[c], specs[c])}")
             for p in warm:
                 run_knn_seq(p, engine, kb, knn, req)
                 for c in configs:
-                    run_knn_spec(p, engine, kb, knn, req, specs[c])
+                    run_knn_spec(p, engine, kb, knns[c], req, specs[c])
             base = ConfigRuns("baseline")
             res = {c: ConfigRuns(c) for c in configs}
             caches: dict[str, list[Any]] = {c: [] for c in configs}
@@ -262,8 +301,8 @@ def knn_bench_main(args) -> int:
                 base.identical.append(True)
                 row = {"index": kind, "k": k, "prompt": p, "seq": b.stats.as_dict(), "seq_tokens": b.tokens}
                 for c in configs:
-                    cache = new_cache(kb, knn, specs[c])
-                    r = run_knn_spec(p, engine, kb, knn, req, specs[c], cache=cache)
+                    cache = new_cache(kb, knns[c], specs[c])
+                    r = run_knn_spec(p, engine, kb, knns[c], req, specs[c], cache=cache)
                     caches[c].append(cache)
                     ok = r.tokens == b.tokens
                     res[c].results.append(r)

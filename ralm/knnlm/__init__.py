@@ -8,7 +8,7 @@
 
 from ralm.knnlm.cache import KnnEntryCache
 from ralm.knnlm.datastore import Datastore, DatastoreError, build_datastore, model_fingerprint
-from ralm.knnlm.loop import choose_token, new_cache, run_knn_seq, run_knn_spec
+from ralm.knnlm.loop import choose_token, default_spec, knn_settings, new_cache, run_knn_seq, run_knn_spec
 from ralm.knnlm.retriever import KnnRetriever, load_knn_retriever
 from ralm.knnlm.stepper import BatchedKnnStepper, KnnStepper, stepper_for
 
@@ -22,6 +22,8 @@ __all__ = [
     "stepper_for",
     "build_datastore",
     "choose_token",
+    "default_spec",
+    "knn_settings",
     "load_knn_retriever",
     "model_fingerprint",
     "new_cache",

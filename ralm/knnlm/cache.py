@@ -18,9 +18,13 @@ exactly the top-k of the cached entries. (A bf16 ring with bf16_scan's bound was
 no faster here - 5.5 vs 6.7 ms at 90K entries, slower below 20K.)
 
 Capacity (:func:`default_capacity`): room for the entries of ``retrievals`` (default
-``KNN_CACHE_RETRIEVALS`` = 8, ``KnnLMConfig.cache_retrievals``) KB answers (each ``p (n + 1)`` entries, p = entries fetched per query), at least
-``KNN_CACHE_MIN_ENTRIES``. A verification inserts the answers of a whole window at once,
-so a capacity of only 2 answers kept little more than the window's last two queries.
+``KNN_CACHE_RETRIEVALS`` = 32, ``KnnLMConfig.cache_retrievals``) KB answers (each
+``p (n + 1)`` entries, p = entries fetched per query), at least ``KNN_CACHE_MIN_ENTRIES``
+and at most the datastore's size (the ring holds distinct entries). A verification inserts
+the answers of a whole window at once, so a capacity of only 2 answers kept little more
+than the window's last two queries. The ring's pages are touched only as it fills, so a
+request pays memory for what it inserted: at k = 16 with the defaults (p = 1,024, n = 20)
+an answer adds up to 21.5K entries, 5.5 MB of 64-dimensional projected keys.
 """
 
 from __future__ import annotations
@@ -36,12 +40,12 @@ from ralm.knnlm.metric import Hit, l2_distances
 from ralm.knnlm.projection import projection_for, projection_tolerance
 from ralm.knnlm.retriever import exact_knn, margin_for
 
-KNN_CACHE_RETRIEVALS = 8  # default capacity: this many KB answers (with their successors)
 
-
-def default_capacity(k: int, n_next: int, retrievals: int = KNN_CACHE_RETRIEVALS) -> int:
-    """max(KNN_CACHE_MIN_ENTRIES, retrievals * k * (n + 1)): ``k`` = entries fetched per query."""
-    return max(C.KNN_CACHE_MIN_ENTRIES, int(retrievals) * int(k) * (int(n_next) + 1))
+def default_capacity(k: int, n_next: int, retrievals: int = C.KNN_CACHE_RETRIEVALS, entries: int = 0) -> int:
+    """max(KNN_CACHE_MIN_ENTRIES, retrievals * k * (n + 1)), at most ``entries`` (the
+    datastore's size; 0: no bound): ``k`` = entries fetched per query."""
+    cap = max(C.KNN_CACHE_MIN_ENTRIES, int(retrievals) * int(k) * (int(n_next) + 1))
+    return min(cap, int(entries)) if entries > 0 else cap
 
 
 class KnnEntryCache:

@@ -20,10 +20,17 @@ cropped to that position (``DynamicCache.crop``), the KB's token is taken and de
 continues from the cropped cache exactly as the baseline would. The KB results of the
 committed steps (up to and including the first mismatch; the rest were on a discarded
 path) and the ``n`` entries after each go into the cache (with prefetching, P: the KB's
-top-p, p > k, of which the top-k is the prefix on the exact index; HNSW is asked for both). ``s`` is fixed or chosen by OS3
+top-p, p > k, of which the top-k is the prefix on the exact index; HNSW is asked for both,
+by verifications only). ``s`` is fixed or chosen by OS3
 (:class:`ralm.stride.os3.StrideScheduler`: a = speculative step latency, b = verification
-latency, fed per batch size; s = 0 is a direct KB step, with the cache's guess recorded
-on some of them, within a budget: :meth:`_KnnSpecRun.direct_step`).
+latency, fed per batch size, s at most ``KnnLMConfig.max_stride``; s = 0 is a direct KB
+step, with the cache's guess recorded on some of them, within a budget:
+:meth:`_KnnSpecRun.direct_step`).
+
+Defaults (:class:`~ralm.config.KnnLMConfig`, and PS when no ``spec`` is given): p = 1,024,
+n = 20, a cache of 32 KB answers, strides up to 32 (docs/design.md, "KNN-LM defaults").
+Every result's ``stats.knn_settings`` records the settings it ran with
+(:func:`knn_settings`).
 
 The cycle itself is :func:`ralm.speculation_cycle.speculate`; :class:`_KnnSpecRun` is its
 token-level strategy (a step's value is its token).
@@ -129,6 +136,7 @@ def run_knn_seq(
     stop_tok, mask_tok = _eos_setup(lm, req)
     values = kb.ds.values
     st = RequestStats(method="knn-seq", retriever=kb.name, knn_k=knn.k)
+    st.knn_settings = knn_settings(kb, knn)
     lm_step = stepper_for(lm)
     t0 = time.perf_counter()
     lm_step.prefill(X)
@@ -157,18 +165,60 @@ def run_knn_seq(
 
 
 # ---------------------------------------------------------------------------- speculation
+
+
+def default_spec() -> SpecConfig:
+    """KNN-LM's default speculation: prefetching and OS3 (PS; KNN-LM has no A)."""
+    return SpecConfig.named(C.KNN_DEFAULT_SPEC)
+
+
 def fetch_size(knn: KnnLMConfig, spec: SpecConfig) -> int:
-    """Entries fetched from the KB per query: k, or max(k, p) with prefetching (at most 1024)."""
-    return min(max(knn.k, spec.prefetch_size), C.KNN_MAX_K) if spec.prefetch else knn.k
+    """Entries fetched from the KB per query: k, or max(k, p) with prefetching (at most 1024);
+    p is ``knn.prefetch_size`` (entries; ``spec.prefetch_size`` counts documents)."""
+    return min(max(knn.k, knn.prefetch_size), C.KNN_MAX_K) if spec.prefetch else knn.k
+
+
+def cache_capacity(kb: KnnRetriever, knn: KnnLMConfig, spec: SpecConfig) -> int:
+    """A request's cache capacity: ``knn.cache_max_entries``, or room for
+    ``knn.cache_retrievals`` KB answers of :func:`fetch_size` entries with their ``n``
+    successors (:func:`~ralm.knnlm.cache.default_capacity`), at most the datastore's size."""
+    return knn.cache_max_entries or default_capacity(
+        fetch_size(knn, spec), knn.spatial_next, knn.cache_retrievals, entries=len(kb.ds)
+    )
+
+
+def scheduler_spec(knn: KnnLMConfig, spec: SpecConfig) -> SpecConfig:
+    """The SpecConfig OS3 runs with for a KNN-LM request: ``spec`` with its stride cap
+    replaced by ``knn.max_stride``."""
+    return spec.model_copy(update={"max_stride": knn.max_stride}) if spec.adaptive_stride else spec
+
+
+def knn_settings(kb: KnnRetriever, knn: KnnLMConfig, spec: SpecConfig | None = None) -> dict[str, Any]:
+    """The settings a KNN-LM request runs with, as its statistics report them
+    (``RequestStats.knn_settings``): the retrieval's, and with ``spec`` the speculation's
+    (entries fetched per KB query, ``n``, cache capacity, stride or OS3 and its cap)."""
+    out: dict[str, Any] = {"k": knn.k, "lmbda": knn.lmbda, "temperature": knn.temperature, "index": kb.name}
+    if spec is None:
+        return out
+    out.update(
+        prefetch=spec.prefetch,
+        fetched_per_query=fetch_size(knn, spec),
+        spatial_next=knn.spatial_next,
+        cache_retrievals=knn.cache_retrievals,
+        cache_capacity=cache_capacity(kb, knn, spec),
+        adaptive_stride=spec.adaptive_stride,
+    )
+    if spec.adaptive_stride:
+        out.update(max_stride=knn.max_stride, gamma_estimate=spec.gamma_estimate)
+    else:
+        out.update(stride=spec.stride)
+    return out
 
 
 def new_cache(kb: KnnRetriever, knn: KnnLMConfig, spec: SpecConfig | None = None) -> KnnEntryCache:
-    """A request's empty speculative cache: ``knn.cache_max_entries`` entries, or by default
-    room for ``knn.cache_retrievals`` KB answers (:func:`~ralm.knnlm.cache.default_capacity`
-    of the entries fetched per query)."""
-    cap = knn.cache_max_entries or default_capacity(
-        fetch_size(knn, spec or SpecConfig()), knn.spatial_next, knn.cache_retrievals
-    )
+    """A request's empty speculative cache of :func:`cache_capacity` entries (``spec``:
+    KNN-LM's default, PS, when None)."""
+    cap = cache_capacity(kb, knn, spec or default_spec())
     # the projected scan pays off up to k = 256 (a 265K-entry cache: 4.9 vs 19.5 ms at k = 16,
     # 10.8 vs 18.8 at 256); at k = 1024 the bound needs thousands of candidates (23.5 vs 20.3)
     dims = knn.cache_project_dims if knn.k <= C.KNN_PROJECTED_MAX_K else 0
@@ -219,13 +269,23 @@ class _KnnSpecRun:
         # the step's token still uses the top-k, the first k of that list on an exact index
         self.fetch_k = fetch_size(knn, spec)
         self.cache = cache if cache is not None else new_cache(kb, knn, spec)
+        sched_spec = scheduler_spec(knn, spec)
         self.sched = StrideScheduler(
-            spec,
+            sched_spec,
             prior=PROCESS_PRIOR if spec.gamma_prior else None,
-            prior_key=("knn", kb.name, knn.k, spec.model_dump_json()),
+            prior_key=(
+                "knn",
+                kb.name,
+                knn.k,
+                self.fetch_k,
+                knn.spatial_next,
+                self.cache.capacity,
+                sched_spec.model_dump_json(),
+            ),
         )
         name = ("P," if self.fetch_k > knn.k else "") + (f"s={spec.stride}" if not spec.adaptive_stride else "S")
         self.stats = RequestStats(method=f"knn-spec[{name}]", retriever=kb.name, knn_k=knn.k)
+        self.stats.knn_settings = {**knn_settings(kb, knn, spec), "cache_capacity": self.cache.capacity}
         self.step_lm = stepper_for(lm)
         # cache work of direct steps (fills and guesses: see direct_step)
         self.probe_budget = ShadowBudget(("knn", kb.name, len(kb.ds), knn.k, self.fetch_k))
@@ -266,12 +326,15 @@ class _KnnSpecRun:
     def _choose(self, p_lm: np.ndarray, hits: Sequence[Hit]) -> int:
         return choose_token(p_lm, hits, self.values, self.knn, self.mask_tok)
 
-    def _kb_search(self, queries: list[np.ndarray]) -> tuple[list[list[Hit]], list[list[Hit]], float]:
+    def _kb_search(
+        self, queries: list[np.ndarray], prefetch: bool = True
+    ) -> tuple[list[list[Hit]], list[list[Hit]], float]:
         """(top-k of each query, exactly the baseline's answer; what to cache: the top-p
-        with prefetching, else the same top-k; search seconds)."""
+        with prefetching, else the same top-k; search seconds). ``prefetch=False``: only
+        the top-k, to cache too (a direct step on HNSW, where the top-p is a second search)."""
         k = self.knn.k
         t0 = time.perf_counter()
-        if self.fetch_k == k:
+        if self.fetch_k == k or (not prefetch and not self.kb.exact):
             truth = fetched = self.kb.search_vectors(queries, k)
         elif self.kb.exact:
             # an exact index ranks every entry by (distance, id): its top-k is the prefix of its top-p
@@ -307,7 +370,12 @@ class _KnnSpecRun:
         small HNSW index at k = 1024: 5 ms a call, a probe (a fill of 11k entries and a guess)
         about 20 ms: probes average one per 20 / 0.05 = 400 ms of KB time, 80 steps) direct steps cost what
         RaLMSeq's do, and on an expensive KB (a flat one at 225 ms a call) every direct
-        step probes."""
+        step probes.
+
+        On an approximate index (HNSW) a direct step asks only the top-k, as RaLMSeq does:
+        the top-p is a second, larger search there, worth paying only in a verification,
+        whose window the cache is about to serve. On the exact index the top-p comes from
+        the same scan."""
         st = self.stats
         h, p = self.step_lm.query()
         probe = shadow and self.probe_budget.allowed()
@@ -320,7 +388,7 @@ class _KnnSpecRun:
             t_guess = time.perf_counter() - t0
             st.cache_lookups += 1
             self.probe_budget.spend(t_fill + t_guess)
-        truth, fetched, b = self._kb_search([h])
+        truth, fetched, b = self._kb_search([h], prefetch=False)
         self._pending_fill = fetched
         self.probe_budget.add_kb_time(b)
         y = self._choose(p, truth[0])
@@ -404,11 +472,12 @@ def run_knn_spec(
 ) -> RalmResult:
     """KNN-LM with speculative retrieval; the tokens equal :func:`run_knn_seq`'s.
 
-    ``spec``: stride (fixed) or ``adaptive_stride`` (OS3); ``prefetch`` (P) makes every KB
-    search fetch the top-``prefetch_size`` (when larger than k) and cache them all with
-    their successors, while tokens still use the top-k; async is rejected.
-    ``on_commit(tokens)`` receives tokens once verified.
+    ``spec``: stride (fixed) or ``adaptive_stride`` (OS3, strides up to ``knn.max_stride``);
+    ``prefetch`` (P) makes every KB search fetch the top-``knn.prefetch_size`` (when larger
+    than k) and cache them all with their successors, while tokens still use the top-k;
+    async is rejected. None: PS (:func:`default_spec`). ``on_commit(tokens)`` receives
+    tokens once verified. ``result.stats.knn_settings`` lists the settings used.
     """
-    knn, req, spec = knn or KnnLMConfig(), req or RequestConfig(), spec or SpecConfig()
+    knn, req, spec = knn or KnnLMConfig(), req or RequestConfig(), spec or default_spec()
     run = _KnnSpecRun(prompt, lm, kb, knn, req, spec, cache, on_commit)
     return run.run()

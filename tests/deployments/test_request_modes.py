@@ -243,6 +243,10 @@ def test_knnlm_over_http_returns_the_in_process_tokens(server, ref_gen, knn_setu
         assert st["method"].startswith("knn-seq" if method == "knnlm-seq" else "knn-spec")
         assert st["knn_k"] == cfg.k and st["forward_passes"] > 0
         assert st["generated_tokens"] >= len(res["tokens"])
+        assert st["knn_settings"]["k"] == cfg.k and st["knn_settings"]["lmbda"] == cfg.lmbda
+        if method == "knnlm-spec":  # the server's KNN-LM settings (KnnLMConfig's defaults underneath)
+            assert st["knn_settings"]["spatial_next"] == cfg.spatial_next
+            assert st["knn_settings"]["cache_retrievals"] == cfg.cache_retrievals == 32
         if method == "knnlm-seq":
             assert st["kb_calls"] == st["steps"]
         elif st["direct_steps"]:

@@ -69,12 +69,15 @@ def test_default_capacity_holds_several_answers(knn_setups):
     from ralm.knnlm import new_cache
     from ralm.knnlm.cache import default_capacity
 
-    assert default_capacity(16, 10) == 4096  # the minimum
-    assert default_capacity(1024, 10) == 8 * 1024 * 11  # 8 KB answers with successors
+    assert default_capacity(16, 10, retrievals=8) == 4096  # the minimum
+    assert default_capacity(1024, 20) == 32 * 1024 * 21  # 32 KB answers with successors
     assert default_capacity(1024, 10, retrievals=2) == 2 * 1024 * 11
+    assert default_capacity(1024, 10, retrievals=2, entries=5000) == 5000  # at most the datastore
     lm, ds, kbs = knn_setups["tiny-gpt2"]
-    knn = KnnLMConfig(k=256)
-    assert new_cache(kbs["flat"], knn).capacity == 8 * 256 * 11
-    assert new_cache(kbs["flat"], knn, SpecConfig(prefetch=True, prefetch_size=512)).capacity == 8 * 512 * 11
-    assert new_cache(kbs["flat"], KnnLMConfig(k=256, cache_retrievals=3)).capacity == 3 * 256 * 11
+    n = len(ds)
+    no_p = SpecConfig()
+    assert new_cache(kbs["flat"], KnnLMConfig(k=16, cache_retrievals=2, spatial_next=3), no_p).capacity == min(4096, n)
+    small = KnnLMConfig(k=1, spatial_next=0, cache_retrievals=2, prefetch_size=1024)
+    assert new_cache(kbs["flat"], small, SpecConfig(prefetch=True)).capacity == min(max(4096, 2 * 1024), n)
+    assert new_cache(kbs["flat"], KnnLMConfig(k=256)).capacity == n  # PS by default: 32 x 1024 x 21 > n
     assert new_cache(kbs["flat"], KnnLMConfig(k=256, cache_max_entries=777)).capacity == 777

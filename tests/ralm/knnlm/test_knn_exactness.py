@@ -102,11 +102,11 @@ def test_prefetch_spec_equals_seq(knn_setups, knn_prompts, index, k):
     baseline's (flat: the top-k is the prefix of the top-p; HNSW: asked separately)."""
     lm, ds, kbs = knn_setups["pydocs-gpt"]
     kb = kbs[index]
-    knn = KnnLMConfig(k=k, lmbda=LAMBDA["pydocs-gpt"], index=index)
+    knn = KnnLMConfig(k=k, lmbda=LAMBDA["pydocs-gpt"], index=index, prefetch_size=64)
     req = RequestConfig(max_new_tokens=MAX_NEW["pydocs-gpt"], ignore_eos=True)
     specs = {
-        "P,s=3": SpecConfig(stride=3, prefetch=True, prefetch_size=64),
-        "P,S": SpecConfig(adaptive_stride=True, prefetch=True, prefetch_size=64),
+        "P,s=3": SpecConfig(stride=3, prefetch=True),
+        "P,S": SpecConfig(adaptive_stride=True, prefetch=True),
     }
     for prompt in knn_prompts[:3]:
         base = run_knn_seq(prompt, lm, kb, knn, req)
