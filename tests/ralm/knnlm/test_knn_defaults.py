@@ -14,6 +14,7 @@ import pytest
 from ralm import constants as C
 from ralm.config import KnnLMConfig, RequestConfig, SpecConfig
 from ralm.knnlm import default_spec, knn_settings, run_knn_seq, run_knn_spec
+from ralm.knnlm.loop import scheduler_spec
 from ralm.stride.os3 import StrideScheduler
 
 REQ = RequestConfig(max_new_tokens=24, ignore_eos=True)
@@ -64,7 +65,9 @@ def test_knn_settings_decide_prefetch_and_stride_cap_not_specconfig(knn_setups, 
     s = got.stats.knn_settings
     assert (s["fetched_per_query"], s["max_stride"], s["spatial_next"], s["cache_retrievals"]) == (64, 2, 3, 5)
     assert s["cache_capacity"] == min(max(C.KNN_CACHE_MIN_ENTRIES, 5 * 64 * 4), len(kb.ds))
-    assert got.stats.strides and max(got.stats.strides) <= 2
+    # OS3 may take direct steps throughout on this small KB; whatever it chose stays under the cap
+    assert max(got.stats.strides, default=0) <= 2
+    assert scheduler_spec(knn, spec).max_stride == 2 and scheduler_spec(knn, SpecConfig(stride=5)).stride == 5
     # without P only the top-k is fetched; a fixed stride reports its stride
     fixed = knn_settings(kb, knn, SpecConfig(stride=5))
     assert (fixed["fetched_per_query"], fixed["stride"], fixed["prefetch"]) == (4, 5, False)
