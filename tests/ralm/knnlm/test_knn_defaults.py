@@ -89,8 +89,9 @@ def test_hnsw_direct_steps_ask_only_the_top_k(knn_setups, knn_prompts, monkeypat
         return real(queries, k)
 
     monkeypatch.setattr(kb, "search_vectors", recording)
-    monkeypatch.setattr(StrideScheduler, "next_stride", lambda self, position=None, remaining=None: 0)
-    got = run_knn_spec(knn_prompts[2], lm, kb, knn, REQ, SpecConfig.named("PS"))
+    with monkeypatch.context() as m:
+        m.setattr(StrideScheduler, "next_stride", lambda self, position=None, remaining=None: 0)
+        got = run_knn_spec(knn_prompts[2], lm, kb, knn, REQ, SpecConfig.named("PS"))
     assert got.tokens == base.tokens
     assert got.stats.direct_steps == REQ.max_new_tokens - 1
     assert asked == [(1, 16)] * REQ.max_new_tokens  # never the top-256
@@ -133,7 +134,10 @@ def test_a_served_request_gets_the_defaults(tmp_path, tiny_lm, knn_corpus, knn_p
     )
     assert res.tokens == want.tokens
     _defaults_reported(res.stats, server.kb)
-    for body in ({"prefetch_size": 64, "spec": "PS;max_stride=3"}, {"spec": {"prefetch_size": 64, "max_stride": 3}}):
+    for body in (
+        {"prefetch_size": 64, "spec": "PS;max_stride=3"},
+        {"spec": {"prefetch": True, "adaptive_stride": True, "prefetch_size": 64, "max_stride": 3}},
+    ):
         res = server.run(job({"ignore_eos": True, **body}))
         s = res.stats.knn_settings
         assert (s["fetched_per_query"], s["max_stride"]) == (64, 3), body
