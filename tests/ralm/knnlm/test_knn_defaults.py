@@ -1,6 +1,6 @@
 """KNN-LM's default speculation settings are what every entry point runs: the library with
 no configuration, the served request (through the API's job builder and the replica's
-KNN-LM server) and ``ralmspec bench-knn``; each reports them in its statistics
+KNN-LM server) and ``ralmspec bench knn``; each reports them in its statistics
 (``RequestStats.knn_settings``). Also: a configuration's own KNN-LM settings, OS3's stride
 cap and HNSW direct steps that ask the KB only what RaLMSeq asks."""
 
@@ -148,13 +148,13 @@ def test_a_served_request_gets_the_defaults(tmp_path, tiny_lm, knn_corpus, knn_p
 
 
 def test_the_bench_runs_the_defaults_and_side_by_side_settings(tmp_path):
-    """``ralmspec bench-knn`` with no configuration flags measures PS with KnnLMConfig's
+    """``ralmspec bench knn`` with no configuration flags measures PS with KnnLMConfig's
     defaults; a configuration's ``;FIELD=VALUE`` sets its own KNN-LM settings in the same run."""
     from cluster.cli import build_parser, main
 
-    assert build_parser().parse_args(["bench-knn"]).configs == "PS"
+    assert build_parser().parse_args(["bench", "knn"]).configs == "PS"
     old = "PS;prefetch_size=256;spatial_next=10;cache_retrievals=8;max_stride=16"
-    argv = ["bench-knn", "--passages", "6", "-n", "1", "--warmup", "0", "--max-new-tokens", "6"]
+    argv = ["bench", "knn", "--passages", "6", "-n", "1", "--warmup", "0", "--max-new-tokens", "6"]
     argv += ["--ks", "16", "--indexes", "flat", "--out", str(tmp_path), "--configs", f"{old},PS"]
     assert main(argv) == 0
     data = json.loads((tmp_path / "knn_bench.json").read_text())
