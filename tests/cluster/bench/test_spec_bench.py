@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -73,8 +74,7 @@ def test_bench_exits_nonzero_when_an_output_differs(tmp_path, index_dirs, monkey
 
     def broken(*a, **kw):
         r = real(*a, **kw)
-        r.tokens = r.tokens[:-1]
-        return r
+        return dataclasses.replace(r, tokens=r.tokens[:-1])
 
     monkeypatch.setattr(ralm.spec, "run_spec", broken)
     cfg = tmp_path / "cfg.yaml"
