@@ -121,7 +121,11 @@ def test_the_server_stops_within_5_s_with_exit_code_0(how, tmp_path):
         assert status in (200, 503), (status, body)
         if status == 503:
             assert body["error"]["code"] == "shutting_down"
-    time.sleep(1.0)
+    # Ray's processes die with the driver; on a loaded 2-core machine reaping them can take
+    # seconds after the server has exited (the promise is about the server's own exit)
+    deadline = time.monotonic() + 10.0
+    while [p for p in ray_processes if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not [p for p in ray_processes if alive(p)], "Ray processes outlived the server"
 
 
