@@ -23,6 +23,38 @@ from ralm.engine import StepOutput
 from ralm.retrieval.base import rank_hits
 
 
+class VirtualClock:
+    """Time that only the scripted parts move: a step or a search "sleeps" by advancing it.
+
+    OS3 decides strides from measured costs, so a test that asserts a decision (direct steps
+    when retrieval is cheap, windows when it is dear) would depend on the machine's load if it
+    measured wall time: a 100 ms stall inside a 0.1 ms search makes retrieval look dear.
+    :meth:`install` replaces the ``time`` module of the speculation loop and of these doubles,
+    so every cost OS3 sees is exactly the scripted one. Single-threaded runs only (an async
+    verification would add its time to the step it overlaps instead of hiding under it)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    def install(self, monkeypatch) -> VirtualClock:
+        import sys
+        import types
+
+        import ralm.spec
+        import ralm.speculation_cycle
+
+        fake = types.SimpleNamespace(perf_counter=self.perf_counter, sleep=self.sleep, time=self.perf_counter)
+        for module in (ralm.spec, ralm.speculation_cycle, sys.modules[__name__]):
+            monkeypatch.setattr(module, "time", fake)
+        return self
+
+
 class ScriptedGenerator:
     def __init__(self, eos_at: int | None = None, step_sleep: float = 0.0):
         self.eos_token_id = -1

@@ -11,7 +11,7 @@ import pytest
 from ralm.config import RequestConfig, SpecConfig
 from ralm.seq import run_seq
 from ralm.spec import run_spec
-from tests.factories import ScriptedGenerator, ScriptedKB
+from tests.factories import ScriptedGenerator, ScriptedKB, VirtualClock
 
 Q = "what is the answer to this"  # 6 tokens
 K = 4
@@ -147,8 +147,10 @@ def test_prefetch_reduces_rollbacks_when_doc_seen_before():
     assert pre.stats.rollbacks < plain.stats.rollbacks
 
 
-def test_direct_steps_are_exact_and_counted():
-    # a cheap KB and a slow generator: OS3 falls back to direct (s = 0) steps
+def test_direct_steps_are_exact_and_counted(monkeypatch):
+    # a cheap KB and a slow generator: OS3 falls back to direct (s = 0) steps (virtual time:
+    # the decision must not depend on the machine's load)
+    VirtualClock().install(monkeypatch)
     schedule = {1: 3, 2: 3, 5: 8, 6: 1, 7: 8, 9: 2}
     gen, kb, req = pipeline(schedule)
     base = run_seq(Q, gen, kb, req)
@@ -159,12 +161,15 @@ def test_direct_steps_are_exact_and_counted():
     assert out.stats.direct_steps > 0
 
 
-def test_cheap_retrieval_never_speculates_so_never_rolls_back():
+def test_cheap_retrieval_never_speculates_so_never_rolls_back(monkeypatch):
     # With retrieval far cheaper than a generation step, OS3 decides on direct steps from
     # the first decision (after the warm-up call), so no speculative step is ever thrown
-    # away: PSA does RaLMSeq's work plus shadow guesses, one KB call per step.
+    # away: PSA does RaLMSeq's work plus shadow guesses, one KB call per step. Virtual time
+    # (a 0.1 ms search, a 10 ms step): a stall of the machine inside a search must not make
+    # retrieval look dear.
+    VirtualClock().install(monkeypatch)
     schedule = {1: 3, 2: 3, 5: 8, 6: 1, 7: 8, 9: 2}
-    gen, kb, req = pipeline(schedule)
+    gen, kb, req = pipeline(schedule, search_sleep=1e-4)
     gen.step_sleep = 0.01
     out = run_spec(Q, gen, kb, req, SpecConfig.named("PSA"))
     assert out.stats.spec_steps == 0 and out.stats.rollbacks == 0
@@ -187,6 +192,7 @@ def test_direct_steps_count_their_shadow_guess_as_a_lookup(monkeypatch):
         return 0
 
     monkeypatch.setattr(StrideScheduler, "next_stride", direct)
+    VirtualClock().install(monkeypatch)  # the budget's sums are the scripted costs, whatever the load
     schedule = {1: 3, 2: 3, 5: 8, 6: 1, 7: 8, 9: 2}
     gen, kb, req = pipeline(schedule, search_sleep=0.02)
     gen.step_sleep = 0.01
@@ -199,9 +205,10 @@ def test_direct_steps_count_their_shadow_guess_as_a_lookup(monkeypatch):
     assert st.shadow_hits == st.direct_steps
 
 
-def test_the_gamma_prior_carries_to_the_next_request_and_outputs_stay_exact():
+def test_the_gamma_prior_carries_to_the_next_request_and_outputs_stay_exact(monkeypatch):
     """A second request to the same KB with the same settings starts from the first one's
     evidence: its first window is longer than s = 1; every output still equals RaLMSeq's."""
+    VirtualClock().install(monkeypatch)
     spec = SpecConfig.named("PS", max_stride=8, allow_direct=False)
 
     def run(cfg):
@@ -299,11 +306,12 @@ def test_a_crowded_shared_kb_makes_ralmspec_take_direct_steps(load, threshold, n
         (3.0, None, False),  # no batch cost curve: nothing to price the shared queries with
     ],
 )
-def test_a_shared_kbs_batches_make_direct_steps_cheaper_than_windows(others, curve, shared):
+def test_a_shared_kbs_batches_make_direct_steps_cheaper_than_windows(others, curve, shared, monkeypatch):
     """With other requests' queries in every search, the cost model (ralm/stride/load_gate.py)
     prices a window's queries by what they add to those searches: then a direct step is the
     cheaper step, every decision after the first measurements is ``direct_shared``, and the
     tokens are RaLMSeq's. Alone, without a known load or without a cost curve, OS3 speculates."""
+    VirtualClock().install(monkeypatch)  # a 10 ms search, a step of no time: whatever the load
     spec = SpecConfig.parse("PSA", shared_kb_direct_at=0)
     gen, kb, req = pipeline({5: 9, 9: 3}, search_sleep=0.01)
     base = run_seq(Q, gen, kb, req)
