@@ -63,6 +63,7 @@ from torch import nn
 
 from ralm import constants as C
 from ralm.batching.attention import attend, invariant_attention, pad_kv
+from ralm.batching.rotary_attention import use_packed_rotary_attention
 from ralm.errors import InvariantUnavailable
 
 log = logging.getLogger(__name__)
@@ -157,16 +158,21 @@ class InvariantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.plain:
             return F.linear(x, self.weight, self.bias)
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        n = x2.shape[0]
-        if self.kernel == "triton":
+        if self.kernel == "triton":  # any leading dimensions, no padding (M-independent tiles)
             # lazy: keeps triton (optional, only the CUDA path uses it) out of CPU processes
             from ralm.batching import triton_kernels
 
-            y = triton_kernels.matmul(x2, self.weight, self.bias)
-            rows = n
-        elif self.kernel == "onednn":
+            return triton_kernels.matmul(x, self.weight, self.bias)
+        shape = x.shape
+        n = math.prod(shape[:-1])
+        # rows already a whole number of tiles (a packed forward pads them so): one call on x as
+        # it is, whatever its leading dimensions (the same GEMM on the same rows, no reshapes)
+        if self.kernel == "blas" and n % self.tile_rows == 0:
+            return F.linear(x, self.weight, self.bias)
+        if self.kernel == "onednn" and n >= C.INVARIANT_ONEDNN_MIN_ROWS and x.is_contiguous():
+            return onednn_linear(x, self.weight, self.bias)
+        x2 = x.reshape(-1, shape[-1])
+        if self.kernel == "onednn":
             rows = max(n, C.INVARIANT_ONEDNN_MIN_ROWS)
             y = onednn_linear(_pad_rows(x2, rows).contiguous(), self.weight, self.bias)
         else:
@@ -197,6 +203,28 @@ class InvariantGELUTanh(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * (x * x * x))))
+
+
+# --------------------------------------------------------------------------- norms
+class CastFreeRMSNorm(nn.Module):
+    """Llama's RMSNorm (``w * x / sqrt(mean(x^2) + eps)``, reduced in float32) without its two
+    casts when the input is already float32: the same operations in the same order, so the
+    same bits, in 6 torch ops instead of 8 (a ``to`` to the same dtype is still dispatched)."""
+
+    def __init__(self, weight: nn.Parameter, eps: float):
+        super().__init__()
+        self.weight = weight
+        self.variance_epsilon = float(eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x if dtype == torch.float32 else x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * (h if dtype == torch.float32 else h.to(dtype))
+
+
+#: the RMSNorm classes whose forward is exactly :class:`CastFreeRMSNorm`'s (Gemma's ``1 + w`` is not)
+_LLAMA_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 
 
 #: activation class name -> invariant replacement (None: already invariant, kept)
@@ -336,8 +364,11 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS, kernels: str =
                     setattr(parent, name, repl())
             elif kernels == "triton" and (norm := triton_norm(child)) is not None:
                 setattr(parent, name, norm)
+            elif kernels == "torch" and kind in _LLAMA_RMS_NORMS:
+                setattr(parent, name, CastFreeRMSNorm(child.weight, child.variance_epsilon))
     _register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
+    use_packed_rotary_attention(model)  # Llama-family layers: the packed batch's forward in fewer ops
     layers = [m for m in model.modules() if isinstance(m, InvariantLinear)]
     if kernels == "triton":
         return use_triton(model, layers, head_dim(model))

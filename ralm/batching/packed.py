@@ -211,42 +211,46 @@ class PackedBatch:
                 seg.kv.advance(seg.n)  # type: ignore[union-attr]
 
     def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
-        """``query [1, H, N, D]``, ``key/value [1, Hkv, N, D]`` (this layer's new tokens) ->
-        ``[1, N, H, D]``; appends each segment's keys/values to its sequence first.
+        """transformers' attention interface: ``query [1, H, N, D]``, ``key/value [1, Hkv, N, D]``
+        (this layer's new tokens) -> ``[1, N, H, D]``; see :meth:`attend_rows`."""
+        q = query[0].transpose(0, 1)  # [N, H, D], a view
+        return self.attend_rows(int(module.layer_idx), q, key[0], value[0], scaling).unsqueeze(0)
+
+    def attend_rows(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        """One layer's attention for every sequence of the batch: ``q [N, H, D]`` (row layout),
+        ``k, v [Hkv, N, D]`` (head-major: the KV's layout) -> ``[N, H, D]``; appends each
+        segment's keys/values to its sequence first.
 
         Segments with the same number of query tiles attend together (one stacked call):
         typically every decode token of the iteration in one call, each prefill chunk alone.
         Shorter sequences of a group are attended over the group's longest key range; their
         extra blocks are masked and add exact zeros."""
-        layer = int(module.layer_idx)
-        n_rows = query.shape[2]
+        n_rows = q.shape[0]
         if n_rows != self.n_tokens:  # padding rows (row_multiple): attended by nobody, written nowhere
             N = self.n_tokens
-            query, key, value = query[:, :, :N], key[:, :, :N], value[:, :, :N]
-            out = self._attend(layer, module, query, key, value, scaling)
+            out = self._attend(layer, q[:N], k[:, :N], v[:, :N], scaling)
             return F.pad(out, (0, 0, 0, 0, 0, n_rows - N))
-        return self._attend(layer, module, query, key, value, scaling)
+        return self._attend(layer, q, k, v, scaling)
 
-    def _attend(self, layer: int, module, query, key, value, scaling: float) -> torch.Tensor:
+    def _attend(self, layer: int, q_rows, key, value, scaling: float) -> torch.Tensor:
         if self.pool is not None:
             if self._plan is None:  # the pool's first forward: allocated now, the plan's indices in a copy of their own
-                self.pool.ensure(key[0, :, :1])
+                self.pool.ensure(key[:, :1])
                 self._plan = PagedPlan(self.pool, self.segments, self.groups, self.device, self.triton)
             self._plan.write(layer, key, value)
             if self.triton:
-                return self._plan.triton_attention(layer, query, scaling)
+                return self._plan.triton_attention(layer, q_rows, scaling)
         else:
             for seg in self.segments:
-                seg.kv.append(
-                    layer, key[0, :, seg.start : seg.start + seg.n], value[0, :, seg.start : seg.start + seg.n]
-                )
-        H, D = query.shape[1], query.shape[3]
+                seg.kv.append(layer, key[:, seg.start : seg.start + seg.n], value[:, seg.start : seg.start + seg.n])
+        H, D = q_rows.shape[1], q_rows.shape[2]
         if len(self.groups) == 1 and self.groups[0].in_order:  # e.g. every row a decode token
             g = self.groups[0]
-            q = query[0].view(H, len(g.idx), g.n_max, D).transpose(0, 1)  # [S, H, n, D], a view
-            return self._attend_group(0, layer, q, scaling).reshape(1, self.n_tokens, H, D)
-        out = query.new_empty(self.n_tokens, H, D)
-        q_rows = query[0].transpose(0, 1)  # [N, H, D]
+            q = q_rows.view(len(g.idx), g.n_max, H, D).transpose(1, 2)  # [S, H, n, D], a view
+            return self._attend_group(0, layer, q, scaling).reshape(self.n_tokens, H, D)
+        out = q_rows.new_empty(self.n_tokens, H, D)
         for gi, g in enumerate(self.groups):
             if g.in_order:
                 q = q_rows[: len(g.idx) * g.n_max].view(len(g.idx), g.n_max, H, D).transpose(1, 2)
@@ -256,7 +260,7 @@ class PackedBatch:
             q = q_rows.index_select(0, g.index("gather")).view(len(g.idx), g.n_max, H, D).transpose(1, 2)
             o = self._attend_group(gi, layer, q, scaling)
             out.index_copy_(0, g.index("rows"), o.reshape(-1, H, D).index_select(0, g.index("valid")))
-        return out.unsqueeze(0)
+        return out
 
     def _attend_group(self, gi: int, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """Group ``gi``'s queries ``q [S, H, n_max, D]`` against its sequences' KV at ``layer``:

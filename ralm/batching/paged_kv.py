@@ -255,12 +255,12 @@ class PagedPlan:
         return moved
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """This layer's new ``key/value [1, Hkv, N, D]`` of every sequence, in one copy each."""
+        """This layer's new ``key/value [Hkv, N, D]`` of every sequence, in one copy each."""
         if self.run is not None:
-            self.pool.write_run(layer, self.run[0], self.run[1], key[0], value[0])
+            self.pool.write_run(layer, self.run[0], self.run[1], key, value)
         else:
             dev = key.device
-            self.pool.write(layer, self._on("paged.blocks", dev), self._on("paged.offsets", dev), key[0], value[0])
+            self.pool.write(layer, self._on("paged.blocks", dev), self._on("paged.offsets", dev), key, value)
 
     def _nb(self, idx: Sequence[int]) -> int:
         """Blocks covering the longest of segments ``idx`` after this forward."""
@@ -277,17 +277,15 @@ class PagedPlan:
         rows = self._on(f"paged.rows{gi}", self.pool.layer_device(layer))
         return self.pool.read_rows(layer, rows, how[1], how[2])
 
-    def triton_attention(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Every segment's queries ``query [1, H, N, D]`` against its blocks in one Triton
-        launch (:func:`ralm.batching.triton_paged.paged_attention`): ``[1, N, H, D]``."""
+    def triton_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Every segment's queries ``q [N, H, D]`` against its blocks in one Triton launch
+        (:func:`ralm.batching.triton_paged.paged_attention`): ``[N, H, D]``."""
         # lazy: keeps triton (optional, only the CUDA path uses it) out of CPU processes
         from ralm.batching import triton_paged
 
         dev = self.pool.layer_device(layer)
         tiles = (self._on("paged.tile_seq", dev), self._on("paged.tile_row", dev), self._on("paged.tile_n", dev))
         k, v = self.pool.k[layer], self.pool.v[layer]
-        q = query[0].transpose(0, 1)
-        out = triton_paged.paged_attention(
+        return triton_paged.paged_attention(
             q, k, v, self._on("paged.tables", dev), tiles, self._on("paged.pos", dev), scaling
         )
-        return out.unsqueeze(0)

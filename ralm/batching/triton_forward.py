@@ -46,8 +46,7 @@ class TritonRMSNorm(nn.Module):
         self.variance_epsilon = float(eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = triton_kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.variance_epsilon)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return triton_kernels.rms_norm(x, self.weight, self.variance_epsilon)
 
 
 class TritonLayerNorm(nn.Module):
@@ -61,8 +60,7 @@ class TritonLayerNorm(nn.Module):
         self.eps = float(eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = triton_kernels.layer_norm(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self.eps)
-        return y.view(x.shape)
+        return triton_kernels.layer_norm(x, self.weight, self.bias, self.eps)
 
 
 def triton_norm(mod: nn.Module) -> nn.Module | None:

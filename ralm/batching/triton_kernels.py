@@ -331,14 +331,35 @@ def matmul_config(dtype: torch.dtype, n: int, k: int) -> tuple[int, int, int, in
     return 64, block_n, min(block_k, max(16, next_pow2(k))), 4
 
 
+def flat_rows(x: torch.Tensor) -> tuple[int, int] | None:
+    """``(M, row stride)`` of ``x [..., d]`` read as ``M`` rows of ``d`` without a copy (its
+    leading dimensions merge into one strided dimension), or None. Example: ``[1, N, d]``
+    contiguous is ``(N, d)``; a ``[2, 3, d]`` slice of a ``[2, 5, d]`` tensor is None."""
+    lead = x.shape[:-1]
+    if not lead:
+        return None
+    m, stride = lead[-1], x.stride(-2)
+    for size, st in zip(reversed(lead[:-1]), reversed(x.stride()[:-2])):
+        if size != 1 and st != stride * m:
+            return None
+        m *= size
+    return m, stride
+
+
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] @ weight[N, K]^T + bias[N]`` -> ``[M, N]`` in ``x.dtype`` (like ``F.linear``),
-    accumulated in float32 with M-independent tiles (any strides)."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"matmul takes x [M, K] and weight [N, K], not {tuple(x.shape)} and {tuple(weight.shape)}")
-    M, K = x.shape
+    """``x [..., K] @ weight[N, K]^T + bias[N]`` -> ``[..., N]`` in ``x.dtype`` (like ``F.linear``),
+    accumulated in float32 with M-independent tiles (``M``: the rows of ``x``; any strides;
+    leading dimensions that merge into rows cost no reshape, :func:`flat_rows`)."""
+    if x.dim() < 2 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"matmul takes x [..., K] and weight [N, K], not {tuple(x.shape)} and {tuple(weight.shape)}")
+    K = x.shape[-1]
     N = weight.shape[0]
-    y = x.new_empty(M, N)
+    y = x.new_empty(*x.shape[:-1], N)
+    rows = flat_rows(x)
+    if rows is None:
+        x = x.reshape(-1, K)
+        rows = (x.shape[0], x.stride(0))
+    M, sxm = rows
     if M == 0:
         return y
     bm, bn, bk, warps = matmul_config(x.dtype, N, K)
@@ -352,12 +373,12 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             M,
             N,
             K,
-            x.stride(0),
-            x.stride(1),
+            sxm,
+            x.stride(-1),
             weight.stride(0),
             weight.stride(1),
-            y.stride(0),
-            y.stride(1),
+            N,  # y is contiguous: rows at stride N
+            1,
             HAS_BIAS=bias is not None,
             BLOCK_M=bm,
             BLOCK_N=bn,
@@ -374,34 +395,36 @@ def on_device(x: torch.Tensor):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``x [M, d]`` with a unit stride along ``d`` (the norm kernels index rows by one stride)."""
-    if x.dim() != 2:
-        raise ValueError(f"the norms take rows [M, d], not {tuple(x.shape)}")
-    return x if x.stride(1) == 1 else x.contiguous()
+def _row_major(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``(x, M, row stride)``: ``x [..., d]`` as ``M`` rows with a unit stride along ``d`` (the
+    norm kernels index rows by one stride): a copy only when it has no such view."""
+    rows = flat_rows(x) if x.dim() >= 2 and x.stride(-1) == 1 else None
+    if rows is None:
+        x = x.contiguous()
+        rows = (x.numel() // max(x.shape[-1], 1), x.shape[-1])
+    return x, rows[0], rows[1]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face ``LlamaRMSNorm`` of each row of ``x [M, d]``: float32 inside,
-    ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``; -> ``[M, d]``."""
-    x = _rows(x)
-    M, d = x.shape
-    y = torch.empty(M, d, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    """Hugging Face ``LlamaRMSNorm`` of each row of ``x [..., d]``: float32 inside,
+    ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``; -> ``[..., d]``."""
+    x, M, sxm = _row_major(x)
+    d = x.shape[-1]
+    dtype = x.dtype if weight.dtype == x.dtype else torch.promote_types(weight.dtype, x.dtype)
+    y = x.new_empty(x.shape, dtype=dtype)
     if M:
         block = next_pow2(d)
         with on_device(x):
-            kernels()["rms_norm"][(M,)](
-                x, weight, y, d, x.stride(0), y.stride(0), float(eps), BLOCK=block, num_warps=norm_warps(block)
-            )
+            kernels()["rms_norm"][(M,)](x, weight, y, d, sxm, d, float(eps), BLOCK=block, num_warps=norm_warps(block))
     return y
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """``torch.nn.functional.layer_norm`` over the last dimension of ``x [M, d]`` (float32
-    statistics); -> ``[M, d]`` in ``x.dtype``."""
-    x = _rows(x)
-    M, d = x.shape
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    """``torch.nn.functional.layer_norm`` over the last dimension of ``x [..., d]`` (float32
+    statistics); -> ``[..., d]`` in ``x.dtype``."""
+    x, M, sxm = _row_major(x)
+    d = x.shape[-1]
+    y = x.new_empty(x.shape)
     if M:
         block = next_pow2(d)
         with on_device(x):
@@ -411,8 +434,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
                 bias if bias is not None else x,
                 y,
                 d,
-                x.stride(0),
-                y.stride(0),
+                sxm,
+                d,
                 float(eps),
                 HAS_W=weight is not None,
                 HAS_B=bias is not None,

@@ -74,7 +74,8 @@ def paged_attention(
     tile_seq, tile_row, tile_n = tiles
     if N == 0 or tile_seq.numel() == 0:
         return out
-    q_pos = q_pos.to(device=q.device, dtype=torch.int64)
+    if q_pos.device != q.device or q_pos.dtype != torch.int64:  # (a no-op `to` is still an op)
+        q_pos = q_pos.to(device=q.device, dtype=torch.int64)
     sqn, sqh, sqd = q.stride()
     son, soh, sod = out.stride()
     T.launch_attention(

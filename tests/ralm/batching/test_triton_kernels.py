@@ -99,6 +99,14 @@ def test_matmul_is_the_linear_map_and_rows_are_batch_invariant(dtype):
     wide = torch.cat([x, x], dim=1)[:, :K]
     assert torch.equal(T.matmul(wide, w.t().contiguous().t(), b), alone)
     assert torch.allclose(T.matmul(x, w).double(), ref - b.double(), atol=TOL[dtype][0] * 20, rtol=TOL[dtype][0])
+    # leading dimensions: merged into rows in place ([1, 40, K], [5, 8, K]) or, where they do
+    # not merge (every other row of a [10, 8, K] tensor), copied first: the same bits either way
+    assert torch.equal(T.matmul(x.view(1, 40, K), w, b), y.view(1, 40, N))
+    assert torch.equal(T.matmul(x.view(5, 8, K), w, b), y.view(5, 8, N))
+    assert T.flat_rows(x.view(5, 8, K)) == (40, K)
+    gappy = torch.stack([x.view(5, 8, K), other.view(5, 8, K)], dim=1).view(10, 8, K)[::2]
+    assert T.flat_rows(gappy) is None
+    assert torch.equal(T.matmul(gappy, w, b), y.view(5, 8, N))
 
 
 # ----------------------------------------------------------------------------- norms
@@ -128,6 +136,9 @@ def test_norms_compute_their_formula_row_by_row(dtype):
         whole = norm(x)
         assert torch.equal(torch.cat([norm(x[i : i + 1]) for i in range(24)]), whole)
         assert torch.equal(norm(torch.cat([x[:3], x[10:]])[2:4]), whole[2:11:8])
+        # leading dimensions merged into rows in place (also rows of a wider tensor: a row stride of 2d)
+        assert torch.equal(norm(x.view(2, 12, d)), whole.view(2, 12, d))
+        assert torch.equal(norm(torch.cat([x, x], dim=1)[:, :d].view(4, 6, d)), whole.view(4, 6, d))
 
 
 # ----------------------------------------------------------------------------- attention
