@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ralm.drafting import greedy_scores
+from ralm.hf_cache import cache_kwargs, cache_of
 
 
 @dataclass
@@ -50,9 +51,9 @@ def drafted_decode(engine, past, context, k: int, ignore_eos: bool, opts, drafte
         return greedy_scores(x, eos_id, mask)
 
     ids = torch.tensor([list(context)], dtype=torch.long, device=dev)
-    out = model(input_ids=ids, past_key_values=past, use_cache=True, output_hidden_states=need_hidden)
+    out = model(input_ids=ids, use_cache=True, output_hidden_states=need_hidden, **cache_kwargs(model, past))
     res = DecodeResult([], False, forward_passes=1, prefill_end=time.perf_counter())
-    logits, past = out.logits[0, -1], out.past_key_values
+    logits, past = out.logits[0, -1], cache_of(out)
     hidden = out.hidden_states[-1][0, -1] if need_hidden else None
     history = list(context)
     tokens = res.tokens
@@ -74,12 +75,12 @@ def drafted_decode(engine, past, context, k: int, ignore_eos: bool, opts, drafte
         if not drafts:
             out = model(
                 input_ids=torch.tensor([[nxt]], dtype=torch.long, device=dev),
-                past_key_values=past,
                 use_cache=True,
                 output_hidden_states=need_hidden,
+                **cache_kwargs(model, past),
             )
             res.forward_passes += 1
-            logits, past = out.logits[0, -1], out.past_key_values
+            logits, past = out.logits[0, -1], cache_of(out)
             hidden = out.hidden_states[-1][0, -1] if need_hidden else None
             continue
         B, L = len(drafts), max(len(d) for d in drafts)
@@ -89,9 +90,9 @@ def drafted_decode(engine, past, context, k: int, ignore_eos: bool, opts, drafte
             past.batch_repeat_interleave(B)
         out = model(
             input_ids=torch.tensor(rows, dtype=torch.long, device=dev),
-            past_key_values=past,
             use_cache=True,
             output_hidden_states=need_hidden,
+            **cache_kwargs(model, past),
         )
         res.forward_passes += 1
         res.draft_rounds += 1
@@ -106,7 +107,7 @@ def drafted_decode(engine, past, context, k: int, ignore_eos: bool, opts, drafte
                 a += 1
             if a > best_a:
                 best, best_a = b, a
-        past = out.past_key_values
+        past = cache_of(out)
         if B > 1:
             past.batch_select_indices(torch.tensor([best], device=dev))
         drop = past.get_seq_length() - (base + 1 + best_a)

@@ -24,6 +24,7 @@ import torch
 
 from ralm import constants as C
 from ralm.doc_kv import docs_past
+from ralm.hf_cache import cache_kwargs
 
 if TYPE_CHECKING:
     import faiss
@@ -192,7 +193,7 @@ def collect_sequences(
         docs = [engine.doc_tokens(t) for t in doc_texts if t]
         past, _ = docs_past(engine, docs)
         ids = torch.tensor([toks[:end]], dtype=torch.long, device=engine.device)
-        out = engine.model(input_ids=ids, past_key_values=past, use_cache=True, output_hidden_states=True)
+        out = engine.model(input_ids=ids, use_cache=True, output_hidden_states=True, **cache_kwargs(engine.model, past))
         hs = out.hidden_states[-1][0].float().cpu().numpy()
         for p in range(max(0, start - 1), end - 1):
             v = toks[p + 1 : p + 1 + value_len]

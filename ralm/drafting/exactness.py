@@ -16,6 +16,7 @@ import torch
 
 from ralm import constants as C
 from ralm.doc_kv import docs_past
+from ralm.hf_cache import cache_kwargs
 
 
 @dataclass
@@ -47,7 +48,7 @@ def top2_gap(engine, doc_texts, tokens: Sequence[int], ignore_eos: bool = False)
     docs = [engine.doc_tokens(t) for t in (doc_texts or []) if t]
     past, _ = docs_past(engine, docs)
     ids = torch.tensor([list(tokens)], dtype=torch.long, device=engine.device)
-    logits = engine.model(input_ids=ids, past_key_values=past, use_cache=True).logits[0, -1].float()
+    logits = engine.model(input_ids=ids, use_cache=True, **cache_kwargs(engine.model, past)).logits[0, -1].float()
     if ignore_eos and engine.eos_token_id is not None:
         logits[engine.eos_token_id] = float("-inf")
     top = torch.topk(logits, 2).values

@@ -14,6 +14,7 @@ import torch
 
 from ralm.batching.engine import FeedCall
 from ralm.batching.packed import SeqKV
+from ralm.hf_cache import cache_kwargs, cache_of
 
 if TYPE_CHECKING:
     from transformers import Cache
@@ -48,8 +49,8 @@ class KnnStepper:
 
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         past = self.past if self.past is not None else DynamicCache()
-        out = self.model(input_ids=x, past_key_values=past, use_cache=True, output_hidden_states=True)
-        self.past = out.past_key_values
+        out = self.model(input_ids=x, use_cache=True, output_hidden_states=True, **cache_kwargs(self.model, past))
+        self.past = cache_of(out)
         self.length += len(ids)
         self.forwards += 1
         self.h = out.hidden_states[-1][0, -1].detach().to("cpu", torch.float32).numpy().copy()

@@ -7,6 +7,7 @@ import torch
 
 from cache.doc_kv import DocPrefixTree
 from ralm.drafting import StepOptions
+from ralm.hf_cache import cache_kwargs
 from tests.factories import tiny_engine
 
 DOCS = [
@@ -178,7 +179,7 @@ def test_reused_kv_and_logits_are_bit_identical(engine, n):
         past, info = docs_past(eng, docs)
         pre = [(layer.keys.clone(), layer.values.clone()) for layer in past.layers]
         with torch.inference_mode():
-            logits = eng.model(input_ids=ids, past_key_values=past, use_cache=True).logits
+            logits = eng.model(input_ids=ids, use_cache=True, **cache_kwargs(eng.model, past)).logits
         return pre, logits, info
 
     engine.clear_kv_caches()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ralm.errors import RalmInputError
+from ralm.hf_cache import cache_kwargs, cache_of
 from tests.factories import tiny_engine
 
 DOCS = [
@@ -52,16 +53,16 @@ def test_step_equals_plain_greedy_reference(engine):
     out = engine.step(DOCS[2], ctx, 6)
     with torch.inference_mode():
         m = engine.model
-        past = m(input_ids=torch.tensor([doc]), use_cache=True).past_key_values
+        past = cache_of(m(input_ids=torch.tensor([doc]), use_cache=True))
         # the step asks for the last position's logits only (as HF generate's prefill does)
-        o = m(input_ids=torch.tensor([ctx]), past_key_values=past, use_cache=True, logits_to_keep=1)
+        o = m(input_ids=torch.tensor([ctx]), use_cache=True, logits_to_keep=1, **cache_kwargs(m, past))
         ref = []
         for _ in range(6):
             t = int(torch.argmax(o.logits[0, -1]))
             if t == engine.eos_token_id:
                 break
             ref.append(t)
-            o = m(input_ids=torch.tensor([[t]]), past_key_values=o.past_key_values, use_cache=True)
+            o = m(input_ids=torch.tensor([[t]]), use_cache=True, **cache_kwargs(m, cache_of(o)))
     assert out.tokens == ref
 
 

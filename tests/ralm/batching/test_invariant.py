@@ -21,6 +21,7 @@ from ralm.batching.invariant import (
     onednn_available,
     pad_kv,
 )
+from ralm.hf_cache import cache_kwargs, cache_of
 from tests.ralm.batching.conftest import invariant_model
 
 pytestmark = pytest.mark.unit
@@ -147,8 +148,8 @@ def _chunked_logits(model, ids: list[int], sizes: list[int]) -> torch.Tensor:
     cache, out, i, j = DynamicCache(), [], 0, 0
     while i < len(ids):
         n = sizes[j % len(sizes)]
-        o = model(input_ids=torch.tensor([ids[i : i + n]]), past_key_values=cache, use_cache=True)
-        cache = o.past_key_values
+        o = model(input_ids=torch.tensor([ids[i : i + n]]), use_cache=True, **cache_kwargs(model, cache))
+        cache = cache_of(o)
         out.append(o.logits[0])
         i, j = i + n, j + 1
     return torch.cat(out)
