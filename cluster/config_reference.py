@@ -28,7 +28,7 @@ from pydantic_core import PydanticUndefined
 
 from cluster.flags import Default, HelpFormatter, add_shared
 from deployments.config import AppConfig
-from ralm import constants as C
+from ralm import constants as C, retrievers
 
 OUT = C.PACKAGE_ROOT / "docs" / "config.md"
 
@@ -126,7 +126,8 @@ def _shown(value: Any) -> str:
 
 def _default(field: FieldInfo) -> str:
     if field.default_factory is not None:
-        return _shown(field.default_factory())  # type: ignore[call-arg]
+        with retrievers.builtin_only():  # the package's defaults, whatever plugins are loaded here
+            return _shown(field.default_factory())  # type: ignore[call-arg]
     if field.default is PydanticUndefined:
         return "required"
     return _shown(field.default)

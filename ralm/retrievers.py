@@ -21,10 +21,12 @@ serves a kind registered that way through the Ray backend.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -122,17 +124,38 @@ class RetrieverEntry:
 
 _lock = threading.RLock()
 _entries: dict[str, RetrieverEntry] = {}
+_builtin: set[str] = set()  # kinds the package's own providers registered
 _loaded = False
 _loading = False
+_view = threading.local()  # .builtin_only: kinds()/entries() leave plugins out (builtin_only())
 
 
 def register(e: RetrieverEntry, *, replace: bool = False) -> RetrieverEntry:
     """Add ``e`` under ``e.kind`` (``replace``: over an existing entry of that kind)."""
     with _lock:
-        if e.kind in _entries and not replace and _entries[e.kind] is not e:
+        if _entries.get(e.kind) is e:  # the same entry again: nothing changes
+            return e
+        if e.kind in _entries and not replace:
             raise ValueError(f"retriever kind {e.kind!r} is already registered")
         _entries[e.kind] = e
+        if sys._getframe(1).f_globals.get("__name__") in PROVIDERS:  # registered by the package itself
+            _builtin.add(e.kind)
+        else:
+            _builtin.discard(e.kind)
     return e
+
+
+@contextlib.contextmanager
+def builtin_only() -> Iterator[None]:
+    """Inside the block (this thread), :func:`kinds` and :func:`entries` list the package's
+    own kinds only: what the configuration reference documents, whatever plugins this process
+    has loaded."""
+    before = getattr(_view, "builtin_only", False)
+    _view.builtin_only = True
+    try:
+        yield
+    finally:
+        _view.builtin_only = before
 
 
 def _load_providers() -> None:
@@ -156,6 +179,8 @@ def entries() -> tuple[RetrieverEntry, ...]:
     """Every registered kind's entry, in registration order (the built-in ones first)."""
     _load_providers()
     with _lock:
+        if getattr(_view, "builtin_only", False):
+            return tuple(e for e in _entries.values() if e.kind in _builtin)
         return tuple(_entries.values())
 
 

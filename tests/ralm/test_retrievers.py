@@ -43,3 +43,15 @@ def test_register_twice_is_refused():
 def test_schema_lists_the_registered_kinds():
     prop = RetrieverConfig.model_json_schema()["properties"]["kind"]
     assert prop["enum"] == list(retrievers.kinds())
+
+
+def test_a_plugin_kind_is_listed_but_not_among_the_builtin_ones(monkeypatch):
+    """What the configuration reference documents (the package's own kinds) does not depend on
+    the plugins a process has loaded; every other caller sees them."""
+    monkeypatch.setattr(retrievers, "_entries", dict(retrievers._entries))  # undone after the test
+    edr = retrievers.entry("edr")
+    retrievers.register(retrievers.RetrieverEntry(kind="plugged", family=edr.family, exact=True, description="x"))
+    assert retrievers.kinds()[-1] == "plugged"
+    with retrievers.builtin_only():
+        assert retrievers.kinds() == ("edr", "adr", "sr")
+    assert "plugged" in retrievers.kinds()
