@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -82,19 +83,17 @@ class VocabParallelHead(nn.Module):
 
 
 # --------------------------------------------------------------------------- weight sources
-class WeightSource:
+class WeightSource(Protocol):
     """Named weights, read a slice at a time: :meth:`get` returns rows or columns
     ``[start, stop)`` of a weight, or the whole of it, without reading the rest where the
     source allows (safetensors)."""
 
-    def names(self) -> list[str]:
-        raise NotImplementedError
+    def names(self) -> list[str]: ...
 
-    def get(self, name: str, axis: str | None = None, span: tuple[int, int] | None = None) -> torch.Tensor:
-        raise NotImplementedError
+    def get(self, name: str, axis: str | None = None, span: tuple[int, int] | None = None) -> torch.Tensor: ...
 
 
-class ModelWeights(WeightSource):
+class ModelWeights:
     """A whole model's state dict (already in memory: tests, small models)."""
 
     def __init__(self, model: nn.Module):
@@ -112,7 +111,7 @@ class ModelWeights(WeightSource):
         return t.detach().clone()
 
 
-class SafetensorsWeights(WeightSource):
+class SafetensorsWeights:
     """A checkpoint folder's ``*.safetensors`` files (one, or several with their index):
     each :meth:`get` reads only the requested slice from disk."""
 
@@ -193,12 +192,13 @@ def rank_model(
     names = set(source.names())
     state: dict[str, torch.Tensor] = {}
     for name in model.state_dict():
-        src = name.replace(".linear.", ".")  # the wrappers hold the layer's own weight as .linear
+        own = name.replace(".linear.", ".")  # the wrappers hold the layer's own weight as .linear
+        src = own
         if src == "lm_head.weight" and src not in names:  # a tied checkpoint: the embedding's rows
             src = "model.embed_tokens.weight"
         if src not in names:
             raise TensorParallelUnavailable(f"the checkpoint has no {src!r} for the rank's {name!r}")
-        split = plan.split_of(name.replace(".linear.", "."))
+        split = plan.split_of(own)
         if split is None:
             state[name] = source.get(src)
         else:

@@ -10,7 +10,7 @@ from ralm.batching.invariant import make_invariant
 from ralm.batching.kv_pool import KVPool
 from ralm.batching.packed import SeqKV, packed_forward
 from ralm.batching.paged_kv import PagedKV
-from ralm.batching.rotary_attention import RotaryTables, use_packed_rotary_attention
+from ralm.batching.rotary_attention import RotaryTables
 
 pytestmark = pytest.mark.unit
 
@@ -44,17 +44,12 @@ def _model(family: str, kernels: str = "torch"):
     return make_invariant(model.eval(), kernels=kernels)
 
 
-def _hf_forward(model, on: bool) -> None:
-    """Put transformers' own attention forward back (``on=False``) or the packed one (True)."""
+def _hf_forward(model) -> None:
+    """Put transformers' own attention forward back on every module that had it replaced."""
     for m in model.modules():
         hf = getattr(m, "_ralm_hf_forward", None)
         if hf is not None:
-            if on:
-                del m.forward  # the instance attribute: the class's forward again
-                m._ralm_hf_forward = None
-                use_packed_rotary_attention(model)
-            else:
-                m.forward = hf
+            m.forward = hf
 
 
 def _run(model, paged: bool) -> list[torch.Tensor]:
@@ -76,7 +71,7 @@ def test_the_packed_forward_gives_transformers_attention_bits(family, paged):
     model = _model(family)
     assert sum(hasattr(m, "_ralm_hf_forward") for m in model.modules()) == 2  # every layer's attention
     fast = _run(model, paged)
-    _hf_forward(model, on=False)
+    _hf_forward(model)
     slow = _run(model, paged)
     for f, s in zip(fast, slow):
         assert torch.equal(f, s)
@@ -103,6 +98,6 @@ def test_calls_without_a_packed_batch_run_transformers_forward():
     ids = torch.randint(1, 300, (1, 12), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         with_packed = model(input_ids=ids).logits
-        _hf_forward(model, on=False)
+        _hf_forward(model)
         plain = model(input_ids=ids).logits
     assert torch.equal(with_packed, plain)
