@@ -83,7 +83,7 @@ from ralm import constants as C
 from ralm.config import GeneratorConfig
 
 SECTIONS = ("env", "compile", "bits", "proof", "long", "forward", "scan", "dense", "exact", "e2e")
-QUICK_SECTIONS = ("env", "compile", "bits", "proof", "long", "exact", "forward", "dense", "e2e")
+QUICK_SECTIONS = ("env", "compile", "bits", "proof", "long", "exact", "forward", "profile", "dense", "e2e")
 
 
 def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
@@ -491,7 +491,14 @@ class GpuCheck:
             "wall_ms_per_forward": round(wall * 1e3, 2),
             "device_kernel_ms_per_forward": round(kernel_us / reps / 1e3, 2),
             "cpu_ops_ms_per_forward": round(sum(ev.self_cpu_time_total for ev in events) / reps / 1e3, 2),
-            "ops_per_forward": sum(ev.count for ev in events) // reps,
+            "ops_per_forward": sum(ev.count for ev in events if ev.key.startswith("aten::")) // reps,
+            # the CUDA runtime calls the profiler saw on the host, per forward: kernel launches,
+            # explicit waits for the device, scalar reads (.item(), a wait too) and copies
+            "kernel_launches_per_forward": _calls(events, ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+            // reps,
+            "syncs_per_forward": _calls(events, SYNC_CALLS) // reps,
+            "scalar_reads_per_forward": _calls(events, ("aten::_local_scalar_dense",)) // reps,
+            "memcpys_per_forward": _calls(events, ("cudaMemcpyAsync", "cudaMemcpy")) // reps,
             "top_by_self_device_ms": top(dev),
             "top_by_self_cpu_ms": top("self_cpu_time_total"),
         }
@@ -509,7 +516,17 @@ class GpuCheck:
         pad = self.args.e2e_pad_to if self.args.e2e_pad_to is not None else (20_000 if self.small else 4_000_000)
         n = self.args.e2e_questions or (2 if self.small else 5)
         enc = getattr(self.args, "e2e_encoder", "auto")
-        return {"generator": key, **e2e_runs(engine, self.device, pad, n, self.new_tokens, self.free, enc)}
+        runs = e2e_runs(engine, self.device, pad, n, self.new_tokens, self.free, enc, deadline=self.deadline)
+        return {"generator": key, **runs}
+
+
+# CUDA runtime calls that make the host wait for the device
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaStreamWaitEvent")
+
+
+def _calls(events, names: tuple[str, ...]) -> int:
+    """How many times the profiler saw any of ``names`` (exact keys) in ``events``."""
+    return sum(ev.count for ev in events if ev.key in names)
 
 
 def bits_failed(res: dict) -> list[str]:
@@ -645,7 +662,10 @@ def markdown(res: dict) -> str:
         lines += [
             f"Decode forward of {prof['batch']} sequences ({prof['model']}, {prof['context']}-token contexts): "
             f"{prof['wall_ms_per_forward']} ms wall, {prof['device_kernel_ms_per_forward']} ms of device kernels, "
-            f"{prof['cpu_ops_ms_per_forward']} ms in {prof['ops_per_forward']} torch ops on the host.",
+            f"{prof['cpu_ops_ms_per_forward']} ms in {prof['ops_per_forward']} torch ops on the host; "
+            f"per forward {prof.get('kernel_launches_per_forward', '-')} kernel launches, "
+            f"{prof.get('syncs_per_forward', '-')} waits for the device, "
+            f"{prof.get('scalar_reads_per_forward', '-')} scalar reads, {prof.get('memcpys_per_forward', '-')} copies.",
             "",
         ]
         for by in ("device", "cpu"):

@@ -1,5 +1,5 @@
 """``ralmspec gpu-check``'s ``e2e`` section: RaLMSeq against RaLMSpec (PSA) with the generator
-on the device, retrieval by exact dense search (EDR) on the host, then on the device.
+on the device, retrieval by exact dense search (EDR) on the device, then on the host.
 
 Both arms run the same questions (the demo set, a warm-up first) through the in-process
 pipeline (:mod:`ralm.pipeline`) with the generator the ``proof`` section built (the batching
@@ -7,10 +7,11 @@ engine of the first shape and dtype that passed), the demo corpus's EDR index pa
 ``pad_to`` rows, fixed-length generation (EOS masked) and every request's caches cleared
 first, as ``ralmspec bench`` does:
 
-- ``host``: the candidate scan on the CPU, the split of the card's deployment (GPU
-  generator, CPU retrieval);
 - ``device``: the float16 device scan with its proven bound (``dense_scan: gpu``); only
-  where the process sees a CUDA device.
+  where the process sees a CUDA device. It runs first, as the split a GPU deployment
+  serves, so a spent budget cuts the host arm rather than this one;
+- ``host``: the candidate scan on the CPU, the split of the card's deployment (GPU
+  generator, CPU retrieval).
 
 Two kinds of host. Where FAISS and the dense encoder are installed, the retriever is the
 demo EDR index as served (its encoder, ``dense_scan: auto`` on the host). On a bare GPU host
@@ -29,6 +30,8 @@ retrieval actors: the served split adds the actors' round trips to both methods.
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -94,11 +97,15 @@ def e2e_runs(
     new_tokens: int,
     free: Callable[[], None],
     encoder: str = "auto",
+    deadline: float | None = None,
 ) -> dict:
-    """The two arms (``host``, ``device``), each a dict of the numbers above (``skipped``
-    with the reason where an arm cannot run). ``encoder``: 'index' (the served EDR index and
-    encoder), 'stand-in' (:class:`StandInEncoder`, no FAISS), 'auto' (the first where
-    :func:`full_install`, else the second)."""
+    """The two arms (``device`` first, the one the card deploys, then ``host``), each a dict
+    of the numbers above (``skipped`` with the reason where an arm cannot run). ``encoder``:
+    'index' (the served EDR index and encoder), 'stand-in' (:class:`StandInEncoder`, no
+    FAISS), 'auto' (the first where :func:`full_install`, else the second). ``deadline`` (a
+    ``time.perf_counter()`` value): an arm that would start after it is skipped, and no
+    timed question starts after it (an arm cut so reports the questions it ran). Each arm
+    also reports its build and run seconds, and says so on stderr as it goes."""
     # lazy: loads torch, transformers (and faiss with the index)
     from ralm.pipeline import Pipeline
     from ralm.retrieval import dense, int8_scan  # lazy: torch, as above
@@ -112,11 +119,17 @@ def e2e_runs(
         "new_tokens": new_tokens,
         "encoder": "stand-in (generator embeddings, 384-d)" if standin else base.retriever.encoder,
     }
+    t = time.perf_counter()
     parts = _standin_parts(engine) if standin else None
-    for arm in ("host", "device"):
+    _say(f"e2e: encoder ready in {time.perf_counter() - t:.1f} s")
+    for arm in ("device", "host"):
         if arm == "device" and device != "cuda":
             out[arm] = {"skipped": "no CUDA device"}
             continue
+        if deadline is not None and time.perf_counter() > deadline:
+            out[arm] = {"skipped": "time budget"}
+            continue
+        t_build = time.perf_counter()
         scan = "gpu" if arm == "device" else ("auto" if parts is None else _host_scan(int8_scan, parts[2].shape[1]))
         cfg = base.model_copy(
             update={
@@ -131,9 +144,17 @@ def e2e_runs(
             kb = dense.DenseRetriever("edr", enc, vectors, pad_to=pad_to, dense_scan=scan)
             retrievers: dict[str, Any] = {"edr": kb}
             pipe = Pipeline(cfg, corpus, engine, retrievers)
-        rows, _ = run_retriever(pipe, "edr", questions, ["PSA"], warmup=1, progress=False)
+        build_s = time.perf_counter() - t_build
+        _say(f"e2e {arm}: index of {pad_to} rows built in {build_s:.1f} s")
+        t_run = time.perf_counter()
+        rows, _ = run_retriever(pipe, "edr", questions, ["PSA"], warmup=1, progress=False, deadline=deadline)
         seq, psa = rows
+        run_s = time.perf_counter() - t_run
+        _say(f"e2e {arm}: {psa.requests} questions through RaLMSeq and PSA in {run_s:.1f} s")
         out[arm] = {
+            "build_s": round(build_s, 1),
+            "run_s": round(run_s, 1),
+            "questions_run": psa.requests,
             "scan": getattr(pipe.retriever("edr"), "scan_label", scan),
             "ralmseq_s": round(seq.mean_latency_s, 3),
             "psa_s": round(psa.mean_latency_s, 3),
@@ -149,6 +170,11 @@ def e2e_runs(
         del pipe
         free()
     return out
+
+
+def _say(line: str) -> None:
+    """A progress line on stderr (gpu-check's log shows where an arm's time goes)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _standin_parts(engine) -> tuple[Any, StandInEncoder, np.ndarray]:
@@ -176,12 +202,14 @@ def e2e_markdown(e2e: dict) -> list[str]:
     rows = []
     for arm, r in arms:
         if "skipped" in r:
-            rows.append((arm, r["skipped"], "", "", "", "", "", ""))
+            rows.append((arm, r["skipped"], "", "", "", "", "", "", "", ""))
             continue
         rows.append(
             (
                 arm,
                 r["scan"],
+                r.get("build_s", "-"),
+                r.get("questions_run", "-"),
                 r["ralmseq_s"],
                 r["psa_s"],
                 f"{r['speedup']:.2f}x",
@@ -190,7 +218,7 @@ def e2e_markdown(e2e: dict) -> list[str]:
                 r["identical"],
             )
         )
-    head = ("retrieval on", "scan", "RaLMSeq s", "PSA s", "speed-up", "RaLMSeq retrieval", "PSA retrieval", "identical")
+    head = ("retrieval on", "scan", "build s", "questions", "RaLMSeq s", "PSA s", "speed-up", "RaLMSeq retrieval", "PSA retrieval", "identical")
     note = (
         f"End to end, EDR over the demo corpus padded to {e2e.get('pad_to')} rows (encoder: {e2e.get('encoder')}), "
         f"{e2e.get('questions')} questions, "

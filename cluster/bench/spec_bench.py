@@ -78,10 +78,13 @@ def run_retriever(
     warmup: int,
     progress: bool = True,
     concurrency: int = 1,
+    deadline: float | None = None,
 ) -> tuple[list[ConfigSummary], list[dict]]:
     """Every question through RaLMSeq and each configuration (after ``warmup`` untimed
     questions): the summary rows (RaLMSeq first) and one record per question, in question
-    order. ``concurrency`` > 1: each configuration's questions run as one concurrent wave."""
+    order. ``concurrency`` > 1: each configuration's questions run as one concurrent wave.
+    ``deadline`` (a ``time.perf_counter()`` value; one at a time only): no timed question
+    starts after it, so the rows cover the questions done by then (at least one)."""
     from tqdm import tqdm
 
     kb = pipe.retriever(kind)
@@ -105,7 +108,10 @@ def run_retriever(
 
     if concurrency > 1:
         return _run_waves(pipe, kind, questions[warmup:], configs, specs, cold, concurrency)
-    for q in tqdm(questions[warmup:], desc=f"bench {kind}", disable=not progress):
+    for i, q in enumerate(tqdm(questions[warmup:], desc=f"bench {kind}", disable=not progress)):
+        if deadline is not None and i > 0 and time.perf_counter() > deadline:
+            log.warning("time budget spent: %d of %d timed questions run", i, len(questions) - warmup)
+            break
         cold()
         b = run_seq(q, gen, kb, req)
         base.results.append(b)

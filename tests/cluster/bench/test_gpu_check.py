@@ -189,3 +189,21 @@ def _args() -> Namespace:
     p = argparse.ArgumentParser()
     add_gpu_check_args(p)
     return p.parse_args([])
+
+
+def test_an_e2e_arm_that_would_start_after_the_budget_is_skipped_device_arm_first():
+    from cluster.bench.gpu_e2e import e2e_runs
+
+    out = e2e_runs(None, "cuda", 1000, 1, 4, lambda: None, "index", deadline=0.0)
+    assert [k for k in out if k in ("device", "host")] == ["device", "host"]
+    assert out["device"] == out["host"] == {"skipped": "time budget"}
+
+
+def test_the_profile_counts_runtime_calls_by_exact_name():
+    from types import SimpleNamespace as E
+
+    from cluster.bench.gpu_check import SYNC_CALLS, _calls
+
+    events = [E(key="cudaStreamSynchronize", count=3), E(key="cudaLaunchKernel", count=10), E(key="aten::mm", count=4)]
+    events.append(E(key="cudaStreamSynchronizeX", count=5))  # not a sync: names match exactly
+    assert _calls(events, SYNC_CALLS) == 3 and _calls(events, ("cudaLaunchKernel",)) == 10

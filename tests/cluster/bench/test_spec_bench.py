@@ -154,3 +154,27 @@ def test_bench_rejects_a_concurrency_below_one(tmp_path, index_dirs, capsys):
     argv = ["bench", "spec", "--config", str(cfg), "--retrievers", "edr", "--concurrency", "0", "--out", str(tmp_path)]
     assert main(argv) == 2
     assert "--concurrency must be at least 1" in capsys.readouterr().err
+
+
+def test_no_timed_question_starts_after_the_deadline_and_the_rows_cover_those_run():
+    """gpu-check's budget: a spent deadline still runs the warm-up and the first timed question
+    (something to report), then stops; without one every question runs."""
+    from types import SimpleNamespace
+
+    from cluster.bench.spec_bench import run_retriever
+    from ralm.config import RequestConfig
+    from tests.factories import ScriptedGenerator, ScriptedKB
+
+    gen, kb = ScriptedGenerator(), ScriptedKB(schedule={1: 7, 3: 2}, n_q=3, k=4)
+    pipe = SimpleNamespace(
+        retriever=lambda kind: kb,
+        generator=gen,
+        cfg=SimpleNamespace(request=RequestConfig(max_new_tokens=16, generation_stride=4)),
+        engine=SimpleNamespace(clear_kv_caches=lambda: None),
+    )
+    questions = ["a b c", "d e f", "g h i", "j k l"]
+    rows, per_request = run_retriever(pipe, "scripted", questions, ["PSA"], warmup=1, progress=False, deadline=0.0)
+    assert [r["question"] for r in per_request] == ["d e f"]
+    assert [(r.config, r.requests, r.identical) for r in rows] == [("RaLMSeq", 1, 1), ("PSA", 1, 1)]
+    rows, per_request = run_retriever(pipe, "scripted", questions, ["PSA"], warmup=1, progress=False)
+    assert len(per_request) == 3 and rows[1].requests == rows[1].identical == 3

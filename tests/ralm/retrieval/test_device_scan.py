@@ -164,3 +164,21 @@ def test_tf32_turned_on_after_the_build_is_seen_per_call_and_the_bound_still_hol
     assert device_scan.fp32_matmul_ieee("cpu")
     s.candidates(Q, 10)
     assert s.last_product == "float32"
+
+
+def test_rows_and_padding_are_stored_as_their_round_to_nearest_halves_subnormals_included():
+    """The build rounds in torch (numpy's float16 cast is a slow scalar loop on subnormals,
+    which norm-0.001 padding is made of): the stored bits must be IEEE round-to-nearest-even,
+    the rounding the bound is proven for, ties and subnormals included."""
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((300, 32)).astype(np.float32)
+    rows[0, :6] = [1 + 2**-11, 1 + 3 * 2**-11, 2**-25, 1.5 * 2**-24, 3e-5, -7e-6]  # ties, subnormals
+    pad = list(padding_vectors(500, 32, chunk=128))
+    scan = DeviceScan(rows, pad, pad_rows=500, device="cpu")
+    want = np.concatenate([rows, *pad]).astype(np.float16)
+    got = scan.data.numpy()
+    assert got.dtype == np.float16 and np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    # and the bound factors are those of the stored halves: |x - x~| recomputed from them
+    h = want[:300].astype(np.float64)
+    resid = np.sqrt(((rows.astype(np.float64) - h) ** 2).sum(axis=1))
+    assert np.all(scan.resid >= resid) and np.allclose(scan.resid, resid, rtol=1e-8, atol=0)
