@@ -81,8 +81,9 @@ def attend(
         acc = o[:, :, 0]
         for j in range(1, nb):
             acc = acc + o[:, :, j]
-    out = acc[..., :D] / acc[..., D:]  # [S, Hkv, G*rows, D]
-    return out.reshape(S, H, rows, D)[:, :, :nq].transpose(1, 2)
+    out = torch.div(*acc.split([D, 1], dim=-1))  # [S, Hkv, G*rows, D], contiguous: [S, H, rows, D]
+    # the first nq rows of each head, as [S, nq, H, D]: one strided view (not reshape, slice, transpose)
+    return out.as_strided((S, nq, H, D), (H * rows * D, D, rows * D, 1), out.storage_offset())
 
 
 def hidden_keys(

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ralm.batching.invariant import (
+    CastFreeRMSNorm,
     InvariantGELU,
     InvariantGELUTanh,
     InvariantLinear,
@@ -98,6 +99,25 @@ def test_activations_are_position_independent_and_the_right_function(mod, ref):
     assert torch.equal(vec, strided)
     assert torch.equal(tails, vec[:700])
     assert torch.allclose(vec, ref(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rows_are_the_same_at_any_row_count_and_the_right_function(dtype):
+    """float32 on a CPU takes torch's fused rms_norm (one op); every dtype: a row's bits at any
+    row count and position equal its bits alone, and the function is Llama's RMSNorm."""
+    g = torch.Generator().manual_seed(4)
+    d = 576
+    norm = CastFreeRMSNorm(torch.nn.Parameter((torch.randn(d, generator=g) + 1).to(dtype)), 1e-5)
+    x = (torch.randn(203, d, generator=g) * torch.rand(203, 1, generator=g) * 10).to(dtype)
+    with torch.inference_mode():
+        full = norm(x)
+        assert all(torch.equal(norm(x[i : i + 1])[0], full[i]) for i in range(0, 203, 7))
+        assert all(torch.equal(norm(x[:n]), full[:n]) for n in (1, 2, 3, 5, 17, 64, 100))
+        assert torch.equal(norm(x.view(1, 203, d))[0], full)  # packed [1, N, d] as the model feeds it
+        h = x.float()
+        want = norm.weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))
+        tol = 1e-6 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(full.float(), want, atol=tol, rtol=tol)
 
 
 def _reference_attention(q, k, v, pos, scaling):
