@@ -218,7 +218,18 @@ def e2e_markdown(e2e: dict) -> list[str]:
                 r["identical"],
             )
         )
-    head = ("retrieval on", "scan", "build s", "questions", "RaLMSeq s", "PSA s", "speed-up", "RaLMSeq retrieval", "PSA retrieval", "identical")
+    head = (
+        "retrieval on",
+        "scan",
+        "build s",
+        "questions",
+        "RaLMSeq s",
+        "PSA s",
+        "speed-up",
+        "RaLMSeq retrieval",
+        "PSA retrieval",
+        "identical",
+    )
     note = (
         f"End to end, EDR over the demo corpus padded to {e2e.get('pad_to')} rows (encoder: {e2e.get('encoder')}), "
         f"{e2e.get('questions')} questions, "

@@ -63,7 +63,7 @@ from torch import nn
 
 from ralm import constants as C
 from ralm.batching.attention import attend, invariant_attention, pad_kv
-from ralm.batching.rotary_attention import use_packed_rotary_attention
+from ralm.batching.rotary_attention import ProjectionSlice, use_packed_rotary_attention
 from ralm.errors import InvariantUnavailable
 
 log = logging.getLogger(__name__)
@@ -347,7 +347,7 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS, kernels: str =
         type(m).__name__
         for m in model.modules()
         if not list(m.children())
-        and not isinstance(m, (nn.Linear, Conv1D, InvariantLinear))
+        and not isinstance(m, (nn.Linear, Conv1D, InvariantLinear, ProjectionSlice))
         and type(m).__name__ not in _ACTIVATIONS
         and not _is_rowwise(m)
     }
