@@ -63,7 +63,8 @@ from torch import nn
 
 from ralm import constants as C
 from ralm.batching.attention import attend, invariant_attention, pad_kv
-from ralm.batching.rotary_attention import ProjectionSlice, use_packed_rotary_attention
+from ralm.batching.fused_projection import ProjectionSlice, fuse_gated_mlps
+from ralm.batching.rotary_attention import use_packed_rotary_attention
 from ralm.errors import InvariantUnavailable
 
 log = logging.getLogger(__name__)
@@ -378,6 +379,7 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS, kernels: str =
     _register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     use_packed_rotary_attention(model)  # Llama-family layers: the packed batch's forward in fewer ops
+    fuse_gated_mlps(model)  # gate and up projections: one product
     layers = [m for m in model.modules() if isinstance(m, InvariantLinear)]
     if kernels == "triton":
         return use_triton(model, layers, head_dim(model))

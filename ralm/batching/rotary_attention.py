@@ -25,15 +25,15 @@ Worked example, ``D = 4``, ``x = [a b c d]``: ``rotate_half(x) = [-c -d a b]``; 
 0 1]``, ``x[perm] = [c d a b]``, ``sin_signed = [-s0 -s1 s2 s3]``, so ``x[perm] * sin_signed =
 [-c*s0, -d*s1, a*s2, b*s3]``: ``rotate_half(x) * sin`` element for element.
 
-**One projection for q, k and v** (:class:`FusedQKV`). The three projections read the same
+**One projection for q, k and v** (:mod:`ralm.batching.fused_projection`). The three projections read the same
 input, so they run as one product over the stacked weight ``[Wq; Wk; Wv]`` (``[(H + 2 Hkv) D,
 d]``): one linear layer (one kernel launch on a GPU) instead of three. The packed forward
 views its output as ``[N, H + 2 Hkv, D]``, rotates the ``H + Hkv`` query and key heads in one
 go (the rotary factors are per row and dimension, the same for every head) and splits off
 v. transformers' own forward, which the lone path runs, keeps calling ``q_proj``, ``k_proj``
-and ``v_proj``: those are now column slices of the same product (:class:`ProjectionSlice`;
-the first call computes it, the next two reuse it for the same input), so both paths get the
-same bits from the same kernel. The stacked product's rows are invariant like any other
+and ``v_proj``: those are now column slices of the same product (the first call computes it,
+the next two reuse it for the same input), so both paths get the same bits from the same
+kernel. The stacked product's rows are invariant like any other
 linear layer's (the same load-time probe and proof).
 
 The KV writes, the attention and the output layout are the packed batch's (one write per
@@ -43,10 +43,11 @@ layer for the whole batch, one attention call per group of segments).
 from __future__ import annotations
 
 import types
-from typing import Any
 
 import torch
 from torch import nn
+
+from ralm.batching.fused_projection import fuse
 
 #: attention classes whose forward is LlamaAttention's (projections, rotate_half rotary, no
 #: q/k norm); a model of another kind keeps transformers' forward
@@ -71,82 +72,6 @@ class RotaryTables:
         return x * self.cos + x.index_select(-1, self.perm) * self.sin_signed
 
 
-class FusedQKV(nn.Module):
-    """``[q | k | v] = x [Wq; Wk; Wv]^T (+ [bq; bk; bv])``: one linear layer for the three
-    projections (``proj``, an :class:`~ralm.batching.invariant.InvariantLinear`), with a
-    one-entry memo so that :class:`ProjectionSlice` calls on the same input share one product."""
-
-    def __init__(self, proj: nn.Module, widths: tuple[int, int, int]):
-        super().__init__()
-        self.proj = proj
-        self.widths = widths  # (H*D, Hkv*D, Hkv*D)
-        self._memo: tuple[torch.Tensor, torch.Tensor, set[int]] | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., (H + 2 Hkv) D]``."""
-        return self.proj(x)
-
-    def part(self, x: torch.Tensor, which: int) -> torch.Tensor:
-        """Columns ``which`` (0: q, 1: k, 2: v) of ``forward(x)``, a view; the product is made
-        once for an input (the same tensor object: transformers' forward passes one hidden
-        state to the three projections) whose three parts are all asked for. The memo holds
-        ``x`` itself, so an identity can never be a recycled one; inference tensors keep no
-        version counter, so an in-place change of ``x`` between the calls is not seen (no
-        caller makes one)."""
-        memo = self._memo
-        if memo is None or memo[0] is not x or which in memo[2]:
-            memo = self._memo = (x, self.proj(x), set())
-        memo[2].add(which)
-        out = memo[1]
-        if len(memo[2]) == 3:
-            self._memo = None  # all three taken: hold nothing between forwards
-        start = sum(self.widths[:which])
-        return out.narrow(-1, start, self.widths[which])
-
-
-class ProjectionSlice(nn.Module):
-    """transformers' ``q_proj`` / ``k_proj`` / ``v_proj`` after fusion: part ``which`` of a
-    :class:`FusedQKV`'s product (the fused module is not registered here: it is the attention
-    module's ``qkv_proj``)."""
-
-    fused: FusedQKV
-
-    def __init__(self, fused: FusedQKV, which: int):
-        super().__init__()
-        object.__setattr__(self, "fused", fused)
-        self.which = which
-        self.out_features = fused.widths[which]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused.part(x, self.which)
-
-
-def fuse_qkv(module: Any) -> FusedQKV:
-    """Give a Llama-family attention ``module`` (its projections already
-    :class:`~ralm.batching.invariant.InvariantLinear`) one ``qkv_proj`` and make ``q_proj``,
-    ``k_proj``, ``v_proj`` its slices (idempotent)."""
-    if isinstance(getattr(module, "qkv_proj", None), FusedQKV):
-        return module.qkv_proj
-    q: Any = module.q_proj
-    k: Any = module.k_proj
-    v: Any = module.v_proj
-    weight = torch.cat([q.weight.detach(), k.weight.detach(), v.weight.detach()], dim=0)
-    biases = [p.bias for p in (q, k, v)]
-    if any(b is None for b in biases) and not all(b is None for b in biases):
-        biases = [
-            b if b is not None else torch.zeros(p.out_features, dtype=weight.dtype, device=weight.device)
-            for b, p in zip(biases, (q, k, v))
-        ]
-    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-    # the projections' own class (InvariantLinear: this module sits below invariant.py), same tiles and kernel
-    fused = FusedQKV(
-        type(q)(weight, bias, q.tile_rows, kernel=q.kernel), (q.out_features, k.out_features, v.out_features)
-    )
-    module.qkv_proj = fused
-    module.q_proj, module.k_proj, module.v_proj = (ProjectionSlice(fused, i) for i in range(3))
-    return fused
-
-
 def _tables(batch, position_embeddings) -> RotaryTables:
     cos, sin = position_embeddings
     t = getattr(batch, "rotary", None)
@@ -162,7 +87,7 @@ def _packed_forward(self, hidden_states: torch.Tensor, position_embeddings=None,
     n = hidden_states.shape[1]  # [1, N, d]: one packed row of tokens
     D = self.head_dim
     rot = _tables(batch, position_embeddings)
-    fused = self.qkv_proj
+    fused = self.qkv_proj  # a FusedProjection (q, k, v)
     h, hkv = fused.widths[0] // D, fused.widths[1] // D
     qk, v = fused(hidden_states).view(n, h + 2 * hkv, D).split([h + hkv, hkv], dim=1)
     q, k = rot.rotate(qk).split([h, hkv], dim=1)  # [N, H, D], [N, Hkv, D]: one rotation for both
@@ -172,7 +97,7 @@ def _packed_forward(self, hidden_states: torch.Tensor, position_embeddings=None,
 
 def use_packed_rotary_attention(model) -> int:
     """Give every Llama-family attention module of ``model`` the packed forward and one fused
-    q/k/v projection (:func:`fuse_qkv`; idempotent); returns how many modules have them."""
+    q/k/v projection (:func:`ralm.batching.fused_projection.fuse`; idempotent); returns how many modules have them."""
     n = 0
     for m in model.modules():
         if type(m).__name__ not in ROTARY_ATTENTIONS or not isinstance(m, nn.Module):
@@ -182,6 +107,7 @@ def use_packed_rotary_attention(model) -> int:
         if getattr(m, "_ralm_hf_forward", None) is None:
             object.__setattr__(m, "_ralm_hf_forward", m.forward)  # a bound method, not a submodule
             object.__setattr__(m, "forward", types.MethodType(_packed_forward, m))
-        fuse_qkv(m)
+        if fuse(m, ("q_proj", "k_proj", "v_proj"), "qkv_proj") is None:
+            raise ValueError(f"{type(m).__name__}: q, k and v projections that cannot be stacked")
         n += 1
     return n
