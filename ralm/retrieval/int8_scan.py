@@ -35,6 +35,13 @@ saturation*. ``_int_mm`` shifts an operand by +128, so at Q = 127 a pair reaches
 FBGEMM takes rows at 127 and queries at 63 (its input is 7-bit: 2 * 127 * 127 < 32,767). Rows
 and queries have their own levels; the bound above holds for any (r_x doubles at 63).
 
+Squared distance (``metric='l2'``, KNN-LM's datastore). The smallest ``|q - x|^2`` is the
+largest ``t = 2 q.x - |x|^2`` (``|q|^2`` is the same for every row). With ``|x|^2`` exact in
+float64 (from the float32 row, rounded up by ``SQ_SLACK`` relative), ``t^ = 2 s^ - |x|^2`` is
+within ``2 eps + SQ_SLACK |x|^2`` of ``t``, and the candidate rule below runs on ``t``.
+Worked example: the row above with ``|x|^2 = 0.3125`` gives ``t^ = 2 * 0.5 - 0.3125 =
+0.6875``, within ``2 * 0.0019685`` (plus the slack) of ``t``.
+
 Pruning a block without converting it. For query ``j`` with floor ``L`` and the block's
 largest bound ``E`` (from its largest ``r_x`` and ``|x^|``), a row can be a candidate
 only if ``s_q s_x n >= T = L - E`` (``n`` its integer score). Over the block's row scales
@@ -65,6 +72,7 @@ QMAX = 127
 BLOCK_ROWS = 1 << 15  # rows per integer product: 32768 x 384 int8 = 12 MiB
 ABS_SLACK = 1e-12  # float64 arithmetic of s^ and of the bound
 ROUND_UP = 1 + 1e-9  # norms computed in float64, rounded up
+SQ_SLACK = 1e-12  # relative: |x|^2 in float64 from float32 rows, and t^'s float64 arithmetic
 
 
 def quantize(x: np.ndarray, qmax: int = QMAX) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -83,16 +91,15 @@ def quantize(x: np.ndarray, qmax: int = QMAX) -> tuple[np.ndarray, np.ndarray, n
 
 
 class Int8Scan:
-    """An int8 copy of a flat inner-product KB (real rows, then padding rows) and its
-    candidate search; the interface of :class:`~ralm.retrieval.bf16_scan.Bf16Scan`.
+    """An int8 copy of a flat KB (real rows, then padding rows) and its candidate search; the
+    interface of :class:`~ralm.retrieval.bf16_scan.Bf16Scan`.
 
     ``rows``: (n_real, d) float32 in id order. ``pad_chunks``: float32 (m, d) chunks
-    appended after them (never returned; they only cost scan time). ``kernel``: the integer
+    appended after them (never returned; they only cost scan time). ``metric``: 'ip'
+    (largest inner product) or 'l2' (smallest squared distance). ``kernel``: the integer
     product ('fbgemm', 'int_mm'; None: the first exact one here); ``levels``: its (row,
     query) code levels (None: the finest at which it is exact here).
     """
-
-    metric = "ip"
 
     def __init__(
         self,
@@ -103,9 +110,13 @@ class Int8Scan:
         block_rows: int = BLOCK_ROWS,
         kernel: str | None = None,
         levels: tuple[int, int] | None = None,
+        metric: str = "ip",
     ):
         import torch
 
+        if metric not in ("ip", "l2"):
+            raise ValueError(f"metric must be 'ip' or 'l2', not {metric!r}")
+        self.metric = metric
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         if rows.ndim != 2 or rows.shape[0] == 0:
             raise ValueError("rows must be a non-empty (n, d) array")
@@ -128,10 +139,14 @@ class Int8Scan:
         self.scale = np.empty(self.n_real)  # (n_real,) float64 s_x
         self.xhat_norm = np.empty(self.n_real)  # (n_real,) |x^|
         self.resid = np.empty(self.n_real)  # (n_real,) r_x
+        self.sq = np.zeros(self.n_real)  # (n_real,) |x|^2, float64 (l2 only)
         for s in range(0, self.n_real, self.block_rows):  # chunked: no full float64 copy
             e = min(s + self.block_rows, self.n_real)
             codes, self.scale[s:e], self.xhat_norm[s:e], self.resid[s:e] = quantize(rows[s:e], self.qmax)
             data[s:e] = torch.from_numpy(codes)
+            if metric == "l2":
+                x64 = rows[s:e].astype(np.float64)
+                self.sq[s:e] = np.einsum("ij,ij->i", x64, x64)
         at = self.n_real
         for chunk in pad_chunks:
             m = chunk.shape[0]
@@ -143,8 +158,9 @@ class Int8Scan:
         self._ops = [self.kernel.rows(data[s : s + self.block_rows]) for s in range(0, self.n_rows, self.block_rows)]
         del data  # FBGEMM keeps its packed copy only
         self.kernel.queries(np.zeros((2, self.dim), dtype=np.int8))  # probe int_mm's widths now
-        # per block, over its real rows: scale range and largest |x^| and r_x (the block bound)
-        self._blocks: list[tuple[float, float, float, float] | None] = []
+        # per block, over its real rows: scale range, largest |x^| and r_x (the block bound), and
+        # the smallest and largest |x|^2 (l2's pruning limit; 0 for ip)
+        self._blocks: list[tuple[float, float, float, float, float, float] | None] = []
         for s in range(0, self.n_rows, self.block_rows):
             a, b = s, min(s + self.block_rows, self.n_real)
             if a < b:
@@ -155,6 +171,8 @@ class Int8Scan:
                         float(self.scale[sl].max()),
                         float(self.xhat_norm[sl].max()),
                         float(self.resid[sl].max()),
+                        float(self.sq[sl].min()),
+                        float(self.sq[sl].max()),
                     )
                 )
             else:
@@ -171,7 +189,8 @@ class Int8Scan:
         return self.n_rows * self.dim
 
     def candidates(self, queries: np.ndarray | Sequence[np.ndarray], k: int) -> list[np.ndarray]:
-        """Per query, sorted real row ids that contain its exact top-``k``.
+        """Per query, sorted real row ids that contain its exact top-``k`` (largest inner
+        product, or smallest squared distance with ``metric='l2'``).
 
         ``queries``: (b, d) float32. Costs one pass over the int8 rows for the batch.
         """
@@ -184,6 +203,7 @@ class Int8Scan:
             return done
         q_codes, q_scale, q_norm, q_resid = quantize(Q, self.query_qmax)  # (b, d) int8, (b,) x3
         q_op = self.kernel.queries(q_codes)
+        l2 = self.metric == "l2"
         track = CandidateTracker(b, k)
         for bi, start in enumerate(range(0, self.n_rows, self.block_rows)):
             blk = self._blocks[bi]
@@ -191,7 +211,7 @@ class Int8Scan:
                 # padding only: scanned for its cost, never a candidate
                 self.kernel.scores(self._ops[bi], q_op, b)
                 continue
-            s_min, s_max, xn_max, r_max = blk
+            s_min, s_max, xn_max, r_max, sq_min, sq_max = blk
             stop = min(start + self.block_rows, self.n_rows)
             n = self.kernel.scores(self._ops[bi], q_op, b)  # (B, b) int32
             real = min(stop, self.n_real) - start
@@ -199,7 +219,13 @@ class Int8Scan:
             eps_blk = q_norm * r_max + q_resid * xn_max + q_resid * r_max + ABS_SLACK  # (b,)
             L = track.L
             if np.isfinite(L).all():
-                T = L - eps_blk  # (b,) a row needs s^ >= T
+                # ip: a row needs s^ >= L - eps. l2: t^ + 2 eps + slack >= L needs s^ >= (L +
+                # |x|^2) / 2 - eps - slack / 2, at least (L + min |x|^2) / 2 - eps - slack, where
+                # near the floor |t^| <= |L| + 2 eps bounds the slack
+                if l2:
+                    T = (L + sq_min) / 2 - eps_blk - SQ_SLACK * (np.abs(L) + 2 * eps_blk + sq_max)  # (b,)
+                else:
+                    T = L - eps_blk  # (b,) a row needs s^ >= T
                 lim = np.where(T > 0, T / (q_scale * s_max), T / (q_scale * s_min))
                 lim = np.clip(np.floor(lim) - 1, -(2**31), 2**31 - 1).astype(np.int32)
                 rows_i, cols_i = torch.nonzero(n >= torch.from_numpy(lim), as_tuple=True)
@@ -217,6 +243,10 @@ class Int8Scan:
                 + q_resid[c_np] * self.resid[ids]
                 + ABS_SLACK
             )
+            if l2:  # t^ = 2 s^ - |x|^2, within 2 eps plus the slack of t
+                sq = self.sq[ids]
+                vals = 2 * vals - sq
+                eps = 2 * eps + SQ_SLACK * (np.abs(vals) + sq)
             track.add_block(r_np, c_np, vals, eps, real, start)
         return track.result()
 

@@ -105,7 +105,7 @@ def _bf16(rows, pad_chunks, *, pad_rows: int, metric: str, **_: Any) -> Candidat
 
 
 def _int8(rows, pad_chunks, *, pad_rows: int, metric: str, int8_kernel: str | None = None, **_: Any) -> CandidateScan:
-    return int8_scan.Int8Scan(rows, pad_chunks, pad_rows=pad_rows, kernel=int8_kernel)
+    return int8_scan.Int8Scan(rows, pad_chunks, pad_rows=pad_rows, kernel=int8_kernel, metric=metric)
 
 
 def _gpu(rows, pad_chunks, *, pad_rows: int, metric: str, **_: Any) -> CandidateScan:
@@ -120,7 +120,7 @@ def _gpu_available(mode: str, dim: int) -> bool:
 
 
 register_scan(ScanKind("bf16", ("ip", "l2"), _bf16, lambda mode, dim: bf16_scan.available(mode)))
-register_scan(ScanKind("int8", ("ip",), _int8, int8_scan.available))
+register_scan(ScanKind("int8", ("ip", "l2"), _int8, int8_scan.available))
 register_scan(ScanKind("gpu", ("ip",), _gpu, _gpu_available))
 
 

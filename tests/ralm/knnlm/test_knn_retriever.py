@@ -60,15 +60,16 @@ def test_choose_token_ties_go_to_lowest_id():
     assert choose_token(p_lm, [(0, 0.1)], vals, KnnLMConfig(lmbda=0.5), mask_token=3) == 1
 
 
+@pytest.mark.parametrize("scan", ["bf16", "int8"])
 @pytest.mark.parametrize("model", ["tiny-gpt2", "pydocs-gpt"])
-def test_bf16_scan_equals_faiss_scan(knn_setups, model):
-    """The flat KB gives the same hits with the bf16 candidate scan as with FAISS, for the
-    datastore's own queries (keys, and keys moved a little), alone and in batches, padded."""
+def test_a_bounded_scan_equals_the_faiss_scan(knn_setups, model, scan):
+    """The flat KB gives the same hits with the bf16 or int8 candidate scan as with FAISS, for
+    the datastore's own queries (keys, and keys moved a little), alone and in batches, padded."""
     lm, ds, _ = knn_setups[model]
     pad = 2 * len(ds) + 12345  # padding rows in mixed and padding-only blocks
-    bf = KnnRetriever(ds, "flat", pad_to=pad, scan="bf16")
+    bf = KnnRetriever(ds, "flat", pad_to=pad, scan=scan)
     fa = KnnRetriever(ds, "flat", pad_to=pad, scan="faiss")
-    assert (bf.scan_kind, fa.scan_kind) == ("bf16", "faiss") and bf.scan is not None and fa.scan is None
+    assert bf.scan_kind.split()[0] == scan and fa.scan_kind == "faiss" and bf.scan is not None and fa.scan is None
     assert bf.n_rows == fa.n_rows == pad and bf.padded_rows == fa.padded_rows == pad
     assert bf.index is None  # no float32 copy of the padding
     Q = _queries(ds, n=24, seed=3)
@@ -82,15 +83,16 @@ def test_bf16_scan_equals_faiss_scan(knn_setups, model):
     assert bf.stats["rescored"] <= bf.stats["candidates"]
 
 
-def test_bf16_scan_ties_and_near_ties():
-    """Duplicate keys and keys one float32 ulp apart: the bf16 path ranks them exactly."""
+@pytest.mark.parametrize("scan", ["bf16", "int8"])
+def test_a_bounded_scan_ranks_ties_and_near_ties_exactly(scan):
+    """Duplicate keys and keys one float32 ulp apart: the bf16 and int8 paths rank them exactly."""
     rng = np.random.default_rng(5)
     base = (rng.standard_normal((300, 32)) * 4 + 10).astype(np.float32)  # not unit, not centred
     near = base.copy()
     near[:, 7] = np.nextafter(near[:, 7], np.float32(np.inf))
     keys = np.concatenate([base, near, base])
     ds = Datastore(keys, np.arange(len(keys)) % 11, np.repeat(np.arange(3), 300), {"n_passages": 3})
-    bf = KnnRetriever(ds, "flat", pad_to=40000, scan="bf16")
+    bf = KnnRetriever(ds, "flat", pad_to=40000, scan=scan)
     fa = KnnRetriever(ds, "flat", pad_to=40000, scan="faiss")
     Q = np.concatenate([base[:20], base[20:40] + np.float32(1e-3)])
     for k in (1, 2, 3, 16, 256):

@@ -275,3 +275,33 @@ def test_concurrent_batches_on_one_scan_get_the_serial_answers(scan):
         together = list(pool.map(lambda Q: s.candidates(Q, 10), batches))
     for a, b in zip(serial, together):
         assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("kernel", HERE)
+@pytest.mark.parametrize("k", [1, 16, 256])
+def test_l2_candidates_contain_the_exact_nearest_rows(kernel, k):
+    """Squared distance (KNN-LM's metric): rows of varied norms (and so of varied |x|^2 inside
+    a block), duplicates at the boundary, far padding scanned and never returned, any batch."""
+    rng = np.random.default_rng(30 + k)
+    scale = np.exp(rng.standard_normal((5000, 1))).astype(np.float32)
+    Y = (rng.standard_normal((5000, 48)) * scale * 4).astype(np.float32)
+    Y[2000:2010] = Y[7]
+    far = padding_vectors(20000, 48, norm=1e4)
+    scan = Int8Scan(Y, far, pad_rows=20000, block_rows=1024, kernel=kernel, metric="l2")
+    Q = (Y[rng.integers(0, 5000, 6)] + 0.3 * rng.standard_normal((6, 48))).astype(np.float32)
+    Q[0] = Y[7]
+    dist = lambda q: ((Y.astype(np.float64) - q.astype(np.float64)) ** 2).sum(1)  # noqa: E731
+    together = scan.candidates(Q, k)
+    for i, c in enumerate(together):
+        d = dist(Q[i])
+        want = np.lexsort((np.arange(5000), d))[:k]
+        got = c[np.lexsort((c, d[c]))][:k]
+        assert np.array_equal(want, got) and (c < 5000).all()
+        alone = scan.candidates(Q[i : i + 1], k)[0]
+        assert np.array_equal(alone[np.lexsort((alone, d[alone]))][:k], want)
+    assert max(c.size for c in together) < 0.2 * 5000 + k  # a candidate window, not the whole KB
+
+
+def test_an_unknown_metric_is_refused():
+    with pytest.raises(ValueError, match="metric must be 'ip' or 'l2'"):
+        Int8Scan(np.ones((4, 8), dtype=np.float32), metric="cosine")
