@@ -395,9 +395,9 @@ class KnnLMConfig(StrictModel):
         ge=0,
         description="flat only: pad the index with far-away random vectors up to this many rows to emulate a large datastore's search cost (never returned; results unchanged; reported wherever used).",
     )
-    scan: Literal["auto", "faiss", "bf16"] = Field(
+    scan: Literal["auto", "faiss", "bf16", "int8"] = Field(
         "auto",
-        description="index=flat only: candidate scan. 'bf16': a bfloat16 copy of the keys (and padding) scanned with torch, one pass per verification batch (cost nearly flat in the batch size), with a proven error bound (each row's own norm), so the exact float64 re-scoring still returns exactly the top-k; 'faiss': FAISS IndexFlatL2; 'auto': bf16 when the CPU has bf16 instructions (AMX/AVX512-BF16) and the kernel passes its accumulation probe. Never changes results.",
+        description="index=flat only: candidate scan. 'bf16': a bfloat16 copy of the keys (and padding) scanned with torch, one pass per verification batch (cost nearly flat in the batch size), with a proven error bound (each row's own norm), so the exact float64 re-scoring still returns exactly the top-k; 'int8': an int8 copy scanned with exact integer products (FBGEMM or torch's _int_mm) and a proven bound on the squared distance, for CPUs without bf16 instructions; 'faiss': FAISS IndexFlatL2; 'auto': bf16 when the CPU has bf16 instructions (AMX/AVX512-BF16) and the kernel passes its accumulation probe, else int8 where an integer product is exact here, else FAISS. Never changes results.",
     )
     rerank_margin: int = Field(
         C.KNN_RERANK_MARGIN,

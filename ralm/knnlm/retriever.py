@@ -1,7 +1,9 @@
 """KB search of the KNN-LM datastore: a candidate stage + exact float64 re-scoring.
 
 Flat index, ``scan='bf16'`` (``'auto'`` picks it when the CPU has bf16 instructions and
-torch's bf16 kernel accumulates in float32, :func:`ralm.retrieval.bf16_scan.available`):
+torch's bf16 kernel accumulates in float32, :func:`ralm.retrieval.bf16_scan.available`;
+otherwise ``'int8'``, :class:`~ralm.retrieval.int8_scan.Int8Scan` with metric 'l2', where an
+integer product is exact here, as on AVX2-only CPUs; the same candidate contract):
 a bfloat16 copy of the keys (and of the padding rows, generated straight into it - no
 float32 copy of the padding) is scanned once per batch by
 :class:`~ralm.retrieval.bf16_scan.Bf16Scan` (metric 'l2'), whose candidate set per query
@@ -203,7 +205,8 @@ class KnnRetriever:
 
     @property
     def scan_kind(self) -> str:
-        """The candidate scan in use: 'bf16' or 'faiss' (FAISS also for HNSW)."""
+        """The candidate scan in use: the scan's label ('bf16', 'int8 +-127/63 fbgemm') or 'faiss'
+        (FAISS also for HNSW)."""
         return self.scan.label if self.scan is not None else "faiss"
 
     def __repr__(self) -> str:
