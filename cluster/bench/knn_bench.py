@@ -111,7 +111,9 @@ def add_knn_bench_args(p: argparse.ArgumentParser) -> None:
     )
     add_shared(
         p,
-        scan=Default("auto", help=SHARED["scan"].help + " (KnnLMConfig.scan)", choices=("auto", "faiss", "bf16", "int8")),
+        scan=Default(
+            "auto", help=SHARED["scan"].help + " (KnnLMConfig.scan)", choices=("auto", "faiss", "bf16", "int8")
+        ),
         pad_to=0,
     )
     p.add_argument(
