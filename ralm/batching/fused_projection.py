@@ -37,10 +37,18 @@ class FusedProjection(nn.Module):
     :class:`~ralm.batching.invariant.InvariantLinear` over the stacked weight), with the memo
     that lets :class:`ProjectionSlice` calls on one input share one product."""
 
-    def __init__(self, proj: nn.Module, widths: Sequence[int]):
+    def __init__(
+        self,
+        proj: nn.Module,
+        widths: Sequence[int],
+        names: Sequence[str] = (),
+        biased: Sequence[bool] = (),
+    ):
         super().__init__()
         self.proj = proj
         self.widths = tuple(int(w) for w in widths)
+        self.names = tuple(names)  # the parts' names on the parent (q_proj, k_proj, v_proj)
+        self.biased = tuple(biased)  # which parts had a bias of their own (the others' are zeros)
         self._memo: tuple[torch.Tensor, torch.Tensor, set[int]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,12 +116,34 @@ def fuse(module: Any, names: Sequence[str], fused_name: str) -> FusedProjection 
         )
     # the parts' own class (InvariantLinear: this module sits below invariant.py), same tiles and kernel
     fused = FusedProjection(
-        type(first)(weight, bias, first.tile_rows, kernel=first.kernel), [p.weight.shape[0] for p in parts]
+        type(first)(weight, bias, first.tile_rows, kernel=first.kernel),
+        [p.weight.shape[0] for p in parts],
+        names,
+        [p.bias is not None for p in parts],
     )
     setattr(module, fused_name, fused)
     for i, n in enumerate(names):
         setattr(module, n, ProjectionSlice(fused, i))
     return fused
+
+
+def unstacked_state_dict(model) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` under transformers' names: each stacked projection's weight and
+    bias split back into its parts (views), so a stacked model compares with, or saves as, the
+    model it was made from."""
+    stacked = {name: m for name, m in model.named_modules() if isinstance(m, FusedProjection)}
+    out: dict[str, torch.Tensor] = {}
+    for key, t in model.state_dict().items():
+        owner, _, leaf = key.rpartition(".")  # e.g. 'model.layers.0.self_attn.qkv_proj.proj', 'weight'
+        fused = stacked.get(owner[: -len(".proj")]) if owner.endswith(".proj") else None
+        if fused is None:
+            out[key] = t
+            continue
+        parent = owner[: -len(".proj")].rpartition(".")[0]
+        for name, has_bias, piece in zip(fused.names, fused.biased, t.split(list(fused.widths), dim=0)):
+            if leaf == "weight" or has_bias:
+                out[f"{parent}.{name}.{leaf}" if parent else f"{name}.{leaf}"] = piece
+    return out
 
 
 #: MLP classes whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``

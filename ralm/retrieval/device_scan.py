@@ -189,7 +189,7 @@ class DeviceScan:
             x = rows[a : a + HOST_CHUNK]
             # round to nearest in torch (vectorised; numpy's float16 cast is a scalar loop, 10x
             # slower), and the bound factors from the very halves that are stored
-            half = torch.from_numpy(x).to(torch.float16)
+            half = torch.from_numpy(x if x.flags.writeable else x.copy()).to(torch.float16)
             x64, h64 = x.astype(np.float64), half.numpy().astype(np.float64)
             self.xn[a : a + len(x)] = np.sqrt(np.einsum("ij,ij->i", h64, h64)) * ROUND_UP
             self.resid[a : a + len(x)] = np.sqrt(np.einsum("ij,ij->i", x64 - h64, x64 - h64)) * ROUND_UP

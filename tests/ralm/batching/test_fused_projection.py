@@ -63,3 +63,15 @@ def test_the_stacked_model_is_the_plain_models_function(family):
         got = model(input_ids=ids).logits
         want = plain(input_ids=ids).logits
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_unstacked_state_dict_is_the_plain_models(family):
+    """Split back under transformers' names, the stacked model's weights are the plain model's,
+    key for key and bit for bit (Qwen2's q/k/v biases too)."""
+    from ralm.batching.fused_projection import unstacked_state_dict
+
+    model, plain = _model(family), _model(family, invariant=False)
+    got, want = unstacked_state_dict(model), plain.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -23,14 +23,14 @@ def _exact_top(X, q, k):
 
 def test_registry_names_metrics_and_refusals():
     assert set(scans.SCANS) >= {"bf16", "int8", "gpu"}
-    assert scans.scans_for("l2") == ("bf16",) and "int8" in scans.scans_for("ip")
+    assert scans.scans_for("l2") == ("bf16", "int8") and scans.scans_for("ip") == ("bf16", "int8", "gpu")
     with pytest.raises(ValueError, match="unknown scan 'fp8': registered scans are bf16, int8, gpu"):
         scans.make_scan("fp8", _rows())
-    with pytest.raises(ValueError, match="the int8 scan ranks by ip, not 'l2'"):
-        scans.make_scan("int8", _rows(), metric="l2")
+    with pytest.raises(ValueError, match="the gpu scan ranks by ip, not 'l2'"):
+        scans.make_scan("gpu", _rows(), metric="l2")
     assert scans.first_available("faiss", "l2", 32) is None
     with pytest.raises(ValueError, match="ranks by ip"):
-        scans.first_available("int8", "l2", 32)
+        scans.first_available("gpu", "l2", 32)
 
 
 @pytest.mark.parametrize("name", ["bf16", "int8"])
