@@ -135,11 +135,12 @@ def unstacked_state_dict(model) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for key, t in model.state_dict().items():
         owner, _, leaf = key.rpartition(".")  # e.g. 'model.layers.0.self_attn.qkv_proj.proj', 'weight'
-        fused = stacked.get(owner[: -len(".proj")]) if owner.endswith(".proj") else None
+        fused_name = owner.removesuffix(".proj")
+        fused = stacked.get(fused_name) if fused_name != owner else None
         if fused is None:
             out[key] = t
             continue
-        parent = owner[: -len(".proj")].rpartition(".")[0]
+        parent = fused_name.rpartition(".")[0]
         for name, has_bias, piece in zip(fused.names, fused.biased, t.split(list(fused.widths), dim=0)):
             if leaf == "weight" or has_bias:
                 out[f"{parent}.{name}.{leaf}" if parent else f"{name}.{leaf}"] = piece
