@@ -49,17 +49,35 @@ def fixed_order_dot(a, b, d, input_precision=None, max_num_imprecise_acc=None):
     return TensorHandle(acc, d.dtype.scalar)
 
 
+def rne_cast(saved_cast):
+    """The interpreter's ``cast_impl`` with a GPU's float32 -> bfloat16 conversion: rounded to
+    nearest, ties to even (``cvt.rn.bf16.f32``), where the interpreter truncates; every
+    other cast is ``saved_cast``'s."""
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle
+
+    def cast(src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+            return TensorHandle(bits.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return saved_cast(src, dst_type)
+
+    return cast
+
+
 @contextlib.contextmanager
 def mma_model() -> Iterator[None]:
-    """Within: the interpreter's ``tl.dot`` is :func:`fixed_order_dot` (nothing else changes)."""
+    """Within: the interpreter's ``tl.dot`` is :func:`fixed_order_dot` and its float32 ->
+    bfloat16 cast rounds as a GPU's does (:func:`rne_cast`); nothing else changes."""
     from triton.runtime.interpreter import interpreter_builder
 
-    saved = interpreter_builder.create_dot
+    saved = interpreter_builder.create_dot, interpreter_builder.cast_impl
     interpreter_builder.create_dot = fixed_order_dot
+    interpreter_builder.cast_impl = rne_cast(saved[1])
     try:
         yield
     finally:
-        interpreter_builder.create_dot = saved
+        interpreter_builder.create_dot, interpreter_builder.cast_impl = saved
 
 
 def _randn(shape: tuple[int, ...], seed: int, dtype, device):

@@ -289,7 +289,7 @@ class GpuCheck:
             return {"device": G.device_sweep(self.device, self.dtypes, deadline=self.deadline)}
         if os.environ.get("TRITON_INTERPRET") == "1":
             shapes = ((40, 24, True), (8, 16, False))
-            return {"device": G.device_sweep("cpu", self.dtypes, (16,), (1, 2), shapes, (24,), self.deadline)}
+            return {"device": G.device_sweep("cpu", self.dtypes, (16,), (1, 2), shapes, (24,), self.deadline, (24,))}
         return {"offline": G.offline_sweep(90, self.dtypes, deadline=self.deadline)}
 
     def bits(self) -> dict:

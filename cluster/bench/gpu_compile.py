@@ -31,6 +31,8 @@ GROUPS = (1, 4)
 #: linear layer shapes ``(out, in, bias)`` of the Llama-3.2-1B shape, and a small biased one
 LINEAR_SHAPES = ((2048, 2048, False), (512, 2048, False), (8192, 2048, False), (2048, 8192, False), (64, 48, True))
 NORM_DIMS = (2048,)
+#: the SiLU-gated MLPs' intermediate widths (the one-launch activation): the Llama-3.2-1B shape's
+GATED_WIDTHS = (8192,)
 #: the largest shared memory one block may use, in bytes, per architecture (opt-in maximum)
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
@@ -43,6 +45,7 @@ def device_sweep(
     linear_shapes=LINEAR_SHAPES,
     norm_dims=NORM_DIMS,
     deadline: float | None = None,
+    gated_widths=GATED_WIDTHS,
 ) -> dict:
     """Per dtype: the configurations compiled and launched on ``device``, the seconds it
     took, and the first failure's reason (``ok`` false) if one failed; dtypes not started
@@ -57,7 +60,15 @@ def device_sweep(
         norms = [("rms", d, True, False) for d in norm_dims] + [("layer", d, True, True) for d in norm_dims]
         row: dict[str, Any] = {"ok": True, "compiled": 0}
         try:
-            labels = compile_kernels(device, dt, head_dims, groups=groups, linear_shapes=linear_shapes, norms=norms)
+            labels = compile_kernels(
+                device,
+                dt,
+                head_dims,
+                groups=groups,
+                linear_shapes=linear_shapes,
+                norms=norms,
+                gated_widths=gated_widths,
+            )
             row["compiled"] = len(labels)
         except InvariantUnavailable as e:
             row.update(ok=False, error=str(e))
@@ -75,7 +86,7 @@ def _signature(fn, dtype: str) -> dict[str, str]:
     for i, name in enumerate(fn.arg_names):
         if i in fn.constexprs:
             sig[name] = "constexpr"
-        elif name == "pos_ptr":
+        elif name in ("pos_ptr", "blk_ptr", "off_ptr"):
             sig[name] = "*i64"
         elif name.startswith(("tab_", "tile_")):
             sig[name] = "*i32"
@@ -88,7 +99,9 @@ def _signature(fn, dtype: str) -> dict[str, str]:
     return sig
 
 
-def _configs(dtype: str, head_dims, linear_shapes, norm_dims) -> list[tuple[str, str, dict[str, Any], dict]]:
+def _configs(
+    dtype: str, head_dims, linear_shapes, norm_dims, gated_widths=GATED_WIDTHS
+) -> list[tuple[str, str, dict[str, Any], dict]]:
     """``(label, kernel, constexprs, launch options)`` of every configuration the wrappers launch."""
     dt = getattr(torch, dtype)
     prec = T.dot_precision(dt)
@@ -109,6 +122,12 @@ def _configs(dtype: str, head_dims, linear_shapes, norm_dims) -> list[tuple[str,
             c["PRECISION"] = prec
             label = f"{'paged_' if paged else ''}attention/{dtype}/d{D}"
             out.append((label, "attention", c, {"num_warps": warps, "num_stages": stages}))
+        rotary = {"HALF": D // 2, "BLOCK_D": T.next_pow2(D)}
+        rotary_opts = {"num_warps": 1 if D <= 64 else 2, "enable_fp_fusion": False}
+        out.append((f"rotary_kv_write/{dtype}/d{D}", "rotary_kv_write", rotary, rotary_opts))
+    for width in gated_widths:
+        block = min(1024, T.next_pow2(width))
+        out.append((f"silu_mul/{dtype}/i{width}", "silu_mul", {"BLOCK": block}, {"num_warps": 4}))
     return out
 
 
@@ -119,6 +138,7 @@ def offline_sweep(
     linear_shapes=LINEAR_SHAPES,
     norm_dims=NORM_DIMS,
     deadline: float | None = None,
+    gated_widths=GATED_WIDTHS,
 ) -> dict:
     """Compile every configuration for ``sm_{arch}`` on this machine (no GPU needed): per
     label, the static shared memory in bytes, whether it fits the architecture's limit, and
@@ -133,7 +153,7 @@ def offline_sweep(
     target = GPUTarget("cuda", arch, 32)
     rows: dict[str, Any] = {}
     for dtype in dtypes:
-        for label, kernel, consts, opts in _configs(dtype, head_dims, linear_shapes, norm_dims):
+        for label, kernel, consts, opts in _configs(dtype, head_dims, linear_shapes, norm_dims, gated_widths):
             if deadline is not None and time.perf_counter() > deadline:
                 rows[label] = {"fits": None, "skipped": "time budget"}
                 continue

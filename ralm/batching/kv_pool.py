@@ -285,14 +285,6 @@ class KVPool:
             self.k[layer][:, blocks, offsets] = k_new
             self.v[layer][:, blocks, offsets, :D] = v_new
 
-    def write_run(self, layer: int, block: int, offset: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        """Store ``k_new, v_new [Hkv, n, D]`` at offsets ``offset .. offset+n-1`` of one block
-        (a slice assignment: a lone sequence's decode token or short chunk)."""
-        n, D = k_new.shape[1], k_new.shape[2]
-        with _writable():
-            self.k[layer][:, block, offset : offset + n] = k_new
-            self.v[layer][:, block, offset : offset + n, :D] = v_new
-
     def read_run(self, layer: int, first: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks ``first .. first+nb-1`` (one sequence whose blocks follow one another) at
         ``layer`` as ``(k [1, Hkv, nb*B, D], v_aug [1, Hkv, nb*B, D+1])``: views, no copy."""

@@ -234,6 +234,28 @@ class PackedBatch:
             return F.pad(out, (0, 0, 0, 0, 0, n_rows - N))
         return self._attend(layer, q, k, v, scaling)
 
+    def fused_rotary(self, n_rows: int) -> bool:
+        """Whether a Llama-family layer can hand this forward its stacked projection and rotary
+        factors (:meth:`rotary_attention`): the Triton backend, every sequence in the
+        allocated pool, no padding rows."""
+        return self.triton and self._plan is not None and n_rows == self.n_tokens
+
+    def rotary_attention(
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        scaling: float,
+    ) -> torch.Tensor:
+        """One layer's rotation, KV write and attention for every sequence of the batch, from
+        the stacked projection ``qkv [1, N, (H + 2 Hkv) D]`` and transformers' rotary factors
+        ``cos, sin [1, N, D]`` (when :meth:`fused_rotary`): ``[1, N, H D]``, two launches."""
+        assert self._plan is not None
+        return self._plan.triton_rotary_attention(layer, qkv, cos, sin, heads, kv_heads, scaling)
+
     def _attend(self, layer: int, q_rows, key, value, scaling: float) -> torch.Tensor:
         if self.pool is not None:
             if self._plan is None:  # the pool's first forward: allocated now, the plan's indices in a copy of their own

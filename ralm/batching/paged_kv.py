@@ -190,15 +190,11 @@ class PagedPlan:
             b, o = seg.kv.slots(len(seg.kv), seg.n)
             blocks += b
             offsets += o
-        # the new tokens in one block, in order (a lone decode token or short chunk): a slice write
-        self.run = (
-            (blocks[0], offsets[0])
-            if len(set(blocks)) == 1 and offsets == list(range(offsets[0], offsets[0] + len(offsets)))
-            else None
-        )
-        if self.run is None:
-            self.meta.add("paged.blocks", blocks)
-            self.meta.add("paged.offsets", offsets)
+        # where each new token goes, one index write per layer whatever the batch (a slice
+        # write of a lone sequence's run of slots took 8 host ops, the index write takes 3;
+        # the Triton backend writes from its rotary kernel, row by row, with the same sections)
+        self.meta.add("paged.blocks", blocks)
+        self.meta.add("paged.offsets", offsets)
         self._reads: dict[int, tuple] = {}  # group -> ("run", first block, nb) | ("rows", S, nb)
         if triton:
             self._triton_sections()
@@ -256,11 +252,8 @@ class PagedPlan:
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """This layer's new ``key/value [Hkv, N, D]`` of every sequence, in one copy each."""
-        if self.run is not None:
-            self.pool.write_run(layer, self.run[0], self.run[1], key, value)
-        else:
-            dev = key.device
-            self.pool.write(layer, self._on("paged.blocks", dev), self._on("paged.offsets", dev), key, value)
+        dev = key.device
+        self.pool.write(layer, self._on("paged.blocks", dev), self._on("paged.offsets", dev), key, value)
 
     def _nb(self, idx: Sequence[int]) -> int:
         """Blocks covering the longest of segments ``idx`` after this forward."""
@@ -276,6 +269,40 @@ class PagedPlan:
             return self.pool.read_run(layer, how[1], how[2])
         rows = self._on(f"paged.rows{gi}", self.pool.layer_device(layer))
         return self.pool.read_rows(layer, rows, how[1], how[2])
+
+    def triton_rotary_attention(
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        scaling: float,
+    ) -> torch.Tensor:
+        """A Llama-family layer's attention from its stacked projection ``qkv [1, N, (H + 2
+        Hkv) D]`` and rotary factors (:func:`ralm.batching.triton_paged.rotary_paged_attention`):
+        the rotation, the pool write and the attention in two launches; ``[1, N, H D]``."""
+        # lazy: keeps triton (optional, only the CUDA path uses it) out of CPU processes
+        from ralm.batching import triton_paged
+
+        dev = self.pool.layer_device(layer)
+        tiles = (self._on("paged.tile_seq", dev), self._on("paged.tile_row", dev), self._on("paged.tile_n", dev))
+        slots = (self._on("paged.blocks", dev), self._on("paged.offsets", dev))
+        return triton_paged.rotary_paged_attention(
+            qkv,
+            cos,
+            sin,
+            heads,
+            kv_heads,
+            self.pool.k[layer],
+            self.pool.v[layer],
+            slots,
+            self._on("paged.tables", dev),
+            tiles,
+            self._on("paged.pos", dev),
+            scaling,
+        )
 
     def triton_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """Every segment's queries ``q [N, H, D]`` against its blocks in one Triton launch

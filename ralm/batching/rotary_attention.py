@@ -86,9 +86,13 @@ def _packed_forward(self, hidden_states: torch.Tensor, position_embeddings=None,
         return self._ralm_hf_forward(hidden_states, position_embeddings, attention_mask, **kwargs)
     n = hidden_states.shape[1]  # [1, N, d]: one packed row of tokens
     D = self.head_dim
-    rot = _tables(batch, position_embeddings)
     fused = self.qkv_proj  # a FusedProjection (q, k, v)
     h, hkv = fused.widths[0] // D, fused.widths[1] // D
+    if batch.fused_rotary(n):  # the Triton backend on the pool: rotation, write, attention in two launches
+        cos, sin = position_embeddings
+        out = batch.rotary_attention(self.layer_idx, fused(hidden_states), cos, sin, h, hkv, float(self.scaling))
+        return self.o_proj(out), None
+    rot = _tables(batch, position_embeddings)
     qk, v = fused(hidden_states).view(n, h + 2 * hkv, D).split([h + hkv, hkv], dim=1)
     q, k = rot.rotate(qk).split([h, hkv], dim=1)  # [N, H, D], [N, Hkv, D]: one rotation for both
     out = batch.attend_rows(self.layer_idx, q, k.transpose(0, 1), v.transpose(0, 1), float(self.scaling))

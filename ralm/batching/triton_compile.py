@@ -29,6 +29,7 @@ def compile_kernels(
     groups: Sequence[int] = (1,),
     linear_shapes: Sequence[tuple[int, int, bool]] = (),
     norms: Sequence[tuple[str, int, bool, bool]] = (),
+    gated_widths: Sequence[int] = (),
 ) -> list[str]:
     """Compile every kernel a model needs on ``device`` in ``dtype``, each by one launch on
     small tensors (a launch loads the compiled kernel, which is where a kernel that needs
@@ -37,7 +38,9 @@ def compile_kernels(
     ``head_dims`` and ``groups`` (query heads per KV head): the attention kernel, contiguous
     and paged, over three key blocks; ``linear_shapes``: ``(out_features, in_features,
     bias)`` of each linear layer (the matmul kernel's tiles depend on them); ``norms``:
-    ``("rms" | "layer", d, has_weight, has_bias)``. Returns the labels compiled, in order;
+    ``("rms" | "layer", d, has_weight, has_bias)``; ``gated_widths``: the intermediate width
+    of each SiLU-gated MLP (its one-launch activation). The attention kernels compile with
+    the fused rotation and pool write of Llama-family layers. Returns the labels compiled, in order;
     raises :class:`~ralm.errors.InvariantUnavailable` naming the kernel and its
     configuration at the first that fails."""
     dev = torch.device(device)
@@ -74,6 +77,8 @@ def compile_kernels(
             run(f"rms_norm/{name}/d{d}", T.rms_norm, x, w if w is not None else x[0], 1e-6)
         else:
             run(f"layer_norm/{name}/d{d}", T.layer_norm, x, w, b, 1e-5)
+    for width in dict.fromkeys(gated_widths):
+        run(f"silu_mul/{name}/i{width}", T.silu_mul, rand(2, 2 * width))
     L = 2 * T.ATTN_BLOCK_N + 5  # three key blocks, the last partly visible
     pos = torch.arange(L, device=dev)
     tables = torch.tensor([[3, 0, 2]], dtype=torch.int32, device=dev)
@@ -88,6 +93,13 @@ def compile_kernels(
                 TP.paged_attention,
                 *(qp, pool_k, pool_v, tables, tiles, pos, D**-0.5),
             )
+            qkv, cos, sin = rand(1, L, (G + 2) * D), rand(1, L, D), rand(1, L, D)
+            slots = (tables[0].long().repeat_interleave(T.ATTN_BLOCK_N)[:L], pos % T.ATTN_BLOCK_N)
+            run(
+                f"rotary_paged_attention/{name}/d{D}/group{G}",
+                TP.rotary_paged_attention,
+                *(qkv, cos, sin, G, 1, pool_k, pool_v, slots, tables, tiles, pos, D**-0.5),
+            )
     return done
 
 
@@ -97,8 +109,10 @@ def model_kernel_shapes(model, head_dim: int) -> dict[str, Any]:
     cfg = model.config
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    linear, norms = [], []
+    linear, norms, gated = [], [], []
     for m in model.modules():
+        if getattr(m, "forward", None) is not None and getattr(m.forward, "__name__", "") == "_triton_gated_forward":
+            gated.append(int(m.gate_up_proj.widths[0]))
         w = getattr(m, "weight", None)
         if getattr(m, "kernel", None) == "triton" and isinstance(w, torch.Tensor) and w.dim() == 2:
             linear.append((int(w.shape[0]), int(w.shape[1]), getattr(m, "bias", None) is not None))
@@ -112,4 +126,5 @@ def model_kernel_shapes(model, head_dim: int) -> dict[str, Any]:
         "groups": [heads // kv_heads],
         "linear_shapes": list(dict.fromkeys(linear)),
         "norms": list(dict.fromkeys(norms)),
+        "gated_widths": list(dict.fromkeys(gated)),
     }

@@ -11,6 +11,7 @@ A cheap probe then runs the kernels on the model's device and dtype; the whole-m
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from ralm.batching import triton_compile, triton_kernels
+from ralm.batching.fused_projection import FusedProjection
 from ralm.errors import InvariantUnavailable
 
 
@@ -93,6 +95,7 @@ def use_triton(model, layers: Sequence[LinearLayer], head_dim: int) -> Any:
     for m in model.modules():
         if hasattr(m, "layer_idx"):  # the attention modules (the decoder layers too: harmless)
             m._ralm_triton = True
+    use_triton_gated_mlps(model)
     try:
         # every kernel the model runs, compiled and loaded on its device before any check
         # (a kernel out of shared memory fails here, with its configuration in the reason)
@@ -108,6 +111,28 @@ def use_triton(model, layers: Sequence[LinearLayer], head_dim: int) -> Any:
         ) from e
     model._ralm_invariant = triton_kernels.DESCRIPTION
     return model
+
+
+def _triton_gated_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """A SiLU-gated MLP on the stacked ``[gate | up]`` product: the activation and the product
+    in one launch (:func:`triton_kernels.silu_mul`)."""
+    return self.down_proj(triton_kernels.silu_mul(self.gate_up_proj(x)))
+
+
+def use_triton_gated_mlps(model) -> int:
+    """Give every gated MLP whose gate and up projections are stacked
+    (:func:`~ralm.batching.fused_projection.fuse_gated_mlps`) and whose activation is SiLU the
+    one-launch activation; returns how many. Lone and batched steps run the same forward, so
+    both take their bits from the same kernel."""
+    n = 0
+    for m in model.modules():
+        # InvariantSiLU by name: ralm.batching.invariant imports this module
+        if isinstance(getattr(m, "gate_up_proj", None), FusedProjection) and (
+            type(getattr(m, "act_fn", None)).__name__ == "InvariantSiLU"
+        ):
+            object.__setattr__(m, "forward", types.MethodType(_triton_gated_forward, m))
+            n += 1
+    return n
 
 
 def check_triton_invariance(layer: LinearLayer, head_dim: int) -> None:

@@ -306,6 +306,85 @@ def attention_kernel(
     )
 
 
+@_jit()
+def silu_mul_kernel(
+    x_ptr,  # [M, 2I]: gate columns 0..I-1, up columns I..2I-1
+    y_ptr,  # [M, I], x's dtype
+    I,
+    sxm,
+    sym,
+    BLOCK: tl.constexpr,
+):
+    # InvariantSiLU's formula, x / (1 + exp(-x)), in float32 and rounded to the dtype as the
+    # module's output is; then the product with the up projection, rounded once. Element-wise:
+    # a row's bits are its own, whatever M is.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(x_ptr + row * sxm + cols, mask=mask, other=0.0)
+    u = tl.load(x_ptr + row * sxm + I + cols, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+    tl.store(y_ptr + row * sym + cols, (act * u.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit()
+def rotary_kv_write_kernel(
+    qkv_ptr,  # [N, (H + 2 Hkv) D]: a row's q heads, k heads, v heads (the stacked projection)
+    cos_ptr,  # [N, D], the dtype of qkv
+    sin_ptr,  # [N, D]
+    k_ptr,  # one layer of the pool's keys (block, offset, head, column strides below)
+    v_ptr,  # the values (>= D columns; the first D are written)
+    blk_ptr,  # [N] int64: the pool block of row n's position
+    off_ptr,  # [N] int64: its offset in the block
+    sqn,
+    scn,
+    ssn,
+    skb,
+    skn,
+    skh,
+    skd,
+    svb,
+    svn,
+    svh,
+    svd,
+    H,
+    HKV,
+    D,
+    HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program per (row, head). Query and key heads are rotated, transformers'
+    # ``x * cos + rotate_half(x) * sin`` element for element with the same roundings (each
+    # product rounded to the dtype, then the sum; launched without fused multiply-adds):
+    # ``rotate_half(x)[d]`` is ``-x[d + D/2]`` below the half and ``x[d - D/2]`` above it,
+    # and ``(-a) * s`` is ``a * (-s)`` exactly. Query heads are written back in place (the
+    # attention reads them there); key heads and value heads go to the row's pool slot.
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, BLOCK_D).to(tl.int64)
+    dm = d < D
+    src = qkv_ptr + r * sqn + h * D
+    x = tl.load(src + d, mask=dm, other=0.0)
+    blk = tl.load(blk_ptr + r)
+    off = tl.load(off_ptr + r)
+    if h < H + HKV:
+        partner = tl.where(d < HALF, d + HALF, d - HALF)
+        xr = tl.load(src + partner, mask=dm, other=0.0)
+        c = tl.load(cos_ptr + r * scn + d, mask=dm, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + r * ssn + d, mask=dm, other=0.0).to(tl.float32)
+        s = tl.where(d < HALF, -s, s)  # (negated in float32: exact, and the interpreter's 16-bit floats are raw bits)
+        p1 = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
+        p2 = (xr.to(tl.float32) * s).to(x.dtype).to(tl.float32)
+        y = (p1 + p2).to(x.dtype)
+        if h < H:
+            tl.store(src + d, y, mask=dm)
+        else:
+            tl.store(k_ptr + blk * skb + off * skn + (h - H) * skh + d * skd, y, mask=dm)
+    else:
+        tl.store(v_ptr + blk * svb + off * svn + (h - H - HKV) * svh + d * svd, x, mask=dm)
+
+
 def kernels() -> dict[str, Any]:
     """The jitted kernels by name (interpreted where ``TRITON_INTERPRET=1`` was set before
     triton's first import: see the module docstring)."""
@@ -316,6 +395,8 @@ def kernels() -> dict[str, Any]:
         "rms_norm": rms_norm_kernel,
         "layer_norm": layer_norm_kernel,
         "attention": attention_kernel,
+        "silu_mul": silu_mul_kernel,
+        "rotary_kv_write": rotary_kv_write_kernel,
     }
 
 
@@ -445,6 +526,20 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     return y
 
 
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """A gated MLP's activation on its stacked ``[gate | up]`` product ``x [..., 2I]``:
+    ``silu(gate) * up`` -> ``[..., I]`` in ``x.dtype``, one launch (``silu`` is
+    :class:`~ralm.batching.invariant.InvariantSiLU`'s formula, rounded to the dtype)."""
+    x, M, sxm = _row_major(x)
+    I = x.shape[-1] // 2
+    y = x.new_empty(*x.shape[:-1], I)
+    if M:
+        block = min(1024, next_pow2(I))
+        with on_device(x):
+            kernels()["silu_mul"][(M, triton.cdiv(I, block))](x, y, I, sxm, I, BLOCK=block, num_warps=4)
+    return y
+
+
 def norm_warps(block: int) -> int:
     return 4 if block <= 2048 else 8  # a function of d only
 
@@ -528,7 +623,7 @@ def launch_attention(
     """Launch :data:`attention_kernel` (the one attention kernel; the strides in its order:
     sequence or block, row, head, column). ``paged``: ``(tables, tile_seq, tile_row, tile_n)``
     for the paged layout, None for the contiguous one."""
-    D = q.shape[-1]
+    D = k.shape[-1]  # the head dimension (q may be a wider tensor: the stacked projection)
     block_d, warps, stages = attention_config(D)
     tab, tseq, trow, tn = paged if paged is not None else (q_pos, q_pos, q_pos, q_pos)
     with on_device(q):

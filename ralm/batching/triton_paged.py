@@ -100,6 +100,86 @@ def paged_attention(
     return out
 
 
+def rotary_paged_attention(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: tuple[torch.Tensor, torch.Tensor],
+    tables: torch.Tensor,
+    tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    q_pos: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """A Llama-family layer's attention from its stacked projection, in two launches.
+
+    ``qkv [1, N, (H + 2 Hkv) D]``: each packed row's query, key and value heads (rows with
+    a unit column stride); ``cos, sin [1, N, D]``: transformers' rotary factors of the
+    rows' positions, in ``qkv``'s dtype; ``slots = (blocks, offsets)`` (int64 ``[N]``):
+    where each row's position lives in the pool. The first launch rotates the query heads
+    in place and the key heads into the pool, and writes the value heads there
+    (:data:`~ralm.batching.triton_kernels.rotary_kv_write_kernel`); the second is
+    :func:`paged_attention`'s launch reading the queries where they are. Returns
+    ``[1, N, H D]`` (the output projection's input), the bits of the rotation in torch
+    followed by a pool write and :func:`paged_attention`."""
+    _, N, W = qkv.shape
+    D = W // (heads + 2 * kv_heads)
+    out = qkv.new_empty(1, N, heads * D)
+    tile_seq, tile_row, tile_n = tiles
+    if N == 0 or tile_seq.numel() == 0:
+        return out
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+    blocks, offsets = slots
+    sqn = qkv.stride(1)
+    with T.on_device(qkv):
+        T.kernels()["rotary_kv_write"][(N, heads + 2 * kv_heads)](
+            qkv,
+            cos,
+            sin,
+            k_pool,
+            v_pool,
+            blocks,
+            offsets,
+            sqn,
+            cos.stride(1),
+            sin.stride(1),
+            *_block_offset_head_dim(k_pool),
+            *_block_offset_head_dim(v_pool),
+            heads,
+            kv_heads,
+            D,
+            HALF=D // 2,
+            BLOCK_D=T.next_pow2(D),
+            num_warps=1 if D <= 64 else 2,
+            enable_fp_fusion=False,  # a * b + c as two roundings, as torch's separate ops round
+        )
+    T.launch_attention(
+        (tile_seq.numel(), heads, 1),
+        qkv,
+        k_pool,
+        v_pool,
+        q_pos,
+        out,
+        (tables, tile_seq, tile_row, tile_n),
+        nq=0,
+        L=tables.shape[1] * T.ATTN_BLOCK_N,
+        group=heads // kv_heads,
+        scaling=scaling,
+        q_strides=(0, sqn, D, 1),
+        k_strides=_block_offset_head_dim(k_pool),
+        v_strides=_block_offset_head_dim(v_pool),
+        pos_strides=(0, q_pos.stride(0)),
+        table_strides=tables.stride(),
+        out_strides=(0, heads * D, D, 1),
+    )
+    return out
+
+
 def _block_offset_head_dim(t: torch.Tensor) -> tuple[int, int, int, int]:
     """The strides of a pool layer ``[Hkv, n_blocks, B, D]`` in the kernel's order (block,
     offset, head, column)."""

@@ -40,6 +40,8 @@ def _check(res: dict, dtypes: list[str], dims: list[int]) -> None:
     want = {f"{p}attention/{t}/d{d}" for t in dtypes for d in dims for p in ("", "paged_")}
     want |= {f"{k}/{t}/d2048" for t in dtypes for k in ("rms_norm", "layer_norm")}
     want |= {f"matmul/{t}/{s}" for t in dtypes for s in ("512x2048", "64x48+bias")}
+    want |= {f"rotary_kv_write/{t}/d{d}" for t in dtypes for d in dims}
+    want |= {f"silu_mul/{t}/i8192" for t in dtypes}
     assert set(rows) == want
     assert all(r["fits"] for r in rows.values()), {k: r for k, r in rows.items() if not r["fits"]}
     for t in dtypes:  # one launch configuration: the two layouts take the same shared memory

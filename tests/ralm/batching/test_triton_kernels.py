@@ -17,7 +17,10 @@ rows 6-11 of every 12), and garbage for bfloat16 (raw 16-bit patterns multiplied
 MMA computes every output element the same way wherever it sits in the tile, which is what
 the kernels rely on; the ``interpreter`` fixture models that: ``tl.dot`` becomes
 :func:`cluster.bench.gpu_bits.fixed_order_dot`, a fixed-order float32 sum over k for every
-element (``acc + a[:, 0] b[0] + a[:, 1] b[1] + ...``, operands converted exactly to float32). Everything else (tiling, masks, the K loop,
+element (``acc + a[:, 0] b[0] + a[:, 1] b[1] + ...``, operands converted exactly to float32). The
+interpreter also truncates float32 to bfloat16 where a GPU rounds to nearest even; the fixture
+rounds (:func:`cluster.bench.gpu_bits.rne_cast`), so a kernel's roundings can be compared with
+torch's bit for bit. Everything else (tiling, masks, the K loop,
 the online softmax, the casts) runs as the interpreter runs it.
 """
 
@@ -31,7 +34,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from cluster.bench.gpu_bits import fixed_order_dot  # noqa: E402
+from cluster.bench.gpu_bits import fixed_order_dot, rne_cast  # noqa: E402
 from ralm.batching import (
     triton_compile as TC,  # noqa: E402
     triton_kernels as T,  # noqa: E402
@@ -65,6 +68,7 @@ def interpreter():
     assert isinstance(T.tl.zeros, InterpretedFunction), "triton was imported before TRITON_INTERPRET=1 was set"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(interpreter_builder, "create_dot", fixed_order_dot)
+        mp.setattr(interpreter_builder, "cast_impl", rne_cast(interpreter_builder.cast_impl))
         yield
 
 
@@ -224,6 +228,62 @@ def test_paged_attention_is_the_contiguous_kernel_in_one_launch(dtype, D):
     assert torch.equal(one[0], out[5])
 
 
+@pytest.mark.parametrize("dtype,D", [(torch.float32, 16), (torch.float16, 32), (torch.bfloat16, 64)])
+def test_rotary_paged_attention_is_the_torch_rotation_a_pool_write_and_the_paged_kernel(dtype, D):
+    """The fused launch of a Llama layer's attention (rotary_kv_write, then the paged kernel
+    reading the queries in place) against transformers' rotation in torch, a pool write and
+    :func:`paged_attention`: the same queries, keys, values and outputs, bit for bit; the
+    pool's other slots untouched."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    B, H, Hkv, sc = T.ATTN_BLOCK_N, 4, 2, D**-0.5
+    lens, new = [80, 33], [20, 1]  # a prefill chunk over a block edge, a decode token
+    tables = [[5, 2], [7]]
+    N, W = sum(new), (H + 2 * Hkv) * D
+    k_pool = _randn(Hkv, 9, B, D, seed=50, dtype=dtype)
+    v_pool = torch.cat([_randn(Hkv, 9, B, D, seed=51, dtype=dtype), torch.ones(Hkv, 9, B, 1, dtype=dtype)], -1)
+    qkv = _randn(1, N, W, seed=52, dtype=dtype) * 2
+    pos = torch.cat([torch.arange(n - m, n) for n, m in zip(lens, new)])
+    ang = pos[:, None].double() * (1e-2 ** (torch.arange(D // 2).double() / (D // 2)))[None]
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).to(dtype)[None] for f in (torch.cos, torch.sin))
+    blocks = torch.tensor([tables[s][p // B] for s, (n, m) in enumerate(zip(lens, new)) for p in range(n - m, n)])
+    offsets = pos % B
+    tab = torch.tensor([t + [0] * (2 - len(t)) for t in tables], dtype=torch.int32)
+    tiles = TP.query_tiles([0, new[0]], new, "cpu")
+
+    # the reference: torch's rotation (transformers' formula), a pool write, the paged kernel
+    x = qkv[0].view(N, H + 2 * Hkv, D)
+    rot = x[:, : H + Hkv] * cos[0][:, None] + rotate_half(x[:, : H + Hkv]) * sin[0][:, None]
+    k_ref, v_ref = k_pool.clone(), v_pool.clone()
+    k_ref[:, blocks, offsets] = rot[:, H:].transpose(0, 1)
+    v_ref[:, blocks, offsets, :D] = x[:, H + Hkv :].transpose(0, 1)
+    want = TP.paged_attention(rot[:, :H].contiguous(), k_ref, v_ref, tab, tiles, pos, sc)
+
+    got_qkv = qkv.clone()
+    out = TP.rotary_paged_attention(got_qkv, cos, sin, H, Hkv, k_pool, v_pool, (blocks, offsets), tab, tiles, pos, sc)
+    assert out.shape == (1, N, H * D) and out.dtype == dtype
+    assert torch.equal(got_qkv[0].view(N, -1, D)[:, :H], rot[:, :H])  # queries rotated in place
+    assert torch.equal(got_qkv[0].view(N, -1, D)[:, H:], x[:, H:])  # keys and values left as they were
+    assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)  # written where they belong, nowhere else
+    assert torch.equal(out[0].view(N, H, D), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_silu_mul_is_the_gated_activation_row_by_row(dtype):
+    from ralm.batching.invariant import InvariantSiLU
+
+    I = 40  # noqa: E741
+    x = _randn(1, 7, 2 * I, seed=60, dtype=dtype) * 3
+    y = T.silu_mul(x)
+    assert y.shape == (1, 7, I) and y.dtype == dtype
+    g, u = x.double().split(I, dim=-1)
+    want = InvariantSiLU()(g) * u
+    tol = TOL[dtype][1]
+    assert torch.allclose(y.double(), want, atol=tol, rtol=tol), (y.double() - want).abs().max()
+    for r in (0, 3, 6):  # a row alone: the same bits
+        assert torch.equal(T.silu_mul(x[:, r : r + 1])[0, 0], y[0, r])
+
+
 def test_paged_attention_refuses_a_pool_of_other_blocks():
     q = torch.zeros(1, 2, 16)
     with pytest.raises(ValueError, match="blocks of 64"):
@@ -361,13 +421,20 @@ def test_compile_kernels_launches_every_configuration_and_names_the_one_that_fai
         groups=[1, 2],
         linear_shapes=[(40, 24, True), (8, 16, False)],
         norms=[("rms", 24, True, False), ("layer", 24, True, True)],
+        gated_widths=[40],
     )
     assert labels == [
         "matmul/float16/40x24+bias",
         "matmul/float16/8x16",
         "rms_norm/float16/d24",
         "layer_norm/float16/d24",
-        *[f"{k}attention/float16/d{d}/group{g}" for d in (16, 24) for g in (1, 2) for k in ("", "paged_")],
+        "silu_mul/float16/i40",
+        *[
+            f"{k}attention/float16/d{d}/group{g}"
+            for d in (16, 24)
+            for g in (1, 2)
+            for k in ("", "paged_", "rotary_paged_")
+        ],
     ]
     with pytest.raises(InvariantUnavailable, match=r"attention/float32/d320/group1 does not compile or run on cpu"):
         TC.compile_kernels("cpu", torch.float32, [320])
@@ -382,4 +449,6 @@ def test_model_kernel_shapes_lists_what_a_model_on_the_kernels_launches(triton_m
     assert (cfg.vocab_size, cfg.hidden_size, False) in shapes["linear_shapes"]
     kind = "rms" if family == "llama" else "layer"
     assert [n[0] for n in shapes["norms"]] == [kind]
+    # the SiLU-gated MLP's one-launch activation: Llama's; GPT-2's MLP is not gated
+    assert shapes["gated_widths"] == ([cfg.intermediate_size] if family == "llama" else [])
     assert TC.compile_kernels("cpu", torch.float32, **shapes)
