@@ -7,8 +7,9 @@ has one fixed shape. Softmax uses the exact row max, ``exp`` and a *deferred* su
 carry an extra column of ones, so ``p @ [V | 1]`` yields the numerator and the denominator
 in one product, and block partials are added in block order. A key a query may not see gets
 ``exp(-inf) = 0`` and adds an exact zero, so a longer padded key range (the same row inside
-a bigger prefill) changes no bit. On CUDA the same contract is kept by
-:func:`ralm.batching.triton_kernels.attention` (modules flagged ``_ralm_triton``).
+a bigger prefill) changes no bit. This is the ``torch`` attention backend's kernel; on CUDA
+the same contract is kept by :func:`ralm.batching.triton_kernels.attention` (the ``triton``
+backend; both behind :mod:`ralm.batching.attention_backend`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from ralm import constants as C
-from ralm.errors import InvariantUnavailable
 
 
 def attend(
@@ -118,32 +118,3 @@ def pad_kv(k: torch.Tensor, v: torch.Tensor, key_block: int = C.INVARIANT_KEY_BL
     v_aug[..., :L, :D] = v
     v_aug[..., D] = 1.0
     return k_pad, v_aug
-
-
-def uses_triton(module_or_model) -> bool:
-    """Whether attention runs on the Triton kernels: the one place that reads the flag
-    :func:`ralm.batching.triton_forward.use_triton` sets (on the model and its attention modules)."""
-    return bool(getattr(module_or_model, "_ralm_triton", False))
-
-
-def invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The ``AttentionInterface`` entry point. ``query [B, H, nq, D]``, ``key/value [B, Hkv, Lk,
-    D]`` (after the cache update). With ``ralm_batch`` (a packed batch of sequences, see
-    :mod:`ralm.batching.packed`) the batch attends each of its sequences; otherwise each row
-    of the batch is one unpadded sequence whose queries are its last ``nq`` positions."""
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    packed = kwargs.get("ralm_batch")
-    if packed is not None:
-        return packed.attend(module, query, key, value, float(scaling)), None
-    if attention_mask is not None:
-        raise InvariantUnavailable("the invariant forward takes no padding mask: run sequences unpadded")
-    nq, lk = query.shape[2], key.shape[2]
-    pos = torch.arange(lk - nq, lk, device=query.device).expand(query.shape[0], nq)
-    if uses_triton(module):
-        # lazy: keeps triton (optional, only the CUDA path uses it) out of CPU processes
-        from ralm.batching import triton_kernels
-
-        return triton_kernels.attention(query, key, value, pos, float(scaling)), None
-    k_pad, v_aug = pad_kv(key, value)
-    return attend(query, k_pad, v_aug, pos, float(scaling)), None

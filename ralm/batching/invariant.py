@@ -62,7 +62,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ralm import constants as C
-from ralm.batching.attention import attend, invariant_attention, pad_kv
+from ralm.batching.attention import attend, pad_kv
+from ralm.batching.attention_backend import invariant_attention
 from ralm.batching.fused_projection import ProjectionSlice, fuse_gated_mlps
 from ralm.batching.rotary_attention import use_packed_rotary_attention
 from ralm.errors import InvariantUnavailable

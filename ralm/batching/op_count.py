@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ralm.batching.attention import uses_triton
+from ralm.batching.attention_backend import attention_backend
 from ralm.batching.kv_pool import KVPool
 from ralm.batching.packed import packed_forward
 from ralm.batching.paged_kv import PagedKV
@@ -152,7 +152,7 @@ def decode_iteration_ops(model, batch: int, context: int, seed: int = 0) -> dict
     ids = torch.randint(1, vocab, (batch, context + 1), generator=g).tolist()
     pool = KVPool(layers)
     kvs = [PagedKV(pool) for _ in range(batch)]
-    triton = uses_triton(model)
+    triton = attention_backend(model).name == "triton"
     with contextlib.ExitStack() as stack:
         launches = stack.enter_context(record_triton_launches()) if triton else Launches()
         with torch.inference_mode():

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from ralm import constants as C
-from ralm.batching.attention import attend, hidden_keys, uses_triton
+from ralm.batching.attention import hidden_keys
+from ralm.batching.attention_backend import BACKENDS, AttentionBackend, attention_backend
 from ralm.batching.invariant import row_multiple
 from ralm.batching.metadata import IterationMetadata
 from ralm.batching.paged_kv import PagedKV, PagedPlan
@@ -180,13 +181,14 @@ class PackedBatch:
     Built before the forward: the segments' groups, and (every sequence paged in one
     allocated pool) the KV pool's plan with its reserved blocks; all their indices, with
     the forward's token ids and positions, are sections of one :class:`IterationMetadata`,
-    sent to the device in one copy. ``triton``: attention on the Triton kernels."""
+    sent to the device in one copy. ``backend``: the attention backend
+    (:mod:`ralm.batching.attention_backend`; the torch one by default)."""
 
-    def __init__(self, segments: Sequence[Segment], device=None, triton: bool = False, meta=None):
+    def __init__(self, segments: Sequence[Segment], device=None, backend: AttentionBackend | None = None, meta=None):
         self.segments = list(segments)
         self.n_tokens = sum(s.n for s in self.segments)
         self.device = device
-        self.triton = triton
+        self.backend = backend if backend is not None else BACKENDS["torch"]
         self.meta = meta if meta is not None else IterationMetadata(device)
         by_tiles: dict[int, list[int]] = {}
         for i, seg in enumerate(self.segments):
@@ -198,7 +200,7 @@ class PackedBatch:
         self.pool = paged[0].pool if len(paged) == len(self.segments) and len(pools) == 1 else None
         self._plan: PagedPlan | None = None
         if self.pool is not None and self.pool.allocated:  # the usual case: the plan's indices ship with the rest
-            self._plan = PagedPlan(self.pool, self.segments, self.groups, device, triton, self.meta)
+            self._plan = PagedPlan(self.pool, self.segments, self.groups, device, self.backend, self.meta)
 
     def ship(self) -> None:
         """Send the iteration's metadata to the device (one copy)."""
@@ -236,9 +238,9 @@ class PackedBatch:
 
     def fused_rotary(self, n_rows: int) -> bool:
         """Whether a Llama-family layer can hand this forward its stacked projection and rotary
-        factors (:meth:`rotary_attention`): the Triton backend, every sequence in the
-        allocated pool, no padding rows."""
-        return self.triton and self._plan is not None and n_rows == self.n_tokens
+        factors (:meth:`rotary_attention`): a backend that fuses the rotation, every sequence
+        in the allocated pool, no padding rows."""
+        return self.backend.fuses_rotary and self._plan is not None and n_rows == self.n_tokens
 
     def rotary_attention(
         self,
@@ -254,16 +256,17 @@ class PackedBatch:
         the stacked projection ``qkv [1, N, (H + 2 Hkv) D]`` and transformers' rotary factors
         ``cos, sin [1, N, D]`` (when :meth:`fused_rotary`): ``[1, N, H D]``, two launches."""
         assert self._plan is not None
-        return self._plan.triton_rotary_attention(layer, qkv, cos, sin, heads, kv_heads, scaling)
+        return self.backend.rotary_pool(self._plan, layer, qkv, cos, sin, heads, kv_heads, scaling)
 
     def _attend(self, layer: int, q_rows, key, value, scaling: float) -> torch.Tensor:
         if self.pool is not None:
             if self._plan is None:  # the pool's first forward: allocated now, the plan's indices in a copy of their own
                 self.pool.ensure(key[:, :1])
-                self._plan = PagedPlan(self.pool, self.segments, self.groups, self.device, self.triton)
+                self._plan = PagedPlan(self.pool, self.segments, self.groups, self.device, self.backend)
             self._plan.write(layer, key, value)
-            if self.triton:
-                return self._plan.triton_attention(layer, q_rows, scaling)
+            pooled = self.backend.attend_pool(self._plan, layer, q_rows, scaling)
+            if pooled is not None:  # every sequence in one call (the Triton backend's paged launch)
+                return pooled
         else:
             for seg in self.segments:
                 seg.kv.append(layer, key[:, seg.start : seg.start + seg.n], value[:, seg.start : seg.start + seg.n])
@@ -285,8 +288,8 @@ class PackedBatch:
         return out
 
     def _attend_group(self, gi: int, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Group ``gi``'s queries ``q [S, H, n_max, D]`` against its sequences' KV at ``layer``:
-        ``[S, n_max, H, D]`` (on the Triton kernel with ``self.triton``)."""
+        """Group ``gi``'s queries ``q [S, H, n_max, D]`` against its sequences' KV at ``layer``,
+        laid out one tensor per sequence, by the backend: ``[S, n_max, H, D]``."""
         KB = C.INVARIANT_KEY_BLOCK
         g = self.groups[gi]
         segs = [self.segments[i] for i in g.idx]
@@ -298,13 +301,9 @@ class PackedBatch:
             ks, vs = zip(*(s.kv.span(layer, span) for s in segs))
             k_pad = ks[0].unsqueeze(0) if len(ks) == 1 else torch.stack(ks)
             v_aug = vs[0].unsqueeze(0) if len(vs) == 1 else torch.stack(vs)
-        if self.triton:
-            # lazy: keeps triton (optional, only the CUDA path uses it) out of CPU processes
-            from ralm.batching import triton_kernels
-
-            return triton_kernels.attention(q, k_pad, v_aug[..., : q.shape[-1]], g.pos, scaling)
-        mask = g.mask(span // KB, q.shape[1] // k_pad.shape[1])
-        return attend(q, k_pad, v_aug, g.pos, scaling, mask=mask)
+        return self.backend.attend_contiguous(
+            q, k_pad, v_aug, g.pos, scaling, lambda: g.mask(span // KB, q.shape[1] // k_pad.shape[1])
+        )
 
 
 @torch.inference_mode()
@@ -348,7 +347,7 @@ def packed_forward(
     meta.add("ids", ids + [0] * pad, (1, len(ids) + pad))
     meta.add("pos", pos + [0] * pad, (1, len(pos) + pad))
     meta.add("keep", [int(r) for r in logits_rows])
-    batch = PackedBatch(segs, device, uses_triton(model), meta)
+    batch = PackedBatch(segs, device, attention_backend(model), meta)
     batch.ship()
     keep = meta["keep"]
     out = model(

@@ -19,11 +19,15 @@ and a padded or stale position is masked (an exact zero), as with per-sequence b
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ralm.batching.kv_pool import ZERO_BLOCK, KVPool
 from ralm.batching.metadata import IterationMetadata
+
+if TYPE_CHECKING:
+    from ralm.batching.attention_backend import AttentionBackend
 
 
 class PagedKV:
@@ -163,11 +167,12 @@ class PagedPlan:
     own, shipped here).
 
     ``segments``: the forward's segments (``.kv`` a :class:`PagedKV`, ``.n`` new tokens, in
-    row order); ``groups``: the attention's groups of segments (``.idx``), for the CPU
-    backend's gathers; ``triton``: the Triton backend's block tables and query tiles instead.
-    Sections: ``paged.blocks, paged.offsets [N]`` (where each packed token's KV goes),
-    ``paged.rows{g}`` (the pool rows group ``g`` gathers, :meth:`KVPool.read_rows`),
-    ``paged.tables [S, nb]``, ``paged.tile_seq/row/n [T]`` and ``paged.pos [N]``."""
+    row order); ``groups``: the attention's groups of segments (``.idx``); ``backend``: the
+    attention backend (:mod:`ralm.batching.attention_backend`), which adds the sections it
+    reads (:meth:`~ralm.batching.attention_backend.AttentionBackend.pool_sections`: the torch
+    backend's rows to gather per group, the Triton backend's block tables, query tiles and
+    row positions). Sections of its own: ``paged.blocks, paged.offsets [N]`` (where each
+    packed token's KV goes)."""
 
     def __init__(
         self,
@@ -175,7 +180,7 @@ class PagedPlan:
         segments: Sequence,
         groups: Sequence,
         device,
-        triton: bool,
+        backend: AttentionBackend,
         meta: IterationMetadata | None = None,
     ):
         self.pool = pool
@@ -195,50 +200,14 @@ class PagedPlan:
         # the Triton backend writes from its rotary kernel, row by row, with the same sections)
         self.meta.add("paged.blocks", blocks)
         self.meta.add("paged.offsets", offsets)
-        self._reads: dict[int, tuple] = {}  # group -> ("run", first block, nb) | ("rows", S, nb)
-        if triton:
-            self._triton_sections()
-        else:
-            hkv, n_blocks = pool.k[0].shape[0], pool.n_blocks
-            for gi, g in enumerate(groups):
-                nb = self._nb(g.idx)
-                table = self.segments[g.idx[0]].kv.table[:nb]
-                if len(g.idx) == 1 and len(table) == nb and table == list(range(table[0], table[0] + nb)):
-                    self._reads[gi] = ("run", table[0], nb)
-                    continue
-                # a layer viewed as rows [Hkv * n_blocks, B * Dx] has (head h, block b) at row
-                # h * n_blocks + b; listed in [S, Hkv, nb] order
-                rows = [
-                    b + h * n_blocks for i in g.idx for h in range(hkv) for b in padded_table(self.segments[i].kv, nb)
-                ]
-                self.meta.add(f"paged.rows{gi}", rows)
-                self._reads[gi] = ("rows", len(g.idx), nb)
+        #: group -> ("run", first block, nb) | ("rows", S, nb): how :meth:`gather` reads it
+        self.reads: dict[int, tuple] = {}
+        backend.pool_sections(self, groups)
         self._moved: dict[tuple[str, torch.device], torch.Tensor] = {}  # sections on other devices
         if own:
             self.meta.ship()
 
-    def _triton_sections(self) -> None:
-        """The paged Triton kernel's block tables, query tiles and row positions."""
-        # lazy: keeps triton (optional, only the CUDA path uses it) out of CPU processes
-        from ralm.batching.triton_kernels import ATTN_BLOCK_Q
-
-        S = len(self.segments)
-        nb = self._nb(range(S))
-        self.meta.add("paged.tables", [b for seg in self.segments for b in padded_table(seg.kv, nb)], (S, nb))
-        # each sequence's packed rows cut into tiles of ATTN_BLOCK_Q rows from its first row
-        # (the contiguous kernel's tiling of the same queries)
-        seq, row, n = [], [], []
-        for i, seg in enumerate(self.segments):
-            for r in range(0, seg.n, ATTN_BLOCK_Q):
-                seq.append(i)
-                row.append(seg.start + r)
-                n.append(min(ATTN_BLOCK_Q, seg.n - r))
-        self.meta.add("paged.tile_seq", seq)
-        self.meta.add("paged.tile_row", row)
-        self.meta.add("paged.tile_n", n)
-        self.meta.add("paged.pos", [len(s.kv) + t for s in self.segments for t in range(s.n)])
-
-    def _on(self, name: str, device: torch.device) -> torch.Tensor:
+    def section(self, name: str, device: torch.device) -> torch.Tensor:
         """Section ``name`` on ``device``: the shipped view on the plan's device, else one copy
         per forward (the layers of a model spread over several GPUs)."""
         t = self.meta[name]
@@ -253,66 +222,23 @@ class PagedPlan:
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """This layer's new ``key/value [Hkv, N, D]`` of every sequence, in one copy each."""
         dev = key.device
-        self.pool.write(layer, self._on("paged.blocks", dev), self._on("paged.offsets", dev), key, value)
+        self.pool.write(layer, self.section("paged.blocks", dev), self.section("paged.offsets", dev), key, value)
 
-    def _nb(self, idx: Sequence[int]) -> int:
+    def blocks_after(self, idx: Sequence[int]) -> int:
         """Blocks covering the longest of segments ``idx`` after this forward."""
         B = self.pool.block_size
         return max(-(-(len(self.segments[i].kv) + self.segments[i].n) // B) for i in idx)
 
+    def padded_table(self, i: int, nb: int) -> list[int]:
+        """Segment ``i``'s first ``nb`` blocks, padded with the zero block."""
+        return padded_table(self.segments[i].kv, nb)
+
     def gather(self, layer: int, gi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_pad [S, Hkv, nb*B, D], v_aug [S, Hkv, nb*B, D+1])`` of group ``gi``'s segments at
-        ``layer`` (new tokens included): the CPU attention's input. A lone sequence whose
+        ``layer`` (new tokens included): the torch backend's input. A lone sequence whose
         blocks follow one another in the pool is read in place; otherwise one copy."""
-        how = self._reads[gi]
+        how = self.reads[gi]
         if how[0] == "run":
             return self.pool.read_run(layer, how[1], how[2])
-        rows = self._on(f"paged.rows{gi}", self.pool.layer_device(layer))
+        rows = self.section(f"paged.rows{gi}", self.pool.layer_device(layer))
         return self.pool.read_rows(layer, rows, how[1], how[2])
-
-    def triton_rotary_attention(
-        self,
-        layer: int,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        heads: int,
-        kv_heads: int,
-        scaling: float,
-    ) -> torch.Tensor:
-        """A Llama-family layer's attention from its stacked projection ``qkv [1, N, (H + 2
-        Hkv) D]`` and rotary factors (:func:`ralm.batching.triton_paged.rotary_paged_attention`):
-        the rotation, the pool write and the attention in two launches; ``[1, N, H D]``."""
-        # lazy: keeps triton (optional, only the CUDA path uses it) out of CPU processes
-        from ralm.batching import triton_paged
-
-        dev = self.pool.layer_device(layer)
-        tiles = (self._on("paged.tile_seq", dev), self._on("paged.tile_row", dev), self._on("paged.tile_n", dev))
-        slots = (self._on("paged.blocks", dev), self._on("paged.offsets", dev))
-        return triton_paged.rotary_paged_attention(
-            qkv,
-            cos,
-            sin,
-            heads,
-            kv_heads,
-            self.pool.k[layer],
-            self.pool.v[layer],
-            slots,
-            self._on("paged.tables", dev),
-            tiles,
-            self._on("paged.pos", dev),
-            scaling,
-        )
-
-    def triton_attention(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Every segment's queries ``q [N, H, D]`` against its blocks in one Triton launch
-        (:func:`ralm.batching.triton_paged.paged_attention`): ``[N, H, D]``."""
-        # lazy: keeps triton (optional, only the CUDA path uses it) out of CPU processes
-        from ralm.batching import triton_paged
-
-        dev = self.pool.layer_device(layer)
-        tiles = (self._on("paged.tile_seq", dev), self._on("paged.tile_row", dev), self._on("paged.tile_n", dev))
-        k, v = self.pool.k[layer], self.pool.v[layer]
-        return triton_paged.paged_attention(
-            q, k, v, self._on("paged.tables", dev), tiles, self._on("paged.pos", dev), scaling
-        )

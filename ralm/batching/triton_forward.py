@@ -3,8 +3,8 @@ does with ``kernels="triton"`` (the default for a model on CUDA).
 
 Linear layers run :func:`ralm.batching.triton_kernels.matmul`, the norms (Hugging Face's
 ``*RMSNorm``, ``nn.LayerNorm``) are replaced by modules calling the row-wise Triton norms,
-and attention modules are flagged so that :func:`~ralm.batching.invariant.invariant_attention`
-and :class:`~ralm.batching.packed.PackedBatch` call :func:`ralm.batching.triton_kernels.attention`.
+and attention modules are flagged so that they run the ``triton`` attention backend
+(:func:`ralm.batching.attention_backend.attention_backend`).
 A cheap probe then runs the kernels on the model's device and dtype; the whole-model proof
 (:mod:`ralm.batching.proof`) follows in the engine.
 """
@@ -91,7 +91,7 @@ def use_triton(model, layers: Sequence[LinearLayer], head_dim: int) -> Any:
     then a cheap probe of both on the model's device and dtype."""
     for layer in layers:
         layer.use_kernel("triton")
-    model._ralm_triton = True  # read by ralm.batching.attention.uses_triton, and nowhere else
+    model._ralm_triton = True  # read by ralm.batching.attention_backend.attention_backend, and nowhere else
     for m in model.modules():
         if hasattr(m, "layer_idx"):  # the attention modules (the decoder layers too: harmless)
             m._ralm_triton = True

@@ -74,15 +74,15 @@ def test_a_gemm_that_changes_bits_above_24_rows_is_refused_although_the_layer_pr
 def test_an_attention_that_differs_for_long_query_chunks_fails_the_chunked_prefill_check(monkeypatch):
     """The packed forward's attention (not the one the load-time probe checks) differs for
     query chunks over 40 rows: only the chunked-prefill check can see it."""
-    import ralm.batching.packed as packed
+    import ralm.batching.attention_backend as backends
 
-    plain = packed.attend
+    plain = backends.attend
 
     def attend(q, *args, **kwargs):
         out = plain(q, *args, **kwargs)
         return out * (1 + 2**-20) if q.shape[2] > 40 else out  # a long chunk: other bits
 
-    monkeypatch.setattr(packed, "attend", attend)
+    monkeypatch.setattr(backends, "attend", attend)  # the torch backend's kernel
     engine = tiny_engine("gpt2")
     proof = engine.invariance_proof
     assert proof is not None and not proof.ok and proof.checks == []
