@@ -257,19 +257,17 @@ class BatchEngine:
         plan = plan_iteration(active, self.token_budget, self.max_sequences)
         if not plan:
             return IterationStats(0, 0, 0.0)
-        chunks: list[tuple[SeqKV | PagedKV, list[int]]] = []
-        rows: list[int] = []
+        chunks: list[tuple[SeqKV | PagedKV, list[int]]] = [
+            (c.step.session.kv, c.step.pending[: c.tokens]) for c in plan
+        ]
+        rows = plan.logit_rows
+        # (step, its first row among the logits, rows): in the order of ``rows``
         emitting: list[tuple[ActiveStep, int, int]] = []
-        off = 0
-        for a, n in plan:
-            chunks.append((a.session.kv, a.pending[:n]))
-            off += n
-            if a.verify is not None:  # a drafted chunk: logits at every position
-                emitting.append((a, len(rows), n))
-                rows.extend(range(off - n, off))
-            elif n == len(a.pending):  # the chunk ends the pending tokens: next-token logits
-                emitting.append((a, len(rows), 1))
-                rows.append(off - 1)
+        at = 0
+        for c in plan:
+            if c.logit_rows:
+                emitting.append((c.step, at, c.logit_rows))
+                at += c.logit_rows
         hidden = None
         # on a GPU the forward's time is its kernels' span on the stream, read from two events
         # after the iteration's one synchronisation (the greedy tokens' transfer); on a CPU it
@@ -285,9 +283,10 @@ class BatchEngine:
         if events is not None:
             events[1].record()
         forward_s = time.perf_counter() - t_fwd
-        for a, n in plan:
-            a.session.context.extend(a.pending[:n])
-            a.pending = a.pending[n:]
+        for c in plan:
+            a = c.step
+            a.session.context.extend(a.pending[: c.tokens])
+            a.pending = a.pending[c.tokens :]
             a.forward_passes += 1
         before = sum(len(a.tokens) for a, _, _ in emitting)
         preds = self._greedy(logits, emitting)  # the iteration's one host synchronisation
@@ -303,7 +302,7 @@ class BatchEngine:
             else:
                 self._emit(a, logits[row], preds[row])
         made = sum(len(a.tokens) for a, _, _ in emitting) - before
-        st = IterationStats(len(plan), off, time.perf_counter() - t0, made, forward_s)
+        st = IterationStats(len(plan), plan.tokens, time.perf_counter() - t0, made, forward_s)
         if self.on_iteration is not None:
             self.on_iteration(st)
         return st
