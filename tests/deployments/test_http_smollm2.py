@@ -13,6 +13,9 @@ from ralm.seq import run_seq
 PRESET = "smollm2-135m"
 REQ = RequestConfig(max_new_tokens=12, generation_stride=4)
 KINDS = ("edr",)
+#: what `ralmspec serve` gives this model on a CPU (cluster.serve.MODEL_GENERATOR_SETTINGS): a
+#: third of the default proof's forwards; the tokens are the same at any batch settings
+SETTINGS = {"batch_token_budget": 256, "batch_max_sequences": 16}
 MESSAGES = [
     [{"role": "user", "content": "What does json.dumps return?"}],
     [
@@ -39,6 +42,7 @@ def server(tmp_path_factory, index_dirs, fixture_corpus):
         generator_deployment={"num_cpus": 0.2},
         pool={"size": 2, "max_size": 2},
     )
+    args["ralm"]["generator"].update(SETTINGS)
     url = serve_app(args)
     yield url
     serve.delete("ralmspec")
@@ -50,7 +54,7 @@ def smollm2_local(fixture_corpus):
     from ralm.engine import LMEngine
     from ralm.generator import LocalGenerator
 
-    return LocalGenerator(LMEngine.from_config(GeneratorConfig(model=PRESET)), fixture_corpus)
+    return LocalGenerator(LMEngine.from_config(GeneratorConfig(model=PRESET, **SETTINGS)), fixture_corpus)
 
 
 def test_chat_with_the_official_client_is_exact(server, smollm2_local, retrievers):
