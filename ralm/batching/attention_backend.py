@@ -152,6 +152,13 @@ class TorchAttention:
         raise NotImplementedError("the torch backend rotates in torch (rotary_attention.RotaryTables)")
 
 
+def _triton() -> tuple[Any, Any]:
+    """``(triton_kernels, triton_paged)``, imported on first use."""
+    from ralm.batching import triton_kernels, triton_paged  # lazy: triton is optional (CUDA only)
+
+    return triton_kernels, triton_paged
+
+
 class TritonAttention:
     """The batch-invariant Triton kernels: one paged launch per layer, the rotation fused."""
 
@@ -159,19 +166,14 @@ class TritonAttention:
     fuses_rotary = True
 
     def attend_alone(self, query, key, value, pos, scaling):
-        from ralm.batching import triton_kernels  # lazy: triton is optional (CUDA only)
-
-        return triton_kernels.attention(query, key, value, pos, scaling)
+        return _triton()[0].attention(query, key, value, pos, scaling)
 
     def attend_contiguous(self, q, k_pad, v_aug, pos, scaling, mask):
-        from ralm.batching import triton_kernels  # lazy: as above
-
-        return triton_kernels.attention(q, k_pad, v_aug[..., : q.shape[-1]], pos, scaling)
+        return _triton()[0].attention(q, k_pad, v_aug[..., : q.shape[-1]], pos, scaling)
 
     def pool_sections(self, plan: PagedPlan, groups: Sequence) -> None:
         """The paged kernel's block tables, query tiles and row positions."""
-        from ralm.batching.triton_kernels import ATTN_BLOCK_Q  # lazy: triton is optional (CUDA only)
-
+        ATTN_BLOCK_Q = _triton()[0].ATTN_BLOCK_Q
         segs = plan.segments
         nb = plan.blocks_after(range(len(segs)))
         plan.meta.add("paged.tables", [b for i in range(len(segs)) for b in plan.padded_table(i, nb)], (len(segs), nb))
@@ -196,10 +198,8 @@ class TritonAttention:
         )
 
     def attend_pool(self, plan, layer, q_rows, scaling):
-        from ralm.batching import triton_paged  # lazy: as above
-
         dev = plan.pool.layer_device(layer)
-        return triton_paged.paged_attention(
+        return _triton()[1].paged_attention(
             q_rows,
             plan.pool.k[layer],
             plan.pool.v[layer],
@@ -210,10 +210,8 @@ class TritonAttention:
         )
 
     def rotary_pool(self, plan, layer, qkv, cos, sin, heads, kv_heads, scaling):
-        from ralm.batching import triton_paged  # lazy: as above
-
         dev = plan.pool.layer_device(layer)
-        return triton_paged.rotary_paged_attention(
+        return _triton()[1].rotary_paged_attention(
             qkv,
             cos,
             sin,
