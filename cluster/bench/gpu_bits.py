@@ -10,7 +10,10 @@ Per dtype:
   prefill, inside a prefill run in chunks of 37, and in one launch next to a 900-token
   sequence; grouped-query heads (4 query heads per KV head);
 - ``paged``: the paged launch over random block tables (a shuffled pool, sequences reaching
-  position 2,200) against the contiguous launch of the same keys.
+  position 2,200) against the contiguous launch of the same keys;
+- ``rotary``: the same sequences through the fused rotation, KV write and paged attention of a
+  Llama-family layer, against transformers' rotation in torch, an index write and the paged
+  launch (queries, pool and outputs).
 
 Each check counts the rows or queries whose bits differ (0 passes). On a CPU the kernels run
 in triton's interpreter (``TRITON_INTERPRET=1`` set before triton's first import), whose
@@ -161,10 +164,55 @@ def paged_tables(device: str, dtype, head_dim: int, group: int, lens: list[int],
     return {"rows": sum(new), "max_position": max(lens) - 1, "differing_rows": bad}
 
 
+def fused_rotation(device: str, dtype, head_dim: int, group: int, lens: list[int], new: list[int]) -> dict:
+    """The paged attention with the rotation and KV write fused (:func:`TP.rotary_paged_attention`,
+    what a Llama-family layer runs on the pool) against transformers' rotation in torch
+    (``x * cos + rotate_half(x) * sin``), an index write into the pool and :func:`TP.paged_attention`:
+    rows whose rotated queries, pooled keys and values, or outputs differ in any bit. A
+    difference means the kernel's roundings are not torch's on this device (a fused
+    multiply-add, another bfloat16 rounding), and the lone and the pooled paths would part."""
+    B, hkv = T.ATTN_BLOCK_N, 2
+    H, D, sc = hkv * group, head_dim, head_dim**-0.5
+    need = [-(-n // B) for n in lens]
+    tables, at = [], 1  # block 0 stays unused
+    for n in need:
+        tables.append(list(range(at, at + n))[::-1])  # blocks in reverse order
+        at += n
+    N, W = sum(new), (H + 2 * hkv) * D
+    k_pool = _randn((hkv, at, B, D), 20, dtype, device)
+    v_pool = torch.cat(
+        [_randn((hkv, at, B, D), 21, dtype, device), torch.ones(hkv, at, B, 1, dtype=dtype, device=device)], -1
+    )
+    qkv = _randn((1, N, W), 22, dtype, device)
+    pos = torch.cat([torch.arange(n - m, n) for n, m in zip(lens, new)])
+    inv = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float32) / D)
+    ang = pos[:, None].float() * inv[None]
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).to(device, dtype)[None] for f in (torch.cos, torch.sin))
+    blocks = torch.tensor([tables[s][p // B] for s, (n, m) in enumerate(zip(lens, new)) for p in range(n - m, n)])
+    blocks, offsets, pos = blocks.to(device), (pos % B).to(device), pos.to(device)
+    tab = torch.tensor([t + [0] * (max(need) - len(t)) for t in tables], dtype=torch.int32, device=device)
+    starts = [sum(new[:i]) for i in range(len(new))]
+    tiles = TP.query_tiles(starts, new, device)
+    x = qkv[0].view(N, H + 2 * hkv, D)
+    half = x[:, : H + hkv]
+    rot = half * cos[0][:, None] + torch.cat((-half[..., D // 2 :], half[..., : D // 2]), -1) * sin[0][:, None]
+    k_ref, v_ref = k_pool.clone(), v_pool.clone()
+    k_ref[:, blocks, offsets] = rot[:, H:].transpose(0, 1)
+    v_ref[:, blocks, offsets, :D] = x[:, H + hkv :].transpose(0, 1)
+    want = TP.paged_attention(rot[:, :H].contiguous(), k_ref, v_ref, tab, tiles, pos, sc)
+    got = qkv.clone()
+    out = TP.rotary_paged_attention(got, cos, sin, H, hkv, k_pool, v_pool, (blocks, offsets), tab, tiles, pos, sc)
+    q_bad = (got[0].view(N, -1, D)[:, :H] != rot[:, :H]).flatten(1).any(1)
+    k_bad = (k_pool[:, blocks, offsets] != k_ref[:, blocks, offsets]).any(0).any(-1)
+    v_bad = (v_pool[:, blocks, offsets] != v_ref[:, blocks, offsets]).any(0).any(-1)
+    o_bad = (out[0].view(N, H, D) != want).flatten(1).any(1)
+    return {"rows": N, "differing_rows": int((q_bad | k_bad | v_bad | o_bad).sum())}
+
+
 def bit_checks(
     device: str, dtypes: list[str], head_dim: int, group: int, small: bool, deadline: float | None = None
 ) -> dict:
-    """The section: per dtype, the three checks (``small``: CPU sizes, the interpreter);
+    """The section: per dtype, the four checks (``small``: CPU sizes, the interpreter);
     dtypes not started by ``deadline`` (``time.perf_counter()``) are ``skipped``."""
     out: dict[str, Any] = {}
     counts = list(range(1, 81)) + [200, 512]
@@ -181,7 +229,13 @@ def bit_checks(
                 "matmul": matmul_rows(device, dt, shape[0], shape[1], counts),
                 "attention": attention_query(device, dt, head_dim, group),
                 "paged": paged_tables(device, dt, head_dim, group, lens, new),
+                "rotary": fused_rotation(device, dt, head_dim, group, lens, new),
             }
-            r["ok"] = not (r["matmul"]["differing_rows"] or r["attention"]["differing"] or r["paged"]["differing_rows"])
+            r["ok"] = not (
+                r["matmul"]["differing_rows"]
+                or r["attention"]["differing"]
+                or r["paged"]["differing_rows"]
+                or r["rotary"]["differing_rows"]
+            )
             out[name] = r
     return out

@@ -544,11 +544,18 @@ def bits_markdown(res: dict) -> list[str]:
             f"{v['matmul']['differing_rows']} rows in {len(v['matmul']['differing_m'])}/{v['matmul']['products']} products",
             ", ".join(v["attention"]["differing"]) or "none",
             f"{v['paged']['differing_rows']}/{v['paged']['rows']} rows (positions to {v['paged']['max_position']})",
+            f"{v['rotary']['differing_rows']}/{v['rotary']['rows']} rows" if "rotary" in v else "-",
         )
         for k, v in res.items()
         if isinstance(v, dict) and "matmul" in v
     ]
-    head = ("dtype", "matmul rows differing", "position-70 query differs in", "paged vs contiguous differing")
+    head = (
+        "dtype",
+        "matmul rows differing",
+        "position-70 query differs in",
+        "paged vs contiguous differing",
+        "fused rotation vs torch differing",
+    )
     return [*table(head, rows), ""]
 
 

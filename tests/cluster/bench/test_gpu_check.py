@@ -76,6 +76,7 @@ def test_gpu_check_runs_every_section_on_a_bare_host_cpu_and_writes_json_and_mar
         assert bits["ok"] and bits["matmul"]["products"] == 82 and bits["matmul"]["differing_rows"] == 0
         assert bits["attention"]["differing"] == [] and bits["paged"]["differing_rows"] == 0
         assert bits["paged"]["max_position"] == 1099
+        assert bits["rotary"] == {"rows": 20, "differing_rows": 0}  # the fused rotation is torch's, bit for bit
         row = res["proof"][f"llama-tiny/{dtype}"]
         assert row["batching"] and row["proof"]["ok"] and row["proof"]["dtype"] == dtype
         long = res["long"][f"llama-tiny/{dtype}"]

@@ -268,6 +268,24 @@ def test_rotary_paged_attention_is_the_torch_rotation_a_pool_write_and_the_paged
     assert torch.equal(out[0].view(N, H, D), want)
 
 
+def test_gpu_checks_fused_rotation_count_sees_a_rounding_that_is_not_torchs(monkeypatch):
+    """``gpu-check``'s bits line for the fused rotation: 0 differing rows where the kernel rounds
+    as torch does (the GPU's round-to-nearest-even bfloat16 cast, modelled here), and rows
+    that differ under the interpreter's own truncating cast: the check can fail."""
+    import types
+
+    from triton.runtime.interpreter import InterpreterBuilder, interpreter_builder
+
+    from cluster.bench.gpu_bits import fused_rotation
+
+    args = ("cpu", torch.bfloat16, 16, 2, [1100, 130], [1, 19])
+    assert fused_rotation(*args) == {"rows": 20, "differing_rows": 0}
+    monkeypatch.setattr(
+        interpreter_builder, "cast_impl", types.MethodType(InterpreterBuilder.cast_impl, interpreter_builder)
+    )
+    assert fused_rotation(*args)["differing_rows"] > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_silu_mul_is_the_gated_activation_row_by_row(dtype):
     from ralm.batching.invariant import InvariantSiLU
