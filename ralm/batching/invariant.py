@@ -65,6 +65,7 @@ from ralm import constants as C
 from ralm.batching.attention import attend, pad_kv
 from ralm.batching.attention_backend import invariant_attention
 from ralm.batching.fused_projection import ProjectionSlice, fuse_gated_mlps
+from ralm.batching.gpt2_attention import use_packed_gpt2_attention
 from ralm.batching.rotary_attention import use_packed_rotary_attention
 from ralm.errors import InvariantUnavailable
 
@@ -183,6 +184,15 @@ class InvariantLinear(nn.Module):
         if rows != n:  # padded: the real rows (no op when there was nothing to pad)
             y = y[:n]
         return y.reshape(*shape[:-1], self.out_features)
+
+
+class NoDropout(nn.Identity):
+    """An eval-mode ``nn.Dropout``: the identity, without the dispatched ``dropout`` op a
+    dropout module makes even when it drops nothing (``p`` kept for code that reads it)."""
+
+    def __init__(self, p: float = 0.0):
+        super().__init__()
+        self.p = p
 
 
 # --------------------------------------------------------------------------- activations
@@ -369,6 +379,8 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS, kernels: str =
                 setattr(parent, name, InvariantLinear(child.weight, child.bias, tile_rows, shared=shared))
             elif isinstance(child, Conv1D):  # weight [in, out]: y = x W + b; its transposed view
                 setattr(parent, name, InvariantLinear(child.weight.detach().t(), child.bias, tile_rows))
+            elif isinstance(child, nn.Dropout):  # an inference engine: dropout is the identity
+                setattr(parent, name, NoDropout(child.p))
             elif kind in _ACTIVATIONS:
                 repl = _ACTIVATIONS[kind]
                 if repl is not None:
@@ -380,6 +392,7 @@ def make_invariant(model, tile_rows: int = C.INVARIANT_TILE_ROWS, kernels: str =
     _register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     use_packed_rotary_attention(model)  # Llama-family layers: the packed batch's forward in fewer ops
+    use_packed_gpt2_attention(model)  # GPT-2's layers: the same
     fuse_gated_mlps(model)  # gate and up projections: one product
     layers = [m for m in model.modules() if isinstance(m, InvariantLinear)]
     if kernels == "triton":

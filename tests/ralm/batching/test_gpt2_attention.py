@@ -1,0 +1,62 @@
+"""GPT-2's attention on a packed batch (ralm/batching/gpt2_attention.py): the same bits as
+transformers' attention forward, in fewer host ops; dropout modules become the identity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ralm.batching.invariant import NoDropout, make_invariant
+from ralm.batching.kv_pool import KVPool
+from ralm.batching.op_count import decode_iteration_ops
+from ralm.batching.packed import SeqKV, packed_forward
+from ralm.batching.paged_kv import PagedKV
+from tests.factories import tiny_causal_lm
+
+pytestmark = pytest.mark.unit
+
+
+def _hf_forward(model) -> None:
+    for m in model.modules():
+        hf = getattr(m, "_ralm_hf_forward", None)
+        if hf is not None:
+            m.forward = hf
+
+
+def _run(model, paged: bool) -> list[torch.Tensor]:
+    """A prefill next to a decode, then two decodes (one crossing into a second key block)."""
+    layers = model.config.num_hidden_layers
+    pool = KVPool(layers)
+    kvs = [PagedKV(pool) if paged else SeqKV(layers) for _ in range(2)]
+    g = torch.Generator().manual_seed(1)
+    a, b = (torch.randint(1, 300, (n,), generator=g).tolist() for n in (70, 9))
+    out = [packed_forward(model, [(kvs[1], b[:8])])]
+    out.append(packed_forward(model, [(kvs[0], a[:69]), (kvs[1], b[8:9])]))
+    out.append(packed_forward(model, [(kvs[0], a[69:]), (kvs[1], [5])], with_hidden=True)[0])
+    return out
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["pool", "seqkv"])
+def test_the_packed_forward_gives_transformers_attention_bits(paged):
+    model = make_invariant(tiny_causal_lm("gpt2", vocab_size=300, eos_token_id=0, seed=3))
+    assert sum(hasattr(m, "_ralm_hf_forward") for m in model.modules()) == model.config.n_layer
+    fast = _run(model, paged)
+    _hf_forward(model)
+    slow = _run(model, paged)
+    for f, s in zip(fast, slow):
+        assert torch.equal(f, s)
+
+
+def test_dropout_is_the_identity_and_the_host_cost_falls():
+    plain = tiny_causal_lm("gpt2", vocab_size=300, eos_token_id=0, seed=3).eval()
+    n_dropout = sum(isinstance(m, torch.nn.Dropout) for m in plain.modules())
+    model = make_invariant(tiny_causal_lm("gpt2", vocab_size=300, eos_token_id=0, seed=3).eval())
+    assert n_dropout > 0 and not any(isinstance(m, torch.nn.Dropout) for m in model.modules())
+    assert sum(isinstance(m, NoDropout) for m in model.modules()) == n_dropout
+    fast = decode_iteration_ops(model, 16, context=80)
+    _hf_forward(model)
+    slow = decode_iteration_ops(model, 16, context=80)
+    # view + split + 2 transposes + 1 reshape instead of split, 3 views and 3 transposes, the
+    # interface's selects and transpose, and the output's reshape, unsqueeze and reshape
+    assert fast["ops_per_layer"] <= slow["ops_per_layer"] - 6, (fast, slow)
+    assert fast["python_tensors"] == slow["python_tensors"] and fast["host_reads"] == 0
