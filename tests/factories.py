@@ -249,3 +249,13 @@ def padding_hits_with_exact_speculation(kb, padded_corpus, n_real: int, engine, 
             out = run_spec(q, gen, kb, req, spec)
             assert out.tokens == base.tokens and out.stats.doc_ids == base.stats.doc_ids, (q, spec)
     return hits
+
+
+def restore_hf_attention(model) -> None:
+    """Put transformers' own attention forward back on every module of an invariant model whose
+    forward was replaced by a packed-batch one (``_ralm_hf_forward``): the reference the packed
+    forwards are compared with."""
+    for m in model.modules():
+        hf = getattr(m, "_ralm_hf_forward", None)
+        if hf is not None:
+            m.forward = hf

@@ -108,10 +108,10 @@ class AttentionBackend(Protocol):
         heads: int,
         kv_heads: int,
         scaling: float,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """A Llama-family layer's rotation, KV write and attention from its stacked projection
-        ``qkv [1, N, (H + 2 Hkv) D]`` and rotary factors ``cos, sin [1, N, D]`` -> ``[1, N, H D]``
-        (only where :attr:`fuses_rotary`)."""
+        ``qkv [1, N, (H + 2 Hkv) D]`` and rotary factors ``cos, sin [1, N, D]`` -> ``[1, N, H D]``;
+        None where the backend does not fuse the rotation (:attr:`fuses_rotary` says so ahead)."""
         ...
 
 
@@ -149,7 +149,7 @@ class TorchAttention:
         return None
 
     def rotary_pool(self, plan, layer, qkv, cos, sin, heads, kv_heads, scaling):
-        raise NotImplementedError("the torch backend rotates in torch (rotary_attention.RotaryTables)")
+        return None  # rotates in torch (rotary_attention.RotaryTables), then writes and attends as above
 
 
 def _triton() -> tuple[Any, Any]:

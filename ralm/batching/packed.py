@@ -256,7 +256,9 @@ class PackedBatch:
         the stacked projection ``qkv [1, N, (H + 2 Hkv) D]`` and transformers' rotary factors
         ``cos, sin [1, N, D]`` (when :meth:`fused_rotary`): ``[1, N, H D]``, two launches."""
         assert self._plan is not None
-        return self.backend.rotary_pool(self._plan, layer, qkv, cos, sin, heads, kv_heads, scaling)
+        out = self.backend.rotary_pool(self._plan, layer, qkv, cos, sin, heads, kv_heads, scaling)
+        assert out is not None  # fused_rotary checked the backend
+        return out
 
     def _attend(self, layer: int, q_rows, key, value, scaling: float) -> torch.Tensor:
         if self.pool is not None:

@@ -71,32 +71,11 @@ def paged_attention(
     if D > 256:
         raise ValueError(f"head dimension {D} > 256")
     out = q.new_empty(N, H, D)
-    tile_seq, tile_row, tile_n = tiles
-    if N == 0 or tile_seq.numel() == 0:
+    if N == 0 or tiles[0].numel() == 0:
         return out
     if q_pos.device != q.device or q_pos.dtype != torch.int64:  # (a no-op `to` is still an op)
         q_pos = q_pos.to(device=q.device, dtype=torch.int64)
-    sqn, sqh, sqd = q.stride()
-    son, soh, sod = out.stride()
-    T.launch_attention(
-        (tile_seq.numel(), H, 1),
-        q,
-        k_pool,
-        v_pool,
-        q_pos,
-        out,
-        (tables, tile_seq, tile_row, tile_n),
-        nq=0,
-        L=tables.shape[1] * T.ATTN_BLOCK_N,
-        group=H // hkv,
-        scaling=scaling,
-        q_strides=(0, sqn, sqh, sqd),
-        k_strides=_block_offset_head_dim(k_pool),
-        v_strides=_block_offset_head_dim(v_pool),
-        pos_strides=(0, q_pos.stride(0)),
-        table_strides=tables.stride(),
-        out_strides=(0, son, soh, sod),
-    )
+    _launch_paged(q, q.stride(), k_pool, v_pool, q_pos, out, out.stride(), tables, tiles, scaling)
     return out
 
 
@@ -128,8 +107,7 @@ def rotary_paged_attention(
     _, N, W = qkv.shape
     D = W // (heads + 2 * kv_heads)
     out = qkv.new_empty(1, N, heads * D)
-    tile_seq, tile_row, tile_n = tiles
-    if N == 0 or tile_seq.numel() == 0:
+    if N == 0 or tiles[0].numel() == 0:
         return out
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
@@ -158,26 +136,48 @@ def rotary_paged_attention(
             num_warps=1 if D <= 64 else 2,
             enable_fp_fusion=False,  # a * b + c as two roundings, as torch's separate ops round
         )
+    # the queries read where they sit in qkv (row stride sqn, head stride D); out is [1, N, H D]
+    _launch_paged(qkv, (sqn, D, 1), k_pool, v_pool, q_pos, out, (heads * D, D, 1), tables, tiles, scaling, heads)
+    return out
+
+
+def _launch_paged(
+    q: torch.Tensor,
+    q_strides: tuple[int, ...],
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    q_pos: torch.Tensor,
+    out: torch.Tensor,
+    out_strides: tuple[int, ...],
+    tables: torch.Tensor,
+    tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scaling: float,
+    heads: int | None = None,
+) -> None:
+    """The paged launch of :data:`~ralm.batching.triton_kernels.attention_kernel`: query row ``r``,
+    head ``h``, column ``d`` of ``q`` at ``r*q_strides[0] + h*q_strides[1] + d*q_strides[2]``,
+    the output likewise; ``heads`` query heads (default ``q.shape[1]``), one program per
+    (tile, head)."""
+    H = heads if heads is not None else q.shape[1]
     T.launch_attention(
-        (tile_seq.numel(), heads, 1),
-        qkv,
+        (tiles[0].numel(), H, 1),
+        q,
         k_pool,
         v_pool,
         q_pos,
         out,
-        (tables, tile_seq, tile_row, tile_n),
+        (tables, *tiles),
         nq=0,
         L=tables.shape[1] * T.ATTN_BLOCK_N,
-        group=heads // kv_heads,
+        group=H // k_pool.shape[0],
         scaling=scaling,
-        q_strides=(0, sqn, D, 1),
+        q_strides=(0, *q_strides),
         k_strides=_block_offset_head_dim(k_pool),
         v_strides=_block_offset_head_dim(v_pool),
         pos_strides=(0, q_pos.stride(0)),
         table_strides=tables.stride(),
-        out_strides=(0, heads * D, D, 1),
+        out_strides=(0, *out_strides),
     )
-    return out
 
 
 def _block_offset_head_dim(t: torch.Tensor) -> tuple[int, int, int, int]:

@@ -11,16 +11,9 @@ from ralm.batching.kv_pool import KVPool
 from ralm.batching.op_count import decode_iteration_ops
 from ralm.batching.packed import SeqKV, packed_forward
 from ralm.batching.paged_kv import PagedKV
-from tests.factories import tiny_causal_lm
+from tests.factories import restore_hf_attention, tiny_causal_lm
 
 pytestmark = pytest.mark.unit
-
-
-def _hf_forward(model) -> None:
-    for m in model.modules():
-        hf = getattr(m, "_ralm_hf_forward", None)
-        if hf is not None:
-            m.forward = hf
 
 
 def _run(model, paged: bool) -> list[torch.Tensor]:
@@ -41,7 +34,7 @@ def test_the_packed_forward_gives_transformers_attention_bits(paged):
     model = make_invariant(tiny_causal_lm("gpt2", vocab_size=300, eos_token_id=0, seed=3))
     assert sum(hasattr(m, "_ralm_hf_forward") for m in model.modules()) == model.config.n_layer
     fast = _run(model, paged)
-    _hf_forward(model)
+    restore_hf_attention(model)
     slow = _run(model, paged)
     for f, s in zip(fast, slow):
         assert torch.equal(f, s)
@@ -54,7 +47,7 @@ def test_dropout_is_the_identity_and_the_host_cost_falls():
     assert n_dropout > 0 and not any(isinstance(m, torch.nn.Dropout) for m in model.modules())
     assert sum(isinstance(m, NoDropout) for m in model.modules()) == n_dropout
     fast = decode_iteration_ops(model, 16, context=80)
-    _hf_forward(model)
+    restore_hf_attention(model)
     slow = decode_iteration_ops(model, 16, context=80)
     # view + split + 2 transposes + 1 reshape instead of split, 3 views and 3 transposes, the
     # interface's selects and transpose, and the output's reshape, unsqueeze and reshape

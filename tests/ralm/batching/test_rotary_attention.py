@@ -11,6 +11,7 @@ from ralm.batching.kv_pool import KVPool
 from ralm.batching.packed import SeqKV, packed_forward
 from ralm.batching.paged_kv import PagedKV
 from ralm.batching.rotary_attention import RotaryTables
+from tests.factories import restore_hf_attention
 
 pytestmark = pytest.mark.unit
 
@@ -44,14 +45,6 @@ def _model(family: str, kernels: str = "torch", invariant: bool = True):
     return make_invariant(model.eval(), kernels=kernels) if invariant else model.eval()
 
 
-def _hf_forward(model) -> None:
-    """Put transformers' own attention forward back on every module that had it replaced."""
-    for m in model.modules():
-        hf = getattr(m, "_ralm_hf_forward", None)
-        if hf is not None:
-            m.forward = hf
-
-
 def _run(model, paged: bool) -> list[torch.Tensor]:
     """Two sequences: a prefill of one next to a decode of the other, then a decode of both."""
     layers = model.config.num_hidden_layers
@@ -71,7 +64,7 @@ def test_the_packed_forward_gives_transformers_attention_bits(family, paged):
     model = _model(family)
     assert sum(hasattr(m, "_ralm_hf_forward") for m in model.modules()) == 2  # every layer's attention
     fast = _run(model, paged)
-    _hf_forward(model)
+    restore_hf_attention(model)
     slow = _run(model, paged)
     for f, s in zip(fast, slow):
         assert torch.equal(f, s)
@@ -98,6 +91,6 @@ def test_calls_without_a_packed_batch_run_transformers_forward():
     ids = torch.randint(1, 300, (1, 12), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         with_packed = model(input_ids=ids).logits
-        _hf_forward(model)
+        restore_hf_attention(model)
         plain = model(input_ids=ids).logits
     assert torch.equal(with_packed, plain)
