@@ -120,7 +120,7 @@ class GeneratorConfig(StrictModel):
     )
     kv_pool: bool = Field(
         True,
-        description="Keep the batched engine's KV (sessions and documents' KV) in one pool of fixed-size blocks with a block table per sequence: a document's KV is held once and shared by reference by every request on it, and every sequence of a forward is written and read in one operation per layer. false: a growing buffer per sequence (the same tokens).",
+        description="Keep the batched engine's KV (sessions and documents' KV) in one pool of fixed-size blocks with a block table per sequence: a document's KV is held once and shared by reference by every request on it, and every sequence of a forward is written and read in one operation per layer. false: each sequence in blocks of its own, doubling as it grows (the same tokens; no sharing of a document's KV).",
     )
     fast_draft: int = Field(
         0,

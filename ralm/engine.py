@@ -116,18 +116,21 @@ class LMEngine:
                 self.invariant_error = str(e)
                 log.warning("continuous batching and KV sessions are off: %s", e)
         self.kv_pool: KVPool | None = None  # the batched engine's KV blocks (cfg.kv_pool)
-        self.kv_pool_error: str | None = None  # why the pool is off although asked for
+        self.kv_pool_error: str | None = None  # why the KV cannot be paged on this model's placement
         self.doc_blocks: DocBlockCache | None = None
         if self.cfg.invariant and self.invariant_error is None:
             # each layer's KV on its layer's device (a model spread over several GPUs)
             devices = layer_devices(self.model)
-            if self.cfg.kv_pool and devices is None and len({p.device for p in self.model.parameters()}) > 1:
+            if devices is None and len({p.device for p in self.model.parameters()}) > 1:
+                # every sequence's KV is paged, layer by layer on the layer's device: a model
+                # whose layers do not say their index cannot be laid out, so it is not batched
                 self.kv_pool_error = (
                     "the model's parameters are on several devices and its layers do not name their "
-                    "index (layer_idx): the KV pool is off, each sequence keeps its own buffers"
+                    "index (layer_idx): the KV cannot be placed layer by layer, so steps run one at a time"
                 )
-                log.warning("%s", self.kv_pool_error)
-            elif self.cfg.kv_pool:
+                log.warning("continuous batching and KV sessions are off: %s", self.kv_pool_error)
+        if self.cfg.invariant and self.batching_off_reason is None:
+            if self.cfg.kv_pool:
                 self.kv_pool = KVPool(int(self.model.config.num_hidden_layers), devices=devices)
                 self.doc_blocks = DocBlockCache(self.cfg.doc_kv_cache_bytes)
                 # no block free: idle sessions go first, then cached documents, then the pool grows
@@ -142,14 +145,15 @@ class LMEngine:
                 pool=self.kv_pool,
                 doc_blocks=self.doc_blocks,
                 fast_draft=self.cfg.fast_draft,
+                devices=devices,
             )
             self.batcher = ContinuousBatcher(self.batch)
 
     @property
     def batching_off_reason(self) -> str | None:
-        """Why this engine does not batch (or batches without the KV pool) although its config
-        asks for it: a kernel that failed to compile or run, the whole-model proof's first
-        failing check, or a placement the pool refuses; None when it serves as configured.
+        """Why this engine does not batch although its config asks for it: a kernel that failed
+        to compile or run, the whole-model proof's first failing check, or a placement the
+        paged KV cannot follow; None when it serves as configured.
         Logged as a WARNING at load and reported in ``/v1/ralm/stats``; ``ralmspec gpu-check``
         exits non-zero on it."""
         return self.invariant_error or self.kv_pool_error

@@ -30,7 +30,7 @@ from ralm import constants as C
 from ralm.batching.doc_blocks import DocBlockCache
 from ralm.batching.fast_draft import draft_round, draftable
 from ralm.batching.kv_pool import KVPool
-from ralm.batching.packed import SeqKV, packed_forward
+from ralm.batching.packed import packed_forward
 from ralm.batching.paged_kv import PagedKV
 from ralm.batching.policy import plan_iteration
 from ralm.batching.sessions import DocsKey, Session, SessionStore
@@ -60,7 +60,7 @@ class FeedCall:
     """Feed ``tokens`` to a caller-owned sequence ``kv`` and return the last token's logits and
     final hidden state (a KNN-LM step: the query and the LM distribution); no generation."""
 
-    kv: SeqKV
+    kv: PagedKV
     tokens: list[int]
 
 
@@ -116,7 +116,8 @@ class BatchEngine:
     ``model``: a model rewritten by :func:`ralm.batching.invariant.make_invariant`;
     ``docs_kv(docs) -> (hf_cache | None, info)``: the documents' KV (the doc-KV cache);
     ``sessions``: the session store; ``pool``: the KV pool every step's sequence lives in
-    (None: per-sequence buffers), with ``doc_blocks``, the documents' KV kept in it;
+    (None: every sequence in a pool of its own, :meth:`PagedKV.standalone`, laid out on
+    ``devices``, each layer's device), with ``doc_blocks``, the documents' KV kept in it;
     ``fast_draft``: tokens drafted per decode round on the plain kernels and verified by the
     invariant forward (:mod:`ralm.batching.fast_draft`; 0: off).
     """
@@ -132,8 +133,10 @@ class BatchEngine:
         pool: KVPool | None = None,
         doc_blocks: DocBlockCache | None = None,
         fast_draft: int = 0,
+        devices: Sequence[torch.device] | None = None,
     ):
         self.model = model
+        self.devices = devices
         self.device = next(model.parameters()).device
         self.fast_draft = int(fast_draft)
         self.pool = pool
@@ -197,12 +200,13 @@ class BatchEngine:
             drafter=drafter,
         )
 
-    def _docs_kv(self, docs: DocsKey) -> tuple[SeqKV | PagedKV, DocsKVInfo]:
+    def _docs_kv(self, docs: DocsKey) -> tuple[PagedKV, DocsKVInfo]:
         """A new sequence holding the documents' KV: in the pool, a fork of the cached blocks
-        (computed and cached first on a miss); otherwise a copy of the doc-KV cache's tensors."""
+        (computed and cached first on a miss); otherwise a copy of the doc-KV cache's tensors
+        in a pool of its own."""
         if self.pool is None:
             past, info = self.docs_kv(docs)
-            return SeqKV.from_cache(past, self.n_layers), info
+            return PagedKV.from_cache(KVPool.of_one_sequence(self.n_layers, self.devices), past), info
         shared = self.doc_blocks.fork(docs) if docs else None
         if shared is not None:
             return shared, DocsKVInfo(True, len(docs), 0, len(shared) * shared.bytes_per_position())
@@ -257,9 +261,7 @@ class BatchEngine:
         plan = plan_iteration(active, self.token_budget, self.max_sequences)
         if not plan:
             return IterationStats(0, 0, 0.0)
-        chunks: list[tuple[SeqKV | PagedKV, list[int]]] = [
-            (c.step.session.kv, c.step.pending[: c.tokens]) for c in plan
-        ]
+        chunks: list[tuple[PagedKV, list[int]]] = [(c.step.session.kv, c.step.pending[: c.tokens]) for c in plan]
         rows = plan.logit_rows
         # (step, its first row among the logits, rows): in the order of ``rows``
         emitting: list[tuple[ActiveStep, int, int]] = []

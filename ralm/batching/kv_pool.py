@@ -92,7 +92,9 @@ class KVPool:
     """Reference-counted KV blocks of ``block_size`` positions for ``n_layers`` layers.
 
     ``devices``: each layer's device (None: every layer on the device of the first write);
-    ``free_memory``: the bytes a device has free (:func:`free_bytes`), which bounds growth.
+    ``free_memory``: the bytes a device has free (:func:`free_bytes`), which bounds growth;
+    ``private``: the pool of one sequence (:meth:`PagedKV.standalone
+    <ralm.batching.paged_kv.PagedKV.standalone>`), whose bytes are all that sequence's.
     """
 
     def __init__(
@@ -102,6 +104,7 @@ class KVPool:
         initial_blocks: int = C.KV_POOL_INITIAL_BLOCKS,
         devices: Sequence[torch.device] | None = None,
         free_memory: Callable[[torch.device], int | None] = free_bytes,
+        private: bool = False,
     ):
         if block_size < 1 or initial_blocks < 2:
             raise ValueError("a KV pool needs a block size >= 1 and at least 2 blocks (block 0 is the zero block)")
@@ -112,6 +115,7 @@ class KVPool:
         self.initial_blocks = int(initial_blocks)
         self.devices = [torch.device(d) for d in devices] if devices is not None else None
         self.free_memory = free_memory
+        self.private = bool(private)
         self.k: list[torch.Tensor] = []  # per layer [Hkv, n_blocks, B, D] (empty until the first write)
         self.v: list[torch.Tensor] = []  # per layer [Hkv, n_blocks, B, D+1]
         self.refs: list[int] = []
@@ -122,6 +126,13 @@ class KVPool:
         #: callbacks that free idle blocks (LRU sessions, cached documents); each returns
         #: whether it freed anything. Called when no block is free, before the pool grows.
         self.reclaimers: list[Callable[[], bool]] = []
+
+    @classmethod
+    def of_one_sequence(cls, n_layers: int, devices: Sequence[torch.device] | None = None) -> KVPool:
+        """A private pool for one sequence: 2 blocks to start (the zero block and one),
+        doubling as the sequence grows; its blocks are handed out in order, so the sequence's
+        table is one run that the attention reads in place."""
+        return cls(n_layers, initial_blocks=2, devices=devices, private=True)
 
     # ------------------------------------------------------------------ allocation
     @property
@@ -148,6 +159,12 @@ class KVPool:
             return 0
         hkv, _, B, D = self.k[0].shape
         return self.n_layers * 2 * B * hkv * D * self.k[0].element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every block the pool holds, in use or free (keys and values, the ones
+        column excluded)."""
+        return max(0, self.n_blocks - 1) * self.block_bytes
 
     def layer_device(self, layer: int) -> torch.device:
         return self.k[layer].device

@@ -1,12 +1,14 @@
-"""Several sequences in one forward pass: packed tokens, per-sequence KV.
+"""Several sequences in one forward pass: packed tokens, each sequence's KV paged.
 
 A batched forward is a *single* row of tokens, ``input_ids [1, N]``: the new tokens of
 every sequence one after another (a prefill chunk of one, the decode token of another),
 with each token's own position in ``position_ids``. The model runs without a Hugging Face
 cache (``use_cache=False``), so every layer sees the keys and values of exactly these N
 tokens; the invariant attention (:mod:`ralm.batching.invariant`) receives the
-:class:`PackedBatch` through the forward's keyword arguments, appends each sequence's new
-keys/values to that sequence's :class:`SeqKV`, and attends each sequence to its own KV.
+:class:`PackedBatch` through the forward's keyword arguments, writes each sequence's new
+keys/values into that sequence's blocks (:class:`~ralm.batching.paged_kv.PagedKV`: one
+write per layer when every sequence is in one pool, the serving default), and attends each
+sequence to its own KV.
 
 Nothing in a sequence's computation depends on its neighbours: linear layers and norms
 are row-invariant, positions are per token, attention is per sequence. Example: sequences
@@ -41,92 +43,13 @@ def model_max_positions(config) -> int:
     return 1 << 30
 
 
-class SeqKV:
-    """The keys and values of one sequence, every layer, in block-padded buffers.
-
-    Per layer: ``k [Hkv, capacity, D]`` and ``v [Hkv, capacity, D+1]`` (the last value column
-    is ones: the attention's softmax denominator). ``capacity`` is a multiple of the key
-    block and grows by doubling, so appending is amortised O(new tokens). Positions past
-    ``len`` may hold stale values after a :meth:`crop`; the attention never sees them (they
-    are masked, and their finite values times a zero weight add exact zeros).
-    """
-
-    def __init__(self, n_layers: int, key_block: int = C.INVARIANT_KEY_BLOCK):
-        self.key_block = key_block
-        self.k: list[torch.Tensor | None] = [None] * n_layers
-        self.v: list[torch.Tensor | None] = [None] * n_layers
-        self.layer_len = [0] * n_layers
-
-    def __len__(self) -> int:
-        return self.layer_len[0]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v) if t is not None)
-
-    def bytes_per_position(self) -> int:
-        """KV bytes one position takes over all layers (keys and values, the ones column excluded)."""
-        return sum(k.shape[0] * k.shape[2] * k.element_size() * 2 for k in self.k if k is not None)
-
-    def _reserve(self, layer: int, like: torch.Tensor, need: int) -> None:
-        k = self.k[layer]
-        cap = 0 if k is None else k.shape[1]
-        if need <= cap:
-            return
-        B = self.key_block
-        new_cap = max(2 * cap, -(-need // B) * B)
-        hkv, _, D = like.shape
-        nk = like.new_zeros(hkv, new_cap, D)
-        nv = like.new_zeros(hkv, new_cap, D + 1)
-        nv[..., D] = 1.0
-        if k is not None:
-            n = self.layer_len[layer]
-            nk[:, :n] = k[:, :n]
-            nv[:, :n] = self.v[layer][:, :n]  # type: ignore[index]
-        self.k[layer], self.v[layer] = nk, nv
-
-    def append(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        """Append ``k_new, v_new [Hkv, n, D]`` to ``layer``."""
-        a = self.layer_len[layer]
-        n = k_new.shape[1]
-        self._reserve(layer, k_new, a + n)
-        D = k_new.shape[2]
-        self.k[layer][:, a : a + n] = k_new  # type: ignore[index]
-        self.v[layer][:, a : a + n, :D] = v_new  # type: ignore[index]
-        self.layer_len[layer] = a + n
-
-    def span(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k [Hkv, n, D], v_aug [Hkv, n, D+1])``: views of the first ``n`` positions (``n`` a
-        multiple of the key block, at least the length; the buffers grow to hold it)."""
-        k = self.k[layer]
-        assert k is not None
-        self._reserve(layer, k[:, :1], n)
-        return self.k[layer][:, :n], self.v[layer][:, :n]  # type: ignore[index]
-
-    def crop(self, length: int) -> None:
-        """Keep the first ``length`` positions (a rollback)."""
-        if length < 0 or length > len(self):
-            raise ValueError(f"cannot crop a {len(self)}-position KV to {length}")
-        self.layer_len = [length] * len(self.layer_len)
-
-    @classmethod
-    def from_cache(cls, cache, n_layers: int, key_block: int = C.INVARIANT_KEY_BLOCK) -> SeqKV:
-        """A copy of a Hugging Face cache of batch size 1 (e.g. the documents' KV); None: empty."""
-        kv = cls(n_layers, key_block)
-        if cache is None:
-            return kv
-        for i, layer in enumerate(cache.layers):
-            kv.append(i, layer.keys[0], layer.values[0])
-        return kv
-
-
 @dataclass
 class Segment:
     """One sequence's share of a packed forward: ``n`` tokens from row ``start`` on."""
 
     start: int
     n: int
-    kv: SeqKV | PagedKV
+    kv: PagedKV
 
 
 class _Group:
@@ -210,7 +133,7 @@ class PackedBatch:
         """After the forward: the paged sequences hold their new positions."""
         if self._plan is not None:
             for seg in self.segments:
-                seg.kv.advance(seg.n)  # type: ignore[union-attr]
+                seg.kv.advance(seg.n)
 
     def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
         """transformers' attention interface: ``query [1, H, N, D]``, ``key/value [1, Hkv, N, D]``
@@ -311,7 +234,7 @@ class PackedBatch:
 @torch.inference_mode()
 def packed_forward(
     model,
-    chunks: Sequence[tuple[SeqKV | PagedKV, Sequence[int]]],
+    chunks: Sequence[tuple[PagedKV, Sequence[int]]],
     logits_rows: Sequence[int] | None = None,
     with_hidden: bool = False,
 ):

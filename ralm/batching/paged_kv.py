@@ -1,10 +1,16 @@
 """One sequence's KV in the pool (:mod:`ralm.batching.kv_pool`): a block table and a length.
 
-:class:`PagedKV` offers what :class:`~ralm.batching.packed.SeqKV` offers (``append``,
-``span``, ``crop``, ``len``), so the packed forward takes either; when every sequence of a
-forward is paged in one pool, :class:`~ralm.batching.packed.PackedBatch` writes the new
-keys and values of all of them with one copy per layer and reads their keys through the
-block tables (:class:`PagedPlan`).
+:class:`PagedKV` is the one KV representation of the batched engine: every sequence it runs
+(a step's session, a document's cached KV, a KNN-LM request's sequence, the invariance
+proof's references) is a block table in a pool. When every sequence of a forward is paged
+in one pool, :class:`~ralm.batching.packed.PackedBatch` writes the new keys and values of
+all of them with one copy per layer and reads their keys through the block tables
+(:class:`PagedPlan`). A sequence may also own a pool of its own
+(:meth:`PagedKV.standalone`: ``generator.kv_pool: false``, and the proof's references);
+its blocks are then handed out in order, so its table is one run of consecutive blocks
+that the attention reads in place, as it would read a contiguous buffer (contiguous KV is
+the one-run case of the paged layout). Such sequences are appended one at a time
+(:meth:`PagedKV.append`, :meth:`PagedKV.span`).
 
 Before a forward, :meth:`PagedKV.reserve` makes room for the new tokens: it copies a shared
 last block first (copy on write) and takes fresh blocks for the rest, so nothing is
@@ -38,6 +44,13 @@ class PagedKV:
         self.table: list[int] = []
         self.layer_len = [0] * pool.n_layers
         self._freed = False
+        self._slots: tuple | None = None  # (start, n, device, blocks, offsets): append's indices, reused by every layer
+
+    @classmethod
+    def standalone(cls, n_layers: int, devices: Sequence[torch.device] | None = None) -> PagedKV:
+        """A sequence in a pool of its own (2 blocks to start, doubling as it grows): each
+        layer's KV on ``devices[layer]`` (None: the device of the first write)."""
+        return cls(KVPool.of_one_sequence(n_layers, devices))
 
     def __len__(self) -> int:
         return self.layer_len[0]
@@ -48,7 +61,10 @@ class PagedKV:
         return len(self.table) * self.pool.block_bytes
 
     def own_bytes(self) -> int:
-        """Bytes of the blocks only this sequence holds (what freeing it gives back)."""
+        """Bytes of the blocks only this sequence holds (what freeing it gives back); for a
+        :meth:`standalone` sequence, its whole pool."""
+        if self.pool.private:
+            return self.pool.nbytes
         with self.pool.lock:
             return sum(1 for b in self.table if self.pool.refs[b] == 1) * self.pool.block_bytes
 
@@ -104,25 +120,40 @@ class PagedKV:
             raise ValueError(f"cannot crop a {len(self)}-position KV to {length}")
         keep = -(-length // self.pool.block_size)
         if keep < len(self.table):
-            self.pool.decref(self.table[keep:])
+            # last block first: the free list hands them out again in table order
+            self.pool.decref(self.table[keep:][::-1])
             del self.table[keep:]
         self.layer_len = [length] * len(self.layer_len)
 
-    # ------------------------------------------------------------------ SeqKV's interface
+    # ------------------------------------------------------------------ one sequence at a time
     def append(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        """Append ``k_new, v_new [Hkv, n, D]`` to ``layer`` (one sequence at a time; the packed
-        forward writes every paged sequence at once instead)."""
+        """Append ``k_new, v_new [Hkv, n, D]`` to ``layer`` (one sequence at a time, as a
+        forward whose sequences are in different pools does; the packed forward writes every
+        sequence of one pool at once instead). The slots' indices are built at the first
+        layer and reused by the others."""
         a, n = self.layer_len[layer], k_new.shape[1]
         if layer == 0 or a + n > len(self.table) * self.pool.block_size:
             self.reserve(a + n - len(self), like=k_new)
-        blocks, offsets = (torch.tensor(x, dtype=torch.long, device=k_new.device) for x in self.slots(a, n))
-        self.pool.write(layer, blocks, offsets, k_new, v_new)
+        dev = k_new.device
+        got = self._slots
+        if layer == 0 or got is None or got[:3] != (a, n, dev):  # the table is settled at layer 0
+            blocks, offsets = (torch.tensor(x, dtype=torch.long, device=dev) for x in self.slots(a, n))
+            got = self._slots = (a, n, dev, blocks, offsets)
+        self.pool.write(layer, got[3], got[4], k_new, v_new)
         self.layer_len[layer] = a + n
 
     def span(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k [Hkv, n, D], v_aug [Hkv, n, D+1])``: copies of the first ``n`` positions (``n`` a
-        multiple of the block, at least the length; blocks past the table read the zero block)."""
-        k, v = self.pool.gather(layer, block_tables([self], n // self.pool.block_size, self.pool.layer_device(layer)))
+        """``(k [Hkv, n, D], v_aug [Hkv, n, D+1])``: the first ``n`` positions (``n`` a multiple
+        of the block, at least the length; blocks past the table read the zero block). Views
+        in place when those blocks follow one another in the pool (a :meth:`standalone`
+        sequence), else copies."""
+        B = self.pool.block_size
+        nb = n // B
+        t = self.table
+        if 0 < nb <= len(t) and all(t[j] == t[0] + j for j in range(1, nb)):
+            k, v = self.pool.read_run(layer, t[0], nb)
+        else:
+            k, v = self.pool.gather(layer, block_tables([self], nb, self.pool.layer_device(layer)))
         return k[0], v[0]
 
     @classmethod

@@ -25,7 +25,7 @@ products and the norms' reductions changed with shape too). So the engine proves
    copied on write) are prefilled together, then decoded next to a drafted window and a
    KNN-LM feed (final hidden states at its row) in one forward; where the model's positions
    allow, a sequence past position 2,048 is decoded in the same forward. Logits, hidden
-   states and every layer's KV must equal per-sequence buffers run alone.
+   states and every layer's KV must equal sequences in pools of their own, run alone.
 
 Any difference refuses batching, with a reason naming the first check that failed and
 the largest logit difference seen there. Worked example: on a machine whose GEMM changes a
@@ -45,7 +45,7 @@ import torch
 
 from ralm import constants as C
 from ralm.batching.kv_pool import KVPool, layer_devices
-from ralm.batching.packed import SeqKV, model_max_positions, packed_forward
+from ralm.batching.packed import model_max_positions, packed_forward
 from ralm.batching.paged_kv import PagedKV
 
 
@@ -94,6 +94,11 @@ class _Prover:
         self.comparisons = 0
         self.forwards = 0
         self.max_positions = model_max_positions(model.config)
+        self.devices = layer_devices(model)
+
+    def own(self) -> PagedKV:
+        """A sequence in a pool of its own (the references, and the checks without the shared pool)."""
+        return PagedKV.standalone(self.n_layers, self.devices)
 
     # ------------------------------------------------------------------ helpers
     def tokens(self, n: int) -> list[int]:
@@ -120,22 +125,21 @@ class _Prover:
             diff = float((got.float() - want.float()).abs().max()) if got.shape == want.shape else float("inf")
             raise _Mismatch(what, diff)
 
-    def equal_kv(self, got: SeqKV | PagedKV, want: SeqKV, what: str) -> None:
+    def equal_kv(self, got: PagedKV, want: PagedKV, what: str) -> None:
         if len(got) != len(want):
             raise _Mismatch(f"{what}: KV length {len(got)} != {len(want)}", float("inf"))
         n = len(want)
         span = -(-n // C.INVARIANT_KEY_BLOCK) * C.INVARIANT_KEY_BLOCK
         for layer in range(self.n_layers):
-            wk, wv = want.k[layer], want.v[layer]
-            assert wk is not None and wv is not None
+            wk, wv = want.span(layer, span)
             gk, gv = got.span(layer, span)
             D = wk.shape[-1]
             self.equal(gk[:, :n], wk[:, :n], f"{what}: keys of layer {layer}")
             self.equal(gv[:, :n, :D], wv[:, :n, :D], f"{what}: values of layer {layer}")
 
-    def alone(self, ctx: Sequence[int], nxt: int) -> tuple[torch.Tensor, torch.Tensor, SeqKV]:
+    def alone(self, ctx: Sequence[int], nxt: int) -> tuple[torch.Tensor, torch.Tensor, PagedKV]:
         """The reference: ``ctx`` prefilled in one pass, then ``nxt`` decoded, alone."""
-        kv = SeqKV(self.n_layers)
+        kv = self.own()
         pre = self.forward([(kv, list(ctx))])[0]
         dec = self.forward([(kv, [nxt])])[0]
         return pre, dec, kv
@@ -153,12 +157,12 @@ class _Prover:
         for b in sizes:
             start = (7 * b) % n  # another first sequence at every size: rows move
             idx = [(start + j) % n for j in range(b)]
-            kvs = {i: SeqKV(self.n_layers) for i in idx}
+            kvs = {i: self.own() for i in idx}
             # prefills, packed in forwards of up to token_budget tokens (a longer one is chunked
             # as the engine does: its last chunk carries the logits)
             pending = [(i, list(ctxs[i])) for i in idx]
             while pending:
-                chunks: list[tuple[SeqKV, list[int]]] = []
+                chunks: list[tuple[PagedKV, list[int]]] = []
                 owners: list[tuple[int, bool]] = []
                 budget = self.token_budget
                 while pending and budget > 0 and len(chunks) < self.max_sequences:
@@ -179,7 +183,7 @@ class _Prover:
             room = min(self.token_budget - b, self.max_positions // 2)
             extra = self.tokens(room) if room > 0 and b < self.max_sequences else []
             chunks = [(kvs[i], [nxts[i]]) for i in idx]
-            extra_kv = SeqKV(self.n_layers)
+            extra_kv = self.own()
             if extra:
                 chunks.append((extra_kv, extra))
             logits = self.forward(chunks)
@@ -187,7 +191,7 @@ class _Prover:
                 self.equal(logits[row], ref[i][1], f"decode logits of a sequence packed with {b - 1} others")
                 self.equal_kv(kvs[i], ref[i][2], f"the KV of a sequence packed with {b - 1} others")
             if extra:
-                solo = SeqKV(self.n_layers)
+                solo = self.own()
                 want = self.forward([(solo, extra)])[0]
                 self.equal(logits[b], want, f"a {len(extra)}-token prefill chunk packed with {b} decode tokens")
                 self.equal_kv(extra_kv, solo, f"the KV of a {len(extra)}-token prefill packed with {b} decode tokens")
@@ -196,9 +200,9 @@ class _Prover:
     def chunked_vs_one_pass(self, checks: list[str]) -> None:
         n = max(2, min(self.token_budget, self.max_positions // 2))
         toks = self.tokens(n)
-        one = SeqKV(self.n_layers)
+        one = self.own()
         want = self.forward([(one, toks)])[0]
-        chunked = SeqKV(self.n_layers)
+        chunked = self.own()
         tail = min(3, n - 1)  # the last tokens one at a time, as decode steps
         body = toks[: n - tail]
         for s in range(0, len(body), C.PROOF_PREFILL_CHUNK):
@@ -214,15 +218,15 @@ class _Prover:
     def drafted_vs_one_at_a_time(self, checks: list[str]) -> None:
         k1 = C.PROOF_DRAFT_TOKENS
         ctx, draft = self.tokens(self.rng.randint(5, 40)), self.tokens(k1)
-        one = SeqKV(self.n_layers)
+        one = self.own()
         self.forward([(one, ctx)])
         want = torch.stack([self.forward([(one, [t])])[0] for t in draft])
         for neighbours in (0, min(7, self.max_sequences - 1)):
-            kv = SeqKV(self.n_layers)
+            kv = self.own()
             self.forward([(kv, ctx)])
             others = []
             for _ in range(neighbours):
-                o = SeqKV(self.n_layers)
+                o = self.own()
                 self.forward([(o, self.tokens(self.rng.randint(1, 20)))])
                 others.append((o, self.tokens(1)))
             # the drafted chunk first, logits at every one of its rows, then each neighbour's
@@ -238,7 +242,7 @@ class _Prover:
 
     def pooled_vs_alone(self, checks: list[str]) -> None:
         """Check 4: the KV pool with forks, copy on write, a drafted window, a KNN-LM feed and
-        (where the model allows) a position past 2,048, against per-sequence buffers alone."""
+        (where the model allows) a position past 2,048, against sequences alone in pools of their own."""
         k1 = C.PROOF_DRAFT_TOKENS
         if self.max_sequences < 5 or self.token_budget < k1 + 6:
             return  # the engine never packs the check's decode forward (5 sequences, k1 + 5 tokens)
@@ -249,7 +253,7 @@ class _Prover:
         # the references, alone in their own buffers
         refs = []
         for i, (c, t) in enumerate(zip(ctxs, nxts)):
-            kv = SeqKV(self.n_layers)
+            kv = self.own()
             pre = self.prefill(kv, doc + c)
             if i == 2:  # the drafted window: logits at every one of its rows
                 dec = self.forward([(kv, [t, *draft])], list(range(k1 + 1)))
@@ -257,14 +261,14 @@ class _Prover:
                 dec = self.forward([(kv, [t])])[0]
             refs.append((pre, dec, kv))
         feed_ctx, feed_next = self.tokens(self.rng.randint(2, 20)), self.tokens(1)
-        feed_ref = SeqKV(self.n_layers)
+        feed_ref = self.own()
         self.prefill(feed_ref, feed_ctx)
         feed_logits, feed_hidden = self.forward([(feed_ref, feed_next)], with_hidden=True)
         long_len = 2 * 1024 + 40
         long_ref = None
         if long_len + 2 <= self.max_positions:
             long_toks = self.tokens(long_len + 1)
-            long_ref = SeqKV(self.n_layers)
+            long_ref = self.own()
             self.prefill(long_ref, long_toks[:long_len])
             long_want = self.forward([(long_ref, long_toks[long_len:])])[0]
         # the pooled run: a document forked three times, prefilled together

@@ -3,7 +3,7 @@
 A step ``f(docs, context, k)`` needs the KV of ``[docs][context]``. The previous step of
 the same request usually left most of it behind: the same documents and a context that
 is a prefix of this one. A :class:`Session` is that leftover: the documents, the context
-tokens whose KV it holds, and the KV itself (:class:`~ralm.batching.packed.SeqKV`).
+tokens whose KV it holds, and the KV itself (:class:`~ralm.batching.paged_kv.PagedKV`).
 
 The store is *content-addressed*: a step takes the session with the same documents whose
 context shares the longest prefix with its own, crops it to that prefix (a rollback simply
@@ -18,10 +18,11 @@ of the store until it is put back, so two concurrent steps never share one; each
 tags its sessions with an owner key so that :meth:`SessionStore.release` frees them when
 the request ends or is cancelled.
 
-With the KV pool (:mod:`ralm.batching.kv_pool`) a session's KV is a block table: it counts
-the blocks only it holds when it is stored (the documents' blocks it shares are the
-doc-block cache's), and a dropped session gives its blocks back to the pool (outside the
-store's lock: the pool may be asking the store to drop one, :meth:`SessionStore.evict_one`).
+A session's KV is a block table (:mod:`ralm.batching.kv_pool`): it counts the blocks only
+it holds when it is stored (the documents' blocks it shares are the doc-block cache's; a
+sequence in a pool of its own counts its whole pool), and a dropped session gives its
+blocks back (outside the store's lock: the pool may be asking the store to drop one,
+:meth:`SessionStore.evict_one`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ralm.batching.packed import SeqKV
 from ralm.batching.paged_kv import PagedKV
 
 DocsKey = tuple  # tuple of documents, each a tuple of token ids
@@ -44,18 +44,17 @@ class Session:
     docs: DocsKey
     doc_len: int
     context: list[int]
-    kv: SeqKV | PagedKV
+    kv: PagedKV
     owner: str | None = None
 
     @property
     def nbytes(self) -> int:
-        """What keeping the session costs: its own blocks in the pool, its buffers otherwise."""
-        return self.kv.own_bytes() if isinstance(self.kv, PagedKV) else self.kv.nbytes
+        """What keeping the session costs: the blocks only it holds."""
+        return self.kv.own_bytes()
 
     def drop(self) -> None:
-        """Give the session's pool blocks back (nothing to do for per-sequence buffers)."""
-        if isinstance(self.kv, PagedKV):
-            self.kv.free()
+        """Give the session's blocks back."""
+        self.kv.free()
 
 
 def _drop(sessions: Iterable[Session]) -> None:

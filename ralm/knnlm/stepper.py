@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from ralm.batching.engine import FeedCall
-from ralm.batching.packed import SeqKV
+from ralm.batching.kv_pool import KVPool
+from ralm.batching.paged_kv import PagedKV
 from ralm.hf_cache import cache_kwargs, cache_of
 
 if TYPE_CHECKING:
@@ -69,6 +70,11 @@ class KnnStepper:
     def feed(self, token: int) -> None:
         self._run([int(token)])
 
+    def close(self) -> None:
+        """Drop the cache (a finished request)."""
+        self.past, self.length = None, 0
+        self.h = self.p_lm = None
+
     def crop(self, length: int) -> None:
         """Drop the KV of every position >= ``length`` (the tokens fed after it)."""
         if length > self.length:
@@ -93,12 +99,25 @@ class BatchedKnnStepper:
     """:class:`KnnStepper` on the engine's continuous batcher: each prefill / feed is a
     :class:`~ralm.batching.engine.FeedCall` on this request's own KV, batched with every other
     request's steps. The forward is invariant, so ``(h, p_lm)`` are the bits a lone
-    :class:`KnnStepper` on the same (invariant) model would compute."""
+    :class:`KnnStepper` on the same (invariant) model would compute.
 
-    def __init__(self, batcher: Any, n_layers: int):
+    The request's sequence lives in the engine's KV pool (``pool``), so its feeds join the
+    pooled steps' one KV write per layer; without a pool, in a pool of its own laid out on
+    ``devices``. Its blocks go back when the next prefill replaces it, on :meth:`close`, or
+    when the stepper is collected."""
+
+    def __init__(
+        self,
+        batcher: Any,
+        n_layers: int,
+        pool: KVPool | None = None,
+        devices: list[torch.device] | None = None,
+    ):
         self.batcher = batcher
         self.n_layers = n_layers
-        self.kv = SeqKV(n_layers)
+        self.pool = pool
+        self.devices = devices
+        self.kv = self._new_kv()
         self.length = 0
         self.h: np.ndarray | None = None
         self.p_lm: np.ndarray | None = None
@@ -117,8 +136,21 @@ class BatchedKnnStepper:
             raise RuntimeError("no token fed since the last prefill or crop")
         return self.h, self.p_lm
 
+    def _new_kv(self) -> PagedKV:
+        return PagedKV(self.pool) if self.pool is not None else PagedKV.standalone(self.n_layers, self.devices)
+
+    def close(self) -> None:
+        """Give the sequence's blocks back (idempotent)."""
+        self.kv.free()
+
+    def __del__(self) -> None:
+        kv = getattr(self, "kv", None)
+        if kv is not None:
+            kv.free()
+
     def prefill(self, ids: list[int]) -> None:
-        self.kv, self.length = SeqKV(self.n_layers), 0
+        self.kv.free()
+        self.kv, self.length = self._new_kv(), 0
         self._run(list(ids))
 
     def feed(self, token: int) -> None:
@@ -134,8 +166,10 @@ class BatchedKnnStepper:
 
 
 def stepper_for(lm: Any) -> KnnStepper | BatchedKnnStepper:
-    """The batched stepper when ``lm`` (an engine) has a continuous batcher, else the plain one."""
+    """The batched stepper when ``lm`` (an engine) has a continuous batcher (the request's KV in
+    its engine's pool), else the plain one."""
     batcher = getattr(lm, "batcher", None)
     if batcher is not None:
-        return BatchedKnnStepper(batcher, int(getattr(lm, "model", lm).config.num_hidden_layers))
+        eng = batcher.engine  # the batched engine: its pool, and its layers' devices
+        return BatchedKnnStepper(batcher, eng.n_layers, eng.pool, eng.devices)
     return KnnStepper(getattr(lm, "model", lm))

@@ -1,5 +1,5 @@
 """The attention seam (ralm.batching.attention_backend): a model's backend is read in one place,
-and every attention the invariant forward runs (a lone step, packed per-sequence buffers,
+and every attention the invariant forward runs (a lone step, packed sequences in pools of their own,
 the pool) goes through it, so a new kernel family is one new backend."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import ralm.batching.attention_backend as AB
 from ralm.batching.invariant import make_invariant
 from ralm.batching.kv_pool import KVPool
-from ralm.batching.packed import SeqKV, packed_forward
+from ralm.batching.packed import packed_forward
 from ralm.batching.paged_kv import PagedKV
 from tests.factories import tiny_causal_lm
 
@@ -59,16 +59,21 @@ def test_every_attention_of_the_invariant_forward_goes_through_the_backend(monke
     L = model.config.num_hidden_layers
     seq = [(37 * i + 5) % 290 + 1 for i in range(70)]
     want_lone = model(input_ids=torch.tensor([seq])).logits[0, -1]
-    want_packed = packed_forward(model, [(SeqKV(L), seq)])[0]
+    want_packed = packed_forward(model, [(PagedKV.standalone(L), seq)])[0]
 
     rec = Recording()
     monkeypatch.setitem(AB.BACKENDS, "torch", rec)
     # a lone step: transformers' forward, the attention interface
     assert torch.equal(model(input_ids=torch.tensor([seq])).logits[0, -1], want_lone)
     assert rec.calls == {"alone": L}
-    # packed, per-sequence buffers
+    # packed, a lone sequence in a pool of its own: the pooled path (planned at its first layer)
     rec.calls.clear()
-    assert torch.equal(packed_forward(model, [(SeqKV(L), seq)])[0], want_packed)
+    assert torch.equal(packed_forward(model, [(PagedKV.standalone(L), seq)])[0], want_packed)
+    assert rec.calls == {"pool_sections": 1, "pool": L, "contiguous": L}
+    # packed, two sequences in pools of their own: each appended alone, attended together
+    rec.calls.clear()
+    both = packed_forward(model, [(PagedKV.standalone(L), seq), (PagedKV.standalone(L), seq)])
+    assert torch.equal(both[0], want_packed) and torch.equal(both[1], want_packed)
     assert rec.calls == {"contiguous": L}
     # packed, in the pool (allocated by a first forward, then planned before the second)
     pool = KVPool(L)

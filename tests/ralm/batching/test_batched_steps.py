@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ralm.batching.engine import StepCall, event_span_s
-from ralm.batching.packed import SeqKV, packed_forward
+from ralm.batching.packed import packed_forward
+from ralm.batching.paged_kv import PagedKV
 from ralm.batching.sessions import Session, SessionStore
 from ralm.errors import RalmInputError
 from ralm.step_request import StepRequest
@@ -28,7 +29,7 @@ def test_packed_batches_of_2_to_32_equal_each_sequence_alone(family_model):
     alone = [model(input_ids=torch.tensor([s])).logits[0] for s in seqs]
     for n_batch in (2, 5, 32):
         order = rng.sample(range(32), n_batch)  # sequences at random positions of the batch
-        kvs = {i: SeqKV(L) for i in order}
+        kvs = {i: PagedKV.standalone(L) for i in order}
         done = dict.fromkeys(order, 0)
         got: dict[int, list] = {i: [] for i in order}
         while any(done[i] < len(seqs[i]) for i in order):
@@ -51,7 +52,7 @@ def test_packed_batches_of_2_to_32_equal_each_sequence_alone(family_model):
 
 
 def test_session_store_takes_the_longest_common_prefix_and_evicts_by_bytes():
-    kv = SeqKV(1)
+    kv = PagedKV.standalone(1)
     kv.append(0, torch.zeros(1, 10, 4), torch.zeros(1, 10, 4))
     size = kv.nbytes
     store = SessionStore(capacity_bytes=3 * size)
@@ -69,7 +70,7 @@ def test_session_store_takes_the_longest_common_prefix_and_evicts_by_bytes():
 
 
 def _kv():
-    kv = SeqKV(1)
+    kv = PagedKV.standalone(1)
     kv.append(0, torch.zeros(1, 10, 4), torch.zeros(1, 10, 4))
     return kv
 

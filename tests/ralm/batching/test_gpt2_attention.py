@@ -9,7 +9,7 @@ import torch
 from ralm.batching.invariant import NoDropout, make_invariant
 from ralm.batching.kv_pool import KVPool
 from ralm.batching.op_count import decode_iteration_ops
-from ralm.batching.packed import SeqKV, packed_forward
+from ralm.batching.packed import packed_forward
 from ralm.batching.paged_kv import PagedKV
 from tests.factories import restore_hf_attention, tiny_causal_lm
 
@@ -20,7 +20,7 @@ def _run(model, paged: bool) -> list[torch.Tensor]:
     """A prefill next to a decode, then two decodes (one crossing into a second key block)."""
     layers = model.config.num_hidden_layers
     pool = KVPool(layers)
-    kvs = [PagedKV(pool) if paged else SeqKV(layers) for _ in range(2)]
+    kvs = [PagedKV(pool) if paged else PagedKV.standalone(layers) for _ in range(2)]
     g = torch.Generator().manual_seed(1)
     a, b = (torch.randint(1, 300, (n,), generator=g).tolist() for n in (70, 9))
     out = [packed_forward(model, [(kvs[1], b[:8])])]

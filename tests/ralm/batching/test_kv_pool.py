@@ -1,6 +1,6 @@
 """The KV pool (ralm.batching.kv_pool), pooled sequences (paged_kv), the pooled documents'
 KV (doc_blocks) and the batched engine on them: blocks are counted, shared and copied on
-write; every forward's bits equal per-sequence buffers'; a document's KV is held once."""
+write; every forward's bits equal those of sequences alone in pools of their own; a document's KV is held once."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from ralm.batching.doc_blocks import DocBlockCache
 from ralm.batching.kv_pool import ZERO_BLOCK, KVPool, KVPoolFull, layer_devices
-from ralm.batching.packed import SeqKV, packed_forward
+from ralm.batching.packed import packed_forward
 from ralm.batching.paged_kv import PagedKV
 from ralm.batching.sessions import Session, SessionStore
 from ralm.step_request import StepRequest
@@ -108,19 +108,18 @@ def test_the_document_cache_holds_one_copy_and_evicts_by_bytes():
 
 
 @torch.inference_mode()
-def test_pooled_forwards_equal_per_sequence_buffers_through_forks_and_rollbacks(family_model):
+def test_pooled_forwards_equal_standalone_sequences_through_forks_and_rollbacks(family_model):
     family, model = family_model
     L = model.config.num_hidden_layers
     rng = random.Random(3)
     pool = KVPool(L, initial_blocks=2)
     doc = [rng.randrange(1, 290) for _ in range(70)]
-    ref_doc, pooled_doc = SeqKV(L), PagedKV(pool)
+    ref_doc, pooled_doc = PagedKV.standalone(L), PagedKV(pool)
     assert torch.equal(packed_forward(model, [(ref_doc, doc)]), packed_forward(model, [(pooled_doc, doc)]))
-    refs = [SeqKV.from_cache(None, L) for _ in range(4)]
+    refs = [PagedKV.standalone(L) for _ in range(4)]
     pooled = [pooled_doc.fork() for _ in range(4)]
     for r in refs:
-        for i in range(L):
-            r.append(i, ref_doc.k[i][:, :70], ref_doc.v[i][:, :70, :-1])  # type: ignore[index]
+        packed_forward(model, [(r, doc)])
     for it in range(6):
         chunks = [[rng.randrange(1, 290) for _ in range(rng.choice([1, 1, 3, 9]))] for _ in refs]
         want = packed_forward(model, list(zip(refs, chunks)))
@@ -130,10 +129,10 @@ def test_pooled_forwards_equal_per_sequence_buffers_through_forks_and_rollbacks(
         cut = rng.randrange(60, len(refs[j]) + 1)  # a rollback, sometimes into the shared blocks
         refs[j].crop(cut)
         pooled[j].crop(cut)
-    # a mixed forward (a caller-owned buffer next to pooled sequences) takes the generic path
+    # a mixed forward (a sequence in a pool of its own next to pooled sequences) takes the generic path
     extra = [5, 6, 7]
-    mixed = packed_forward(model, [(SeqKV(L), extra), (pooled[0], [8])])
-    assert torch.equal(mixed[0], packed_forward(model, [(SeqKV(L), extra)])[0])
+    mixed = packed_forward(model, [(PagedKV.standalone(L), extra), (pooled[0], [8])])
+    assert torch.equal(mixed[0], packed_forward(model, [(PagedKV.standalone(L), extra)])[0])
     assert torch.equal(mixed[1], packed_forward(model, [(refs[0], [8])])[0])
     assert pool.copies >= 4  # each fork copied the document's partial last block on its first write
 
@@ -288,3 +287,27 @@ def test_each_layer_keeps_its_kv_on_its_own_device():
     kv.append(1, k0.to("meta"), v0.to("meta"))
     assert pool.k[0].device.type == "cpu" and pool.k[1].device.type == "meta"
     assert torch.equal(kv.span(0, 8)[0][:, :6], k0) and kv.span(1, 8)[0].device.type == "meta"
+
+
+def test_a_standalone_sequence_is_one_run_read_in_place_and_stays_one_after_a_rollback():
+    kv = PagedKV.standalone(1)
+    g = torch.Generator().manual_seed(5)
+    B = kv.pool.block_size
+    k, v = torch.randn(2, 3 * B + 5, 4, generator=g), torch.randn(2, 3 * B + 5, 4, generator=g)
+    kv.append(0, k[:, :7], v[:, :7])
+    kv.append(0, k[:, 7:], v[:, 7:])  # the pool doubles twice on the way
+    assert kv.pool.grows >= 1 and kv.table == list(range(kv.table[0], kv.table[0] + 4))
+    span_k, span_v = kv.span(0, 4 * B)
+    pool_k = kv.pool.k[0]
+    # in place: a view of the pool's storage, not a copy
+    assert span_k.untyped_storage().data_ptr() == pool_k.untyped_storage().data_ptr()
+    assert torch.equal(span_k[:, : 3 * B + 5], k) and torch.equal(span_v[:, : 3 * B + 5, :4], v)
+    kv.crop(B + 3)  # the last two blocks go back, last first ...
+    kv.append(0, k[:, B + 3 :], v[:, B + 3 :])  # ... and come back in table order
+    assert kv.table == list(range(kv.table[0], kv.table[0] + 4))
+    assert torch.equal(kv.span(0, 4 * B)[0][:, : 3 * B + 5], k)
+    assert kv.own_bytes() == kv.pool.nbytes > len(kv.table) * kv.pool.block_bytes - 1
+    # a sequence past its table (a group's longer key range) reads the zero block: a copy
+    longer = kv.span(0, 5 * B)[0]
+    assert longer.untyped_storage().data_ptr() != pool_k.untyped_storage().data_ptr()
+    assert torch.equal(longer[:, : 3 * B + 5], k) and not longer[:, 4 * B :].any()

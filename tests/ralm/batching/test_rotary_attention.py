@@ -8,7 +8,7 @@ import torch
 
 from ralm.batching.invariant import make_invariant
 from ralm.batching.kv_pool import KVPool
-from ralm.batching.packed import SeqKV, packed_forward
+from ralm.batching.packed import packed_forward
 from ralm.batching.paged_kv import PagedKV
 from ralm.batching.rotary_attention import RotaryTables
 from tests.factories import restore_hf_attention
@@ -49,7 +49,7 @@ def _run(model, paged: bool) -> list[torch.Tensor]:
     """Two sequences: a prefill of one next to a decode of the other, then a decode of both."""
     layers = model.config.num_hidden_layers
     pool = KVPool(layers)
-    kvs = [PagedKV(pool) if paged else SeqKV(layers) for _ in range(2)]
+    kvs = [PagedKV(pool) if paged else PagedKV.standalone(layers) for _ in range(2)]
     g = torch.Generator().manual_seed(1)
     a, b = (torch.randint(1, 300, (n,), generator=g).tolist() for n in (70, 9))
     out = [packed_forward(model, [(kvs[1], b[:8])])]

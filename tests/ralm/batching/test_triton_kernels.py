@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from cluster.bench.gpu_bits import fixed_order_dot, rne_cast  # noqa: E402
+from ralm import constants as C  # noqa: E402
 from ralm.batching import (
     triton_compile as TC,  # noqa: E402
     triton_kernels as T,  # noqa: E402
@@ -47,7 +48,7 @@ from ralm.batching.invariant import (  # noqa: E402
     make_invariant,
 )
 from ralm.batching.kv_pool import KVPool  # noqa: E402
-from ralm.batching.packed import SeqKV, packed_forward  # noqa: E402
+from ralm.batching.packed import packed_forward  # noqa: E402
 from ralm.batching.paged_kv import PagedKV  # noqa: E402
 from ralm.batching.triton_forward import TritonLayerNorm, TritonRMSNorm  # noqa: E402
 from ralm.errors import InvariantUnavailable  # noqa: E402
@@ -346,25 +347,27 @@ def test_packed_and_chunked_forwards_equal_the_sequence_alone(triton_model):
     # 70 tokens: two key blocks, and prefill chunks whose query tile straddles them
     seq = [(37 * i + 5) % 290 + 1 for i in range(70)]
     others = [[11, 12, 13], [200, 201, 202, 203, 204, 205, 206]]
-    kv = SeqKV(L)
+    kv = PagedKV.standalone(L)
     alone = packed_forward(model, [(kv, seq)], range(len(seq)))
     ref = plain(input_ids=torch.tensor([seq])).logits[0]
     assert torch.allclose(alone, ref, atol=1e-4, rtol=1e-4), (alone - ref).abs().max()
     # packed with two sequences of other lengths, in the middle of the batch
-    kvs = [SeqKV(L) for _ in range(3)]
+    kvs = [PagedKV.standalone(L) for _ in range(3)]
     rows = range(len(others[0]), len(others[0]) + len(seq))
     packed = packed_forward(model, [(kvs[0], others[0]), (kvs[1], seq), (kvs[2], others[1])], rows)
     assert torch.equal(packed, alone)
     # chunked prefill (chunks of 5), then a decode step next to the others' decode steps
-    kc = SeqKV(L)
+    kc = PagedKV.standalone(L)
     chunked = torch.cat(
         [packed_forward(model, [(kc, seq[a : a + 5])], range(len(seq[a : a + 5]))) for a in range(0, len(seq), 5)]
     )
     assert torch.equal(chunked, alone)
+    n, span = len(seq), 2 * C.INVARIANT_KEY_BLOCK
     for i in range(L):
-        assert torch.equal(kc.k[i][:, : len(seq)], kv.k[i][:, : len(seq)])
-        assert torch.equal(kvs[1].k[i][:, : len(seq)], kv.k[i][:, : len(seq)])
-        assert torch.equal(kvs[1].v[i][:, : len(seq)], kv.v[i][:, : len(seq)])
+        want_k, want_v = (t[:, :n] for t in kv.span(i, span))
+        assert torch.equal(kc.span(i, span)[0][:, :n], want_k)
+        assert torch.equal(kvs[1].span(i, span)[0][:, :n], want_k)
+        assert torch.equal(kvs[1].span(i, span)[1][:, :n], want_v)
     step = packed_forward(model, [(kvs[0], [4]), (kvs[1], [9]), (kvs[2], [4])])[1]
     assert torch.equal(step, packed_forward(model, [(kv, [9])])[0])
 
@@ -377,7 +380,7 @@ def test_paged_sequences_in_one_launch_equal_the_sequence_alone(triton_model):
     family, plain, model = triton_model
     L = model.config.num_hidden_layers
     seq = [(37 * i + 5) % 290 + 1 for i in range(70)]
-    kv = SeqKV(L)
+    kv = PagedKV.standalone(L)
     alone = packed_forward(model, [(kv, seq)], range(len(seq)))
     pool = KVPool(L, initial_blocks=2)  # it grows during the first forward
     kvs = [PagedKV(pool) for _ in range(3)]

@@ -82,3 +82,27 @@ def test_mismatch_at_last_token_and_at_window_start(knn_setups, knn_prompts):
         assert got.tokens == base.tokens, bad
     # every speculative step wrong: each window commits exactly one (corrected) token
     assert got.stats.matched_steps == 0 and got.stats.rollbacks == got.stats.verifications
+
+
+def test_a_batched_request_keeps_its_kv_in_the_engines_pool_and_gives_it_back(knn_setups, knn_prompts):
+    """On an engine with a batcher, the request's sequence is paged in the engine's pool (its
+    feeds join the pooled steps' one KV write per layer), and every block goes back when the
+    request ends, rollbacks included."""
+    from ralm.knnlm import BatchedKnnStepper, stepper_for
+
+    lm, _, kbs = knn_setups["tiny-gpt2"]
+    pool = lm.kv_pool
+    assert lm.batcher is not None and pool is not None
+    step = stepper_for(lm)
+    assert isinstance(step, BatchedKnnStepper) and step.kv.pool is pool
+    before = pool.stats()["blocks_used"]
+    step.prefill(lm.encode_question(knn_prompts[0]) * 30)  # more than one block
+    assert pool.stats()["blocks_used"] >= before + 2
+    step.close()
+    assert pool.stats()["blocks_used"] == before
+    knn = KnnLMConfig(k=4)
+    req = RequestConfig(max_new_tokens=12, ignore_eos=True)
+    seq = run_knn_seq(knn_prompts[1], lm, kbs["flat"], knn, req)
+    spec = run_knn_spec(knn_prompts[1], lm, kbs["flat"], knn, req, SpecConfig(stride=4))
+    assert spec.tokens == seq.tokens
+    assert pool.stats()["blocks_used"] == before
