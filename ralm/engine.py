@@ -205,19 +205,6 @@ class LMEngine:
         return decode_ids(self.tokenizer, ids)
 
     # ------------------------------------------------------------------ the step
-    @torch.inference_mode()
-    def _compute_doc_kv(self, doc: tuple[int, ...]):
-        ids = torch.tensor([doc], dtype=torch.long, device=self.device)
-        return cache_of(self.model(input_ids=ids, use_cache=True))
-
-    def doc_past(self, doc: tuple[int, ...]):
-        """The document's KV (on a hit it shares the stored tensors, which the model's cache
-        replaces on update and never writes into), and whether it hit."""
-        if not doc:
-            return None, False
-        past, info = docs_past(self, [doc])
-        return past, info.hit
-
     def attach_dense_datastore(self, store) -> None:
         """The :class:`ralm.drafting.dense.DenseDatastore` used by ``drafting='dense'``."""
         self.dense_store = store

@@ -8,7 +8,14 @@ its first write). So 64 requests on one document hold its KV once, plus one bloc
 
 Entries live under a byte budget, least recently used first out; a dropped entry gives its
 references back, and blocks still used by a sequence stay until that sequence lets go.
-A miss is computed again (:func:`ralm.doc_kv.docs_past`), never guessed: the same bits.
+Like the doc-KV prefix tree of the one-step-at-a-time path (:mod:`ralm.doc_kv`), entries
+are document *prefixes*: ``(d1, d2)`` is kept next to ``(d1,)``, sharing its blocks, so a
+step on ``(d1, d3)`` forks ``(d1,)`` and computes only ``d3`` (:meth:`fork_longest`). An
+entry is charged for the blocks its prefix does not hold (the prefix's partly filled last
+block included: its first write copies it). With the pool on, this cache is the only holder
+of a document's KV: the batched engine computes a miss straight into the pool
+(:meth:`~ralm.batching.engine.BatchEngine.start`), never through the prefix tree.
+A miss is computed again, never guessed: the same bits.
 """
 
 from __future__ import annotations
@@ -45,9 +52,27 @@ class DocBlockCache:
             self.stats.hits += 1
             return item[0].fork()
 
-    def put(self, docs: DocsKey, kv: PagedKV) -> None:
-        """Keep ``kv`` (the cache takes this reference; pass a fork to keep using the sequence)."""
-        size = kv.nbytes
+    def fork_longest(self, docs: DocsKey) -> tuple[PagedKV | None, int]:
+        """A new sequence sharing the cached KV of the longest cached prefix of ``docs`` and
+        how many documents it covers (``(None, 0)``: none cached). A whole-sequence hit counts
+        as a hit, anything else as a miss."""
+        with self._lock:
+            for n in range(len(docs), 0, -1):
+                item = self._items.get(docs[:n])
+                if item is not None:
+                    self._items.move_to_end(docs[:n])
+                    if n == len(docs):
+                        self.stats.hits += 1
+                    else:
+                        self.stats.misses += 1
+                    return item[0].fork(), n
+            self.stats.misses += 1
+            return None, 0
+
+    def put(self, docs: DocsKey, kv: PagedKV, size: int | None = None) -> None:
+        """Keep ``kv`` (the cache takes this reference; pass a fork to keep using the sequence),
+        charged ``size`` bytes (None: every block it references)."""
+        size = kv.nbytes if size is None else int(size)
         dropped: list[PagedKV] = []
         with self._lock:
             if size > self.capacity_bytes or docs in self._items:

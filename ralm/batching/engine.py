@@ -114,7 +114,8 @@ class BatchEngine:
     """Advances :class:`StepCall` s together through packed, invariant forward passes.
 
     ``model``: a model rewritten by :func:`ralm.batching.invariant.make_invariant`;
-    ``docs_kv(docs) -> (hf_cache | None, info)``: the documents' KV (the doc-KV cache);
+    ``docs_kv(docs) -> (hf_cache | None, info)``: the documents' KV from the doc-KV prefix
+    tree (without the pool; with it, documents are computed into the pool, ``doc_blocks``);
     ``sessions``: the session store; ``pool``: the KV pool every step's sequence lives in
     (None: every sequence in a pool of its own, :meth:`PagedKV.standalone`, laid out on
     ``devices``, each layer's device), with ``doc_blocks``, the documents' KV kept in it;
@@ -201,19 +202,34 @@ class BatchEngine:
         )
 
     def _docs_kv(self, docs: DocsKey) -> tuple[PagedKV, DocsKVInfo]:
-        """A new sequence holding the documents' KV: in the pool, a fork of the cached blocks
-        (computed and cached first on a miss); otherwise a copy of the doc-KV cache's tensors
-        in a pool of its own."""
+        """A new sequence holding the documents' KV.
+
+        In the pool: a fork of the longest cached prefix of the document sequence, the other
+        documents computed on top of it straight into the pool, one at a time (in chunks of
+        the token budget: chunk invariance makes them the bits of one pass), each new prefix
+        cached as a fork, so the pool's blocks are the documents' only copy. Without the
+        pool: a copy of the doc-KV prefix tree's tensors, in a pool of the sequence's own."""
         if self.pool is None:
             past, info = self.docs_kv(docs)
             return PagedKV.from_cache(KVPool.of_one_sequence(self.n_layers, self.devices), past), info
-        shared = self.doc_blocks.fork(docs) if docs else None
-        if shared is not None:
-            return shared, DocsKVInfo(True, len(docs), 0, len(shared) * shared.bytes_per_position())
-        past, info = self.docs_kv(docs)
-        kv = PagedKV.from_cache(self.pool, past)
-        if docs:
-            self.doc_blocks.put(docs, kv.fork())
+        docs = tuple(tuple(d) for d in docs if d)
+        kv, n = self.doc_blocks.fork_longest(docs) if docs else (None, 0)
+        if kv is None:
+            kv = PagedKV(self.pool)
+        bpp = kv.bytes_per_position() if self.pool.allocated else 0
+        info = DocsKVInfo(bool(docs) and n == len(docs), n, len(docs) - n, len(kv) * bpp)
+        B = self.pool.block_size
+        try:
+            for j in range(n, len(docs)):
+                shared = len(kv) // B  # the prefix's full blocks, the new entry shares them
+                doc = list(docs[j])
+                for s in range(0, len(doc), self.token_budget):
+                    packed_forward(self.model, [(kv, doc[s : s + self.token_budget])])
+                if self.doc_blocks.capacity_bytes > 0:
+                    self.doc_blocks.put(docs[: j + 1], kv.fork(), (len(kv.table) - shared) * self.pool.block_bytes)
+        except BaseException:
+            kv.free()
+            raise
         return kv, info
 
     def abandon(self, a: ActiveStep) -> None:

@@ -184,6 +184,29 @@ def test_requests_on_one_document_share_its_kv_and_get_the_per_buffer_tokens():
     assert pooled.kv_pool.stats()["blocks_used"] == 0  # type: ignore[union-attr]
 
 
+def test_with_the_pool_a_documents_kv_is_held_once_and_document_prefixes_are_shared():
+    pooled, buffers = _engine(True), _engine(False)
+    d1, d2, d3 = (f"{w} " * 50 for w in ("shutil.copytree", "json.dumps", "argparse.ArgumentParser"))
+    ctx = pooled.encode_question("which function copies a tree?")
+    first = pooled.step([d1, d2], ctx, 4, ignore_eos=True)
+    assert (first.docs_reused, first.docs_computed) == (0, 2)
+    # the one-step-at-a-time path's prefix tree holds nothing: the pool's blocks are the only copy
+    assert pooled.doc_kv.stats.bytes_used == 0 and len(pooled.doc_blocks) == 2  # type: ignore[arg-type]
+    second = pooled.step([d1, d3], ctx, 4, ignore_eos=True)  # forks (d1,), computes d3 only
+    assert (second.docs_reused, second.docs_computed) == (1, 1) and second.kv_bytes_reused > 0
+    third = pooled.step([d1, d2], ctx + [5], 4, ignore_eos=True)  # another context: the whole sequence forked
+    assert (third.docs_reused, third.docs_computed) == (2, 0) and third.doc_kv_hit
+    for out, docs, c in ((first, [d1, d2], ctx), (second, [d1, d3], ctx), (third, [d1, d2], ctx + [5])):
+        assert out.tokens == buffers.step(docs, c, 4, ignore_eos=True).tokens
+    # an entry is charged the blocks its prefix does not hold
+    B, per_block = pooled.kv_pool.block_size, pooled.kv_pool.block_bytes  # type: ignore[union-attr]
+    n1 = len(pooled.doc_tokens(d1))
+    n12 = n1 + len(pooled.doc_tokens(d2))
+    assert pooled.doc_blocks.stats.bytes_used == (  # type: ignore[union-attr]
+        -(-n1 // B) + (-(-n12 // B) - n1 // B) + (-(-(n1 + len(pooled.doc_tokens(d3))) // B) - n1 // B)
+    ) * per_block
+
+
 def test_a_failed_forward_gives_its_blocks_back(monkeypatch):
     eng = _engine(True)
     ctx = eng.encode_question("will this forward fail?")
