@@ -106,16 +106,27 @@ def test_context_beyond_model_positions_rejected():
         engine.step(DOCS[0], [5] * 1020, 8)
 
 
-def test_doc_kv_cache_is_bounded_in_bytes():
-    engine = tiny_engine("gpt2")
+@pytest.mark.parametrize("kv_pool", [True, False])
+def test_doc_kv_cache_is_bounded_in_bytes(kv_pool):
+    """The documents' KV lives in one cache, bounded by ``doc_kv_cache_bytes``: the pool's
+    doc-block cache with the pool on (the prefix tree then holds nothing), the prefix tree
+    without it."""
+    base = tiny_engine("gpt2")
+    engine = type(base)(base.model, base.tokenizer, base.cfg.model_copy(update={"kv_pool": kv_pool}))
+
+    def cache(e):
+        return e.doc_blocks if kv_pool else e.doc_kv
+
     ctx = engine.encode_question("what does json do?")
     engine.step(DOCS[0], ctx, 1)
-    one = engine.doc_kv.stats.bytes_used
+    one = cache(engine).stats.bytes_used
     assert one > 0
+    if kv_pool:
+        assert engine.doc_kv.stats.bytes_used == 0
     small = type(engine)(
         engine.model, engine.tokenizer, engine.cfg.model_copy(update={"doc_kv_cache_bytes": int(one * 1.5)})
     )
     for d in DOCS:
         small.step(d, ctx, 1)
-    assert small.doc_kv.stats.bytes_used <= int(one * 1.5)
-    assert small.doc_kv.stats.evictions >= 1
+    assert 0 < cache(small).stats.bytes_used <= int(one * 1.5)
+    assert cache(small).stats.evictions >= 1
