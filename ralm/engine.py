@@ -131,7 +131,7 @@ class LMEngine:
                 log.warning("continuous batching and KV sessions are off: %s", self.kv_pool_error)
         if self.cfg.invariant and self.batching_off_reason is None:
             if self.cfg.kv_pool:
-                self.kv_pool = KVPool(int(self.model.config.num_hidden_layers), devices=devices)
+                self.kv_pool = KVPool.for_model(self.model, devices=devices)
                 self.doc_blocks = DocBlockCache(self.cfg.doc_kv_cache_bytes)
                 # no block free: idle sessions go first, then cached documents, then the pool grows
                 self.kv_pool.reclaimers = [self.sessions.evict_one, self.doc_blocks.evict_one]

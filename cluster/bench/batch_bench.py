@@ -104,7 +104,7 @@ def forward_cost(plain_model, inv_model, context: int, reps: int, batches: tuple
             past = cache_of(plain_model(input_ids=ids[:, :context], use_cache=True))
             lens = [len(layer.keys[0, 0]) for layer in past.layers]
             kvs = []
-            pool = kv_pool.KVPool(int(inv_model.config.num_hidden_layers))  # the engine's layout (generator.kv_pool)
+            pool = kv_pool.KVPool.for_model(inv_model)  # the engine's layout (generator.kv_pool)
             for b in range(batch):
                 kv = paged_kv.PagedKV(pool)
                 packed.packed_forward(inv_model, [(kv, ids[b, :context].tolist())], [])

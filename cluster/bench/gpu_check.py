@@ -450,11 +450,11 @@ class GpuCheck:
         if not self.engines:
             return {"skipped": "no dtype batches"}
         key, e = next(iter(self.engines.items()))
-        m, layers = e.model, int(e.model.config.num_hidden_layers)
+        m = e.model
         batch, ctx = (64, 300) if not self.small else (8, 40)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(1, int(m.config.vocab_size), (batch, ctx + 1), generator=g).tolist()
-        pool = kv_pool.KVPool(layers)
+        pool = kv_pool.KVPool.for_model(m)
         kvs = [paged_kv.PagedKV(pool) for _ in range(batch)]
         with torch.inference_mode():
             for kv, row in zip(kvs, ids):

@@ -6,8 +6,8 @@ Every attention the invariant forward runs goes through an :class:`AttentionBack
   (:func:`invariant_attention`, registered by :func:`~ralm.batching.invariant.make_invariant`):
   ``query [B, H, nq, D]`` against the whole unpadded ``key, value [B, Hkv, L, D]``;
 - :meth:`~AttentionBackend.attend_contiguous`: a group of sequences of a packed forward
-  against their keys laid out one tensor per sequence (per-sequence buffers, or the pool's
-  blocks gathered);
+  against their keys laid out one tensor per sequence (a sequence's run of blocks read in
+  place, or the pool's blocks gathered);
 - :meth:`~AttentionBackend.pool_sections` and :meth:`~AttentionBackend.attend_pool`: what a
   backend reads of the KV pool, put in the iteration's metadata before the forward, and the
   attention of every sequence of the forward straight from the pool (None: the backend
@@ -19,7 +19,8 @@ Two backends, registered in :data:`BACKENDS`:
 
 ``torch`` (:class:`TorchAttention`)
     :func:`ralm.batching.attention.attend`: fixed-shape products in torch (BLAS, oneDNN), the
-    softmax denominator as a column of ones in the values. On the pool it gathers each group
+    softmax denominator as a column of ones in the values (a pool for it stores the column;
+    :attr:`~AttentionBackend.value_ones`). On the pool it gathers each group
     of sequences through their block tables into that layout.
 ``triton`` (:class:`TritonAttention`)
     The batch-invariant Triton kernels (:mod:`ralm.batching.triton_kernels`): one paged launch
@@ -65,6 +66,10 @@ class AttentionBackend(Protocol):
     name: str
     #: whether :meth:`rotary_pool` runs a Llama-family layer's rotation, KV write and attention
     fuses_rotary: bool
+    #: whether the KV's values carry a last column of ones (``D + 1`` wide), which the kernel
+    #: reads as its softmax denominator; a pool made for this backend lays its values out so
+    #: (:class:`~ralm.batching.kv_pool.KVPool`'s ``value_ones``)
+    value_ones: bool
 
     def attend_alone(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pos: torch.Tensor, scaling: float
@@ -83,8 +88,8 @@ class AttentionBackend(Protocol):
         mask: Callable[[], torch.Tensor],
     ) -> torch.Tensor:
         """``q [S, H, n, D]`` against ``k_pad [S, Hkv, nb*B, D]`` and ``v_aug [S, Hkv, nb*B,
-        D+1]`` (whole key blocks; the last value column is ones), ``pos [S, n]`` -> ``[S, n, H,
-        D]``; ``mask()`` gives :func:`~ralm.batching.attention.hidden_keys` (made once per group,
+        D + value_ones]`` (whole key blocks; with :attr:`value_ones`, the last value column is
+        ones), ``pos [S, n]`` -> ``[S, n, H, D]``; ``mask()`` gives :func:`~ralm.batching.attention.hidden_keys` (made once per group,
         for a backend that needs it)."""
         ...
 
@@ -120,6 +125,10 @@ class TorchAttention:
 
     name = "torch"
     fuses_rotary = False
+    # the denominator rides in the value product; stored with the values (not added when a
+    # group is gathered) so that a lone sequence's run of blocks is read in place, with no
+    # copy of its values at every layer of every iteration
+    value_ones = True
 
     def attend_alone(self, query, key, value, pos, scaling):
         k_pad, v_aug = pad_kv(key, value)
@@ -164,6 +173,7 @@ class TritonAttention:
 
     name = "triton"
     fuses_rotary = True
+    value_ones = False  # the kernels keep the softmax sum in registers
 
     def attend_alone(self, query, key, value, pos, scaling):
         return _triton()[0].attention(query, key, value, pos, scaling)

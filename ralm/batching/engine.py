@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ralm import constants as C
+from ralm.batching.attention_backend import attention_backend
 from ralm.batching.doc_blocks import DocBlockCache
 from ralm.batching.fast_draft import draft_round, draftable
 from ralm.batching.kv_pool import KVPool
@@ -138,6 +139,7 @@ class BatchEngine:
     ):
         self.model = model
         self.devices = devices
+        self.value_ones = attention_backend(model).value_ones  # the values' layout its attention reads
         self.device = next(model.parameters()).device
         self.fast_draft = int(fast_draft)
         self.pool = pool
@@ -211,7 +213,7 @@ class BatchEngine:
         pool: a copy of the doc-KV prefix tree's tensors, in a pool of the sequence's own."""
         if self.pool is None:
             past, info = self.docs_kv(docs)
-            return PagedKV.from_cache(KVPool.of_one_sequence(self.n_layers, self.devices), past), info
+            return PagedKV.from_cache(KVPool.of_one_sequence(self.n_layers, self.devices, self.value_ones), past), info
         docs = tuple(tuple(d) for d in docs if d)
         kv, n = self.doc_blocks.fork_longest(docs) if docs else (None, 0)
         if kv is None:

@@ -7,9 +7,10 @@ GPUs with ``device_map="auto"`` keeps each layer's KV next to the layer):
   block is one contiguous ``[B, D]`` run, so a sequence's keys are gathered into the
   attention's ``[S, Hkv, L, D]`` layout in one row copy per (head, block), and a sequence
   whose blocks follow one another in the pool is read in place, without a copy);
-- ``v[layer] [Hkv, n_blocks, B, D+1]``: values with a last column of ones (the CPU
-  attention's softmax denominator, :func:`ralm.batching.attention.attend`; the Triton
-  kernels read the first ``D`` columns only).
+- ``v[layer] [Hkv, n_blocks, B, D + value_ones]``: values; for the torch attention backend
+  with a last column of ones (its softmax denominator, :func:`ralm.batching.attention.attend`,
+  stored so that a sequence's run of blocks is read in place), for the Triton backend ``D``
+  wide (``AttentionBackend.value_ones`` says which; the engine asks its model's backend).
 
 A sequence (:class:`~ralm.batching.paged_kv.PagedKV`) owns a *block table*: block ``j`` of
 its table holds its positions ``j*B .. j*B+B-1`` at every layer. Position ``p`` of a
@@ -48,6 +49,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ralm import constants as C
+from ralm.batching.attention_backend import attention_backend
 
 ZERO_BLOCK = 0
 
@@ -94,7 +96,9 @@ class KVPool:
     ``devices``: each layer's device (None: every layer on the device of the first write);
     ``free_memory``: the bytes a device has free (:func:`free_bytes`), which bounds growth;
     ``private``: the pool of one sequence (:meth:`PagedKV.standalone
-    <ralm.batching.paged_kv.PagedKV.standalone>`), whose bytes are all that sequence's.
+    <ralm.batching.paged_kv.PagedKV.standalone>`), whose bytes are all that sequence's;
+    ``value_ones``: the values carry a last column of ones (the torch attention backend's
+    layout, ``AttentionBackend.value_ones``).
     """
 
     def __init__(
@@ -105,6 +109,7 @@ class KVPool:
         devices: Sequence[torch.device] | None = None,
         free_memory: Callable[[torch.device], int | None] = free_bytes,
         private: bool = False,
+        value_ones: bool = True,
     ):
         if block_size < 1 or initial_blocks < 2:
             raise ValueError("a KV pool needs a block size >= 1 and at least 2 blocks (block 0 is the zero block)")
@@ -116,8 +121,9 @@ class KVPool:
         self.devices = [torch.device(d) for d in devices] if devices is not None else None
         self.free_memory = free_memory
         self.private = bool(private)
+        self.value_ones = bool(value_ones)
         self.k: list[torch.Tensor] = []  # per layer [Hkv, n_blocks, B, D] (empty until the first write)
-        self.v: list[torch.Tensor] = []  # per layer [Hkv, n_blocks, B, D+1]
+        self.v: list[torch.Tensor] = []  # per layer [Hkv, n_blocks, B, D + value_ones]
         self.refs: list[int] = []
         self._free: list[int] = []
         self.lock = threading.RLock()
@@ -128,11 +134,21 @@ class KVPool:
         self.reclaimers: list[Callable[[], bool]] = []
 
     @classmethod
-    def of_one_sequence(cls, n_layers: int, devices: Sequence[torch.device] | None = None) -> KVPool:
+    def for_model(cls, model, **kw) -> KVPool:
+        """The pool a model's batched forwards use: its layer count, each layer's KV on the
+        layer's device (:func:`layer_devices`) and the values laid out for its attention
+        backend (``AttentionBackend.value_ones``); ``kw`` go to the constructor."""
+        kw.setdefault("devices", layer_devices(model))
+        return cls(int(model.config.num_hidden_layers), value_ones=attention_backend(model).value_ones, **kw)
+
+    @classmethod
+    def of_one_sequence(
+        cls, n_layers: int, devices: Sequence[torch.device] | None = None, value_ones: bool = True
+    ) -> KVPool:
         """A private pool for one sequence: 2 blocks to start (the zero block and one),
         doubling as the sequence grows; its blocks are handed out in order, so the sequence's
         table is one run that the attention reads in place."""
-        return cls(n_layers, initial_blocks=2, devices=devices, private=True)
+        return cls(n_layers, initial_blocks=2, devices=devices, private=True, value_ones=value_ones)
 
     # ------------------------------------------------------------------ allocation
     @property
@@ -146,11 +162,11 @@ class KVPool:
 
     @property
     def layer_block_bytes(self) -> int:
-        """Bytes of one block of one layer as stored (keys, and values with their ones column)."""
+        """Bytes of one block of one layer as stored (keys, and values with any ones column)."""
         if not self.k:
             return 0
         hkv, _, B, D = self.k[0].shape
-        return hkv * B * (2 * D + 1) * self.k[0].element_size()
+        return hkv * B * (2 * D + self.value_ones) * self.k[0].element_size()
 
     @property
     def block_bytes(self) -> int:
@@ -194,8 +210,9 @@ class KVPool:
         B, old = self.block_size, self.n_blocks
         for i, dev in enumerate(devices):
             k = torch.zeros(hkv, n, B, D, dtype=dtype, device=dev)
-            v = torch.zeros(hkv, n, B, D + 1, dtype=dtype, device=dev)
-            v[..., D] = 1.0
+            v = torch.zeros(hkv, n, B, D + self.value_ones, dtype=dtype, device=dev)
+            if self.value_ones:
+                v[..., D] = 1.0
             if old:
                 k[:, :old] = self.k[i]
                 v[:, :old] = self.v[i]
@@ -304,7 +321,7 @@ class KVPool:
 
     def read_run(self, layer: int, first: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks ``first .. first+nb-1`` (one sequence whose blocks follow one another) at
-        ``layer`` as ``(k [1, Hkv, nb*B, D], v_aug [1, Hkv, nb*B, D+1])``: views, no copy."""
+        ``layer`` as ``(k [1, Hkv, nb*B, D], v_aug [1, Hkv, nb*B, Dv])`` (``Dv = D + value_ones``): views, no copy."""
         hkv, _, B, _ = self.k[layer].shape
         k, v = (t[:, first : first + nb].reshape(1, hkv, nb * B, t.shape[-1]) for t in (self.k[layer], self.v[layer]))
         return k, v
@@ -319,7 +336,7 @@ class KVPool:
         return (tables.view(S, 1, nb) + heads).view(-1)
 
     def read_rows(self, layer: int, rows: torch.Tensor, S: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k_pad [S, Hkv, nb*B, D], v_aug [S, Hkv, nb*B, D+1])``, the layout
+        """``(k_pad [S, Hkv, nb*B, D], v_aug [S, Hkv, nb*B, Dv])``, the layout
         :func:`ralm.batching.attention.attend` takes, from :meth:`rows_of`'s ``rows``: one
         contiguous row copy per (sequence, head, block); element ``[s, h, j*B + b]`` is head
         ``h`` of the sequence's ``j``-th block, offset ``b``."""

@@ -47,10 +47,13 @@ class PagedKV:
         self._slots: tuple | None = None  # (start, n, device, blocks, offsets): append's indices, reused by every layer
 
     @classmethod
-    def standalone(cls, n_layers: int, devices: Sequence[torch.device] | None = None) -> PagedKV:
+    def standalone(
+        cls, n_layers: int, devices: Sequence[torch.device] | None = None, value_ones: bool = True
+    ) -> PagedKV:
         """A sequence in a pool of its own (2 blocks to start, doubling as it grows): each
-        layer's KV on ``devices[layer]`` (None: the device of the first write)."""
-        return cls(KVPool.of_one_sequence(n_layers, devices))
+        layer's KV on ``devices[layer]`` (None: the device of the first write); ``value_ones``:
+        the attention backend's value layout (``AttentionBackend.value_ones``)."""
+        return cls(KVPool.of_one_sequence(n_layers, devices, value_ones))
 
     def __len__(self) -> int:
         return self.layer_len[0]
@@ -143,7 +146,7 @@ class PagedKV:
         self.layer_len[layer] = a + n
 
     def span(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k [Hkv, n, D], v_aug [Hkv, n, D+1])``: the first ``n`` positions (``n`` a multiple
+        """``(k [Hkv, n, D], v_aug [Hkv, n, D + value_ones])``: the first ``n`` positions (``n`` a multiple
         of the block, at least the length; blocks past the table read the zero block). Views
         in place when those blocks follow one another in the pool (a :meth:`standalone`
         sequence), else copies."""
@@ -214,6 +217,11 @@ class PagedPlan:
         backend: AttentionBackend,
         meta: IterationMetadata | None = None,
     ):
+        if backend.value_ones and not pool.value_ones:
+            raise ValueError(
+                f"the {backend.name} attention reads a column of ones with the values, and this KV pool "
+                "was made without it (KVPool(value_ones=False), the Triton backend's layout)"
+            )
         self.pool = pool
         self.segments = list(segments)
         self.device = device

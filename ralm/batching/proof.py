@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ralm import constants as C
+from ralm.batching.attention_backend import attention_backend
 from ralm.batching.kv_pool import KVPool, layer_devices
 from ralm.batching.packed import model_max_positions, packed_forward
 from ralm.batching.paged_kv import PagedKV
@@ -95,10 +96,11 @@ class _Prover:
         self.forwards = 0
         self.max_positions = model_max_positions(model.config)
         self.devices = layer_devices(model)
+        self.value_ones = attention_backend(model).value_ones
 
     def own(self) -> PagedKV:
         """A sequence in a pool of its own (the references, and the checks without the shared pool)."""
-        return PagedKV.standalone(self.n_layers, self.devices)
+        return PagedKV.standalone(self.n_layers, self.devices, self.value_ones)
 
     # ------------------------------------------------------------------ helpers
     def tokens(self, n: int) -> list[int]:
@@ -246,7 +248,7 @@ class _Prover:
         k1 = C.PROOF_DRAFT_TOKENS
         if self.max_sequences < 5 or self.token_budget < k1 + 6:
             return  # the engine never packs the check's decode forward (5 sequences, k1 + 5 tokens)
-        pool = KVPool(self.n_layers, devices=layer_devices(self.model))
+        pool = KVPool.for_model(self.model, devices=self.devices)
         doc = self.tokens(max(2, min(C.INVARIANT_KEY_BLOCK + 27, self.max_positions // 4)))  # a partial last block
         ctxs = [self.tokens(self.rng.randint(1, max(1, min(12, self.token_budget // 4)))) for _ in range(3)]
         nxts, draft = self.tokens(3), self.tokens(k1)

@@ -112,11 +112,13 @@ class BatchedKnnStepper:
         n_layers: int,
         pool: KVPool | None = None,
         devices: list[torch.device] | None = None,
+        value_ones: bool = True,
     ):
         self.batcher = batcher
         self.n_layers = n_layers
         self.pool = pool
         self.devices = devices
+        self.value_ones = value_ones
         self.kv = self._new_kv()
         self.length = 0
         self.h: np.ndarray | None = None
@@ -137,7 +139,11 @@ class BatchedKnnStepper:
         return self.h, self.p_lm
 
     def _new_kv(self) -> PagedKV:
-        return PagedKV(self.pool) if self.pool is not None else PagedKV.standalone(self.n_layers, self.devices)
+        return (
+            PagedKV(self.pool)
+            if self.pool is not None
+            else PagedKV.standalone(self.n_layers, self.devices, self.value_ones)
+        )
 
     def close(self) -> None:
         """Give the sequence's blocks back (idempotent)."""
@@ -171,5 +177,5 @@ def stepper_for(lm: Any) -> KnnStepper | BatchedKnnStepper:
     batcher = getattr(lm, "batcher", None)
     if batcher is not None:
         eng = batcher.engine  # the batched engine: its pool, and its layers' devices
-        return BatchedKnnStepper(batcher, eng.n_layers, eng.pool, eng.devices)
+        return BatchedKnnStepper(batcher, eng.n_layers, eng.pool, eng.devices, eng.value_ones)
     return KnnStepper(getattr(lm, "model", lm))

@@ -202,9 +202,13 @@ def test_with_the_pool_a_documents_kv_is_held_once_and_document_prefixes_are_sha
     B, per_block = pooled.kv_pool.block_size, pooled.kv_pool.block_bytes  # type: ignore[union-attr]
     n1 = len(pooled.doc_tokens(d1))
     n12 = n1 + len(pooled.doc_tokens(d2))
-    assert pooled.doc_blocks.stats.bytes_used == (  # type: ignore[union-attr]
-        -(-n1 // B) + (-(-n12 // B) - n1 // B) + (-(-(n1 + len(pooled.doc_tokens(d3))) // B) - n1 // B)
-    ) * per_block
+    assert (
+        pooled.doc_blocks.stats.bytes_used
+        == (  # type: ignore[union-attr]
+            -(-n1 // B) + (-(-n12 // B) - n1 // B) + (-(-(n1 + len(pooled.doc_tokens(d3))) // B) - n1 // B)
+        )
+        * per_block
+    )
 
 
 def test_a_failed_forward_gives_its_blocks_back(monkeypatch):
@@ -334,3 +338,15 @@ def test_a_standalone_sequence_is_one_run_read_in_place_and_stays_one_after_a_ro
     longer = kv.span(0, 5 * B)[0]
     assert longer.untyped_storage().data_ptr() != pool_k.untyped_storage().data_ptr()
     assert torch.equal(longer[:, : 3 * B + 5], k) and not longer[:, 4 * B :].any()
+
+
+def test_the_torch_attention_reads_a_ones_column_and_refuses_a_pool_without_one():
+    from ralm.batching.invariant import make_invariant
+
+    model = make_invariant(tiny_causal_lm("llama", vocab_size=300, eos_token_id=0, seed=3))
+    L = model.config.num_hidden_layers
+    with pytest.raises(ValueError, match="column of ones"):
+        packed_forward(model, [(PagedKV(KVPool(L, value_ones=False)), [1, 2, 3])])
+    eng = tiny_engine("llama", seed=4)  # the engine lays its pool out for its model's backend
+    eng.step(None, eng.encode_question("how wide are the values?"), 1)
+    assert eng.kv_pool.v[0].shape[-1] == eng.kv_pool.k[0].shape[-1] + 1  # type: ignore[union-attr]

@@ -394,6 +394,27 @@ def test_paged_sequences_in_one_launch_equal_the_sequence_alone(triton_model):
     assert pool.copies == 1 and pool.grows >= 1
 
 
+@torch.inference_mode()
+def test_the_triton_backends_pool_has_no_ones_column_and_the_same_bits(triton_model):
+    """The Triton kernels keep the softmax sum in registers: a pool laid out for them stores
+    ``D``-wide values (no column of ones), and its sequences get the bits of the default layout."""
+    from ralm.batching.attention_backend import attention_backend
+
+    family, plain, model = triton_model
+    L = model.config.num_hidden_layers
+    assert attention_backend(model).value_ones is False
+    seq = [(37 * i + 5) % 290 + 1 for i in range(70)]
+    kv = PagedKV.standalone(L)  # the default layout, with the ones column
+    want = packed_forward(model, [(kv, seq)], range(len(seq)))
+    pool = KVPool(L, initial_blocks=2, value_ones=False)
+    kvs = [PagedKV(pool) for _ in range(2)]
+    got = packed_forward(model, [(kvs[0], [11, 12, 13]), (kvs[1], seq)], range(3, 3 + len(seq)))
+    assert torch.equal(got, want)
+    assert pool.v[0].shape[-1] == pool.k[0].shape[-1] == kv.pool.v[0].shape[-1] - 1
+    steps = packed_forward(model, [(kvs[0], [4]), (kvs[1], [9])])
+    assert torch.equal(steps[1], packed_forward(model, [(kv, [9])])[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_paged_equals_contiguous_with_random_block_tables_past_position_2048(dtype):
     """Random block tables over a shuffled pool, sequences reaching positions 2,100-2,200 (34
