@@ -150,7 +150,7 @@ def decode_iteration_ops(model, batch: int, context: int, seed: int = 0) -> dict
     layers = int(model.config.num_hidden_layers)
     vocab = int(model.config.vocab_size)
     ids = torch.randint(1, vocab, (batch, context + 1), generator=g).tolist()
-    pool = KVPool(layers)
+    pool = KVPool.for_model(model)  # the layout the engine gives this model
     kvs = [PagedKV(pool) for _ in range(batch)]
     triton = attention_backend(model).name == "triton"
     with contextlib.ExitStack() as stack:
