@@ -60,8 +60,10 @@ def test_tree_eviction_bounded_and_takes_subtrees():
 @pytest.fixture(scope="module")
 def engine():
     # KV sessions off: every step asks the doc-KV tree (with sessions, a step that continues
-    # a request's session needs no document KV at all)
-    return tiny_engine("gpt2", seed=1, kv_session_bytes=0)
+    # a request's session needs no document KV at all); the KV pool off: with it, batched
+    # steps keep the documents' KV in the pool's doc-block cache, and only steps run one at a
+    # time use the tree (tests/ralm/batching/test_kv_pool.py)
+    return tiny_engine("gpt2", seed=1, kv_session_bytes=0, kv_pool=False)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
@@ -140,7 +142,7 @@ def test_stored_segments_are_shared_and_never_written(family):
     they were inserted)."""
     from ralm.doc_kv import docs_past
 
-    eng = tiny_engine(family, seed=2)
+    eng = tiny_engine(family, seed=2, kv_pool=False)  # the batched steps' documents come from the tree
     at_insert: dict = {}
     insert = eng.doc_kv.insert
 
