@@ -319,6 +319,16 @@ class KVPool:
             self.k[layer][:, blocks, offsets] = k_new
             self.v[layer][:, blocks, offsets, :D] = v_new
 
+    def write_run(self, layer: int, start: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Store ``k_new, v_new [Hkv, n, D]`` at positions ``start .. start+n-1`` of ``layer``
+        viewed as one run ``[Hkv, n_blocks*B, D]`` (a sequence whose blocks follow one another:
+        position ``p`` of a sequence starting at block ``b0`` is ``b0*B + p``): one slice copy each."""
+        n, D = k_new.shape[1], k_new.shape[-1]
+        with _writable():
+            k, v = self.k[layer], self.v[layer]
+            k.view(k.shape[0], -1, D)[:, start : start + n] = k_new
+            v.view(v.shape[0], -1, v.shape[-1])[:, start : start + n, :D] = v_new
+
     def read_run(self, layer: int, first: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks ``first .. first+nb-1`` (one sequence whose blocks follow one another) at
         ``layer`` as ``(k [1, Hkv, nb*B, D], v_aug [1, Hkv, nb*B, Dv])`` (``Dv = D + value_ones``): views, no copy."""

@@ -129,32 +129,51 @@ class PagedKV:
         self.layer_len = [length] * len(self.layer_len)
 
     # ------------------------------------------------------------------ one sequence at a time
+    def _run_start(self, nb: int) -> int | None:
+        """The pool block of the table's first entry when its first ``nb`` blocks follow one
+        another in the pool (one run: positions ``0 .. nb*B-1`` are one stretch of the pool's
+        storage), else None."""
+        t = self.table
+        if 0 < nb <= len(t) and t[nb - 1] == t[0] + nb - 1 and all(t[j] == t[0] + j for j in range(1, nb)):
+            return t[0]
+        return None
+
     def append(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Append ``k_new, v_new [Hkv, n, D]`` to ``layer`` (one sequence at a time, as a
         forward whose sequences are in different pools does; the packed forward writes every
-        sequence of one pool at once instead). The slots' indices are built at the first
-        layer and reused by the others."""
+        sequence of one pool at once instead). A sequence whose blocks are one run (a
+        :meth:`standalone` one) is written as one slice of the pool's storage; otherwise by
+        index, the slots' indices built at the first layer and reused by the others."""
         a, n = self.layer_len[layer], k_new.shape[1]
         if layer == 0 or a + n > len(self.table) * self.pool.block_size:
             self.reserve(a + n - len(self), like=k_new)
-        dev = k_new.device
-        got = self._slots
-        if layer == 0 or got is None or got[:3] != (a, n, dev):  # the table is settled at layer 0
-            blocks, offsets = (torch.tensor(x, dtype=torch.long, device=dev) for x in self.slots(a, n))
-            got = self._slots = (a, n, dev, blocks, offsets)
-        self.pool.write(layer, got[3], got[4], k_new, v_new)
+        B = self.pool.block_size
+        first = self._run_start(-(-(a + n) // B))
+        if first is not None:
+            self.pool.write_run(layer, first * B + a, k_new, v_new)
+        else:
+            dev = k_new.device
+            got = self._slots
+            if layer == 0 or got is None or got[:3] != (a, n, dev):  # the table is settled at layer 0
+                blocks, offsets = (torch.tensor(x, dtype=torch.long, device=dev) for x in self.slots(a, n))
+                got = self._slots = (a, n, dev, blocks, offsets)
+            self.pool.write(layer, got[3], got[4], k_new, v_new)
         self.layer_len[layer] = a + n
 
     def span(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k [Hkv, n, D], v_aug [Hkv, n, D + value_ones])``: the first ``n`` positions (``n`` a multiple
-        of the block, at least the length; blocks past the table read the zero block). Views
-        in place when those blocks follow one another in the pool (a :meth:`standalone`
-        sequence), else copies."""
+        """``(k [Hkv, n, D], v_aug [Hkv, n, D + value_ones])``: the first ``n`` positions (``n``
+        a multiple of the block, at least the length). Views in place when those blocks follow
+        one another in the pool: a :meth:`standalone` sequence first takes blocks up to ``n``
+        from its own pool (room it grows into, as a doubling buffer keeps); otherwise copies,
+        blocks past the table reading the zero block."""
         B = self.pool.block_size
         nb = n // B
-        t = self.table
-        if 0 < nb <= len(t) and all(t[j] == t[0] + j for j in range(1, nb)):
-            k, v = self.pool.read_run(layer, t[0], nb)
+        if self.pool.private and nb > len(self.table):
+            with self.pool.lock:
+                self.table.extend(self.pool.allocate(nb - len(self.table)))
+        first = self._run_start(nb)
+        if first is not None:
+            k, v = self.pool.read_run(layer, first, nb)
         else:
             k, v = self.pool.gather(layer, block_tables([self], nb, self.pool.layer_device(layer)))
         return k[0], v[0]

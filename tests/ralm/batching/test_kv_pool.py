@@ -334,10 +334,18 @@ def test_a_standalone_sequence_is_one_run_read_in_place_and_stays_one_after_a_ro
     assert kv.table == list(range(kv.table[0], kv.table[0] + 4))
     assert torch.equal(kv.span(0, 4 * B)[0][:, : 3 * B + 5], k)
     assert kv.own_bytes() == kv.pool.nbytes > len(kv.table) * kv.pool.block_bytes - 1
-    # a sequence past its table (a group's longer key range) reads the zero block: a copy
+    # read past its table (a group's longer key range), it takes room from its own pool and
+    # is still read in place, as a doubling buffer would be
     longer = kv.span(0, 5 * B)[0]
-    assert longer.untyped_storage().data_ptr() != pool_k.untyped_storage().data_ptr()
+    assert len(kv.table) == 5 and len(kv) == 3 * B + 5
+    assert longer.untyped_storage().data_ptr() == kv.pool.k[0].untyped_storage().data_ptr()
     assert torch.equal(longer[:, : 3 * B + 5], k) and not longer[:, 4 * B :].any()
+    # a sequence of a shared pool reads the zero block past its table instead: a copy
+    shared = PagedKV(KVPool(1, initial_blocks=8))
+    shared.append(0, k[:, :7], v[:, :7])
+    past = shared.span(0, 2 * B)[0]
+    assert len(shared.table) == 1 and torch.equal(past[:, :7], k[:, :7]) and not past[:, B:].any()
+    assert past.untyped_storage().data_ptr() != shared.pool.k[0].untyped_storage().data_ptr()
 
 
 def test_the_torch_attention_reads_a_ones_column_and_refuses_a_pool_without_one():
