@@ -124,6 +124,10 @@ class KVPool:
         self.value_ones = bool(value_ones)
         self.k: list[torch.Tensor] = []  # per layer [Hkv, n_blocks, B, D] (empty until the first write)
         self.v: list[torch.Tensor] = []  # per layer [Hkv, n_blocks, B, D + value_ones]
+        # the same storage viewed as one run of positions, [Hkv, n_blocks * B, D(+1)]: block b's
+        # offset o is position b * B + o (a sequence whose blocks follow one another is a slice)
+        self.k_run: list[torch.Tensor] = []
+        self.v_run: list[torch.Tensor] = []
         self.refs: list[int] = []
         self._free: list[int] = []
         self.lock = threading.RLock()
@@ -217,9 +221,12 @@ class KVPool:
                 k[:, :old] = self.k[i]
                 v[:, :old] = self.v[i]
                 self.k[i], self.v[i] = k, v
+                self.k_run[i], self.v_run[i] = k.view(hkv, n * B, D), v.view(hkv, n * B, v.shape[-1])
             else:
                 self.k.append(k)
                 self.v.append(v)
+                self.k_run.append(k.view(hkv, n * B, D))
+                self.v_run.append(v.view(hkv, n * B, v.shape[-1]))
             del k, v
         self.refs.extend([0] * (n - old))
         # low ids first out (a LIFO of free ids): recently used memory is reused first
@@ -325,9 +332,14 @@ class KVPool:
         position ``p`` of a sequence starting at block ``b0`` is ``b0*B + p``): one slice copy each."""
         n, D = k_new.shape[1], k_new.shape[-1]
         with _writable():
-            k, v = self.k[layer], self.v[layer]
-            k.view(k.shape[0], -1, D)[:, start : start + n] = k_new
-            v.view(v.shape[0], -1, v.shape[-1])[:, start : start + n, :D] = v_new
+            self.k_run[layer][:, start : start + n] = k_new
+            self.v_run[layer][:, start : start + n, :D] = v_new
+
+    def run_span(self, layer: int, first: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks ``first .. first+nb-1`` (one run) at ``layer`` as ``(k [Hkv, nb*B, D], v_aug
+        [Hkv, nb*B, Dv])``: one slice of each run view, no copy."""
+        B = self.block_size
+        return self.k_run[layer][:, first * B : (first + nb) * B], self.v_run[layer][:, first * B : (first + nb) * B]
 
     def read_run(self, layer: int, first: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks ``first .. first+nb-1`` (one sequence whose blocks follow one another) at

@@ -173,9 +173,8 @@ class PagedKV:
                 self.table.extend(self.pool.allocate(nb - len(self.table)))
         first = self._run_start(nb)
         if first is not None:
-            k, v = self.pool.read_run(layer, first, nb)
-        else:
-            k, v = self.pool.gather(layer, block_tables([self], nb, self.pool.layer_device(layer)))
+            return self.pool.run_span(layer, first, nb)
+        k, v = self.pool.gather(layer, block_tables([self], nb, self.pool.layer_device(layer)))
         return k[0], v[0]
 
     @classmethod
