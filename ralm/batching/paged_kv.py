@@ -42,6 +42,7 @@ class PagedKV:
     def __init__(self, pool: KVPool):
         self.pool = pool
         self.table: list[int] = []
+        self._run_len: int | None = None  # leading blocks of the table that follow one another (None: not known)
         self.layer_len = [0] * pool.n_layers
         self._freed = False
         self._slots: tuple | None = None  # (start, n, device, blocks, offsets): append's indices, reused by every layer
@@ -88,9 +89,11 @@ class PagedKV:
                 j = n // B
                 if self.pool.refs[self.table[j]] > 1:
                     self.table[j] = self.pool.copy_block(self.table[j])
+                    self._run_len = None
             need = -(-(n + n_new) // B) - len(self.table)
             if need > 0:
                 self.table.extend(self.pool.allocate(need))
+                self._run_len = None
 
     def slots(self, start: int, n: int) -> tuple[list[int], list[int]]:
         """``(blocks, offsets)`` of positions ``start .. start+n-1`` (reserved)."""
@@ -115,6 +118,7 @@ class PagedKV:
             self._freed = True
             self.pool.decref(self.table)
             self.table = []
+            self._run_len = None
             self.layer_len = [0] * len(self.layer_len)
 
     def crop(self, length: int) -> None:
@@ -126,6 +130,7 @@ class PagedKV:
             # last block first: the free list hands them out again in table order
             self.pool.decref(self.table[keep:][::-1])
             del self.table[keep:]
+            self._run_len = None
         self.layer_len = [length] * len(self.layer_len)
 
     # ------------------------------------------------------------------ one sequence at a time
@@ -134,9 +139,12 @@ class PagedKV:
         another in the pool (one run: positions ``0 .. nb*B-1`` are one stretch of the pool's
         storage), else None."""
         t = self.table
-        if 0 < nb <= len(t) and t[nb - 1] == t[0] + nb - 1 and all(t[j] == t[0] + j for j in range(1, nb)):
-            return t[0]
-        return None
+        if self._run_len is None:  # worked out once per change of the table, not per layer
+            m = min(1, len(t))
+            while m < len(t) and t[m] == t[0] + m:
+                m += 1
+            self._run_len = m
+        return t[0] if 0 < nb <= self._run_len else None
 
     def append(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Append ``k_new, v_new [Hkv, n, D]`` to ``layer`` (one sequence at a time, as a
@@ -171,6 +179,7 @@ class PagedKV:
         if self.pool.private and nb > len(self.table):
             with self.pool.lock:
                 self.table.extend(self.pool.allocate(nb - len(self.table)))
+                self._run_len = None
         first = self._run_start(nb)
         if first is not None:
             return self.pool.run_span(layer, first, nb)

@@ -358,3 +358,21 @@ def test_the_torch_attention_reads_a_ones_column_and_refuses_a_pool_without_one(
     eng = tiny_engine("llama", seed=4)  # the engine lays its pool out for its model's backend
     eng.step(None, eng.encode_question("how wide are the values?"), 1)
     assert eng.kv_pool.v[0].shape[-1] == eng.kv_pool.k[0].shape[-1] + 1  # type: ignore[union-attr]
+
+
+def test_a_block_copied_on_write_ends_a_run_and_reads_follow_the_table():
+    pool = KVPool(1, initial_blocks=8)
+    g = torch.Generator().manual_seed(9)
+    B = pool.block_size
+    k, v = torch.randn(2, B + 3, 4, generator=g), torch.randn(2, B + 3, 4, generator=g)
+    doc = PagedKV(pool)
+    doc.append(0, k, v)
+    twin = doc.fork()
+    assert torch.equal(twin.span(0, 2 * B)[0][:, : B + 3], k)  # one run of two blocks, read in place
+    k2, v2 = torch.randn(2, 1, 4, generator=g), torch.randn(2, 1, 4, generator=g)
+    twin.append(0, k2, v2)  # copies the shared partial block: the table is no longer one run
+    assert twin.table[0] == doc.table[0] and twin.table[1] != doc.table[1]
+    got_k, got_v = twin.span(0, 2 * B)
+    assert torch.equal(got_k[:, : B + 3], k) and torch.equal(got_k[:, B + 3 : B + 4], k2)
+    assert torch.equal(got_v[:, B + 3 : B + 4, :4], v2)
+    assert not doc.span(0, 2 * B)[0][:, B + 3 :].any()  # the document's block was not written
