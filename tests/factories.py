@@ -18,7 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
+from ralm.batching.kv_pool import KVPool
+from ralm.batching.packed import packed_forward
+from ralm.batching.paged_kv import PagedKV
 from ralm.engine import StepOutput
 from ralm.retrieval.base import rank_hits
 
@@ -259,3 +263,20 @@ def restore_hf_attention(model) -> None:
         hf = getattr(m, "_ralm_hf_forward", None)
         if hf is not None:
             m.forward = hf
+
+
+def two_sequence_forwards(model, paged: bool, with_hidden: bool = False) -> list:
+    """Two sequences through ``model``'s packed forward, in one shared pool (``paged``) or each
+    in a pool of its own: a prefill of one next to a decode of the other, then a decode of
+    both (the 70-token one crossing into a second key block). The three forwards' logits (the
+    last also with its final hidden states when ``with_hidden``)."""
+    layers = model.config.num_hidden_layers
+    pool = KVPool(layers)
+    kvs = [PagedKV(pool) if paged else PagedKV.standalone(layers) for _ in range(2)]
+    g = torch.Generator().manual_seed(1)
+    a, b = (torch.randint(1, 300, (n,), generator=g).tolist() for n in (70, 9))
+    out = [packed_forward(model, [(kvs[1], b[:8])])]
+    out.append(packed_forward(model, [(kvs[0], a[:69]), (kvs[1], b[8:9])]))
+    last = packed_forward(model, [(kvs[0], a[69:]), (kvs[1], [5])], with_hidden=with_hidden)
+    out.append(last[0] if with_hidden else last)
+    return out

@@ -213,7 +213,7 @@ class BatchEngine:
         pool: a copy of the doc-KV prefix tree's tensors, in a pool of the sequence's own."""
         if self.pool is None:
             past, info = self.docs_kv(docs)
-            return PagedKV.from_cache(KVPool.of_one_sequence(self.n_layers, self.devices, self.value_ones), past), info
+            return PagedKV.from_cache(self.sequence_pool(), past), info
         docs = tuple(tuple(d) for d in docs if d)
         kv, n = self.doc_blocks.fork_longest(docs) if docs else (None, 0)
         if kv is None:
@@ -233,6 +233,13 @@ class BatchEngine:
             kv.free()
             raise
         return kv, info
+
+    def sequence_pool(self) -> KVPool:
+        """Where a new sequence of this engine lives: the engine's KV pool, or (without one) a
+        pool of the sequence's own, laid out as the model's layers and attention need."""
+        if self.pool is not None:
+            return self.pool
+        return KVPool.of_one_sequence(self.n_layers, self.devices, self.value_ones)
 
     def abandon(self, a: ActiveStep) -> None:
         """Free the KV of a step that will not finish (its forward failed): a session's pool

@@ -344,9 +344,8 @@ class KVPool:
     def read_run(self, layer: int, first: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks ``first .. first+nb-1`` (one sequence whose blocks follow one another) at
         ``layer`` as ``(k [1, Hkv, nb*B, D], v_aug [1, Hkv, nb*B, Dv])`` (``Dv = D + value_ones``): views, no copy."""
-        hkv, _, B, _ = self.k[layer].shape
-        k, v = (t[:, first : first + nb].reshape(1, hkv, nb * B, t.shape[-1]) for t in (self.k[layer], self.v[layer]))
-        return k, v
+        k, v = self.run_span(layer, first, nb)
+        return k.unsqueeze(0), v.unsqueeze(0)
 
     def rows_of(self, tables: torch.Tensor) -> torch.Tensor:
         """The rows :meth:`read_rows` copies for ``tables [S, nb]`` (long): a layer viewed as

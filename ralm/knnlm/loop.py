@@ -137,40 +137,31 @@ def run_knn_seq(
     values = kb.ds.values
     st = RequestStats(method="knn-seq", retriever=kb.name, knn_k=knn.k)
     st.knn_settings = knn_settings(kb, knn)
-    lm_step = stepper_for(lm)
-    try:
-        eos = _knn_seq_loop(lm_step, X, n_q, kb, knn, req, st, values, stop_tok, mask_tok, on_commit)
-    finally:
-        lm_step.close()  # the request's KV blocks go back to the engine's pool
+    with stepper_for(lm) as lm_step:  # on exit, the request's KV blocks go back to the engine's pool
+        t0 = time.perf_counter()
+        lm_step.prefill(X)
+        st.gen_time_s += time.perf_counter() - t0
+        eos = False
+        while len(X) - n_q < req.max_new_tokens:
+            h, p_lm = lm_step.query()
+            hits = kb.search_vectors([h], knn.k)[0]
+            st.kb_calls += 1
+            st.kb_queries += 1
+            y = choose_token(p_lm, hits, values, knn, mask_tok)
+            st.steps += 1
+            if stop_tok is not None and y == stop_tok:
+                eos = True
+                break
+            X.append(y)
+            if on_commit is not None:
+                on_commit([y])
+            if len(X) - n_q >= req.max_new_tokens:
+                break
+            t0 = time.perf_counter()
+            lm_step.feed(y)
+            st.gen_time_s += time.perf_counter() - t0
     st.forward_passes, st.generated_tokens = lm_step.forwards, len(X) - n_q
     return finish(lm, n_q, X, eos, st, t_start)
-
-
-def _knn_seq_loop(lm_step, X, n_q, kb, knn, req, st, values, stop_tok, mask_tok, on_commit) -> bool:
-    """:func:`run_knn_seq`'s token loop (appends to ``X``); whether it stopped at EOS."""
-    t0 = time.perf_counter()
-    lm_step.prefill(X)
-    st.gen_time_s += time.perf_counter() - t0
-    eos = False
-    while len(X) - n_q < req.max_new_tokens:
-        h, p_lm = lm_step.query()
-        hits = kb.search_vectors([h], knn.k)[0]
-        st.kb_calls += 1
-        st.kb_queries += 1
-        y = choose_token(p_lm, hits, values, knn, mask_tok)
-        st.steps += 1
-        if stop_tok is not None and y == stop_tok:
-            eos = True
-            break
-        X.append(y)
-        if on_commit is not None:
-            on_commit([y])
-        if len(X) - n_q >= req.max_new_tokens:
-            break
-        t0 = time.perf_counter()
-        lm_step.feed(y)
-        st.gen_time_s += time.perf_counter() - t0
-    return eos
 
 
 # ---------------------------------------------------------------------------- speculation
@@ -460,12 +451,10 @@ class _KnnSpecRun:
     def run(self) -> RalmResult:
         st = self.stats
         t0 = time.perf_counter()
-        try:
+        with self.step_lm:  # on exit, the request's KV blocks go back to the engine's pool
             self.step_lm.prefill(self.X)
             st.gen_time_s += time.perf_counter() - t0
             speculate(self, self.sched, st)
-        finally:
-            self.step_lm.close()  # the request's KV blocks go back to the engine's pool
         st.cache_entries = len(self.cache)
         st.forward_passes = self.step_lm.forwards
         st.generated_tokens = len(self.X) - self.n_q + st.regenerated_tokens  # rolled-back tokens included

@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from ralm.batching.engine import FeedCall
-from ralm.batching.kv_pool import KVPool
 from ralm.batching.paged_kv import PagedKV
 from ralm.hf_cache import cache_kwargs, cache_of
 
@@ -28,7 +27,19 @@ def lm_probs(logits: torch.Tensor) -> np.ndarray:
     return e / e.sum()
 
 
-class KnnStepper:
+class _Closing:
+    """A stepper is a context manager: leaving the block :meth:`close` s it (a finished request)."""
+
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class KnnStepper(_Closing):
     """One prefill of the prompt, then single-token forwards on one DynamicCache.
 
     ``h`` is the final hidden state (float32 numpy, the query) and ``p_lm`` the float64
@@ -95,30 +106,19 @@ class KnnStepper:
         self.h = self.p_lm = None
 
 
-class BatchedKnnStepper:
+class BatchedKnnStepper(_Closing):
     """:class:`KnnStepper` on the engine's continuous batcher: each prefill / feed is a
     :class:`~ralm.batching.engine.FeedCall` on this request's own KV, batched with every other
     request's steps. The forward is invariant, so ``(h, p_lm)`` are the bits a lone
     :class:`KnnStepper` on the same (invariant) model would compute.
 
-    The request's sequence lives in the engine's KV pool (``pool``), so its feeds join the
-    pooled steps' one KV write per layer; without a pool, in a pool of its own laid out on
-    ``devices``. Its blocks go back when the next prefill replaces it, on :meth:`close`, or
-    when the stepper is collected."""
+    The request's sequence lives where the batched engine keeps its sequences
+    (:meth:`~ralm.batching.engine.BatchEngine.sequence_pool`: its KV pool, so the feeds join
+    the pooled steps' one KV write per layer, or a pool of its own). Its blocks go back when
+    the next prefill replaces it, on :meth:`close`, or when the stepper is collected."""
 
-    def __init__(
-        self,
-        batcher: Any,
-        n_layers: int,
-        pool: KVPool | None = None,
-        devices: list[torch.device] | None = None,
-        value_ones: bool = True,
-    ):
+    def __init__(self, batcher: Any):
         self.batcher = batcher
-        self.n_layers = n_layers
-        self.pool = pool
-        self.devices = devices
-        self.value_ones = value_ones
         self.kv = self._new_kv()
         self.length = 0
         self.h: np.ndarray | None = None
@@ -139,11 +139,7 @@ class BatchedKnnStepper:
         return self.h, self.p_lm
 
     def _new_kv(self) -> PagedKV:
-        return (
-            PagedKV(self.pool)
-            if self.pool is not None
-            else PagedKV.standalone(self.n_layers, self.devices, self.value_ones)
-        )
+        return PagedKV(self.batcher.engine.sequence_pool())
 
     def close(self) -> None:
         """Give the sequence's blocks back (idempotent)."""
@@ -176,6 +172,5 @@ def stepper_for(lm: Any) -> KnnStepper | BatchedKnnStepper:
     its engine's pool), else the plain one."""
     batcher = getattr(lm, "batcher", None)
     if batcher is not None:
-        eng = batcher.engine  # the batched engine: its pool, and its layers' devices
-        return BatchedKnnStepper(batcher, eng.n_layers, eng.pool, eng.devices, eng.value_ones)
+        return BatchedKnnStepper(batcher)
     return KnnStepper(getattr(lm, "model", lm))

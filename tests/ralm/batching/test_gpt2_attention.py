@@ -7,35 +7,19 @@ import pytest
 import torch
 
 from ralm.batching.invariant import NoDropout, make_invariant
-from ralm.batching.kv_pool import KVPool
 from ralm.batching.op_count import decode_iteration_ops
-from ralm.batching.packed import packed_forward
-from ralm.batching.paged_kv import PagedKV
-from tests.factories import restore_hf_attention, tiny_causal_lm
+from tests.factories import restore_hf_attention, tiny_causal_lm, two_sequence_forwards
 
 pytestmark = pytest.mark.unit
 
 
-def _run(model, paged: bool) -> list[torch.Tensor]:
-    """A prefill next to a decode, then two decodes (one crossing into a second key block)."""
-    layers = model.config.num_hidden_layers
-    pool = KVPool(layers)
-    kvs = [PagedKV(pool) if paged else PagedKV.standalone(layers) for _ in range(2)]
-    g = torch.Generator().manual_seed(1)
-    a, b = (torch.randint(1, 300, (n,), generator=g).tolist() for n in (70, 9))
-    out = [packed_forward(model, [(kvs[1], b[:8])])]
-    out.append(packed_forward(model, [(kvs[0], a[:69]), (kvs[1], b[8:9])]))
-    out.append(packed_forward(model, [(kvs[0], a[69:]), (kvs[1], [5])], with_hidden=True)[0])
-    return out
-
-
-@pytest.mark.parametrize("paged", [True, False], ids=["pool", "seqkv"])
+@pytest.mark.parametrize("paged", [True, False], ids=["pool", "standalone"])
 def test_the_packed_forward_gives_transformers_attention_bits(paged):
     model = make_invariant(tiny_causal_lm("gpt2", vocab_size=300, eos_token_id=0, seed=3))
     assert sum(hasattr(m, "_ralm_hf_forward") for m in model.modules()) == model.config.n_layer
-    fast = _run(model, paged)
+    fast = two_sequence_forwards(model, paged, with_hidden=True)
     restore_hf_attention(model)
-    slow = _run(model, paged)
+    slow = two_sequence_forwards(model, paged, with_hidden=True)
     for f, s in zip(fast, slow):
         assert torch.equal(f, s)
 

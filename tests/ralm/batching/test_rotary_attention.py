@@ -7,11 +7,8 @@ import pytest
 import torch
 
 from ralm.batching.invariant import make_invariant
-from ralm.batching.kv_pool import KVPool
-from ralm.batching.packed import packed_forward
-from ralm.batching.paged_kv import PagedKV
 from ralm.batching.rotary_attention import RotaryTables
-from tests.factories import restore_hf_attention
+from tests.factories import restore_hf_attention, two_sequence_forwards
 
 pytestmark = pytest.mark.unit
 
@@ -45,27 +42,14 @@ def _model(family: str, kernels: str = "torch", invariant: bool = True):
     return make_invariant(model.eval(), kernels=kernels) if invariant else model.eval()
 
 
-def _run(model, paged: bool) -> list[torch.Tensor]:
-    """Two sequences: a prefill of one next to a decode of the other, then a decode of both."""
-    layers = model.config.num_hidden_layers
-    pool = KVPool(layers)
-    kvs = [PagedKV(pool) if paged else PagedKV.standalone(layers) for _ in range(2)]
-    g = torch.Generator().manual_seed(1)
-    a, b = (torch.randint(1, 300, (n,), generator=g).tolist() for n in (70, 9))
-    out = [packed_forward(model, [(kvs[1], b[:8])])]
-    out.append(packed_forward(model, [(kvs[0], a[:69]), (kvs[1], b[8:9])]))
-    out.append(packed_forward(model, [(kvs[0], a[69:]), (kvs[1], [5])]))
-    return out
-
-
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
-@pytest.mark.parametrize("paged", [True, False], ids=["pool", "seqkv"])
+@pytest.mark.parametrize("paged", [True, False], ids=["pool", "standalone"])
 def test_the_packed_forward_gives_transformers_attention_bits(family, paged):
     model = _model(family)
     assert sum(hasattr(m, "_ralm_hf_forward") for m in model.modules()) == 2  # every layer's attention
-    fast = _run(model, paged)
+    fast = two_sequence_forwards(model, paged)
     restore_hf_attention(model)
-    slow = _run(model, paged)
+    slow = two_sequence_forwards(model, paged)
     for f, s in zip(fast, slow):
         assert torch.equal(f, s)
 
