@@ -221,8 +221,9 @@ class GeneratorServer:
 
     def batching(self) -> dict | None:
         """The continuous batcher's metrics (sequences-per-iteration histogram, iterations,
-        tokens/s, ...) and the KV session store's statistics, the KV pool's blocks (None with ``generator.kv_pool=false``)
-        and the pooled documents' KV; None without the batcher."""
+        tokens/s, ...) and the KV session store's statistics, the KV pool's blocks (None with ``generator.kv_pool=false``),
+        the pooled documents' KV and the decode iterations' CUDA graphs (None where they are
+        off); None without the batcher."""
         if self.engine.batcher is None:
             return None
         pool, docs = self.engine.kv_pool, self.engine.doc_blocks
@@ -231,6 +232,7 @@ class GeneratorServer:
             "sessions": self.engine.sessions.stats.as_dict(),
             "kv_pool": pool.stats() if pool is not None else None,
             "doc_blocks": docs.stats.as_dict() if docs is not None else None,
+            "decode_graphs": graphs.stats() if (graphs := self.engine.batcher.engine.graphs) is not None else None,
         }
 
     def check_health(self) -> None:

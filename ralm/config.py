@@ -122,6 +122,10 @@ class GeneratorConfig(StrictModel):
         True,
         description="Keep the batched engine's KV (sessions and documents' KV) in one pool of fixed-size blocks with a block table per sequence: a document's KV is held once and shared by reference by every request on it, and every sequence of a forward is written and read in one operation per layer. false: each sequence in blocks of its own, doubling as it grows (the same tokens; no sharing of a document's KV).",
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="Replay each batched decode iteration as a CUDA graph (one per bucket of sequences and block-table width, captured on first use): the same kernels on padded, fixed-address inputs, so the same tokens, with the host's per-forward work (transformers' modules, the kernel launches) gone. Applies on a CUDA device with the Triton kernels and the KV pool (kv_pool: true); elsewhere every forward runs eagerly.",
+    )
     fast_draft: int = Field(
         0,
         ge=0,

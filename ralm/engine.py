@@ -33,7 +33,9 @@ from typing import TypedDict
 import torch
 
 from cache.doc_kv import DocPrefixTree
+from ralm.batching.attention_backend import attention_backend
 from ralm.batching.continuous_batcher import ContinuousBatcher
+from ralm.batching.decode_graphs import DecodeGraphs
 from ralm.batching.doc_blocks import DocBlockCache
 from ralm.batching.engine import BatchEngine, StepCall
 from ralm.batching.invariant import InvariantUnavailable, make_invariant
@@ -146,8 +148,22 @@ class LMEngine:
                 doc_blocks=self.doc_blocks,
                 fast_draft=self.cfg.fast_draft,
                 devices=devices,
+                graphs=self._decode_graphs(),
             )
             self.batcher = ContinuousBatcher(self.batch)
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """The decode iterations' CUDA graphs (``generator.cuda_graphs``): on a CUDA device, with
+        the Triton kernels and every sequence in the KV pool; None elsewhere."""
+        if not self.cfg.cuda_graphs or self.kv_pool is None or attention_backend(self.model).name != "triton":
+            return None
+        if (
+            {p.device.type for p in self.model.parameters()} != {"cuda"}
+            or self.kv_pool.devices is not None
+            and len(set(self.kv_pool.devices)) > 1
+        ):
+            return None  # one GPU: a graph is captured on one device's stream
+        return DecodeGraphs(self.model, self.kv_pool)
 
     @property
     def batching_off_reason(self) -> str | None:

@@ -82,16 +82,23 @@ def _median(xs):
     return xs[len(xs) // 2]
 
 
-def forward_cost(plain_model, inv_model, context: int, reps: int, batches: tuple[int, ...] = (1, 16)) -> dict:
+def forward_cost(
+    plain_model, inv_model, context: int, reps: int, batches: tuple[int, ...] = (1, 16), graphs: str | None = None
+) -> dict:
     """Decode-token latency and tokens/s at each of ``batches`` (default 1 and 16), plain vs
     invariant, on the models' device (a GPU is synchronised around each timed forward).
 
-    The two forwards alternate rep by rep (medians of ``reps`` each), so a noisy machine
-    slows both alike."""
+    ``graphs`` (``"cuda"`` or ``"eager"``): also the invariant forward replayed by
+    :class:`~ralm.batching.decode_graphs.DecodeGraphs` (the engine's decode iterations with
+    ``generator.cuda_graphs``), timed the same way, its logits compared bit for bit with the
+    eager forward's of the same rep (``graph_identical``).
+
+    The forwards alternate rep by rep (medians of ``reps`` each), so a noisy machine
+    slows them alike."""
     import torch
 
     # lazy: loads torch, and cli.build_parser imports this module for every command
-    from ralm.batching import kv_pool, packed, paged_kv
+    from ralm.batching import decode_graphs, kv_pool, packed, paged_kv
 
     g = torch.Generator().manual_seed(0)
     vocab = plain_model.config.vocab_size
@@ -109,8 +116,10 @@ def forward_cost(plain_model, inv_model, context: int, reps: int, batches: tuple
                 kv = paged_kv.PagedKV(pool)
                 packed.packed_forward(inv_model, [(kv, ids[b, :context].tolist())], [])
                 kvs.append(kv)
-            plain_t, inv_t = [], []
-            for _ in range(reps + 2):  # the first two of each are warm-up
+            runner = decode_graphs.DecodeGraphs(inv_model, pool, replay=graphs) if graphs else None  # type: ignore[arg-type]
+            plain_t, inv_t, graph_t = [], [], []
+            identical = 0
+            for _ in range(reps + 2):  # the first two of each are warm-up (a graph's capture)
                 for layer, n in zip(past.layers, lens):  # the same KV length every rep
                     layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
                 sync()
@@ -121,19 +130,39 @@ def forward_cost(plain_model, inv_model, context: int, reps: int, batches: tuple
                 for kv in kvs:
                     kv.crop(context)
                 last = ids[:, context].tolist()
+                chunks = [(kv, [last[b]]) for b, kv in enumerate(kvs)]
                 sync()
                 t0 = time.perf_counter()
-                packed.packed_forward(inv_model, [(kv, [last[b]]) for b, kv in enumerate(kvs)])
+                eager = packed.packed_forward(inv_model, chunks)
                 sync()
                 inv_t.append(time.perf_counter() - t0)
+                if runner is not None:
+                    for kv in kvs:
+                        kv.crop(context)
+                    sync()
+                    t0 = time.perf_counter()
+                    replayed = runner.forward(chunks, range(batch))
+                    sync()
+                    graph_t.append(time.perf_counter() - t0)
+                    identical += replayed is not None and torch.equal(replayed, eager)
             plain_s, inv_s = _median(plain_t[2:]), _median(inv_t[2:])
-            res[f"batch{batch}"] = {
+            row = res[f"batch{batch}"] = {
                 "plain_ms": plain_s * 1e3,
                 "invariant_ms": inv_s * 1e3,
                 "invariant_over_plain": inv_s / plain_s,
                 "plain_tokens_per_s": batch / plain_s,
                 "invariant_tokens_per_s": batch / inv_s,
             }
+            if runner is not None:
+                graph_s = _median(graph_t[2:])
+                row.update(
+                    graph_ms=graph_s * 1e3,
+                    graph_over_plain=graph_s / plain_s,
+                    graph_tokens_per_s=batch / graph_s,
+                    graph_identical=f"{identical}/{reps + 2}",
+                    graph_stats=runner.stats(),
+                )
+                runner.close()
     return res
 
 

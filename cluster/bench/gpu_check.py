@@ -311,7 +311,7 @@ class GpuCheck:
             q, doc = workload_requests(e, data / "fixture_corpus.jsonl", data / "fixture_questions.jsonl", 1)[0]
             filler = e.tokenizer.encode(doc, add_special_tokens=False) or [1]
             ctx = (filler * (600 // len(filler) + 1))[: 600 - len(q)] + list(q)
-            alone = self.engine(e.model, e.tokenizer, e.cfg.dtype, kv_session_bytes=0)
+            alone = self.engine(e.model, e.tokenizer, e.cfg.dtype, kv_session_bytes=0, cuda_graphs=False)
             ref = run_arm(alone, [(ctx, doc)], 1, self.new_tokens, self.args.stride, True, self.deadline)
             t = time.perf_counter()
             bat = run_arm(e, [(ctx, doc)], 1, self.new_tokens, self.args.stride, False, self.deadline)
@@ -379,7 +379,9 @@ class GpuCheck:
                     out[f"{key}/n{n}"] = {"skipped": "time budget"}
                     continue
                 if key not in alone_engines:  # the reference: each request alone, no KV session
-                    alone_engines[key] = self.engine(e.model, e.tokenizer, e.cfg.dtype, kv_session_bytes=0)
+                    alone_engines[key] = self.engine(
+                        e.model, e.tokenizer, e.cfg.dtype, kv_session_bytes=0, cuda_graphs=False
+                    )
                 reqs = workload_requests(e, data / "fixture_corpus.jsonl", data / "fixture_questions.jsonl", n)
                 done = len(alone[key])
                 if done < n:
@@ -395,6 +397,8 @@ class GpuCheck:
                     continue
                 bat = run_arm(e, reqs, n, self.new_tokens, self.args.stride, False, self.deadline)
                 out[f"{key}/n{n}"] = self._against_alone(alone[key][:n], alone_tok_s, bat)
+                graphs = e.batch.graphs if e.batch is not None else None
+                out[f"{key}/n{n}"]["decode_graphs"] = graphs.stats() if graphs is not None else None
                 if self.args.fast_draft:  # decode fast, verify exactly: the same requests, drafted
                     if key not in drafting:
                         drafting[key] = self.engine(e.model, e.tokenizer, e.cfg.dtype, fast_draft=self.args.fast_draft)
@@ -432,7 +436,9 @@ class GpuCheck:
             shape, dtype = key.rsplit("/", 1)
             plain = self.build(shape, dtype, e.tokenizer)
             ctx = 300 if not self.small else 40
-            out[key] = forward_cost(plain, e.model, ctx, 12 if not self.small else 3, batches)
+            # the decode iterations' CUDA graphs where the engine replays them (generator.cuda_graphs)
+            graphs = "cuda" if e.batch is not None and e.batch.graphs is not None else None
+            out[key] = forward_cost(plain, e.model, ctx, 12 if not self.small else 3, batches, graphs=graphs)
             del plain
             self.free()
         return out
@@ -602,6 +608,15 @@ def _done(res: dict, name: str) -> dict:
     return {} if "error" in v or "skipped" in v else v
 
 
+def _graphs_cell(stats: dict | None) -> str:
+    """An ``exact`` row's decode graphs: replays and captures, or why they were off."""
+    if not stats:
+        return "off"
+    if stats.get("disabled_reason"):
+        return "failed: " + str(stats["disabled_reason"]).replace("|", "/")[:120]
+    return f"{stats['replays']} replays, {stats['captures']} captures"
+
+
 def markdown(res: dict) -> str:
     """The report's tables (whatever sections have finished)."""
     env = _done(res, "env")
@@ -634,11 +649,12 @@ def markdown(res: dict) -> str:
                 v["alone_tok_s"],
                 v["batched_tok_s"],
                 f"{v['batched_over_alone']}x",
+                _graphs_cell(v.get("decode_graphs")),
             )
             for k, v in exact.items()
             if "identical" in v
         ]
-        head = ("model/dtype/in flight", "identical", "alone tok/s", "batched tok/s", "ratio")
+        head = ("model/dtype/in flight", "identical", "alone tok/s", "batched tok/s", "ratio", "decode graphs")
         lines += [*table(head, rows), ""]
     fwd = _done(res, "forward")
     if fwd:
@@ -649,12 +665,16 @@ def markdown(res: dict) -> str:
                 f"{r['plain_ms']:.2f}",
                 f"{r['invariant_ms']:.2f}",
                 f"{r['invariant_over_plain']:.2f}x",
+                f"{r['graph_ms']:.2f}" if "graph_ms" in r else "-",
+                f"{r['graph_over_plain']:.2f}x" if "graph_ms" in r else "-",
+                r.get("graph_identical", "-"),
             )
             for k, v in fwd.items()
             for b, r in v.items()
             if isinstance(r, dict)
         ]
-        lines += [*table(("model/dtype", "batch", "plain ms", "invariant ms", "invariant/plain"), rows), ""]
+        head = ("model/dtype", "batch", "plain ms", "invariant ms", "invariant/plain", "graph ms", "graph/plain")
+        lines += [*table((*head, "graph = eager bits"), rows), ""]
     long = {k: v for k, v in _done(res, "long").items() if "identical" in v}
     if long:
         rows = [

@@ -28,6 +28,7 @@ import torch
 
 from ralm import constants as C
 from ralm.batching.attention_backend import attention_backend
+from ralm.batching.decode_graphs import DecodeGraphs
 from ralm.batching.doc_blocks import DocBlockCache
 from ralm.batching.fast_draft import draft_round, draftable
 from ralm.batching.kv_pool import KVPool
@@ -121,7 +122,8 @@ class BatchEngine:
     (None: every sequence in a pool of its own, :meth:`PagedKV.standalone`, laid out on
     ``devices``, each layer's device), with ``doc_blocks``, the documents' KV kept in it;
     ``fast_draft``: tokens drafted per decode round on the plain kernels and verified by the
-    invariant forward (:mod:`ralm.batching.fast_draft`; 0: off).
+    invariant forward (:mod:`ralm.batching.fast_draft`; 0: off); ``graphs``: decode iterations
+    replayed as CUDA graphs (:mod:`ralm.batching.decode_graphs`; None: every forward eager).
     """
 
     def __init__(
@@ -136,8 +138,10 @@ class BatchEngine:
         doc_blocks: DocBlockCache | None = None,
         fast_draft: int = 0,
         devices: Sequence[torch.device] | None = None,
+        graphs: DecodeGraphs | None = None,
     ):
         self.model = model
+        self.graphs = graphs
         self.devices = devices
         self.value_ones = attention_backend(model).value_ones  # the values' layout its attention reads
         self.device = next(model.parameters()).device
@@ -306,7 +310,9 @@ class BatchEngine:
         if any(a.is_feed for a, _, _ in emitting):
             logits, hidden = packed_forward(self.model, chunks, rows, with_hidden=True)
         else:
-            logits = packed_forward(self.model, chunks, rows)
+            logits = self.graphs.forward(chunks, rows) if self.graphs is not None else None
+            if logits is None:  # not a decode iteration a graph replays
+                logits = packed_forward(self.model, chunks, rows)
         if events is not None:
             events[1].record()
         forward_s = time.perf_counter() - t_fwd

@@ -42,11 +42,33 @@ class IterationMetadata:
     def __contains__(self, name: str) -> bool:
         return name in self._spans
 
-    def ship(self) -> None:
+    @property
+    def layout(self) -> tuple:
+        """The sections' names, offsets and shapes: two iterations with the same layout read
+        the same views of one buffer (a captured forward's, :meth:`ship` ``into``)."""
+        return tuple((name, a, shape) for name, (a, _, shape) in self._spans.items())
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def ship(self, into: torch.Tensor | None = None, staging: torch.Tensor | None = None) -> None:
         """The one copy: the host list as one tensor (pinned on CUDA), copied to the device
-        without blocking; the sections become views of it."""
+        without blocking; the sections become views of it.
+
+        ``into``: an int64 device buffer of exactly this many values to copy into instead
+        of a new tensor (a captured forward reads its views where they were at capture);
+        ``staging``: a pinned host buffer of the same size to copy through (reused; the
+        caller makes sure the previous copy out of it has finished)."""
         host = torch.tensor(self._data, dtype=torch.long)
-        if self.device.type == "cuda":
+        if into is not None:
+            if into.numel() != host.numel() or into.dtype != torch.long:
+                raise ValueError(f"metadata of {host.numel()} values shipped into a buffer of {into.numel()}")
+            if staging is not None:
+                staging.copy_(host)
+                host = staging
+            into.copy_(host, non_blocking=host.is_pinned())
+            dev = into
+        elif self.device.type == "cuda":
             dev = host.pin_memory().to(self.device, non_blocking=True)
         else:
             dev = host if self.device.type == "cpu" else host.to(self.device)

@@ -105,9 +105,17 @@ class PackedBatch:
     allocated pool) the KV pool's plan with its reserved blocks; all their indices, with
     the forward's token ids and positions, are sections of one :class:`IterationMetadata`,
     sent to the device in one copy. ``backend``: the attention backend
-    (:mod:`ralm.batching.attention_backend`; the torch one by default)."""
+    (:mod:`ralm.batching.attention_backend`; the torch one by default); ``min_blocks``: the
+    width of the block tables the backend reads, at least (a captured forward's fixed layout)."""
 
-    def __init__(self, segments: Sequence[Segment], device=None, backend: AttentionBackend | None = None, meta=None):
+    def __init__(
+        self,
+        segments: Sequence[Segment],
+        device=None,
+        backend: AttentionBackend | None = None,
+        meta=None,
+        min_blocks: int = 0,
+    ):
         self.segments = list(segments)
         self.n_tokens = sum(s.n for s in self.segments)
         self.device = device
@@ -123,11 +131,12 @@ class PackedBatch:
         self.pool = paged[0].pool if len(paged) == len(self.segments) and len(pools) == 1 else None
         self._plan: PagedPlan | None = None
         if self.pool is not None and self.pool.allocated:  # the usual case: the plan's indices ship with the rest
-            self._plan = PagedPlan(self.pool, self.segments, self.groups, device, self.backend, self.meta)
+            self._plan = PagedPlan(self.pool, self.segments, self.groups, device, self.backend, self.meta, min_blocks)
 
-    def ship(self) -> None:
-        """Send the iteration's metadata to the device (one copy)."""
-        self.meta.ship()
+    def ship(self, into: torch.Tensor | None = None, staging: torch.Tensor | None = None) -> None:
+        """Send the iteration's metadata to the device (one copy; ``into``, ``staging``: the
+        buffers of a captured forward, :meth:`IterationMetadata.ship`)."""
+        self.meta.ship(into, staging)
 
     def finish(self) -> None:
         """After the forward: the paged sequences hold their new positions."""
@@ -231,25 +240,17 @@ class PackedBatch:
         )
 
 
-@torch.inference_mode()
-def packed_forward(
+def pack(
     model,
     chunks: Sequence[tuple[PagedKV, Sequence[int]]],
     logits_rows: Sequence[int] | None = None,
-    with_hidden: bool = False,
-):
-    """One forward over several sequences: ``chunks`` = ``(kv, new token ids)`` pairs.
-
-    Appends every chunk's KV to its sequence and returns the logits of the packed rows
-    ``logits_rows`` (indices into the concatenated tokens; default: each chunk's last
-    token), ``[len(logits_rows), vocab]``; with ``with_hidden``, also the final hidden states
-    of those rows (``[len(logits_rows), d]``, the KNN-LM query), as a pair.
-
-    The iteration's metadata (token ids, positions, kept rows, the groups' and the pool's
-    indices) is built on the host first and sent to the device in one copy
-    (:class:`~ralm.batching.metadata.IterationMetadata`); the model's forward then builds no
-    tensor from Python data and reads nothing back.
-    """
+    min_blocks: int = 0,
+) -> PackedBatch:
+    """The plan of one packed forward over ``chunks`` (``(kv, new token ids)`` pairs), its
+    metadata built on the host and not yet shipped: token ids, positions, the kept rows
+    ``logits_rows`` (default: each chunk's last token), the groups' and the pool's indices
+    (room for the new tokens reserved). ``min_blocks``: the block tables' width at least
+    (a fixed layout for a captured forward, :mod:`ralm.batching.decode_graphs`)."""
     device = next(model.parameters()).device
     ids: list[int] = []
     pos: list[int] = []
@@ -272,18 +273,47 @@ def packed_forward(
     meta.add("ids", ids + [0] * pad, (1, len(ids) + pad))
     meta.add("pos", pos + [0] * pad, (1, len(pos) + pad))
     meta.add("keep", [int(r) for r in logits_rows])
-    batch = PackedBatch(segs, device, attention_backend(model), meta)
-    batch.ship()
-    keep = meta["keep"]
-    out = model(
+    return PackedBatch(segs, device, attention_backend(model), meta, min_blocks)
+
+
+def run_packed(model, batch: PackedBatch, with_hidden: bool = False):
+    """The model's forward on a shipped :class:`PackedBatch`: its output (``.logits [1, R,
+    vocab]`` of the kept rows; with ``with_hidden``, ``.hidden_states``). Builds no tensor
+    from Python data and reads nothing back, so it can be captured in a CUDA graph."""
+    meta = batch.meta
+    return model(
         input_ids=meta["ids"],
         position_ids=meta["pos"],
         use_cache=False,
-        logits_to_keep=keep,
+        logits_to_keep=meta["keep"],
         output_hidden_states=with_hidden,
         ralm_batch=batch,
     )
+
+
+@torch.inference_mode()
+def packed_forward(
+    model,
+    chunks: Sequence[tuple[PagedKV, Sequence[int]]],
+    logits_rows: Sequence[int] | None = None,
+    with_hidden: bool = False,
+):
+    """One forward over several sequences: ``chunks`` = ``(kv, new token ids)`` pairs.
+
+    Appends every chunk's KV to its sequence and returns the logits of the packed rows
+    ``logits_rows`` (indices into the concatenated tokens; default: each chunk's last
+    token), ``[len(logits_rows), vocab]``; with ``with_hidden``, also the final hidden states
+    of those rows (``[len(logits_rows), d]``, the KNN-LM query), as a pair.
+
+    The iteration's metadata (token ids, positions, kept rows, the groups' and the pool's
+    indices) is built on the host first and sent to the device in one copy
+    (:class:`~ralm.batching.metadata.IterationMetadata`); the model's forward then builds no
+    tensor from Python data and reads nothing back.
+    """
+    batch = pack(model, chunks, logits_rows)
+    batch.ship()
+    out = run_packed(model, batch, with_hidden)
     batch.finish()
     if with_hidden:
-        return out.logits[0], out.hidden_states[-1][0].index_select(0, keep)
+        return out.logits[0], out.hidden_states[-1][0].index_select(0, batch.meta["keep"])
     return out.logits[0]

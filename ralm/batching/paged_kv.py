@@ -232,7 +232,7 @@ class PagedPlan:
     attention backend (:mod:`ralm.batching.attention_backend`), which adds the sections it
     reads (:meth:`~ralm.batching.attention_backend.AttentionBackend.pool_sections`: the torch
     backend's rows to gather per group, the Triton backend's block tables, query tiles and
-    row positions). Sections of its own: ``paged.blocks, paged.offsets [N]`` (where each
+    row positions); ``min_blocks``: the tables' width at least. Sections of its own: ``paged.blocks, paged.offsets [N]`` (where each
     packed token's KV goes)."""
 
     def __init__(
@@ -243,6 +243,7 @@ class PagedPlan:
         device,
         backend: AttentionBackend,
         meta: IterationMetadata | None = None,
+        min_blocks: int = 0,
     ):
         if backend.value_ones and not pool.value_ones:
             raise ValueError(
@@ -252,6 +253,7 @@ class PagedPlan:
         self.pool = pool
         self.segments = list(segments)
         self.device = device
+        self.min_blocks = int(min_blocks)
         own = meta is None
         self.meta = meta if meta is not None else IterationMetadata(device)
         blocks: list[int] = []
@@ -291,9 +293,10 @@ class PagedPlan:
         self.pool.write(layer, self.section("paged.blocks", dev), self.section("paged.offsets", dev), key, value)
 
     def blocks_after(self, idx: Sequence[int]) -> int:
-        """Blocks covering the longest of segments ``idx`` after this forward."""
+        """Blocks covering the longest of segments ``idx`` after this forward (at least
+        ``min_blocks``: a captured forward's tables keep one width)."""
         B = self.pool.block_size
-        return max(-(-(len(self.segments[i].kv) + self.segments[i].n) // B) for i in idx)
+        return max(self.min_blocks, *(-(-(len(self.segments[i].kv) + self.segments[i].n) // B) for i in idx))
 
     def padded_table(self, i: int, nb: int) -> list[int]:
         """Segment ``i``'s first ``nb`` blocks, padded with the zero block."""
