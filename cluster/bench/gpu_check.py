@@ -270,9 +270,17 @@ class GpuCheck:
                 cuda=torch.version.cuda,
             )
         try:
+            git = ("git", "-C", str(C.PACKAGE_ROOT))
             d["commit"] = subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, cwd=C.PACKAGE_ROOT
+                [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
             ).stdout.strip()
+            # a checkout copied over another one (a GPU host's copy of a working tree) can
+            # run code that is not its HEAD's: say so
+            changed = subprocess.run(
+                [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            if d["commit"] and changed:
+                d["commit"] += f"+{len(changed.splitlines())} changed files"
         except (OSError, subprocess.SubprocessError):
             d["commit"] = None
         return d

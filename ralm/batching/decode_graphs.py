@@ -202,6 +202,11 @@ class DecodeGraphs:
     def _capture(self, key: tuple[int, int], batch: PackedBatch) -> torch.Tensor:
         if len(self._graphs) >= self.max_graphs:
             self._graphs.pop(next(iter(self._graphs)))  # the oldest bucket
+        if not self._graphs and self.replay_mode == "cuda":
+            # a memory pool is released with the last graph that used it: capturing into it
+            # again fails an internal assertion of torch's allocator (seen on an H200 after
+            # the KV pool grew and every graph was dropped), so a fresh one
+            self._mempool = torch.cuda.graph_pool_handle()
         try:
             cap = _Captured(self.model, batch, self.replay_mode, self._mempool)
         except Exception as e:  # a capture the device refused: this iteration eagerly, then no graphs
