@@ -681,8 +681,8 @@ def markdown(res: dict) -> str:
             for b, r in v.items()
             if isinstance(r, dict)
         ]
-        head = ("model/dtype", "batch", "plain ms", "invariant ms", "invariant/plain", "graph ms", "graph/plain")
-        lines += [*table((*head, "graph = eager bits"), rows), ""]
+        fwd_head = ("model/dtype", "batch", "plain ms", "invariant ms", "invariant/plain", "graph ms", "graph/plain")
+        lines += [*table((*fwd_head, "graph = eager bits"), rows), ""]
     long = {k: v for k, v in _done(res, "long").items() if "identical" in v}
     if long:
         rows = [
