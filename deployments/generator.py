@@ -232,7 +232,7 @@ class GeneratorServer:
             "sessions": self.engine.sessions.stats.as_dict(),
             "kv_pool": pool.stats() if pool is not None else None,
             "doc_blocks": docs.stats.as_dict() if docs is not None else None,
-            "decode_graphs": graphs.stats() if (graphs := self.engine.batcher.engine.graphs) is not None else None,
+            "cuda_graphs": graphs.stats() if (graphs := self.engine.batcher.engine.graphs) is not None else None,
         }
 
     def check_health(self) -> None:

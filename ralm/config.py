@@ -124,7 +124,7 @@ class GeneratorConfig(StrictModel):
     )
     cuda_graphs: bool = Field(
         True,
-        description="Replay each batched decode iteration as a CUDA graph (one per bucket of sequences and block-table width, captured on first use): the same kernels on padded, fixed-address inputs, so the same tokens, with the host's per-forward work (transformers' modules, the kernel launches) gone. Applies on a CUDA device with the Triton kernels and the KV pool (kv_pool: true); elsewhere every forward runs eagerly.",
+        description="Replay each batched iteration (decode tokens, prefill chunks, drafted windows) as a CUDA graph, one per bucket of tokens, logit rows, sequences and block-table width, captured on first use: the same kernels on padded, fixed-address inputs, so the same tokens, with the host's per-forward work (transformers' modules, the kernel launches) gone. Applies on one CUDA device with the Triton kernels and the KV pool (kv_pool: true); elsewhere, and for KNN-LM feeds, every forward runs eagerly.",
     )
     fast_draft: int = Field(
         0,

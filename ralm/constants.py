@@ -69,12 +69,13 @@ KV_POOL_INITIAL_BLOCKS = (
 )
 BATCH_TOKEN_BUDGET = 512  # tokens one batched forward processes at most (prefill chunks + decode tokens)
 BATCH_MAX_SEQUENCES = 64  # sequences one batched forward holds at most
-# CUDA graphs of the decode iteration (ralm/batching/decode_graphs.py): a decode forward of S
-# sequences replays the graph of the smallest bucket >= S (padded rows cost little next to the
-# host work a replay saves); the block tables are padded to a power of two of blocks, at least
-# this many (so a sequence re-captures only when its length doubles)
-DECODE_GRAPH_SEQUENCES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-DECODE_GRAPH_MIN_BLOCKS = 4
+# CUDA graphs of the batched iteration (ralm/batching/iteration_graphs.py): an iteration of N
+# tokens, S sequences and K logit rows replays the graph of the smallest buckets >= N, S + 1
+# and K (padded rows cost little next to the host work a replay saves); the block tables are
+# padded to a power of two of blocks, at least GRAPH_MIN_BLOCKS (so a sequence changes bucket
+# only when its length doubles)
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+GRAPH_MIN_BLOCKS = 4
 # the whole-model invariance proof run before batching is turned on (ralm/batching/proof.py)
 PROOF_SEED = 0  # its random sequences: the same on every replica
 PROOF_PREFILL_CHUNK = 37  # chunked prefill vs one pass: chunks of this many tokens (not a tile multiple)

@@ -35,10 +35,10 @@ import torch
 from cache.doc_kv import DocPrefixTree
 from ralm.batching.attention_backend import attention_backend
 from ralm.batching.continuous_batcher import ContinuousBatcher
-from ralm.batching.decode_graphs import DecodeGraphs
 from ralm.batching.doc_blocks import DocBlockCache
 from ralm.batching.engine import BatchEngine, StepCall
 from ralm.batching.invariant import InvariantUnavailable, make_invariant
+from ralm.batching.iteration_graphs import IterationGraphs
 from ralm.batching.kv_pool import KVPool, layer_devices
 from ralm.batching.packed import model_max_positions
 from ralm.batching.proof import InvarianceProof, prove_invariance
@@ -148,14 +148,14 @@ class LMEngine:
                 doc_blocks=self.doc_blocks,
                 fast_draft=self.cfg.fast_draft,
                 devices=devices,
-                graphs=self._decode_graphs(),
+                graphs=self._iteration_graphs(),
             )
             self.batcher = ContinuousBatcher(self.batch)
 
-    def _decode_graphs(self) -> DecodeGraphs | None:
-        """The decode iterations' CUDA graphs (``generator.cuda_graphs``): on a CUDA device, with
-        the Triton kernels and every sequence in the KV pool; None elsewhere."""
-        if not self.cfg.cuda_graphs or self.kv_pool is None or attention_backend(self.model).name != "triton":
+    def _iteration_graphs(self) -> IterationGraphs | None:
+        """The batched iterations' CUDA graphs (``generator.cuda_graphs``): on one CUDA device,
+        with the Triton kernels (one paged launch per layer) and the KV pool; None elsewhere."""
+        if not self.cfg.cuda_graphs or self.kv_pool is None or not attention_backend(self.model).paged_launch:
             return None
         if (
             {p.device.type for p in self.model.parameters()} != {"cuda"}
@@ -163,7 +163,11 @@ class LMEngine:
             and len(set(self.kv_pool.devices)) > 1
         ):
             return None  # one GPU: a graph is captured on one device's stream
-        return DecodeGraphs(self.model, self.kv_pool)
+        graphs = IterationGraphs(self.model, self.kv_pool)
+        why = graphs.check()  # replayed against eager on this device, as the proof checks batching
+        if why is not None:
+            log.warning("CUDA graphs are off (batching stays on): %s", why)
+        return graphs
 
     @property
     def batching_off_reason(self) -> str | None:

@@ -89,7 +89,7 @@ def forward_cost(
     invariant, on the models' device (a GPU is synchronised around each timed forward).
 
     ``graphs`` (``"cuda"`` or ``"eager"``): also the invariant forward replayed by
-    :class:`~ralm.batching.decode_graphs.DecodeGraphs` (the engine's decode iterations with
+    :class:`~ralm.batching.iteration_graphs.IterationGraphs` (the engine's decode iterations with
     ``generator.cuda_graphs``), timed the same way, its logits compared bit for bit with the
     eager forward's of the same rep (``graph_identical``).
 
@@ -98,7 +98,7 @@ def forward_cost(
     import torch
 
     # lazy: loads torch, and cli.build_parser imports this module for every command
-    from ralm.batching import decode_graphs, kv_pool, packed, paged_kv
+    from ralm.batching import iteration_graphs, kv_pool, packed, paged_kv
 
     g = torch.Generator().manual_seed(0)
     vocab = plain_model.config.vocab_size
@@ -116,7 +116,7 @@ def forward_cost(
                 kv = paged_kv.PagedKV(pool)
                 packed.packed_forward(inv_model, [(kv, ids[b, :context].tolist())], [])
                 kvs.append(kv)
-            runner = decode_graphs.DecodeGraphs(inv_model, pool, replay=graphs) if graphs else None  # type: ignore[arg-type]
+            runner = iteration_graphs.IterationGraphs(inv_model, pool, replay=graphs) if graphs else None  # type: ignore[arg-type]
             plain_t, inv_t, graph_t = [], [], []
             identical = 0
             for _ in range(reps + 2):  # the first two of each are warm-up (a graph's capture)

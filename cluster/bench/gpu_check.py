@@ -354,6 +354,8 @@ class GpuCheck:
                     "kernels": invariant_kernels(e.model),
                     "reason_off": e.invariant_error,
                     "proof": e.invariance_proof.as_dict() if e.invariance_proof else None,
+                    # the load-time check of the iterations' CUDA graphs (IterationGraphs.check)
+                    "cuda_graphs": e.batch.graphs.stats() if e.batch is not None and e.batch.graphs else None,
                     "load_and_proof_s": round(time.perf_counter() - t, 1),
                 }
                 if e.batcher is not None:
@@ -406,7 +408,7 @@ class GpuCheck:
                 bat = run_arm(e, reqs, n, self.new_tokens, self.args.stride, False, self.deadline)
                 out[f"{key}/n{n}"] = self._against_alone(alone[key][:n], alone_tok_s, bat)
                 graphs = e.batch.graphs if e.batch is not None else None
-                out[f"{key}/n{n}"]["decode_graphs"] = graphs.stats() if graphs is not None else None
+                out[f"{key}/n{n}"]["cuda_graphs"] = graphs.stats() if graphs is not None else None
                 if self.args.fast_draft:  # decode fast, verify exactly: the same requests, drafted
                     if key not in drafting:
                         drafting[key] = self.engine(e.model, e.tokenizer, e.cfg.dtype, fast_draft=self.args.fast_draft)
@@ -444,7 +446,7 @@ class GpuCheck:
             shape, dtype = key.rsplit("/", 1)
             plain = self.build(shape, dtype, e.tokenizer)
             ctx = 300 if not self.small else 40
-            # the decode iterations' CUDA graphs where the engine replays them (generator.cuda_graphs)
+            # the batched iterations' CUDA graphs where the engine replays them (generator.cuda_graphs)
             graphs = "cuda" if e.batch is not None and e.batch.graphs is not None else None
             out[key] = forward_cost(plain, e.model, ctx, 12 if not self.small else 3, batches, graphs=graphs)
             del plain
@@ -617,7 +619,7 @@ def _done(res: dict, name: str) -> dict:
 
 
 def _graphs_cell(stats: dict | None) -> str:
-    """An ``exact`` row's decode graphs: replays and captures, or why they were off."""
+    """An ``exact`` row's CUDA graphs: replays and captures, or why they were off."""
     if not stats:
         return "off"
     if stats.get("disabled_reason"):
@@ -646,8 +648,17 @@ def markdown(res: dict) -> str:
             p = v.get("proof") or {}
             verdict = f"{p.get('comparisons', 0)} comparisons, {p.get('seconds', 0)} s" if p else "-"
             why = (v.get("reason_off") or "").replace("|", "/")
-            rows.append((k, "on" if v["batching"] else "off", v.get("kernels"), verdict, why))
-        lines += [*table(("model/dtype", "batching", "kernels", "proof", "why off"), rows), ""]
+            rows.append(
+                (
+                    k,
+                    "on" if v["batching"] else "off",
+                    v.get("kernels"),
+                    verdict,
+                    why,
+                    _graphs_cell(v.get("cuda_graphs")),
+                )
+            )
+        lines += [*table(("model/dtype", "batching", "kernels", "proof", "why off", "CUDA graphs at load"), rows), ""]
     exact = _done(res, "exact")
     if exact:
         rows = [
@@ -657,12 +668,12 @@ def markdown(res: dict) -> str:
                 v["alone_tok_s"],
                 v["batched_tok_s"],
                 f"{v['batched_over_alone']}x",
-                _graphs_cell(v.get("decode_graphs")),
+                _graphs_cell(v.get("cuda_graphs")),
             )
             for k, v in exact.items()
             if "identical" in v
         ]
-        head = ("model/dtype/in flight", "identical", "alone tok/s", "batched tok/s", "ratio", "decode graphs")
+        head = ("model/dtype/in flight", "identical", "alone tok/s", "batched tok/s", "ratio", "CUDA graphs")
         lines += [*table(head, rows), ""]
     fwd = _done(res, "forward")
     if fwd:

@@ -51,6 +51,7 @@ class PagedPlan(Protocol):
     segments: list  # the forward's segments (.kv a PagedKV, .start, .n)
     meta: Any  # the iteration's IterationMetadata
     reads: dict[int, tuple]
+    layout: Any  # a captured forward's FixedLayout, or None
 
     def blocks_after(self, idx: Sequence[int]) -> int: ...
 
@@ -66,6 +67,9 @@ class AttentionBackend(Protocol):
     name: str
     #: whether :meth:`rotary_pool` runs a Llama-family layer's rotation, KV write and attention
     fuses_rotary: bool
+    #: whether :meth:`attend_pool` attends every sequence of a pooled forward in one launch
+    #: (then the packed batch's per-group indices are never read, and not built)
+    paged_launch: bool
     #: whether the KV's values carry a last column of ones (``D + 1`` wide), which the kernel
     #: reads as its softmax denominator; a pool made for this backend lays its values out so
     #: (:class:`~ralm.batching.kv_pool.KVPool`'s ``value_ones``)
@@ -125,6 +129,7 @@ class TorchAttention:
 
     name = "torch"
     fuses_rotary = False
+    paged_launch = False
     # the denominator rides in the value product; stored with the values (not added when a
     # group is gathered) so that a lone sequence's run of blocks is read in place, with no
     # copy of its values at every layer of every iteration
@@ -173,6 +178,7 @@ class TritonAttention:
 
     name = "triton"
     fuses_rotary = True
+    paged_launch = True
     value_ones = False  # the kernels keep the softmax sum in registers
 
     def attend_alone(self, query, key, value, pos, scaling):
@@ -182,11 +188,15 @@ class TritonAttention:
         return _triton()[0].attention(q, k_pad, v_aug[..., : q.shape[-1]], pos, scaling)
 
     def pool_sections(self, plan: PagedPlan, groups: Sequence) -> None:
-        """The paged kernel's block tables, query tiles and row positions."""
+        """The paged kernel's block tables, query tiles and row positions (with a fixed
+        layout, ``plan.layout``: the tables' rows and the tiles padded to its sizes, the extra
+        tiles empty)."""
         ATTN_BLOCK_Q = _triton()[0].ATTN_BLOCK_Q
         segs = plan.segments
         nb = plan.blocks_after(range(len(segs)))
-        plan.meta.add("paged.tables", [b for i in range(len(segs)) for b in plan.padded_table(i, nb)], (len(segs), nb))
+        rows = max(len(segs), plan.layout.seqs) if plan.layout is not None else len(segs)
+        tables = [b for i in range(len(segs)) for b in plan.padded_table(i, nb)]
+        plan.meta.add("paged.tables", tables + [plan.pool.zero_block] * (rows - len(segs)) * nb, (rows, nb))
         # each sequence's packed rows cut into tiles of ATTN_BLOCK_Q rows from its first row
         # (the contiguous kernel's tiling of the same queries)
         seq, row, n = [], [], []
@@ -195,6 +205,9 @@ class TritonAttention:
                 seq.append(i)
                 row.append(seg.start + r)
                 n.append(min(ATTN_BLOCK_Q, seg.n - r))
+        if plan.layout is not None and len(seq) < plan.layout.tiles:  # empty tiles: their programs store nothing
+            pad = plan.layout.tiles - len(seq)
+            seq, row, n = seq + [0] * pad, row + [0] * pad, n + [0] * pad
         plan.meta.add("paged.tile_seq", seq)
         plan.meta.add("paged.tile_row", row)
         plan.meta.add("paged.tile_n", n)

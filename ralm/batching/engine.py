@@ -28,9 +28,9 @@ import torch
 
 from ralm import constants as C
 from ralm.batching.attention_backend import attention_backend
-from ralm.batching.decode_graphs import DecodeGraphs
 from ralm.batching.doc_blocks import DocBlockCache
 from ralm.batching.fast_draft import draft_round, draftable
+from ralm.batching.iteration_graphs import IterationGraphs
 from ralm.batching.kv_pool import KVPool
 from ralm.batching.packed import packed_forward
 from ralm.batching.paged_kv import PagedKV
@@ -122,8 +122,9 @@ class BatchEngine:
     (None: every sequence in a pool of its own, :meth:`PagedKV.standalone`, laid out on
     ``devices``, each layer's device), with ``doc_blocks``, the documents' KV kept in it;
     ``fast_draft``: tokens drafted per decode round on the plain kernels and verified by the
-    invariant forward (:mod:`ralm.batching.fast_draft`; 0: off); ``graphs``: decode iterations
-    replayed as CUDA graphs (:mod:`ralm.batching.decode_graphs`; None: every forward eager).
+    invariant forward (:mod:`ralm.batching.fast_draft`; 0: off); ``graphs``: iterations
+    replayed as CUDA graphs (:mod:`ralm.batching.iteration_graphs`; None: every forward eager;
+    a KNN-LM feed's iteration, which returns hidden states too, always runs eagerly).
     """
 
     def __init__(
@@ -138,7 +139,7 @@ class BatchEngine:
         doc_blocks: DocBlockCache | None = None,
         fast_draft: int = 0,
         devices: Sequence[torch.device] | None = None,
-        graphs: DecodeGraphs | None = None,
+        graphs: IterationGraphs | None = None,
     ):
         self.model = model
         self.graphs = graphs
@@ -311,7 +312,7 @@ class BatchEngine:
             logits, hidden = packed_forward(self.model, chunks, rows, with_hidden=True)
         else:
             logits = self.graphs.forward(chunks, rows) if self.graphs is not None else None
-            if logits is None:  # not a decode iteration a graph replays
+            if logits is None:  # not an iteration a graph replays
                 logits = packed_forward(self.model, chunks, rows)
         if events is not None:
             events[1].record()

@@ -101,6 +101,9 @@ class KVPool:
     layout, ``AttentionBackend.value_ones``).
     """
 
+    #: the block every padded table entry names (:data:`ZERO_BLOCK`)
+    zero_block = ZERO_BLOCK
+
     def __init__(
         self,
         n_layers: int,

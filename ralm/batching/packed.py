@@ -30,7 +30,7 @@ from ralm.batching.attention import hidden_keys
 from ralm.batching.attention_backend import BACKENDS, AttentionBackend, attention_backend
 from ralm.batching.invariant import row_multiple
 from ralm.batching.metadata import IterationMetadata
-from ralm.batching.paged_kv import PagedKV, PagedPlan
+from ralm.batching.paged_kv import FixedLayout, PagedKV, PagedPlan
 
 
 def model_max_positions(config) -> int:
@@ -56,7 +56,9 @@ class _Group:
     """Segments attended together: their indices, and the sections of the iteration's
     metadata that hold their query-row gather, positions and output-scatter maps."""
 
-    def __init__(self, segments: Sequence[Segment], idx: list[int], gi: int, meta: IterationMetadata):
+    def __init__(
+        self, segments: Sequence[Segment], idx: list[int], gi: int, meta: IterationMetadata, sections: bool = True
+    ):
         segs = [segments[i] for i in idx]
         self.idx = idx
         self.n_max = n_max = max(s.n for s in segs)
@@ -64,6 +66,10 @@ class _Group:
         # every segment has n_max tokens and they follow one another from row 0: the packed
         # rows are the group's [S, n_max] queries as they are (no gather, no scatter)
         self.in_order = all(sg.n == n_max and sg.start == j * n_max for j, sg in enumerate(segs))
+        self.meta = meta
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}
+        if not sections:  # a backend that attends the pool in one launch reads none of them
+            return
         gather, pos, valid, rows = [], [], [], []
         for j, s in enumerate(segs):
             base = len(s.kv)  # the sequence's length before this forward (every layer)
@@ -79,8 +85,6 @@ class _Group:
             meta.add(f"{self.name}.gather", gather)
             meta.add(f"{self.name}.valid", valid)
             meta.add(f"{self.name}.rows", rows)
-        self.meta = meta
-        self._masks: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
     def pos(self) -> torch.Tensor:
@@ -105,8 +109,8 @@ class PackedBatch:
     allocated pool) the KV pool's plan with its reserved blocks; all their indices, with
     the forward's token ids and positions, are sections of one :class:`IterationMetadata`,
     sent to the device in one copy. ``backend``: the attention backend
-    (:mod:`ralm.batching.attention_backend`; the torch one by default); ``min_blocks``: the
-    width of the block tables the backend reads, at least (a captured forward's fixed layout)."""
+    (:mod:`ralm.batching.attention_backend`; the torch one by default); ``layout``: the sizes
+    of a captured forward's indices (:class:`~ralm.batching.paged_kv.FixedLayout`)."""
 
     def __init__(
         self,
@@ -114,24 +118,27 @@ class PackedBatch:
         device=None,
         backend: AttentionBackend | None = None,
         meta=None,
-        min_blocks: int = 0,
+        layout: FixedLayout | None = None,
     ):
         self.segments = list(segments)
         self.n_tokens = sum(s.n for s in self.segments)
         self.device = device
         self.backend = backend if backend is not None else BACKENDS["torch"]
         self.meta = meta if meta is not None else IterationMetadata(device)
-        by_tiles: dict[int, list[int]] = {}
-        for i, seg in enumerate(self.segments):
-            by_tiles.setdefault(-(-seg.n // C.INVARIANT_QUERY_TILE), []).append(i)
-        self.groups = [_Group(self.segments, idx, gi, self.meta) for gi, idx in enumerate(by_tiles.values())]
         # every sequence paged in one pool: one write per layer, keys read through block tables
         paged = [seg.kv for seg in self.segments if isinstance(seg.kv, PagedKV)]
         pools = {id(kv.pool) for kv in paged}
         self.pool = paged[0].pool if len(paged) == len(self.segments) and len(pools) == 1 else None
+        planned = self.pool is not None and self.pool.allocated  # the usual case: the plan's indices ship with the rest
+        by_tiles: dict[int, list[int]] = {}
+        for i, seg in enumerate(self.segments):
+            by_tiles.setdefault(-(-seg.n // C.INVARIANT_QUERY_TILE), []).append(i)
+        sections = not (planned and self.backend.paged_launch)
+        self.groups = [_Group(self.segments, idx, gi, self.meta, sections) for gi, idx in enumerate(by_tiles.values())]
         self._plan: PagedPlan | None = None
-        if self.pool is not None and self.pool.allocated:  # the usual case: the plan's indices ship with the rest
-            self._plan = PagedPlan(self.pool, self.segments, self.groups, device, self.backend, self.meta, min_blocks)
+        if planned:
+            assert self.pool is not None
+            self._plan = PagedPlan(self.pool, self.segments, self.groups, device, self.backend, self.meta, layout)
 
     def ship(self, into: torch.Tensor | None = None, staging: torch.Tensor | None = None) -> None:
         """Send the iteration's metadata to the device (one copy; ``into``, ``staging``: the
@@ -244,13 +251,13 @@ def pack(
     model,
     chunks: Sequence[tuple[PagedKV, Sequence[int]]],
     logits_rows: Sequence[int] | None = None,
-    min_blocks: int = 0,
+    layout: FixedLayout | None = None,
 ) -> PackedBatch:
     """The plan of one packed forward over ``chunks`` (``(kv, new token ids)`` pairs), its
     metadata built on the host and not yet shipped: token ids, positions, the kept rows
     ``logits_rows`` (default: each chunk's last token), the groups' and the pool's indices
-    (room for the new tokens reserved). ``min_blocks``: the block tables' width at least
-    (a fixed layout for a captured forward, :mod:`ralm.batching.decode_graphs`)."""
+    (room for the new tokens reserved). ``layout``: the sizes of a captured forward's indices
+    (:mod:`ralm.batching.iteration_graphs`)."""
     device = next(model.parameters()).device
     ids: list[int] = []
     pos: list[int] = []
@@ -273,7 +280,7 @@ def pack(
     meta.add("ids", ids + [0] * pad, (1, len(ids) + pad))
     meta.add("pos", pos + [0] * pad, (1, len(pos) + pad))
     meta.add("keep", [int(r) for r in logits_rows])
-    return PackedBatch(segs, device, attention_backend(model), meta, min_blocks)
+    return PackedBatch(segs, device, attention_backend(model), meta, layout)
 
 
 def run_packed(model, batch: PackedBatch, with_hidden: bool = False):

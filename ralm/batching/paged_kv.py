@@ -25,6 +25,7 @@ and a padded or stale position is masked (an exact zero), as with per-sequence b
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -220,6 +221,17 @@ def padded_table(kv: PagedKV, nb: int) -> list[int]:
     return (kv.table + [ZERO_BLOCK] * nb)[:nb]
 
 
+@dataclass(frozen=True)
+class FixedLayout:
+    """The sizes a captured forward's indices keep whatever its iteration holds
+    (:mod:`ralm.batching.iteration_graphs`): block tables of ``seqs`` rows (at least) and
+    ``blocks`` columns, ``tiles`` query tiles of the paged kernel (the extra ones empty)."""
+
+    seqs: int
+    blocks: int
+    tiles: int
+
+
 class PagedPlan:
     """A packed forward over paged sequences: where each new token goes, which blocks each
     sequence reads. Built before the forward (at its first layer when the pool is allocated
@@ -232,7 +244,7 @@ class PagedPlan:
     attention backend (:mod:`ralm.batching.attention_backend`), which adds the sections it
     reads (:meth:`~ralm.batching.attention_backend.AttentionBackend.pool_sections`: the torch
     backend's rows to gather per group, the Triton backend's block tables, query tiles and
-    row positions); ``min_blocks``: the tables' width at least. Sections of its own: ``paged.blocks, paged.offsets [N]`` (where each
+    row positions); ``layout``: a captured forward's sizes (:class:`FixedLayout`). Sections of its own: ``paged.blocks, paged.offsets [N]`` (where each
     packed token's KV goes)."""
 
     def __init__(
@@ -243,7 +255,7 @@ class PagedPlan:
         device,
         backend: AttentionBackend,
         meta: IterationMetadata | None = None,
-        min_blocks: int = 0,
+        layout: FixedLayout | None = None,
     ):
         if backend.value_ones and not pool.value_ones:
             raise ValueError(
@@ -253,7 +265,7 @@ class PagedPlan:
         self.pool = pool
         self.segments = list(segments)
         self.device = device
-        self.min_blocks = int(min_blocks)
+        self.layout = layout
         own = meta is None
         self.meta = meta if meta is not None else IterationMetadata(device)
         blocks: list[int] = []
@@ -293,10 +305,11 @@ class PagedPlan:
         self.pool.write(layer, self.section("paged.blocks", dev), self.section("paged.offsets", dev), key, value)
 
     def blocks_after(self, idx: Sequence[int]) -> int:
-        """Blocks covering the longest of segments ``idx`` after this forward (at least
-        ``min_blocks``: a captured forward's tables keep one width)."""
+        """Blocks covering the longest of segments ``idx`` after this forward (at least the
+        fixed layout's width: a captured forward's tables keep one width)."""
         B = self.pool.block_size
-        return max(self.min_blocks, *(-(-(len(self.segments[i].kv) + self.segments[i].n) // B) for i in idx))
+        least = self.layout.blocks if self.layout is not None else 0
+        return max(least, *(-(-(len(self.segments[i].kv) + self.segments[i].n) // B) for i in idx))
 
     def padded_table(self, i: int, nb: int) -> list[int]:
         """Segment ``i``'s first ``nb`` blocks, padded with the zero block."""
