@@ -416,6 +416,10 @@ class GpuCheck:
                     out[f"{key}/n{n}/fast-draft{self.args.fast_draft}"] = self._against_alone(
                         alone[key][:n], alone_tok_s, fd
                     )
+                    fd_graphs = drafting[key].batch.graphs if drafting[key].batch is not None else None
+                    out[f"{key}/n{n}/fast-draft{self.args.fast_draft}"]["cuda_graphs"] = (
+                        fd_graphs.stats() if fd_graphs is not None else None
+                    )
                 self.res["exact"] = out
                 self.save()
         return out
