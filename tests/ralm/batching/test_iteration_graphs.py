@@ -159,8 +159,8 @@ def test_the_batched_engine_with_graphs_returns_the_same_tokens(triton_llama):
     model = triton_llama
     rng = random.Random(7)
     calls = [
-        StepCall((), [rng.randrange(1, 299) for _ in range(rng.randint(1, 70))], rng.randint(3, 8), ignore_eos=True)
-        for _ in range(5)
+        StepCall((), [rng.randrange(1, 299) for _ in range(rng.randint(1, 40))], rng.randint(3, 6), ignore_eos=True)
+        for _ in range(4)
     ]
 
     def engine(graphs: bool) -> BatchEngine:
@@ -202,7 +202,7 @@ def test_the_load_time_check_replays_against_eager_and_turns_graphs_off_on_a_dif
     gives its blocks back; a replay whose bits differ turns graphs off with the reason."""
     pool = KVPool.for_model(triton_llama)
     graphs = IterationGraphs(triton_llama, pool, replay="eager")
-    assert graphs.check((3, 65, 9)) is None and graphs.replays == 2 and graphs.disabled_reason is None
+    assert graphs.check((3, 9, 5)) is None and graphs.replays == 2 and graphs.disabled_reason is None
     in_use = pool.n_blocks - len(pool._free)
     assert in_use == 1 + len(graphs._scratch.table)  # the zero block and the scratch blocks only
     from ralm.batching import iteration_graphs as IG
@@ -210,5 +210,5 @@ def test_the_load_time_check_replays_against_eager_and_turns_graphs_off_on_a_dif
     real = IG._Captured.replay
     monkeypatch.setattr(IG._Captured, "replay", lambda self, batch: real(self, batch) + 1)  # a broken replay
     broken = IterationGraphs(triton_llama, pool, replay="eager")
-    assert "differs from the eager forward" in (broken.check((3, 4, 5)) or "")
+    assert "differs from the eager forward" in (broken.check((1, 2, 1)) or "")
     assert broken.eligible([(PagedKV(pool), [1])], [0]) is False  # off from now on
