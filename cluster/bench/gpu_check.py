@@ -144,6 +144,24 @@ def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
         "--budget-s", type=float, default=None, help="stop work after this many seconds (default 480; quick 300)"
     )
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument(
+        "--plan",
+        metavar="MODEL",
+        help="print what one rank of a --tp-way tensor-parallel replica of MODEL needs (weights, KV pool, "
+        "bytes gathered per decode step) and whether it fits --plan-device-gib, then exit; needs no GPU. MODEL: "
+        "a known shape (llama2-70b, llama2-13b, llama2-7b, llama3.2-1b, smollm2-135m), the llama2-70b-4gpu "
+        "preset, or a local model folder with a config.json",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="--plan: tensor-parallel ranks (default 4 for the llama2-70b-4gpu preset, else 1)",
+    )
+    p.add_argument("--plan-sequences", type=int, default=C.BATCH_MAX_SEQUENCES, help="--plan: sequences in flight")
+    p.add_argument("--plan-context", type=int, default=4096, help="--plan: positions per sequence")
+    p.add_argument("--plan-dtype", default="float16", choices=["float16", "bfloat16", "float32"], help="--plan: dtype")
+    p.add_argument("--plan-device-gib", type=float, default=80.0, help="--plan: memory of one device, GiB (0: none)")
     add_shared(p, out=Path("gpu-check-out"))
 
 
@@ -771,8 +789,36 @@ def failures(res: dict) -> list[str]:
     return out
 
 
+def plan_main(args) -> int:
+    """``--plan``: one rank's capacity (:func:`ralm.tensor_parallel.capacity.rank_capacity`),
+    printed and written as ``gpu-plan.json`` / ``.md`` under ``--out``."""
+    from ralm.tensor_parallel.capacity import PRESET_SHAPES, ModelShape, rank_capacity
+
+    model: Any = args.plan
+    if Path(args.plan).is_dir():  # a local model folder: its config.json, no weights read
+        from transformers import AutoConfig
+
+        model = ModelShape.of_config(AutoConfig.from_pretrained(args.plan))
+    ranks = args.tp if args.tp is not None else (4 if args.plan in PRESET_SHAPES else 1)
+    cap = rank_capacity(
+        model,
+        ranks,
+        args.plan_dtype,
+        args.plan_sequences,
+        args.plan_context,
+        args.plan_device_gib or None,
+    )
+    text = cap.summary()
+    print(text)
+    write_report(args.out, "gpu-plan", cap.as_dict(), f"# ralmspec gpu-check --plan\n\n```\n{text}\n```\n")
+    return 0 if cap.fits is not False else 1
+
+
 def gpu_check_main(args) -> int:
-    """Run the sections; exit status 1 when :func:`failures` finds any, else 0."""
+    """Run the sections; exit status 1 when :func:`failures` finds any, else 0 (``--plan``:
+    :func:`plan_main`)."""
+    if getattr(args, "plan", None):
+        return plan_main(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if "triton" not in sys.modules and (args.device == "cpu" or not _cuda_available()):
         # the Triton sections on a CPU run the kernels in triton's interpreter, which triton
