@@ -81,6 +81,7 @@ from cluster.flags import SHARED, Default, add_shared
 from cluster.report import table, write_report
 from ralm import constants as C
 from ralm.config import GeneratorConfig
+from ralm.tensor_parallel.capacity import PRESET_SHAPES, ModelShape, rank_capacity
 
 SECTIONS = ("env", "compile", "bits", "proof", "long", "forward", "scan", "dense", "exact", "e2e")
 QUICK_SECTIONS = ("env", "compile", "bits", "proof", "long", "exact", "forward", "profile", "dense", "e2e")
@@ -792,8 +793,6 @@ def failures(res: dict) -> list[str]:
 def plan_main(args) -> int:
     """``--plan``: one rank's capacity (:func:`ralm.tensor_parallel.capacity.rank_capacity`),
     printed and written as ``gpu-plan.json`` / ``.md`` under ``--out``."""
-    from ralm.tensor_parallel.capacity import PRESET_SHAPES, ModelShape, rank_capacity
-
     model: Any = args.plan
     if Path(args.plan).is_dir():  # a local model folder: its config.json, no weights read
         from transformers import AutoConfig
