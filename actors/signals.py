@@ -67,3 +67,17 @@ def preserve_fatal_signal_handlers() -> Iterator[None]:
         yield
     finally:
         restore_fatal_signal_handlers(saved)
+
+
+def c_handler(sig: int) -> int | None:
+    """The address of the C-level handler the process has for ``sig`` now (None where
+    ``sigaction`` is unavailable). Python's ``signal.getsignal`` cannot say: it returns the
+    Python function even after native code (Ray's core worker) has put its own handler in
+    its place."""
+    libc = _libc()
+    if libc is None:
+        return None
+    sa = _SigAction()
+    if libc.sigaction(int(sig), None, ctypes.byref(sa)) != 0:
+        return None
+    return int(sa.handler or 0)

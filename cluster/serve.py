@@ -44,7 +44,7 @@ from pathlib import Path
 
 import yaml
 
-from actors.signals import preserve_fatal_signal_handlers
+from actors.signals import c_handler, preserve_fatal_signal_handlers
 from cluster.flags import Default, add_shared
 from deployments.config import AppConfig
 from ralm import constants as C
@@ -398,8 +398,14 @@ def serve_main(args: argparse.Namespace) -> int:
             f"  OpenAI client: base_url={url}/v1   (Ctrl-C stops the server)",
             file=sys.stderr,
         )
+        # Ray's native code can put its own SIGTERM handler back after start (seen: a stop
+        # logged "*** SIGTERM received ***" by Ray's handler, ran ours, then aborted with exit
+        # -6); ours is put back whenever the process's C-level handler is no longer it
+        ours = {sig: c_handler(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         while True:
-            time.sleep(3600)
+            time.sleep(0.2)
+            if any(c_handler(sig) != h for sig, h in ours.items()):
+                _install()
     except (KeyboardInterrupt, SystemExit):  # SystemExit: Ray's own SIGTERM handler, before ours is back
         _begin_stop()
     except Exception as e:

@@ -24,3 +24,30 @@ def test_jvm_handlers_survive_ray_init_and_shutdown():
     assert _handlers() == before
     stop_ray()
     assert _handlers() == before
+
+
+def test_c_handler_sees_native_code_replace_a_python_handler():
+    """What ``ralmspec serve`` watches for (Ray's native code putting its own SIGTERM handler
+    back after start): ``signal.getsignal`` keeps naming the Python function, the C-level
+    handler says what the process will really run."""
+    import ctypes
+    import ctypes.util
+    import signal
+
+    from actors.signals import c_handler
+
+    def python_handler(signum, frame):
+        pass
+
+    old = signal.signal(signal.SIGUSR1, python_handler)
+    try:
+        ours = c_handler(signal.SIGUSR1)
+        assert ours not in (None, 0, 1)
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.signal(int(signal.SIGUSR1), ctypes.c_void_p(1))  # native code installs SIG_IGN
+        assert signal.getsignal(signal.SIGUSR1) is python_handler  # Python does not notice
+        assert c_handler(signal.SIGUSR1) == 1 != ours
+        signal.signal(signal.SIGUSR1, python_handler)
+        assert c_handler(signal.SIGUSR1) == ours
+    finally:
+        signal.signal(signal.SIGUSR1, old)
