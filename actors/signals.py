@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import signal
 import sys
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ class _SigAction(ctypes.Structure):
     ]
 
 
+@functools.cache  # find_library runs ldconfig: once per process (ralmspec serve polls c_handler)
 def _libc():
     if not sys.platform.startswith("linux"):
         return None

@@ -374,7 +374,7 @@ class GpuCheck:
                     "reason_off": e.invariant_error,
                     "proof": e.invariance_proof.as_dict() if e.invariance_proof else None,
                     # the load-time check of the iterations' CUDA graphs (IterationGraphs.check)
-                    "cuda_graphs": e.batch.graphs.stats() if e.batch is not None and e.batch.graphs else None,
+                    "cuda_graphs": _graph_stats(e),
                     "load_and_proof_s": round(time.perf_counter() - t, 1),
                 }
                 if e.batcher is not None:
@@ -426,8 +426,7 @@ class GpuCheck:
                     continue
                 bat = run_arm(e, reqs, n, self.new_tokens, self.args.stride, False, self.deadline)
                 out[f"{key}/n{n}"] = self._against_alone(alone[key][:n], alone_tok_s, bat)
-                graphs = e.batch.graphs if e.batch is not None else None
-                out[f"{key}/n{n}"]["cuda_graphs"] = graphs.stats() if graphs is not None else None
+                out[f"{key}/n{n}"]["cuda_graphs"] = _graph_stats(e)
                 if self.args.fast_draft:  # decode fast, verify exactly: the same requests, drafted
                     if key not in drafting:
                         drafting[key] = self.engine(e.model, e.tokenizer, e.cfg.dtype, fast_draft=self.args.fast_draft)
@@ -435,10 +434,7 @@ class GpuCheck:
                     out[f"{key}/n{n}/fast-draft{self.args.fast_draft}"] = self._against_alone(
                         alone[key][:n], alone_tok_s, fd
                     )
-                    fd_graphs = drafting[key].batch.graphs if drafting[key].batch is not None else None
-                    out[f"{key}/n{n}/fast-draft{self.args.fast_draft}"]["cuda_graphs"] = (
-                        fd_graphs.stats() if fd_graphs is not None else None
-                    )
+                    out[f"{key}/n{n}/fast-draft{self.args.fast_draft}"]["cuda_graphs"] = _graph_stats(drafting[key])
                 self.res["exact"] = out
                 self.save()
         return out
@@ -470,7 +466,7 @@ class GpuCheck:
             plain = self.build(shape, dtype, e.tokenizer)
             ctx = 300 if not self.small else 40
             # the batched iterations' CUDA graphs where the engine replays them (generator.cuda_graphs)
-            graphs = "cuda" if e.batch is not None and e.batch.graphs is not None else None
+            graphs = "cuda" if _graph_stats(e) is not None else None
             out[key] = forward_cost(plain, e.model, ctx, 12 if not self.small else 3, batches, graphs=graphs)
             del plain
             self.free()
@@ -639,6 +635,12 @@ def _done(res: dict, name: str) -> dict:
     """A section's results, or {} when it failed, was skipped or has not run."""
     v = res.get(name) or {}
     return {} if "error" in v or "skipped" in v else v
+
+
+def _graph_stats(engine) -> dict | None:
+    """An engine's CUDA-graph statistics (``IterationGraphs.stats``); None where it runs none."""
+    graphs = engine.batch.graphs if engine.batch is not None else None
+    return graphs.stats() if graphs is not None else None
 
 
 def _graphs_cell(stats: dict | None) -> str:

@@ -29,56 +29,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ralm import constants as C
-from ralm.tensor_parallel.plan import ShardPlan
+from ralm.tensor_parallel.plan import ModelShape, ShardPlan
 
 GIB = 1 << 30
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The numbers of a Llama-family model that its memory and traffic depend on."""
-
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    model_type: str = "llama"
-
-    @classmethod
-    def of_config(cls, config) -> ModelShape:
-        """From a transformers config."""
-        heads = int(config.num_attention_heads)
-        return cls(
-            int(config.num_hidden_layers),
-            int(config.hidden_size),
-            int(config.intermediate_size),
-            heads,
-            int(getattr(config, "num_key_value_heads", None) or heads),
-            int(getattr(config, "head_dim", None) or config.hidden_size // heads),
-            int(config.vocab_size),
-            str(getattr(config, "model_type", "llama")),
-        )
-
-    def shard_plan(self, ranks: int) -> ShardPlan:
-        """The split over ``ranks`` (refused, with the reason, where ``ranks`` does not divide
-        the heads, the key/value heads or the MLP width)."""
-        return ShardPlan.for_config(_ConfigView(self), ranks)
-
-
-class _ConfigView:
-    """A :class:`ModelShape` seen as the transformers config :class:`ShardPlan` reads."""
-
-    def __init__(self, s: ModelShape):
-        self.model_type = s.model_type
-        self.num_attention_heads = s.heads
-        self.num_key_value_heads = s.kv_heads
-        self.head_dim = s.head_dim
-        self.hidden_size = s.hidden
-        self.intermediate_size = s.intermediate
-        self.vocab_size = s.vocab
 
 
 #: shapes by name, from their published configs (no download): ``--plan NAME``
@@ -173,7 +126,7 @@ def rank_capacity(
     if not 0 < utilization <= 1:
         raise ValueError(f"utilization {utilization} must be in (0, 1]")
     s, b = model, DTYPE_BYTES[dtype]
-    plan = s.shard_plan(ranks)
+    plan = ShardPlan.for_shape(s, ranks)
     q, kv, inter = s.heads * s.head_dim // ranks, s.kv_heads * s.head_dim // ranks, s.intermediate // ranks
     per_layer = s.hidden * (q + 2 * kv) + q * s.hidden + 2 * s.hidden * inter + inter * s.hidden + 2 * s.hidden
     params = s.layers * per_layer + s.vocab * s.hidden + s.hidden + plan.vocab_per_rank * s.hidden

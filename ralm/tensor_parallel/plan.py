@@ -48,6 +48,40 @@ class TensorParallelUnavailable(InvariantUnavailable):
 
 
 @dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a Llama-family model that its split, memory and traffic depend on."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    model_type: str = "llama"
+
+    @classmethod
+    def of_config(cls, config) -> ModelShape:
+        """From a transformers config."""
+        heads = int(config.num_attention_heads)
+        return cls(
+            int(config.num_hidden_layers),
+            int(config.hidden_size),
+            int(config.intermediate_size),
+            heads,
+            int(getattr(config, "num_key_value_heads", None) or heads),
+            int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+            int(config.vocab_size),
+            str(getattr(config, "model_type", "llama")),
+        )
+
+
+def _check_ranks(ranks: int) -> None:
+    if not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"tensor_parallel must be a whole number of ranks >= 1, not {ranks!r}")
+
+
+@dataclass(frozen=True)
 class ShardPlan:
     """The split of one model over ``ranks`` ranks (see the module docstring)."""
 
@@ -63,24 +97,30 @@ class ShardPlan:
         """The plan for a transformers config, or :class:`TensorParallelUnavailable` with the
         reason (an unknown architecture, or a head count, kv-head count or MLP width that
         ``ranks`` does not divide)."""
-        if not isinstance(ranks, int) or ranks < 1:
-            raise ValueError(f"tensor_parallel must be a whole number of ranks >= 1, not {ranks!r}")
+        _check_ranks(ranks)
         mt = getattr(config, "model_type", "")
         if mt not in TP_MODEL_TYPES:
             raise TensorParallelUnavailable(
                 f"tensor parallelism supports {', '.join(TP_MODEL_TYPES)} models, not {mt!r}"
             )
-        heads = int(config.num_attention_heads)
-        kv = int(getattr(config, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        inter = int(config.intermediate_size)
+        return cls.for_shape(ModelShape.of_config(config), ranks)
+
+    @classmethod
+    def for_shape(cls, shape: ModelShape, ranks: int) -> ShardPlan:
+        """The plan for a model's numbers (see :meth:`for_config`)."""
+        _check_ranks(ranks)
+        if shape.model_type not in TP_MODEL_TYPES:
+            raise TensorParallelUnavailable(
+                f"tensor parallelism supports {', '.join(TP_MODEL_TYPES)} models, not {shape.model_type!r}"
+            )
+        heads, kv, inter = shape.heads, shape.kv_heads, shape.intermediate
         for what, n in (("attention heads", heads), ("key/value heads", kv), ("MLP columns", inter)):
             if n % ranks:
                 raise TensorParallelUnavailable(
                     f"{ranks} ranks do not divide the model's {n} {what}: choose a tensor_parallel that divides "
                     f"{heads} heads, {kv} key/value heads and {inter} MLP columns"
                 )
-        return cls(ranks, heads, kv, head_dim, inter, int(config.vocab_size))
+        return cls(ranks, heads, kv, shape.head_dim, inter, shape.vocab)
 
     @property
     def vocab_per_rank(self) -> int:
