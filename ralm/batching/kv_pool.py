@@ -232,8 +232,11 @@ class KVPool:
                 self.v_run.append(v.view(hkv, n * B, v.shape[-1]))
             del k, v
         self.refs.extend([0] * (n - old))
-        # low ids first out (a LIFO of free ids): recently used memory is reused first
-        self._free.extend(range(n - 1, max(old, 1) - 1, -1))
+        # A LIFO of free ids: the blocks already free stay on top (recently used memory is
+        # reused first), the new ones go under them, low ids first out. So a sequence that
+        # grows its own pool (``PagedKV.standalone``) gets its blocks in order, one run: with
+        # 2 blocks, block 1 free and 3 needed, it takes 1, 2, 3, not 2, 3, 1.
+        self._free[:0] = range(n - 1, max(old, 1) - 1, -1)
         if old == 0:
             self.refs[ZERO_BLOCK] = 1  # never freed, never handed out
 

@@ -340,6 +340,12 @@ def test_a_standalone_sequence_is_one_run_read_in_place_and_stays_one_after_a_ro
     assert len(kv.table) == 5 and len(kv) == 3 * B + 5
     assert longer.untyped_storage().data_ptr() == kv.pool.k[0].untyped_storage().data_ptr()
     assert torch.equal(longer[:, : 3 * B + 5], k) and not longer[:, 4 * B :].any()
+    # a first write that outgrows the pool while a block is still free: the free block comes
+    # first and the new ones follow it, one run (the pool used to hand out 2, 3, 1)
+    fresh = PagedKV.standalone(1)
+    fresh.append(0, k[:, : 2 * B + 1], v[:, : 2 * B + 1])
+    assert fresh.pool.grows == 1 and fresh.table == [1, 2, 3]
+    assert fresh.span(0, 3 * B)[0].untyped_storage().data_ptr() == fresh.pool.k[0].untyped_storage().data_ptr()
     # a sequence of a shared pool reads the zero block past its table instead: a copy
     shared = PagedKV(KVPool(1, initial_blocks=8))
     shared.append(0, k[:, :7], v[:, :7])
