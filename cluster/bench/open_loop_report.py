@@ -18,6 +18,10 @@ def _s(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
+def _rate(v: float | None) -> str:
+    return "-" if v is None else f"{v:g}"
+
+
 def to_markdown(result: dict, meta: dict, notes: Sequence[str]) -> str:
     """The page: how it was run, the lone latencies, one row per (method, rate), the capacity."""
     lone, rows, cap = result["lone"], result["rows"], result["capacity"]
@@ -83,13 +87,20 @@ def to_markdown(result: dict, meta: dict, notes: Sequence[str]) -> str:
         "",
         "## Capacity",
         "",
-        "The highest rate measured at which p99 latency stays under 3x the method's lone latency, with "
-        "every request answered (`-`: not even the lowest rate).",
+        "The highest rate measured at which p99 latency stays under a bound, with every request answered "
+        "and every lower rate too (`-`: not even the lowest rate): 3x the method's own lone latency, and "
+        f"the SLO that goodput counts ({_s(result['slo_s'])} s, the same for every method).",
         "",
         *table(
-            ["method", "lone (s)", "3x lone (s)", "highest rate (req/s)"],
+            ["method", "lone (s)", "3x lone (s)", "highest rate (req/s)", "highest rate under the SLO (req/s)"],
             [
-                [name(m), _s(lone[m]["median_s"]), _s(3 * lone[m]["median_s"]), "-" if c is None else f"{c:g}"]
+                [
+                    name(m),
+                    _s(lone[m]["median_s"]),
+                    _s(3 * lone[m]["median_s"]),
+                    _rate(c),
+                    _rate(result.get("capacity_at_slo", {}).get(m)),
+                ]
                 for m, c in cap.items()
             ],
         ),

@@ -415,6 +415,7 @@ def test_served_bench_tiny_run(server, tmp_path, questions):
     """The served benchmark end to end on the running server (tiny: correctness, not speed)."""
     import argparse
 
+    from cluster.bench.open_loop import capacity
     from cluster.bench.served_bench import add_served_bench_args, served_bench_main
 
     qfile = tmp_path / "q.jsonl"
@@ -476,6 +477,7 @@ def test_served_bench_open_loop_tiny_run(server, tmp_path, questions):
     rates, streamed answers, every answer equal to RaLMSeq's, the report and its plot."""
     import argparse
 
+    from cluster.bench.open_loop import capacity
     from cluster.bench.served_bench import add_served_bench_args, served_bench_main
 
     qfile = tmp_path / "q.jsonl"
@@ -494,7 +496,9 @@ def test_served_bench_open_loop_tiny_run(server, tmp_path, questions):
         assert r["ok"] == r["identical"] == r["requests"] == 3 and r["shed"] == r["lost"] == 0
         assert 0 < r["ttft_p50_s"] <= r["p50_s"] <= r["p90_s"] <= r["p99_s"] and r["goodput_rps"] <= r["throughput_rps"]
     assert data["lone"]["seq"]["requests"] == 3 and data["lone"]["spec[PSA]"]["requests"] == 2
-    assert set(data["capacity"]) == {"seq", "spec[PSA]"}
+    assert set(data["capacity"]) == set(data["capacity_at_slo"]) == {"seq", "spec[PSA]"}
+    for m, rows in (("seq", data["rows"][0::2]), ("spec[PSA]", data["rows"][1::2])):
+        assert data["capacity_at_slo"][m] == capacity(rows, data["slo_s"], factor=1.0)
     assert (out / "open_loop.png").stat().st_size > 0
     assert "latency versus arrival rate" in (out / "open_loop.md").read_text()
 

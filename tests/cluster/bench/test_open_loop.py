@@ -101,5 +101,7 @@ def test_capacity_is_the_highest_rate_under_three_times_the_lone_latency():
     ]
     assert capacity(rows, lone_s=1.0) == 2.0
     assert capacity(rows, lone_s=0.4) is None  # not even the lowest rate
+    # one bound for every method (the SLO goodput counts): factor 1 makes lone_s the bound itself
+    assert capacity(rows, lone_s=2.6, factor=1.0) == 1.0 and capacity(rows, lone_s=3.0, factor=1.0) == 2.0
     rows[1]["ok"] = 7  # a lost request at the lowest rate: no rate is sustained
     assert capacity(rows, lone_s=1.0) is None
