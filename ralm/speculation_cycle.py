@@ -147,6 +147,9 @@ def speculate(
     st = stats
     # optional: a strategy whose KB is shared with other requests is told when a window opens
     window_opens = getattr(strategy, "window_opens", None)
+    # optional: a scheduler that checks whether overlapping pays here (OS3's overlap check)
+    async_pays = getattr(sched, "async_pays", None)
+    record_overlap = getattr(sched, "record_overlap", None)
     if not strategy.finished:  # (a resumed request may already be complete)
         strategy.first_step()
         _count_kb_step(st)
@@ -167,18 +170,28 @@ def speculate(
         pending = None
         if window_opens is not None and len(window) < s and not strategy.finished:
             window_opens()  # no KB call until this window's verification (a batching hint)
+        fresh, t_steps = len(window), time.perf_counter()
         while len(window) < s and not strategy.finished:
             window.append(strategy.speculative_step())
+        fresh = len(window) - fresh  # this window's own steps, none of them overlapped
+        step_s = (time.perf_counter() - t_steps) / fresh if fresh else None
         extra: StepT | None = None
         # s == 0 with a step pending: verify it alone and start no new async step, or a run
         # of matching async steps would never let a direct step (the scheduler's or the
         # rate check's choice) happen
-        if strategy.async_verify and s > 0 and not strategy.finished:
+        overlapped = strategy.async_verify and s > 0 and not strategy.finished
+        if overlapped and async_pays is not None and not async_pays():
+            overlapped = False  # measured: overlapping saves nothing here
+            st.async_windows_declined += 1
+        if overlapped:
             if executor is None:
                 raise ValueError("asynchronous verification needs an executor")
+            t_phase = time.perf_counter()
             fut = executor.submit(strategy.verify, window)
             extra = strategy.speculative_step()  # overlaps with the verification
             truth, b = fut.result()
+            if record_overlap is not None:
+                record_overlap(time.perf_counter() - t_phase, len(window), step_s)
         else:
             truth, b = strategy.verify(window)
         st.kb_calls += 1
@@ -202,7 +215,7 @@ def speculate(
             st.regenerated_tokens += strategy.rollback(window[matched])
             strategy.commit_correction(found[1])  # the baseline's step m
             st.steps += 1
-        sched.record_verification(len(window), matched, b)
+        sched.record_verification(len(window), matched, b, overlapped=overlapped)
         strategy.emit(pending)
         sched.record_realized(False, time.perf_counter() - t_start, matched + (found is not None))
     st.gamma = sched.gamma

@@ -55,6 +55,7 @@ WORK_FIELDS = (
     "context_tokens_reused",
     "async_steps_kept",
     "async_steps_discarded",
+    "async_windows_declined",
     "direct_steps",
     "load_direct_steps",
 )
@@ -213,7 +214,7 @@ def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] 
             "corrections included); `regen tok`: tokens thrown away by rollbacks; `ctx computed` / "
             "`ctx reused`: context tokens fed to the model before a step (re-prefills after a "
             "rollback or a lost KV session) / taken from the request's KV session; `async kept/disc`: "
-            "asynchronous steps kept / discarded; `direct (load)`: direct steps (of them, chosen by "
+            "asynchronous steps kept / discarded / windows verified synchronously by the overlap check; `direct (load)`: direct steps (of them, chosen by "
             "the shared load); `decisions`: stride decisions by reason, summed over the row.",
             "",
         ]
@@ -226,7 +227,7 @@ def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] 
                 "regen tok",
                 "ctx computed",
                 "ctx reused",
-                "async kept/disc",
+                "async kept/disc/declined",
                 "direct (load)",
                 "decisions",
             ],
@@ -239,7 +240,8 @@ def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] 
                     f"{r['work_regenerated_tokens']:.1f}",
                     f"{r['work_context_tokens_computed']:.0f}",
                     f"{r['work_context_tokens_reused']:.0f}",
-                    f"{r['work_async_steps_kept']:.1f}/{r['work_async_steps_discarded']:.1f}",
+                    f"{r['work_async_steps_kept']:.1f}/{r['work_async_steps_discarded']:.1f}"
+                    f"/{r.get('work_async_windows_declined', 0.0):.1f}",
                     f"{r['work_direct_steps']:.1f} ({r['work_load_direct_steps']:.1f})",
                     ", ".join(f"{k} {v}" for k, v in sorted(r.get("stride_reasons", {}).items())) or "-",
                 ]

@@ -58,6 +58,8 @@ class GammaPrior:
         self._realized: dict[Hashable, deque[tuple[float, int, float, int]]] = {}
         # key -> recent requests' {position bucket: (matched, missed)}
         self._by_position: dict[Hashable, deque[dict[int, tuple[int, int]]]] = {}
+        # key -> recent requests' mean overlap ratio (OS3's overlap check, ralm.stride.os3)
+        self._overlap: dict[Hashable, deque[float]] = {}
 
     def evidence(self, key: Hashable) -> tuple[int, int]:
         """(matched, missed) pseudo-observations for a new request under ``key``: the recent
@@ -92,6 +94,11 @@ class GammaPrior:
         ws, wn, ds, dn = map(sum, zip(*recent))
         return ws, wn, ds, dn
 
+    def overlap(self, key: Hashable) -> list[float]:
+        """The recent requests' mean overlap ratios under ``key`` (one each, oldest first)."""
+        with self._lock:
+            return list(self._overlap.get(key, ()))
+
     def record(
         self,
         key: Hashable,
@@ -101,11 +108,12 @@ class GammaPrior:
         verify_s: dict[int, float] | None = None,
         realized: tuple[float, int, float, int] | None = None,
         by_position: dict[int, tuple[int, int]] | None = None,
+        overlap: float | None = None,
     ) -> None:
         """A finished request's own evidence (not including the prior it started from) and,
         if given, its mean speculative step and mean KB call per batch size (seconds), and
         its realized (seconds, committed steps) in windows and in direct steps, and its
-        evidence per position bucket."""
+        evidence per position bucket, and its mean overlap ratio."""
         if matched < 0 or missed < 0:
             raise ValueError("evidence counts must be >= 0")
         with self._lock:
@@ -115,6 +123,8 @@ class GammaPrior:
                 self._by_key.setdefault(key, deque(maxlen=self.requests)).append((int(matched), int(missed)))
             if by_position:
                 self._by_position.setdefault(key, deque(maxlen=self.requests)).append(dict(by_position))
+            if overlap is not None and overlap > 0:
+                self._overlap.setdefault(key, deque(maxlen=self.requests)).append(float(overlap))
             if step_s is not None and step_s > 0:
                 self._step_s.setdefault(key, deque(maxlen=self.requests)).append(float(step_s))
             sizes = self._verify_s.setdefault(key, {})
@@ -129,6 +139,7 @@ class GammaPrior:
             self._verify_s.clear()
             self._realized.clear()
             self._by_position.clear()
+            self._overlap.clear()
 
 
 PROCESS_PRIOR = GammaPrior()  # the prior every request of this process shares

@@ -221,6 +221,13 @@ class StrideScheduler:
         self._prior_realized = (0.0, 0.0, 0.0, 0.0)
         self._vetoed_direct = 0  # direct steps taken since the rate check last vetoed speculation
         self.vetoes = 0
+        # the overlap check (module docstring): KB calls that nothing overlapped, by batch size;
+        # this request's overlap ratios and the recent requests' (one mean each)
+        self._sync_verify: dict[int, deque[float]] = {}
+        self._overlap: deque[float] = deque(maxlen=history)
+        self._prior_overlap: list[float] = []
+        self._sync_run = 0  # windows run synchronously since the check last let one overlap
+        self.overlap_off = 0  # windows the overlap check ran synchronously
         if self._prior is not None:  # what recent requests measured on this KB (ralm/stride/gamma_prior.py)
             ws, wn, ds, dn = self._prior.realized(prior_key)
             fw = min(1.0, C.GAMMA_PRIOR_WEIGHT / wn) if wn else 0.0  # at most that many steps each
@@ -232,6 +239,7 @@ class StrideScheduler:
             for size, lat in by_size.items():
                 self._verify_by_size[size] = deque([lat], maxlen=C.VERIFY_HISTORY_PER_SIZE)
                 self._verify_lat.append((size, lat))
+            self._prior_overlap = self._prior.overlap(prior_key)
 
     # ---- measurements
     def record_step(self, latency_s: float) -> None:
@@ -243,22 +251,80 @@ class StrideScheduler:
         """The generation part of any step."""
         self._gen_lat.append(latency_s)
 
-    def record_verification(self, s: int, matched: int, latency_s: float) -> None:
+    def record_verification(self, s: int, matched: int, latency_s: float, overlapped: bool = False) -> None:
         """The window just decided (from the position given to :meth:`next_stride`): its
-        size, its steps that matched, and the KB call's latency."""
+        size, its steps that matched, and the KB call's latency (``overlapped``: a speculative
+        step ran meanwhile, asynchronous verification)."""
         self._windows.append((s, matched))
         self._add_position_evidence(s, matched)
-        self.record_kb_latency(s, latency_s)
+        self.record_kb_latency(s, latency_s, overlapped)
 
     def _add_position_evidence(self, s: int, matched: int) -> None:
         self._own_pos.add_window(self._position, s, matched)
         self._pos.add_window(self._position, s, matched)
 
-    def record_kb_latency(self, s: int, latency_s: float) -> None:
-        """A KB call of ``s`` queries that verified nothing (the first step's): b(s) only."""
+    def record_kb_latency(self, s: int, latency_s: float, overlapped: bool = False) -> None:
+        """A KB call of ``s`` queries that verified nothing (the first step's): b(s) only.
+        One that nothing overlapped (``overlapped`` false) also prices the overlap check."""
         self._verify_lat.append((s, latency_s))
         self._verify_by_size.setdefault(s, deque(maxlen=C.VERIFY_HISTORY_PER_SIZE)).append(latency_s)
         self._own_verify.setdefault(s, []).append(latency_s)
+        if not overlapped:
+            self._sync_verify.setdefault(s, deque(maxlen=C.VERIFY_HISTORY_PER_SIZE)).append(latency_s)
+
+    def record_overlap(self, phase_s: float, s: int, step_s: float | None) -> None:
+        """An asynchronous window's overlapped phase: ``phase_s`` from the verification's start
+        to its answer, the extra speculative step running meanwhile; ``step_s``: what one of the
+        window's own (not overlapped) speculative steps took. Its ratio to running the two one
+        after the other, ``phase_s / (step_s + b_sync(s))``, is the check's sample (nothing is
+        recorded before a KB call that nothing overlapped was measured)."""
+        b = self.sync_verify_latency(s)
+        if b is None or step_s is None or step_s <= 0 or phase_s <= 0:
+            return
+        self._overlap.append(phase_s / (step_s + b))
+
+    def sync_verify_latency(self, s: int) -> float | None:
+        """b(s) measured with nothing overlapping it: the recent mean at the sizes measured,
+        linear between them; beyond the largest, the KB's start-up curve, else proportional to
+        ``s`` (which over-prices running one after the other, so the check only turns
+        overlapping off on evidence)."""
+        if not self._sync_verify:
+            return None
+        means = monotone({size: fmean(v) for size, v in self._sync_verify.items()})
+        last = max(means)
+        if s <= last:
+            return curve_at(means, s)
+        return scaled(self.cost_curve, last, means[last], s) if self.cost_curve else means[last] * s / last
+
+    def overlap_ratio(self) -> float | None:
+        """The mean overlap ratio, this request's windows and the recent requests' means
+        together; None until ``OVERLAP_CHECK_MIN_WINDOWS`` of them."""
+        samples = [*self._prior_overlap, *self._overlap]
+        return fmean(samples) if len(samples) >= C.OVERLAP_CHECK_MIN_WINDOWS else None
+
+    def _overlap_loses(self) -> bool:
+        """The overlap check's verdict: overlapping saves less than ``OVERLAP_CHECK_MARGIN`` of
+        running the step and the verification one after the other (adaptive strides only)."""
+        if not (self.cfg.async_verify and self.cfg.overlap_check and self.cfg.adaptive_stride and self.bayes):
+            return False
+        r = self.overlap_ratio()
+        return r is not None and r > 1.0 - C.OVERLAP_CHECK_MARGIN
+
+    def async_pays(self) -> bool:
+        """Whether the window about to be verified runs its verification asynchronously (one
+        call per window). Off by the overlap check, except one window in every
+        ``OVERLAP_CHECK_EXPLORE + 1``, which measures the overlap again."""
+        if not self.cfg.async_verify:
+            return False
+        if not self._overlap_loses():
+            self._sync_run = 0
+            return True
+        if self._sync_run >= C.OVERLAP_CHECK_EXPLORE:
+            self._sync_run = 0
+            return True
+        self._sync_run += 1
+        self.overlap_off += 1
+        return False
 
     def record_direct(self, cache_was_right: bool | None, retrieval_s: float, lookup_s: float | None = None) -> None:
         """A direct (s = 0) step: its KB latency, whether the cache's guess was right (None:
@@ -309,6 +375,7 @@ class StrideScheduler:
                 verify_s={s: fmean(v) for s, v in self._own_verify.items()},
                 realized=(float(ws), int(wn), float(ds), int(dn)),
                 by_position=self._own_pos.counts(),
+                overlap=fmean(self._overlap) if self._overlap else None,
             )
 
     @property
@@ -409,16 +476,17 @@ class StrideScheduler:
         gen = fmean(self._gen_lat) if self._gen_lat else a
         corr = gen if self.bayes else 0.0  # the paper's argmax leaves the correction out
         b = b if b is not None else self.verify_table()
+        overlap = cfg.async_verify and not self._overlap_loses()  # the model of the windows that will run
         if self.positional and not pooled and remaining is not None and 0 < remaining <= C.OS3_HORIZON:
-            s, t = finish_time_stride(self.step_gammas(g, remaining), a, b, cfg.async_verify, gen)
+            s, t = finish_time_stride(self.step_gammas(g, remaining), a, b, overlap, gen)
             return s, remaining / max(t, 1e-12)
         gammas = self.step_gammas(g, cfg.max_stride, pooled)
-        rates = window_rates(gammas, a, b, cfg.async_verify, corr)
+        rates = window_rates(gammas, a, b, overlap, corr)
         best_s, best = 1, -1.0
         for s, val in enumerate(rates, start=1):
             if val > best * (1 + 1e-9):
                 best_s, best = s, val
-        return best_s, window_rates(gammas[:best_s], a, b, cfg.async_verify, gen)[-1]
+        return best_s, window_rates(gammas[:best_s], a, b, overlap, gen)[-1]
 
     def speculation_loses(self) -> bool:
         """The rate check (bayes mode): once speculation windows have committed

@@ -378,3 +378,72 @@ def test_realized_costs_carry_to_the_next_request_through_the_prior():
     second = StrideScheduler(SpecConfig(adaptive_stride=True), prior=prior, prior_key="kb")
     _feed(second, gen_s=0.040, verify_s=0.400)  # the model alone would speculate (first request)
     assert second.speculation_loses() and second.next_stride() == 0  # known from the first request
+
+
+def _overlapping(prior=None, prior_key=None, **cfg) -> StrideScheduler:
+    """PSA's scheduler after its first step: b(1) = 170 ms measured with nothing overlapping
+    it (the first step's KB call), verifications of 4 cost 200 ms."""
+    spec = SpecConfig(adaptive_stride=True, async_verify=True, **cfg)
+    sch = StrideScheduler(spec, prior=prior, prior_key=prior_key, cost_curve={1: 1.0, 4: 1.2})
+    sch.record_kb_latency(1, 0.170)
+    return sch
+
+
+def test_overlap_that_hides_the_step_keeps_verification_asynchronous():
+    sch = _overlapping(gamma_prior=False)
+    # a step of 40 ms beside a verification of 4 (200 ms one after the other: 240 ms): the
+    # phase takes the verification's 200 ms, ratio 0.83
+    for _ in range(3):
+        sch.record_overlap(0.200, 4, 0.040)
+    assert sch.overlap_ratio() == pytest.approx(0.200 / (0.040 + 0.170 * 1.2))
+    assert all(sch.async_pays() for _ in range(20)) and sch.overlap_off == 0
+
+
+def test_overlap_that_saves_nothing_is_turned_off_then_re_measured():
+    sch = _overlapping(gamma_prior=False)
+    assert sch.async_pays()  # nothing measured: overlap, as configured
+    sch.record_overlap(0.250, 4, 0.040)  # contention: the phase costs the step and the call
+    assert sch.overlap_ratio() is None and sch.async_pays()  # one window is not evidence
+    sch.record_overlap(0.245, 4, 0.040)
+    assert sch.overlap_ratio() > 1 - C.OVERLAP_CHECK_MARGIN
+    picks = [sch.async_pays() for _ in range(C.OVERLAP_CHECK_EXPLORE + 1)]
+    assert picks == [False] * C.OVERLAP_CHECK_EXPLORE + [True]  # then one window re-measures
+    assert sch.overlap_off == C.OVERLAP_CHECK_EXPLORE
+    # the stride model of synchronous windows follows: the same stride as a PS scheduler fed alike
+    ps = StrideScheduler(SpecConfig(adaptive_stride=True, gamma_prior=False), cost_curve={1: 1.0, 4: 1.2})
+    for s in (sch, ps):
+        _feed(s, gen_s=0.040, verify_s=0.170)
+    assert sch.best_stride(0.9, 0.040) == ps.best_stride(0.9, 0.040)
+
+
+def test_the_overlap_check_needs_an_unoverlapped_call_and_leaves_fixed_strides_alone():
+    sch = StrideScheduler(SpecConfig(adaptive_stride=True, async_verify=True, gamma_prior=False))
+    sch.record_verification(4, 4, 0.300, overlapped=True)  # only overlapped calls: no price for serial
+    for _ in range(3):
+        sch.record_overlap(0.300, 4, 0.040)
+    assert sch.overlap_ratio() is None and sch.async_pays()
+    fixed = StrideScheduler(SpecConfig(stride=4, async_verify=True))
+    fixed.record_kb_latency(1, 0.170)
+    for _ in range(3):
+        fixed.record_overlap(0.300, 4, 0.040)
+    assert all(fixed.async_pays() for _ in range(20))  # a fixed stride is what its caller asked for
+    assert not StrideScheduler(SpecConfig(adaptive_stride=True)).async_pays()  # not configured
+    unchecked = _overlapping(gamma_prior=False, overlap_check=False)  # asked to overlap always
+    for _ in range(3):
+        unchecked.record_overlap(0.300, 4, 0.040)
+    assert unchecked.overlap_ratio() > 1 and all(unchecked.async_pays() for _ in range(20))
+
+
+def test_the_overlap_verdict_carries_to_the_next_request_through_the_prior():
+    from ralm.stride.gamma_prior import GammaPrior
+
+    prior = GammaPrior()
+    first = _overlapping(prior=prior, prior_key="kb")
+    for _ in range(2):
+        first.record_overlap(0.250, 4, 0.040)
+    first.finish()
+    assert prior.overlap("kb") == [pytest.approx(0.250 / (0.040 + 0.170 * 1.2))]
+    second = _overlapping(prior=prior, prior_key="kb")
+    assert second.async_pays()  # one earlier request is one sample: not yet evidence
+    second.record_overlap(0.250, 4, 0.040)
+    assert not second.async_pays()  # its own window and the earlier request's agree

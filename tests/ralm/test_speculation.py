@@ -51,7 +51,7 @@ class FakeScheduler:
         self.remaining.append(remaining)
         return self.strides.pop(0) if len(self.strides) > 1 else self.strides[0]
 
-    def record_verification(self, s: int, matched: int, latency_s: float) -> None:
+    def record_verification(self, s: int, matched: int, latency_s: float, overlapped: bool = False) -> None:
         self.recorded.append((s, matched, latency_s))
 
     def record_realized(self, direct: bool, seconds: float, committed: int) -> None:
@@ -317,3 +317,41 @@ def test_a_strategy_is_told_before_each_window_runs_speculative_steps():
     plain = FakeStrategy(8)
     run(plain, [2, 0, 3])
     assert plain.X == baseline(8)
+
+
+class OverlapCheckingScheduler(FakeScheduler):
+    """A scheduler with OS3's overlap check: lets the windows overlap while ``verdicts``
+    says so, and keeps what each overlapped window measured."""
+
+    def __init__(self, strides: list[int], verdicts: list[bool]):
+        super().__init__(strides)
+        self.verdicts = list(verdicts)
+        self.overlaps: list[tuple[float, int, float | None]] = []
+        self.overlapped: list[bool] = []
+
+    def async_pays(self) -> bool:
+        return self.verdicts.pop(0)
+
+    def record_overlap(self, phase_s: float, s: int, step_s: float | None) -> None:
+        self.overlaps.append((phase_s, s, step_s))
+
+    def record_verification(self, s: int, matched: int, latency_s: float, overlapped: bool = False) -> None:
+        super().record_verification(s, matched, latency_s)
+        self.overlapped.append(overlapped)
+
+
+def test_windows_run_synchronously_where_the_scheduler_says_overlap_does_not_pay():
+    fs = FakeStrategy(11, async_verify=True)
+    sched = OverlapCheckingScheduler([2], verdicts=[True, False, False, True, True, True])
+    st = RequestStats()
+    speculate(fs, sched, st, InlineExecutor())
+    assert fs.X == fs.emitted == baseline(11)
+    # window 1 overlaps (its extra step 3 opens window 2); windows 2 and 3 are verified alone
+    # (no extra step); window 4 overlaps again
+    assert fs.windows[:4] == [[1, 2], [3, 4], [5, 6], [7, 8]]
+    assert sched.overlapped[:4] == [True, False, False, True]
+    assert st.async_windows_declined == 2 and st.async_steps_kept >= 1
+    # each overlapped window reports its phase, its size and one of its own steps' time
+    # (window 1 ran 2 steps of its own; window 4 ran 2 as well)
+    assert [(s, step is not None) for _, s, step in sched.overlaps][:2] == [(2, True), (2, True)]
+    assert all(phase >= 0 for phase, _, _ in sched.overlaps)
