@@ -147,7 +147,7 @@ class SpecConfig(StrictModel):
     async_verify: bool = Field(False, description="A: run the next speculative step while a verification is in flight.")
     overlap_check: bool = Field(
         True,
-        description="With A and adaptive strides: verify synchronously while overlapping measured no faster here. Each asynchronous window's verification-plus-extra-step phase is timed against its own speculative step plus a KB call that nothing overlapped; while the mean ratio (this request's windows and recent requests') is above 0.95, windows are verified one after the other, one in every 9 still overlapping to measure again. Where the generator and the KB share CPU cores the overlap saves nothing and its discarded steps cost; on a GPU generator beside a CPU KB it pays and stays on. Only timing changes, never tokens.",
+        description="With A and adaptive strides (the default gamma estimates, not 'capped'): verify synchronously while overlapping measured no faster here. Each asynchronous window's verification-plus-extra-step phase is timed against its own speculative step plus a KB call that nothing overlapped; while the mean ratio (this request's windows and recent requests') is above 0.95, windows are verified one after the other, one in every 9 still overlapping to measure again. Where the generator and the KB share CPU cores the overlap saves nothing and its discarded steps cost; on a GPU generator beside a CPU KB it pays and stays on. Only timing changes, never tokens.",
     )
     stride: int = Field(3, ge=1, le=256, description="Fixed speculation stride s when adaptive_stride is off.")
     gamma_estimate: Literal["positional", "bayes", "capped"] = Field(

@@ -415,7 +415,6 @@ def test_served_bench_tiny_run(server, tmp_path, questions):
     """The served benchmark end to end on the running server (tiny: correctness, not speed)."""
     import argparse
 
-    from cluster.bench.open_loop import capacity
     from cluster.bench.served_bench import add_served_bench_args, served_bench_main
 
     qfile = tmp_path / "q.jsonl"
