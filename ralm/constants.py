@@ -27,11 +27,9 @@ GAMMA_PRIOR_WEIGHT = 32  # ... scaled to at most this many pseudo-observations (
 RATE_CHECK_MIN_STEPS = 8  # OS3: committed steps of speculation measured before its realized rate can veto it
 RATE_CHECK_MARGIN = 0.03  # ... veto when a committed step of speculation costs this much more than a direct step
 RATE_CHECK_EXPLORE = 16  # ... and, once vetoed, let the model choose again after this many direct steps
-OVERLAP_CHECK_MIN_WINDOWS = (
-    2  # OS3: asynchronous windows measured (this request's and the prior's) before the overlap check can turn them off
-)
-OVERLAP_CHECK_MARGIN = 0.05  # ... off while the overlapped phase saves less than this share of running its step and verification one after the other
-OVERLAP_CHECK_EXPLORE = 8  # ... and, once off, run one window asynchronously again after this many synchronous ones
+OVERLAP_CHECK_MIN_WINDOWS = 2  # OS3: overlap samples (own and prior) before the overlap check can rule
+OVERLAP_CHECK_MARGIN = 0.05  # ... verify synchronously while overlapping saves less than this share
+OVERLAP_CHECK_EXPLORE = 8  # ... and overlap one window again after this many synchronous ones
 SHADOW_BUDGET = 0.05  # direct steps: probes within this share of their KB time (ralm/stride/shadow_budget.py)
 VERIFY_HISTORY_PER_SIZE = 8  # OS3 (bayes mode): recent KB-call latencies kept per batch size for b(s)
 

@@ -29,9 +29,7 @@ class RequestStats:
     regenerated_tokens: int = 0  # tokens thrown away by rollbacks
     async_steps_kept: int = 0  # async steps that became the next window's first step
     async_steps_discarded: int = 0
-    async_windows_declined: int = (
-        0  # windows verified synchronously because overlapping measured no faster (OS3's overlap check)
-    )
+    async_windows_declined: int = 0  # windows verified synchronously by OS3's overlap check
     direct_steps: int = 0  # OS3 chose s = 0: plain KB retrieval for the step
     load_direct_steps: int = 0  # of those, taken because other requests shared the KB (ralm/stride/load_gate.py)
     stride_reasons: dict[str, int] = field(default_factory=dict)  # decisions by reason (ralm.stride.load_gate.REASONS)

@@ -170,10 +170,10 @@ def speculate(
         pending = None
         if window_opens is not None and len(window) < s and not strategy.finished:
             window_opens()  # no KB call until this window's verification (a batching hint)
-        fresh, t_steps = len(window), time.perf_counter()
+        carried, t_steps = len(window), time.perf_counter()
         while len(window) < s and not strategy.finished:
             window.append(strategy.speculative_step())
-        fresh = len(window) - fresh  # this window's own steps, none of them overlapped
+        fresh = len(window) - carried  # this window's own steps, none of them overlapped
         step_s = (time.perf_counter() - t_steps) / fresh if fresh else None
         extra: StepT | None = None
         # s == 0 with a step pending: verify it alone and start no new async step, or a run

@@ -99,7 +99,7 @@ def to_markdown(result: dict, meta: dict, notes: Sequence[str]) -> str:
                     _s(lone[m]["median_s"]),
                     _s(3 * lone[m]["median_s"]),
                     _rate(c),
-                    _rate(result.get("capacity_at_slo", {}).get(m)),
+                    _rate(result["capacity_at_slo"][m]),
                 ]
                 for m, c in cap.items()
             ],

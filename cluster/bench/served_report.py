@@ -241,7 +241,7 @@ def to_markdown(rows: list[dict], meta: dict, notes: list[str], one: list[dict] 
                     f"{r['work_context_tokens_computed']:.0f}",
                     f"{r['work_context_tokens_reused']:.0f}",
                     f"{r['work_async_steps_kept']:.1f}/{r['work_async_steps_discarded']:.1f}"
-                    f"/{r.get('work_async_windows_declined', 0.0):.1f}",
+                    f"/{r['work_async_windows_declined']:.1f}",
                     f"{r['work_direct_steps']:.1f} ({r['work_load_direct_steps']:.1f})",
                     ", ".join(f"{k} {v}" for k, v in sorted(r.get("stride_reasons", {}).items())) or "-",
                 ]

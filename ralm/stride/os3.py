@@ -290,11 +290,7 @@ class StrideScheduler:
         overlapping off on evidence)."""
         if not self._sync_verify:
             return None
-        means = monotone({size: fmean(v) for size, v in self._sync_verify.items()})
-        last = max(means)
-        if s <= last:
-            return curve_at(means, s)
-        return scaled(self.cost_curve, last, means[last], s) if self.cost_curve else means[last] * s / last
+        return self._per_size_latency(self._sync_verify, s, proportional_beyond=True)
 
     def overlap_ratio(self) -> float | None:
         """The mean overlap ratio, this request's windows and the recent requests' means
@@ -431,12 +427,21 @@ class StrideScheduler:
         return intercept + slope * s
 
     def _interpolated_verify_latency(self, s: int) -> float:
-        means = monotone({size: fmean(v) for size, v in self._verify_by_size.items()})  # non-decreasing
+        return self._per_size_latency(self._verify_by_size, s)
+
+    def _per_size_latency(
+        self, by_size: Mapping[int, deque[float]], s: int, proportional_beyond: bool = False
+    ) -> float:
+        """b(s) from recent latencies per batch size (non-empty): their means made non-decreasing,
+        linear between the sizes measured; beyond the largest, the KB's own start-up curve, else
+        flat (optimistic, then measured) or, ``proportional_beyond``, growing with ``s``."""
+        means = monotone({size: fmean(v) for size, v in by_size.items()})
         last = max(means)
-        if s < last:
-            return curve_at(means, s)  # linear between the sizes measured
-        # beyond them: flat (optimistic, then measured), or the KB's own start-up curve
-        return means[last] if self.cost_curve is None else scaled(self.cost_curve, last, means[last], s)
+        if s <= last:
+            return curve_at(means, s)
+        if self.cost_curve is not None:
+            return scaled(self.cost_curve, last, means[last], s)
+        return means[last] * s / last if proportional_beyond else means[last]
 
     def _known_verify_latency(self, s: int) -> float:
         """b(s) where a verification has been measured (the decision paths check that first)."""
