@@ -256,7 +256,9 @@ class CoordinatorHost:
         self.shared = CoordinatorShared(generator, verifiers, verify_threads or max(4, self.slots), state)
         self._me = uuid.uuid4().hex[:12]  # tags this host's requests at the verifiers
         self._lock = threading.Lock()
+        self._free = threading.Condition(self._lock)  # notified when a slot's request ends
         self._running: dict[int, Coordinator] = {}
+        self.handoff_waits = 0  # leases that found their slot's last request still ending
         self.served = 0
         self.cancels = 0
         self.resumed = 0
@@ -284,17 +286,33 @@ class CoordinatorHost:
     def _start(self, slot: int) -> Coordinator:
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} is not one of this host's {self.slots}")
-        with self._lock:
-            if slot in self._running:
-                raise RuntimeError(f"slot {slot} already runs a request")
+        with self._free:
+            previous = self._running.get(slot)
+            if previous is not None:
+                # the pool leased the slot again while its last request was still ending (a
+                # cancelled one stops at its next step): wait for it rather than fail this one
+                self.handoff_waits += 1
+                log.warning(
+                    "slot %d was leased while request %s (cancelled: %s) still ran on it; waiting up to %g s",
+                    slot,
+                    previous.session,
+                    previous.cancelled.is_set(),
+                    C.COORDINATOR_SLOT_HANDOFF_S,
+                )
+                if not self._free.wait_for(lambda: slot not in self._running, C.COORDINATOR_SLOT_HANDOFF_S):
+                    raise RuntimeError(
+                        f"slot {slot} still runs request {previous.session} after {C.COORDINATOR_SLOT_HANDOFF_S:g} s"
+                    )
             coord = Coordinator(self.shared, f"{self._me}:{slot}:{self.served}")
             self._running[slot] = coord
             self.served += 1
         return coord
 
     def _finish(self, slot: int, coord: Coordinator) -> None:
-        with self._lock:
-            self._running.pop(slot, None)
+        with self._free:
+            if self._running.get(slot) is coord:
+                del self._running[slot]
+            self._free.notify_all()
             self.resumed += coord.resumed
             self.generator_calls += coord.gen.calls
             if coord.kb_cache is not None:
@@ -364,6 +382,7 @@ class CoordinatorHost:
             "busy": busy,
             "served": self.served,
             "cancelled": self.cancels,
+            "handoff_waits": self.handoff_waits,
             "generator_calls": calls,
             "resumed": self.resumed,
             "checkpoints": self.shared.checkpoints,

@@ -137,6 +137,11 @@ class CoordinatorPool:
         self._starting += 1
         try:
             await asyncio.wait_for(self.ready(h), self.ready_timeout_s if timeout_s is None else timeout_s)
+        except asyncio.CancelledError:
+            # the request that wanted it went away: the coordinator is not dead (a slot's host
+            # may run other requests), it is only dropped
+            self._discard(h, dead=False)
+            raise
         except BaseException:
             self._discard(h, dead=True)
             raise

@@ -114,6 +114,7 @@ COORDINATOR_READY_TIMEOUT_S = 60.0  # a new coordinator not ready by then is giv
 COORDINATOR_PROBE_INTERVAL_S = 10.0  # a leased coordinator is pinged this often while its request runs
 COORDINATOR_PROBE_TIMEOUT_S = 30.0  # a ping unanswered this long: the coordinator is lost (node gone)
 COORDINATOR_DEATH_RETRIES = 3  # fresh coordinators a request is retried on when its coordinator dies
+COORDINATOR_SLOT_HANDOFF_S = 30.0  # a slot leased while its last request still ends waits this long for it
 
 # ---- load shedding (HTTP 503/429 with Retry-After; docs/api.md) ----
 SHED_RETRY_AFTER_S = 5.0  # Retry-After where the server has no better estimate: the proxy's full queue, /healthz

@@ -156,3 +156,83 @@ def test_a_coordinator_host_process_does_not_load_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------ a slot handed over while its request ends
+class _Request:
+    """What ``CoordinatorHost`` keeps of a running request (``cancelled``: one still ending)."""
+
+    def __init__(self, session: str, cancelled: bool = False):
+        import threading
+        from types import SimpleNamespace
+
+        self.session, self.resumed, self.kb_cache = session, False, None
+        self.cancelled = threading.Event()
+        if cancelled:
+            self.cancelled.set()
+        self.gen = SimpleNamespace(calls=0)
+
+
+def _host_with_slot_0_busy(monkeypatch):
+    import actors.coordinator as coordinator
+
+    monkeypatch.setattr(coordinator, "Coordinator", lambda shared, session: _Request(session))
+    host = coordinator.CoordinatorHost(generator=None, verifiers={}, slots=2)
+    old = _Request("old:0:0", cancelled=True)
+    host._running[0] = old
+    return host, old
+
+
+def test_a_slot_leased_while_its_last_request_ends_waits_for_it_instead_of_failing(monkeypatch):
+    """The pool may lease a slot again while the host is still ending the slot's cancelled
+    request: the new request waits for that end, then runs (it used to fail with HTTP 500)."""
+    import threading
+
+    host, old = _host_with_slot_0_busy(monkeypatch)
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.setdefault("coord", host._start(0)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and "coord" not in got  # still waiting: the old request has not ended
+    host._finish(0, old)
+    t.join(5)
+    assert got["coord"].session.endswith(":0:0") and host._running[0] is got["coord"]
+    assert host.handoff_waits == 1 and host.info()["handoff_waits"] == 1
+    host._finish(0, old)  # a late finish of the old request never frees the new one's slot
+    assert host._running[0] is got["coord"]
+
+
+def test_a_slot_whose_request_never_ends_fails_the_new_request_with_a_clear_error(monkeypatch):
+    import actors.coordinator as coordinator
+
+    host, _ = _host_with_slot_0_busy(monkeypatch)
+    monkeypatch.setattr(coordinator.C, "COORDINATOR_SLOT_HANDOFF_S", 0.1)
+    with pytest.raises(RuntimeError, match=r"slot 0 still runs request old:0:0 after 0.1 s"):
+        host._start(0)
+    assert host._start(1).session.endswith(":1:0")  # other slots are unaffected
+
+
+def test_a_request_cancelled_while_its_slot_starts_drops_the_slot_without_killing_the_host():
+    """A request that goes away while a new slot of a live host gets ready must not end the
+    host: its other slots may be running requests."""
+    f, made, killed = _factory(slots_per_host=3)
+
+    async def ready(slot):  # the host is up; its second slot takes a while to be ready
+        await f.ready(slot)
+        if slot.index > 0:
+            await asyncio.sleep(0.5)
+
+    pool = CoordinatorPool(f.new_slot, ready, size=1, max_size=4, on_discard=f.discard, probe=f.ping)
+
+    async def main():
+        await pool.start()
+        busy = await pool.acquire()  # the only idle slot, now running a request
+        waiter = asyncio.ensure_future(pool.acquire())  # starts slot 1 of the same host
+        await asyncio.sleep(0.05)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        return busy
+
+    busy = asyncio.run(main())
+    assert killed == [] and not busy.host.dead and f.stats()["hosts_lost"] == 0
