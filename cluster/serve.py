@@ -221,6 +221,8 @@ def start_local_app(data: dict, address: str | None = None, num_cpus: int | None
         else:
             # "local": a Ray of its own, as documented, even where another one was started on this
             # machine (without an address ray.init joins the last cluster `ray start` began there)
+            for k, v in C.LOCAL_RAY_ENV.items():
+                os.environ.setdefault(k, v)
             with preserve_fatal_signal_handlers(), ray_processes_in_own_group():
                 ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
     http = dict(data.get("http_options") or {})

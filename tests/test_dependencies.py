@@ -96,3 +96,16 @@ def test_fbgemm_int8_gemm_is_there():
     assert callable(torch.ops.quantized.linear_dynamic) and callable(torch.ops.quantized.linear_prepack)
     assert int8_kernels.exact_levels("fbgemm", 384) == (127, 63)
     assert int8_kernels.default_kernel(384) == "fbgemm"
+
+
+def test_the_ray_serve_timeouts_we_raise_are_ones_ray_reads():
+    """``LOCAL_RAY_ENV`` raises Serve's proxy start-up and health-check timeouts for a local Ray
+    on a busy machine; a Ray upgrade that renamed them would silently bring the 5 s back."""
+    from ray.serve._private import constants as serve_constants
+
+    from ralm import constants as C
+
+    source = Path(serve_constants.__file__).read_text()
+    for name, value in C.LOCAL_RAY_ENV.items():
+        assert f'"{name}"' in source, f"Ray Serve no longer reads {name}"
+        assert float(value) > 5

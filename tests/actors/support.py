@@ -22,6 +22,10 @@ def start_ray(num_cpus: int = 2, metrics_export_port: int | None = None) -> None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    from ralm import constants as C
+
+    for k, v in C.LOCAL_RAY_ENV.items():
+        os.environ.setdefault(k, v)
     extra = {"_metrics_export_port": metrics_export_port} if metrics_export_port else {}
     from actors.signals import preserve_fatal_signal_handlers
 
