@@ -78,13 +78,14 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# two pytest runs: the pure core (ralm/, no Ray) first, in two worker processes (--dist loadgroup:
-# a module marked xdist_group runs in one worker, so its module fixtures are built once), then
-# everything that starts Ray, servers and Redis (one process for all segfaulted in tests/ralm
-# after 813 tests; docs/development.md)
+# two pytest runs, each in two worker processes with --dist loadfile (a module runs in one worker,
+# so its module fixtures - a SmolLM2 load, a Serve app - are built once): the pure core (ralm/,
+# no Ray) first, then everything that starts Ray, servers and Redis (one process for all
+# segfaulted in tests/ralm after 813 tests; docs/development.md). Each worker of the second run
+# starts its own local Ray.
 test: setup system-deps lint
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests/ralm
-	$(PY) -m pytest -q --durations=30 --ignore=tests/ralm
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests/ralm
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 --ignore=tests/ralm
 
 test-fast: setup
 	$(PY) -m pytest -q -m "unit and not matrix and not slow"

@@ -19,10 +19,6 @@ from ralm.models import PRESETS, resolve
 from ralm.seq import run_seq
 from ralm.spec import run_spec
 
-# one xdist worker runs the whole module (make test's --dist loadgroup), so SmolLM2 is
-# converted and proved once, not in each worker
-pytestmark = pytest.mark.xdist_group("smollm2")
-
 PRESET = "smollm2-135m"
 REQ = RequestConfig(max_new_tokens=16, generation_stride=4)
 
