@@ -113,6 +113,10 @@ class GeneratorConfig(StrictModel):
         "auto",
         description="Kernels of the invariant forward: 'torch' (BLAS tiles / oneDNN linear layers and torch attention: the CPU path), 'triton' (batch-invariant Triton kernels for linear layers, norms and attention: fixed tiles, no split-K), 'auto' (triton for a model on a CUDA device, else torch). Either way the whole model must pass the invariance proof before batching turns on.",
     )
+    proof_cache: bool = Field(
+        True,
+        description="Keep a passed whole-model invariance proof on disk (RALMSPEC_PROOF_CACHE, else ~/.cache/ralmspec/proofs; 'off' turns it off) under a key of the weights' bits, the shapes proved, the kernels, the software versions, this package's source and the machine, so a restart with the same key skips the proof (SmolLM2-135M: 47 s on 2 cores). A failed proof is never kept. false: prove on every load.",
+    )
     kv_session_bytes: int = Field(
         2**30,
         ge=0,

@@ -42,6 +42,7 @@ from ralm.batching.iteration_graphs import IterationGraphs
 from ralm.batching.kv_pool import KVPool, layer_devices
 from ralm.batching.packed import model_max_positions
 from ralm.batching.proof import InvarianceProof, prove_invariance
+from ralm.batching.proof_cache import proof_cache_dir
 from ralm.batching.sessions import SessionStore
 from ralm.config import GeneratorConfig
 from ralm.doc_kv import docs_past, last_logits_kwargs, segment_bytes
@@ -102,12 +103,16 @@ class LMEngine:
                 make_invariant(self.model, self.cfg.invariant_tile_rows, self.cfg.invariant_kernels)
                 # the kernels' probes passed: now the whole model, at the shapes the batcher will run
                 self.invariance_proof = prove_invariance(
-                    self.model, self.cfg.batch_max_sequences, self.cfg.batch_token_budget
+                    self.model,
+                    self.cfg.batch_max_sequences,
+                    self.cfg.batch_token_budget,
+                    cache_dir=proof_cache_dir() if self.cfg.proof_cache else None,
                 )
                 if not self.invariance_proof.ok:
                     raise InvariantUnavailable(str(self.invariance_proof.reason))
                 log.info(
-                    "invariance proved on %s/%s: %d comparisons in %.1f s",
+                    "invariance %s on %s/%s: %d comparisons in %.1f s",
+                    "proof taken from the proof cache" if self.invariance_proof.cached else "proved",
                     self.invariance_proof.device,
                     self.invariance_proof.dtype,
                     self.invariance_proof.comparisons,

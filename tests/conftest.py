@@ -26,6 +26,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 else:
     os.environ.setdefault("RALMSPEC_EMBEDDING_CACHE", tempfile.mkdtemp(prefix="ralmspec-test-embeddings-"))
 atexit.register(shutil.rmtree, os.environ["RALMSPEC_EMBEDDING_CACHE"], True)
+# no invariance proof is taken from disk in-process: tests swap kernels to see the proof refuse
+# them, which no cache key can see (a local Ray's workers get a shared folder: start_ray)
+os.environ.setdefault("RALMSPEC_PROOF_CACHE", "off")
+# the folder Ray's processes share: made by the controller, so pytest-xdist workers inherit it
+if "RALMSPEC_TEST_PROOF_CACHE" not in os.environ:
+    os.environ["RALMSPEC_TEST_PROOF_CACHE"] = tempfile.mkdtemp(prefix="ralmspec-test-proofs-")
+    atexit.register(shutil.rmtree, os.environ["RALMSPEC_TEST_PROOF_CACHE"], True)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

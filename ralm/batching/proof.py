@@ -40,6 +40,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -48,6 +49,7 @@ from ralm.batching.attention_backend import attention_backend
 from ralm.batching.kv_pool import KVPool, layer_devices
 from ralm.batching.packed import model_max_positions, packed_forward
 from ralm.batching.paged_kv import PagedKV
+from ralm.batching.proof_cache import load_verdict, proof_key, store_verdict
 
 
 @dataclass
@@ -63,6 +65,7 @@ class InvarianceProof:
     device: str = ""
     dtype: str = ""
     reused: bool = False  # the verdict of an earlier proof of this very model object (same shapes)
+    cached: bool = False  # a passed verdict kept on disk by an earlier load (ralm.batching.proof_cache)
 
     def as_dict(self) -> dict:
         return {
@@ -75,6 +78,7 @@ class InvarianceProof:
             "device": self.device,
             "dtype": self.dtype,
             "reused": self.reused,
+            "cached": self.cached,
         }
 
 
@@ -321,6 +325,7 @@ def prove_invariance(
     max_sequences: int = C.BATCH_MAX_SEQUENCES,
     token_budget: int = C.BATCH_TOKEN_BUDGET,
     seed: int = C.PROOF_SEED,
+    cache_dir: Path | None = None,
 ) -> InvarianceProof:
     """Prove that ``model`` (rewritten by :func:`~ralm.batching.invariant.make_invariant`)
     gives every sequence the same logits and KV bits packed as alone, chunked as in one
@@ -329,12 +334,22 @@ def prove_invariance(
 
     The verdict is kept on the model object: another engine over the same model (same
     budget, sequences, seed and torch thread count) gets it back (``reused``) instead of
-    running the proof again.
+    running the proof again. With ``cache_dir``, a passed verdict is also kept on disk under a
+    key of the weights, shapes, kernels, software and machine, and a later process with the
+    same key takes it back (``cached``) (:mod:`ralm.batching.proof_cache`).
     """
     key = (int(max_sequences), int(token_budget), int(seed), torch.get_num_threads())
     memo: dict = model.__dict__.setdefault("_ralm_proofs", {})
     if key in memo:
         return dataclasses.replace(memo[key], reused=True)
+    disk_key = None
+    if cache_dir is not None:
+        disk_key = proof_key(model, max_sequences, token_budget, seed)
+        kept = load_verdict(cache_dir, disk_key)
+        if kept is not None:
+            fields = {f.name for f in dataclasses.fields(InvarianceProof)}
+            memo[key] = proof = InvarianceProof(**{**{k: v for k, v in kept.items() if k in fields}, "cached": True})
+            return proof
     p = next(model.parameters())
     t0 = time.perf_counter()
     prover = _Prover(model, max_sequences, token_budget, seed)
@@ -366,4 +381,6 @@ def prove_invariance(
         str(p.device),
         str(p.dtype).removeprefix("torch."),
     )
+    if cache_dir is not None and disk_key is not None:
+        store_verdict(cache_dir, disk_key, proof.as_dict(), model)
     return proof

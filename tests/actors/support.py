@@ -29,15 +29,25 @@ def start_ray(num_cpus: int = 2, metrics_export_port: int | None = None) -> None
     extra = {"_metrics_export_port": metrics_export_port} if metrics_export_port else {}
     from actors.signals import preserve_fatal_signal_handlers
 
-    with preserve_fatal_signal_handlers():
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-            **extra,
-        )
+    # Ray's processes (a generator replica's proof) share one proof cache per test run; this
+    # process keeps proving (tests/conftest.py)
+    driver_proof_cache = os.environ.get("RALMSPEC_PROOF_CACHE")
+    os.environ["RALMSPEC_PROOF_CACHE"] = os.environ["RALMSPEC_TEST_PROOF_CACHE"]
+    try:
+        with preserve_fatal_signal_handlers():
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+                **extra,
+            )
+    finally:
+        if driver_proof_cache is None:
+            os.environ.pop("RALMSPEC_PROOF_CACHE", None)
+        else:
+            os.environ["RALMSPEC_PROOF_CACHE"] = driver_proof_cache
 
 
 def stop_ray() -> None:

@@ -50,11 +50,23 @@ def server(tmp_path_factory, index_dirs, fixture_corpus):
 
 
 @pytest.fixture(scope="module")
-def smollm2_local(fixture_corpus):
+def smollm2_local(fixture_corpus, server):
+    """The in-process reference. Its proof is the served replica's, taken from the run's proof
+    cache: the same weights, shapes, kernels and machine, so the same key."""
+    import os
+
     from ralm.engine import LMEngine
     from ralm.generator import LocalGenerator
 
-    return LocalGenerator(LMEngine.from_config(GeneratorConfig(model=PRESET, **SETTINGS)), fixture_corpus)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RALMSPEC_PROOF_CACHE", os.environ["RALMSPEC_TEST_PROOF_CACHE"])
+    try:
+        engine = LMEngine.from_config(GeneratorConfig(model=PRESET, **SETTINGS))
+    finally:
+        mp.undo()
+    assert engine.invariance_proof is not None and engine.invariance_proof.ok
+    assert engine.invariance_proof.cached, "the served replica's proof was not taken from the cache"
+    return LocalGenerator(engine, fixture_corpus)
 
 
 def test_chat_with_the_official_client_is_exact(server, smollm2_local, retrievers):
