@@ -83,9 +83,14 @@ lint: setup
 # no Ray) first, then everything that starts Ray, servers and Redis (one process for all
 # segfaulted in tests/ralm after 813 tests; docs/development.md). Each worker of the second run
 # starts its own local Ray.
+# Both runs share one folder of passed invariance proofs (tests/conftest.py): the served SmolLM2
+# tests take the verdict the core's SmolLM2 tests proved.
 test: setup system-deps lint
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests/ralm
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 --ignore=tests/ralm
+	@proofs=$$(mktemp -d) && trap 'rm -rf "$$proofs"' EXIT && export RALMSPEC_TEST_PROOF_CACHE="$$proofs" && \
+	  echo "$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests/ralm" && \
+	  $(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests/ralm && \
+	  echo "$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 --ignore=tests/ralm" && \
+	  $(PY) -m pytest -q -n 2 --dist loadfile --durations=30 --ignore=tests/ralm
 
 test-fast: setup
 	$(PY) -m pytest -q -m "unit and not matrix and not slow"

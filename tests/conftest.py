@@ -30,6 +30,7 @@ atexit.register(shutil.rmtree, os.environ["RALMSPEC_EMBEDDING_CACHE"], True)
 # them, which no cache key can see (a local Ray's workers get a shared folder: start_ray)
 os.environ.setdefault("RALMSPEC_PROOF_CACHE", "off")
 # the folder Ray's processes share: made by the controller, so pytest-xdist workers inherit it
+# (`make test` gives both of its pytest runs one folder, and removes it)
 if "RALMSPEC_TEST_PROOF_CACHE" not in os.environ:
     os.environ["RALMSPEC_TEST_PROOF_CACHE"] = tempfile.mkdtemp(prefix="ralmspec-test-proofs-")
     atexit.register(shutil.rmtree, os.environ["RALMSPEC_TEST_PROOF_CACHE"], True)

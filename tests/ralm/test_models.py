@@ -8,6 +8,7 @@ runs on one CPU thread here)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -30,6 +31,9 @@ def smollm2(tmp_path_factory):
 
     mp = pytest.MonkeyPatch()
     mp.setenv("RALMSPEC_MODEL_CACHE", str(tmp_path_factory.mktemp("models")))
+    # the verdict is kept for the test run: the served SmolLM2 tests (tests/deployments) load the
+    # same weights at the same shapes, and take it back instead of proving again
+    mp.setenv("RALMSPEC_PROOF_CACHE", os.environ["RALMSPEC_TEST_PROOF_CACHE"])
     try:
         fresh = LMEngine.from_config(GeneratorConfig(model=PRESET, invariant=False))
         # the batching shapes `ralmspec serve` gives SmolLM2 on a CPU (cluster/serve.py): the
