@@ -19,6 +19,7 @@ attend to A's 10 keys and row 3 to B's 42 keys.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,19 @@ from ralm.batching.attention_backend import BACKENDS, AttentionBackend, attentio
 from ralm.batching.invariant import row_multiple
 from ralm.batching.metadata import IterationMetadata
 from ralm.batching.paged_kv import FixedLayout, PagedKV, PagedPlan
+
+
+class _PaddedRowsNeedNoMask(logging.Filter):
+    """transformers warns (once per process) that a forward whose first or last token is the pad
+    token should be given an attention mask. A packed forward's padding rows are token 0 (the
+    pad token of many models) in no sequence, and its attention (``ralm_batch``) never reads
+    them: every engine load printed the warning, and it does not apply."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "passing in an `attention_mask` since your input_ids may be padded" not in record.getMessage()
+
+
+logging.getLogger("transformers.modeling_utils").addFilter(_PaddedRowsNeedNoMask())
 
 
 def model_max_positions(config) -> int:

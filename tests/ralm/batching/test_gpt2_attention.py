@@ -37,3 +37,46 @@ def test_dropout_is_the_identity_and_the_host_cost_falls():
     # interface's selects and transpose, and the output's reshape, unsqueeze and reshape
     assert fast["ops_per_layer"] <= slow["ops_per_layer"] - 6, (fast, slow)
     assert fast["python_tensors"] == slow["python_tensors"] and fast["host_reads"] == 0
+
+
+def test_a_packed_forward_with_padding_rows_does_not_warn_about_an_attention_mask():
+    """The padding rows are token 0, GPT-2's pad token here, last in the forward: transformers
+    would warn to pass an attention mask, which a packed forward's attention does not need."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    import ralm.batching.packed as packed
+    from ralm.batching.paged_kv import PagedKV
+
+    model = make_invariant(tiny_causal_lm("gpt2", vocab_size=300, eos_token_id=0, seed=3))
+    assert model.config.pad_token_id == 0 and packed.row_multiple(model) > 1  # padded with the pad token
+    seen: list[str] = []
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("transformers.modeling_utils")
+    handler = Seen()
+    logger.addHandler(handler)
+
+    def forward_once() -> None:
+        hf_logging.warning_once.cache_clear()  # the warning is once per process
+        with torch.inference_mode():
+            packed.packed_forward(model, [(PagedKV.standalone(model.config.n_layer), [5, 6, 7])])
+
+    try:
+        forward_once()
+        assert not [m for m in seen if "attention_mask" in m]
+        filters = [f for f in logger.filters if isinstance(f, packed._PaddedRowsNeedNoMask)]
+        for f in filters:  # without the filter the same forward warns: the test can see it
+            logger.removeFilter(f)
+        try:
+            forward_once()
+        finally:
+            for f in filters:
+                logger.addFilter(f)
+        assert [m for m in seen if "attention_mask" in m]
+    finally:
+        logger.removeHandler(handler)
