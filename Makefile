@@ -87,10 +87,10 @@ lint: setup
 # tests take the verdict the core's SmolLM2 tests proved.
 test: setup system-deps lint
 	@proofs=$$(mktemp -d) && trap 'rm -rf "$$proofs"' EXIT && export RALMSPEC_TEST_PROOF_CACHE="$$proofs" && \
-	  echo "$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests/ralm" && \
-	  $(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests/ralm && \
-	  echo "$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 --ignore=tests/ralm" && \
-	  $(PY) -m pytest -q -n 2 --dist loadfile --durations=30 --ignore=tests/ralm
+	  echo "$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests/ralm" && \
+	  $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests/ralm && \
+	  echo "$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30 --ignore=tests/ralm" && \
+	  $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30 --ignore=tests/ralm
 
 test-fast: setup
 	$(PY) -m pytest -q -m "unit and not matrix and not slow"
