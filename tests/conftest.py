@@ -117,11 +117,18 @@ SLOW_MODULES_FIRST = (
 )
 
 
-def _module_rank(item: pytest.Item) -> tuple[int, int]:
-    rel = Path(str(item.path)).resolve().relative_to(_ROOT).as_posix()
-    if rel in SLOW_MODULES_FIRST:
-        return (0, SLOW_MODULES_FIRST.index(rel))
-    return (1 if item.get_closest_marker("integration") is not None else 2, 0)
+def _module_ranks(items: list[pytest.Item]) -> dict[Path, tuple[int, int]]:
+    """Each module's place: a slow one by its rank in the list, then those with an integration
+    test, then the rest."""
+    ranks: dict[Path, tuple[int, int]] = {}
+    for item in items:
+        rel = Path(str(item.path)).resolve().relative_to(_ROOT).as_posix()
+        if rel in SLOW_MODULES_FIRST:
+            rank = (0, SLOW_MODULES_FIRST.index(rel))
+        else:
+            rank = (1 if item.get_closest_marker("integration") is not None else 2, 0)
+        ranks[item.path] = min(rank, ranks.get(item.path, rank))
+    return ranks
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by these marks
@@ -131,7 +138,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ones. The sort is stable and by module, so each module's tests stay together, in order."""
     for item in items:
         item.add_marker(pytest.mark.integration if _is_integration(item) else pytest.mark.unit)
-    items.sort(key=_module_rank)
+    ranks = _module_ranks(items)
+    items.sort(key=lambda item: ranks[item.path])
 
 
 @pytest.fixture(scope="session")
