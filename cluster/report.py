@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
+from ralm.machine import cpu_name
 from ralm.results import RalmResult
 from ralm.retrieval.bf16_scan import hardware_bf16
 from ralm.retrievers import entry
@@ -273,17 +273,6 @@ def bench_header(
             f"(wall s, requests/s, generated tokens/s)."
         )
     return notes
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux: /proc/cpuinfo), else what :mod:`platform` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "FAISS_OPT_LEVEL")

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ralm import constants as C
+from ralm.machine import cpu_name
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +75,6 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def machine(device: torch.device) -> dict[str, Any]:
     """What of the machine and the software decides which kernels run, and so the bits."""
     env: dict[str, Any] = {
@@ -92,7 +83,7 @@ def machine(device: torch.device) -> dict[str, Any]:
         "triton": _version("triton"),
         "python": platform.python_version(),
         "device": str(device),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_KERNEL_ENV_PREFIXES)},
