@@ -71,6 +71,18 @@ def preserve_fatal_signal_handlers() -> Iterator[None]:
         restore_fatal_signal_handlers(saved)
 
 
+def keep_driver_signal_handlers() -> None:
+    """Tell Ray not to install its native failure signal handler in this process (the driver);
+    call before ``ray.init``. Ray's core worker installs absl's handler for SIGTERM too, in
+    place of the driver's own: a SIGTERM that arrived while ``ralmspec serve`` was starting
+    (after ``ray.init``, before the server put its handler back) ran Ray's handler, then ours,
+    and the process aborted with exit -6. Only this process is affected: Ray's workers read
+    the setting in their own processes, and keep the handler."""
+    from ray._private import ray_constants  # lazy: this module is imported without Ray
+
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+
+
 def c_handler(sig: int) -> int | None:
     """The address of the C-level handler the process has for ``sig`` now (None where
     ``sigaction`` is unavailable). Python's ``signal.getsignal`` cannot say: it returns the

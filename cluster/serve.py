@@ -44,7 +44,7 @@ from pathlib import Path
 
 import yaml
 
-from actors.signals import c_handler, preserve_fatal_signal_handlers
+from actors.signals import c_handler, keep_driver_signal_handlers, preserve_fatal_signal_handlers
 from cluster.flags import Default, add_shared
 from deployments.config import AppConfig
 from ralm import constants as C
@@ -215,6 +215,7 @@ def start_local_app(data: dict, address: str | None = None, num_cpus: int | None
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     address = address or os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
+        keep_driver_signal_handlers()  # a SIGTERM during start-up stops the server, never aborts it
         if address:
             with preserve_fatal_signal_handlers():  # keep the JVM's handlers (actors/signals.py)
                 ray.init(address=address)

@@ -51,3 +51,37 @@ def test_c_handler_sees_native_code_replace_a_python_handler():
         assert c_handler(signal.SIGUSR1) == ours
     finally:
         signal.signal(signal.SIGUSR1, old)
+
+
+_DRIVER = """
+import signal, sys
+from actors.signals import c_handler, keep_driver_signal_handlers
+if sys.argv[1] == "keep":
+    keep_driver_signal_handlers()
+signal.signal(signal.SIGTERM, lambda *a: None)
+before = c_handler(signal.SIGTERM)
+import ray
+ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+print("same" if c_handler(signal.SIGTERM) == before else "replaced")
+ray.shutdown()
+"""
+
+
+def test_a_driver_that_keeps_its_handlers_still_has_its_sigterm_handler_after_ray_init():
+    """``ralmspec serve`` calls ``keep_driver_signal_handlers`` before ``ray.init``: its SIGTERM
+    handler is the one that runs during start-up, so a stop then never aborts (exit -6). Without
+    the call, ``ray.init`` replaces it (which the test shows, so it can fail)."""
+    import subprocess
+    import sys
+
+    from tests.actors.support import REPO
+
+    def driver(mode: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", _DRIVER, mode], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip().splitlines()[-1]
+
+    assert driver("keep") == "same"
+    assert driver("default") == "replaced"
